@@ -1,0 +1,4 @@
+from .base import AttentionBackend, ReferenceBackend
+from .metadata import AttnMetadata
+
+__all__ = ["AttentionBackend", "ReferenceBackend", "AttnMetadata"]

@@ -1,0 +1,29 @@
+"""The attention extension point: a backend computes attention for one layer over the paged KV cache."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from .metadata import AttnMetadata
+from .reference import paged_attention_reference
+
+
+class AttentionBackend(ABC):
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        meta: AttnMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        ...
+
+
+class ReferenceBackend(AttentionBackend):
+    """Gather pages into a padded batch and call SDPA: works everywhere, the oracle for faster backends."""
+
+    def forward(self, q, k_cache, v_cache, meta, scale):
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale)

@@ -1,0 +1,109 @@
+"""Frozen configuration dataclasses, validated on creation."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder. Built from a Hugging Face config.json dict or GGUF metadata."""
+
+    arch: str  # one of SUPPORTED_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # e.g. Llama-3: rope_type, factor, ...
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Q/K/V bias (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on Q and K (Qwen3)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.arch!r}; forerun supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} not divisible by num_kv_heads={self.num_kv_heads}")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """From a transformers config.json dict (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config)."""
+        model_type = cfg.get("model_type")
+        if model_type is None:
+            archs = cfg.get("architectures") or []
+            model_type = archs[0].lower().replace("forcausallm", "") if archs else None
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {model_type!r} (config model_type / architectures); "
+                f"forerun supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        rope_scaling = cfg.get("rope_scaling") or None
+        rope_params = cfg.get("rope_parameters") or {}
+        rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        if rope_scaling is None and rope_params.get("rope_type", "default") not in ("default", None):
+            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        if rope_scaling is not None:
+            rtype = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            if rtype in ("default", None):
+                rope_scaling = None
+            elif rtype not in ("llama3", "linear"):
+                raise ValueError(f"unsupported rope_scaling type {rtype!r}")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        return cls(
+            arch=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block_size tokens per block; the pool is sized from a memory budget or a block count."""
+
+    block_size: int = 16
+    memory_budget_bytes: int | None = 2 << 30
+    num_blocks: int | None = None  # overrides memory_budget_bytes when set
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError("block_size must be positive")
+        if self.num_blocks is None and (self.memory_budget_bytes is None or self.memory_budget_bytes <= 0):
+            raise ValueError("give a positive memory_budget_bytes or num_blocks")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError("num_blocks must be positive")

@@ -1,0 +1,116 @@
+"""Paged KV cache: a pool of fixed-size blocks, per-sequence block tables, truncate as bookkeeping."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import CacheConfig, ModelConfig
+
+
+class OutOfBlocks(RuntimeError):
+    """The pool has no free block left for a growing sequence."""
+
+
+@dataclass
+class SeqBlocks:
+    """One sequence's view of the pool: its blocks in order and its committed length (tokens with valid KV).
+
+    `blocks` may hold more capacity than `length` needs: slots past `length` are allocated but not
+    committed (speculative writes land there and are simply overwritten next round)."""
+
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0
+
+
+class KVPool:
+    """Physical storage [layers, num_blocks, block_size, kv_heads, head_dim] for keys and values, plus the allocator."""
+
+    def __init__(self, model: ModelConfig, cache: CacheConfig, dtype: torch.dtype, device: torch.device | str,
+                 num_layers: int | None = None) -> None:
+        self.num_layers = num_layers if num_layers is not None else model.num_layers
+        self.block_size = cache.block_size
+        per_block = 2 * self.num_layers * cache.block_size * model.num_kv_heads * model.head_dim * dtype.itemsize
+        num_blocks = cache.num_blocks or max(2, cache.memory_budget_bytes // per_block)
+        shape = (self.num_layers, num_blocks, cache.block_size, model.num_kv_heads, model.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, 0, -1))  # block 0 is kept as the padding block
+        self._seqs: dict[int, SeqBlocks] = {}
+
+    # -- allocator -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return (self.num_blocks - 1) * self.block_size
+
+    def add_sequence(self, seq_id: int) -> None:
+        if seq_id in self._seqs:
+            raise KeyError(f"sequence {seq_id} already has KV blocks")
+        self._seqs[seq_id] = SeqBlocks()
+
+    def has(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def length(self, seq_id: int) -> int:
+        return self._seqs[seq_id].length
+
+    def blocks(self, seq_id: int) -> list[int]:
+        return self._seqs[seq_id].blocks
+
+    def can_allocate(self, extra_tokens: int) -> bool:
+        return -(-extra_tokens // self.block_size) <= len(self._free)
+
+    def reserve(self, seq_id: int, num_tokens: int) -> None:
+        """Make sure the sequence owns blocks for `num_tokens` tokens (allocated, not committed)."""
+        seq = self._seqs[seq_id]
+        need = -(-num_tokens // self.block_size) - len(seq.blocks)
+        if need > len(self._free):
+            raise OutOfBlocks(f"KV pool exhausted: sequence {seq_id} needs {need} more blocks, {len(self._free)} free")
+        for _ in range(max(need, 0)):
+            seq.blocks.append(self._free.pop())
+
+    def slots(self, seq_id: int, start: int, end: int) -> torch.Tensor:
+        """Flat slot ids [end - start] of logical positions start .. end-1 (must be reserved)."""
+        blocks = torch.tensor(self._seqs[seq_id].blocks, dtype=torch.int64)
+        pos = torch.arange(start, end, dtype=torch.int64)
+        return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def set_length(self, seq_id: int, length: int) -> None:
+        """Commit `length` tokens (they must be reserved). Used after a forward wrote them."""
+        seq = self._seqs[seq_id]
+        if length > len(seq.blocks) * self.block_size:
+            raise ValueError(f"sequence {seq_id}: length {length} exceeds reserved capacity")
+        seq.length = length
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Roll back to `length` committed tokens: bookkeeping only, nothing is copied or cleared.
+        Blocks stay with the sequence (over-allocation reused next round) until free()."""
+        seq = self._seqs[seq_id]
+        if not 0 <= length <= seq.length:
+            raise ValueError(f"cannot truncate sequence {seq_id} of length {seq.length} to {length}")
+        seq.length = length
+
+    def free(self, seq_id: int) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None:
+            self._free.extend(reversed(seq.blocks))
+
+    def block_table(self, seq_ids: list[int], width: int | None = None) -> torch.Tensor:
+        """[B, width] int64 block tables, padded with block 0."""
+        width = width or max((len(self._seqs[s].blocks) for s in seq_ids), default=1) or 1
+        table = torch.zeros(len(seq_ids), width, dtype=torch.int64)
+        for i, s in enumerate(seq_ids):
+            b = self._seqs[s].blocks
+            table[i, : len(b)] = torch.tensor(b, dtype=torch.int64)
+        return table
+
+    # -- storage -----------------------------------------------------------------------------------
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new keys/values [T, Hkv, D] at flat slots [T]."""
+        self.k[layer].view(-1, *self.k.shape[-2:])[slots] = k
+        self.v[layer].view(-1, *self.v.shape[-2:])[slots] = v

@@ -1,0 +1,133 @@
+"""One decoder for the Llama family: Llama / Mistral, Qwen2 (Q/K/V bias), Qwen3 (Q/K RMSNorm).
+
+The forward takes a flattened ragged batch (token ids, positions, AttnMetadata), writes the new keys and
+values into the paged pool, and returns logits only for the rows asked for. `num_layers` runs only the
+first n layers before the final norm and head (early exit for self-drafting); `hidden_layers` returns
+chosen layers' outputs. Parameter names are transformers' names, so HF checkpoints load as they are.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from ..attention.base import AttentionBackend, ReferenceBackend
+from ..attention.metadata import AttnMetadata
+from ..config import ModelConfig
+from ..kvcache.pool import KVPool
+from .layers import RMSNorm, RotaryEmbedding, SwiGLU
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None  # [R, V] float32 for the requested rows
+    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [T, hidden] (after that layer)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer, self.cfg = layer, cfg
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.scale = d ** -0.5
+
+    def forward(self, x, positions, rope: RotaryEmbedding, meta: AttnMetadata, kv: KVPool, backend: AttentionBackend):
+        t, d = x.shape[0], self.cfg.head_dim
+        q = self.q_proj(x).view(t, self.cfg.num_heads, d)  # [T, Hq, D]
+        k = self.k_proj(x).view(t, self.cfg.num_kv_heads, d)  # [T, Hkv, D]
+        v = self.v_proj(x).view(t, self.cfg.num_kv_heads, d)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, k, positions)
+        kv.write(self.layer, meta.slot_mapping, k, v)
+        out = backend.forward(q, kv.k[self.layer], kv.v[self.layer], meta, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(t, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, rope, meta, kv, backend):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, kv, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = _Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.max_positions = min(max_positions or cfg.max_position_embeddings, 1 << 17)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict, self.max_positions)
+        self.backend: AttentionBackend = ReferenceBackend()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttnMetadata,
+        kv: KVPool,
+        logits_indices: torch.Tensor | None = None,  # [R] rows whose logits are wanted (None: all rows)
+        num_layers: int | None = None,  # early exit after this many layers
+        hidden_layers: Iterable[int] = (),
+    ) -> ForwardOutput:
+        n = self.config.num_layers if num_layers is None else num_layers
+        if not 1 <= n <= self.config.num_layers:
+            raise ValueError(f"num_layers must be in 1..{self.config.num_layers}, got {n}")
+        wanted = set(hidden_layers)
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        hidden: dict[int, torch.Tensor] = {}
+        for i in range(n):
+            x = self.model.layers[i](x, positions, self.rope, meta, kv, self.backend)
+            if i in wanted:
+                hidden[i] = x
+        if logits_indices is not None:
+            x = x[logits_indices]
+        logits = self.lm_head(self.model.norm(x)).float()  # [R, V]
+        return ForwardOutput(logits, hidden)
+
+    # -- weights -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the parameters; every parameter must be given exactly once."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        tied = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+        seen: set[str] = set()
+        for name, tensor in tensors:
+            if name in tied or name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no parameter in {self.config.arch} model")
+            p = params[name]
+            if tuple(p.shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
+            p.copy_(tensor.to(p.dtype))
+            seen.add(name)
+        missing = set(params) - seen - tied
+        if missing:
+            raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")

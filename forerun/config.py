@@ -107,3 +107,47 @@ class CacheConfig:
             raise ValueError("give a positive memory_budget_bytes or num_blocks")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError("num_blocks must be positive")
+
+
+SPEC_METHODS = ("none", "draft", "early-exit", "ngram")
+VERIFY_RULES = ("auto", "greedy", "rejection", "penalty", "typical")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How to speculate. method: none | draft (a separate model) | early-exit (the target's first
+    early_exit_layers layers) | ngram (prompt lookup). k: drafts per round, or adaptive (k chosen each round
+    per request in 0..k_max). rule: auto = greedy rows for temperature 0, exact rejection sampling otherwise;
+    'penalty' is seed 000's alpha-penalty residual, 'typical' is Medusa's lossy typical acceptance."""
+
+    method: str = "none"
+    draft_model: str | None = None
+    early_exit_layers: int = 0
+    k: int = 4
+    adaptive: bool = False
+    k_max: int = 8
+    ngram_min: int = 1
+    ngram_max: int = 3
+    confidence_threshold: float = 0.0
+    rule: str = "auto"
+    draft_prob_penalty: float = 5e-5
+    typical_epsilon: float = 0.3
+    typical_delta: float = 0.09
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"unknown speculation method {self.method!r}; choose from {SPEC_METHODS}")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("method 'draft' needs draft_model")
+        if self.method == "early-exit" and self.early_exit_layers < 1:
+            raise ValueError("method 'early-exit' needs early_exit_layers >= 1")
+        if self.k < 0 or self.k_max < 0 or (self.adaptive and self.k_max < 1):
+            raise ValueError("k and k_max must be >= 0 (k_max >= 1 when adaptive)")
+        if self.rule not in VERIFY_RULES:
+            raise ValueError(f"unknown verification rule {self.rule!r}; choose from {VERIFY_RULES}")
+        if not 0.0 <= self.confidence_threshold < 1.0:
+            raise ValueError("confidence_threshold must be in [0, 1)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none" and (self.adaptive or self.k > 0)

@@ -9,7 +9,8 @@ from forerun.engine.runner import ModelRunner
 from forerun.models.llama import LlamaForCausalLM
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
+              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+              bos_token_id=0, eos_token_id=1, pad_token_id=0)
 
 
 def hf_config(arch: str, **over):
@@ -45,3 +46,32 @@ def ours_from_hf(hf, block_size: int = 4, num_blocks: int = 256, **runner_kw) ->
     model = LlamaForCausalLM(cfg).eval()
     model.load_weights(hf.state_dict().items())
     return ModelRunner(model, CacheConfig(block_size=block_size, num_blocks=num_blocks), "cpu", torch.float32, **runner_kw)
+
+
+def tiny_tokenizer(vocab_size: int = 97, eos: int = 1):
+    """A word-level tokenizer over 't0' .. 't{V-1}' (t1 is EOS): decode gives 't5 t17 ...'."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0", eos_token=f"t{eos}")
+
+
+def tiny_llm(hf, spec=None, tokenizer=None, **kw):
+    """forerun LLM over a transformers model's weights."""
+    from forerun.config import CacheConfig
+    from forerun.engine.llm import LLM
+
+    runner = ours_from_hf(hf)
+    kw.setdefault("cache", CacheConfig(block_size=4, num_blocks=4096))
+    return LLM.from_model(runner.model, tokenizer or tiny_tokenizer(hf.config.vocab_size), spec=spec, device="cpu", **kw)
+
+
+def sharpen(hf, factor: float):
+    """Scale the output head so that the random model's distributions are peaked (more like a trained model)."""
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(factor)
+    return hf

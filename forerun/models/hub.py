@@ -154,12 +154,13 @@ class ChecksumError(HubError):
 # ---------------------------------------------------------------- registry / cache
 
 
-def known_models(registry: Iterable[ModelSource] = REGISTRY) -> list[str]:
-    return [m.name for m in registry]
+def known_models(registry: Iterable[ModelSource] | None = None) -> list[str]:
+    """Names ``pull`` accepts (``registry`` defaults to the module's REGISTRY)."""
+    return [m.name for m in (REGISTRY if registry is None else registry)]
 
 
-def get_source(name: str, registry: Iterable[ModelSource] = REGISTRY) -> ModelSource:
-    registry = tuple(registry)
+def get_source(name: str, registry: Iterable[ModelSource] | None = None) -> ModelSource:
+    registry = tuple(REGISTRY if registry is None else registry)
     for m in registry:
         if m.name == name:
             return m
@@ -179,7 +180,7 @@ def _models_dir(root: str | Path | None) -> Path:
     return (Path(root).expanduser() if root is not None else cache_dir()) / "models"
 
 
-def model_path(name: str, cache_dir: str | Path | None = None, registry: Iterable[ModelSource] = REGISTRY) -> Path:
+def model_path(name: str, cache_dir: str | Path | None = None, registry: Iterable[ModelSource] | None = None) -> Path:
     """Where ``pull(name)`` stores the model (whether or not it is there yet)."""
     return _models_dir(cache_dir) / get_source(name, registry).filename
 
@@ -223,7 +224,7 @@ def _sha256_file(path: Path, progress: bool, desc: str) -> str:
     return h.hexdigest()
 
 
-def is_cached(name: str, cache_dir: str | Path | None = None, registry: Iterable[ModelSource] = REGISTRY) -> bool:
+def is_cached(name: str, cache_dir: str | Path | None = None, registry: Iterable[ModelSource] | None = None) -> bool:
     """True when the model is in the cache and its verified-hash marker is current (no hashing done)."""
     src = get_source(name, registry)
     return _marker_ok(_models_dir(cache_dir) / src.filename, src.sha256)
@@ -296,7 +297,7 @@ def pull(
     *,
     force: bool = False,
     download: DownloadFn | None = None,
-    registry: Iterable[ModelSource] = REGISTRY,
+    registry: Iterable[ModelSource] | None = None,
 ) -> Path:
     """Make sure model ``name`` is in the cache, verified, and return its path.
 

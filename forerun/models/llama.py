@@ -80,11 +80,21 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = _Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.tie_weights()
         self.max_positions = min(max_positions or cfg.max_position_embeddings, 1 << 17)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict, self.max_positions)
+        self.reset_rope()
         self.backend: AttentionBackend = ReferenceBackend()
+
+    def tie_weights(self) -> None:
+        """Share the output head with the embeddings (Qwen2 small models, SmolLM2; GGUFs without output.weight)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def reset_rope(self, device: torch.device | str | None = None) -> None:
+        """(Re)build the cos/sin tables (needed after materialising a meta-device model)."""
+        cfg = self.config
+        with torch.device(device or "cpu"):
+            self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict, self.max_positions)
 
     def forward(
         self,

@@ -1,0 +1,109 @@
+"""Autoregressive drafting with a model over its own (or a shared) paged KV cache.
+
+Shared by the separate draft model and early-exit self-drafting: they differ only in which runner and
+how many layers draft. Each step is one batched forward over the requests still drafting; step 0 also
+feeds any committed tokens the draft cache misses (the prompt on the first round, `last`, and after an
+all-accepted round the final draft the drafter never fed). Sampling uses the request's own transform and
+generator, so at temperature > 0 drafts are sampled from the draft distribution, not taken by argmax.
+Confidence stopping (DSpark): a step whose top draft probability falls below `confidence_threshold` ends
+that request's draft before that token.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..engine.runner import Chunk, ModelRunner
+from ..request import Request
+from ..verify.probs import logits_to_probs, sample_from_probs
+from .base import DraftProposal, Drafter
+
+
+def sampling_tensors(requests: list[Request], device) -> tuple[torch.Tensor, ...]:
+    p = [r.params for r in requests]
+    return (
+        torch.tensor([x.temperature for x in p], dtype=torch.float32, device=device),
+        torch.tensor([x.top_k for x in p], dtype=torch.int64, device=device),
+        torch.tensor([x.top_p for x in p], dtype=torch.float32, device=device),
+        torch.tensor([x.min_p for x in p], dtype=torch.float32, device=device),
+    )
+
+
+class ModelDrafter(Drafter):
+    def __init__(self, runner: ModelRunner, num_layers: int | None = None, confidence_threshold: float = 0.0,
+                 shares_target_cache: bool = False) -> None:
+        self.runner, self.num_layers = runner, num_layers
+        self.confidence_threshold = confidence_threshold
+        self.shares_target_cache = shares_target_cache
+
+    def _ensure(self, r: Request) -> None:
+        if not self.runner.kv.has(r.req_id):
+            self.runner.kv.add_sequence(r.req_id)
+
+    def propose(self, requests: list[Request], ks: list[int]) -> DraftProposal:
+        kv = self.runner.kv
+        tokens: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        active = [i for i, k in enumerate(ks) if k > 0]
+        for r in (requests[i] for i in active):
+            self._ensure(r)
+        start_len = {requests[i].req_id: kv.length(requests[i].req_id) for i in active}
+        step = 0
+        while active:
+            chunks = []
+            for i in active:
+                r = requests[i]
+                feed = r.all_tokens[kv.length(r.req_id):] if step == 0 else [tokens[i][-1]]
+                chunks.append(Chunk(r.req_id, feed))
+            out, _ = self.runner.forward(chunks, num_layers=self.num_layers)
+            group = [requests[i] for i in active]
+            q = logits_to_probs(out.logits, *sampling_tensors(group, out.logits.device))  # [A, V]
+            u = torch.stack([torch.rand((), generator=r.generator) for r in group]).to(q.device)
+            greedy = torch.tensor([r.params.temperature == 0 for r in group], device=q.device)
+            picked = torch.where(greedy, q.argmax(-1), sample_from_probs(q, u)).tolist()
+            top = q.max(-1).values.tolist()
+            still = []
+            for row, i in enumerate(active):
+                if top[row] < self.confidence_threshold:
+                    continue  # DSpark: low confidence ends this request's draft here
+                tokens[i].append(picked[row])
+                probs[i].append(q[row])
+                if len(tokens[i]) < ks[i]:
+                    still.append(i)
+            active, step = still, step + 1
+        if self.shares_target_cache:  # early exit wrote into the target's cache: give the positions back
+            for rid, n in start_len.items():
+                kv.truncate(rid, n)
+        return DraftProposal(tokens, [torch.stack(p) if p else None for p in probs])
+
+    def rollback(self, request: Request, valid_len: int) -> None:
+        kv = self.runner.kv
+        if not self.shares_target_cache and kv.has(request.req_id) and kv.length(request.req_id) > valid_len:
+            kv.truncate(request.req_id, valid_len)
+
+    def release(self, request: Request) -> None:
+        if not self.shares_target_cache:
+            self.runner.kv.free(request.req_id)
+
+    def cached_length(self, request: Request) -> int | None:
+        kv = self.runner.kv
+        return kv.length(request.req_id) if kv.has(request.req_id) else 0
+
+
+class DraftModelDrafter(ModelDrafter):
+    """A separate small model sharing the target's tokenizer, with its own paged KV cache."""
+
+    name = "draft-model"
+
+
+class EarlyExitDrafter(ModelDrafter):
+    """Self-speculation: the target's first n layers, then its final norm and head. It drafts through the
+    target's own runner and cache: the keys it writes for layers < n at the draft positions are rewritten
+    by the verification forward, and the cache length is restored after drafting."""
+
+    name = "early-exit"
+
+    def __init__(self, target_runner: ModelRunner, num_layers: int, confidence_threshold: float = 0.0) -> None:
+        total = target_runner.config.num_layers
+        if not 1 <= num_layers < total:
+            raise ValueError(f"early-exit layers must be in 1..{total - 1}, got {num_layers}")
+        super().__init__(target_runner, num_layers, confidence_threshold, shares_target_cache=True)

@@ -1,0 +1,234 @@
+"""LLM.generate(prompts, SamplingParams): continuous batching with (optional) speculative decoding.
+
+A step admits waiting requests while the KV pool has room, then runs one round over every running
+request (new requests' first round is their prefill). Tokens are committed one at a time with the stop
+checks after each, and whatever a round produced past a stop or max_tokens is dropped.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterator, Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from ..config import CacheConfig, SpecConfig
+from ..drafters.base import Drafter
+from ..drafters.model_drafter import DraftModelDrafter, EarlyExitDrafter
+from ..drafters.ngram import NgramDrafter
+from ..models.registry import load_model
+from ..request import FinishReason, Request, RequestOutput
+from ..sampling_params import SamplingParams
+from ..stats import RequestStats, aggregate
+from .runner import ModelRunner
+from .scheduler import KScheduler
+from .spec_step import speculative_round
+
+
+def check_tokenizers_match(target_tok, draft_tok) -> None:
+    """Drafts are token ids: they mean the same text only if both vocabularies agree exactly."""
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if tv != dv:
+        diff = sorted(set(tv.items()) ^ set(dv.items()), key=lambda x: x[1])[:3]
+        raise ValueError(f"draft and target tokenizers differ ({len(tv)} vs {len(dv)} tokens; e.g. {diff}); "
+                         "a draft model must share the target's tokenizer")
+
+
+class LLM:
+    def __init__(self, model: str, *, spec: SpecConfig | None = None, device: str | None = None,
+                 dtype: torch.dtype | None = None, cache: CacheConfig | None = None, max_num_seqs: int = 64,
+                 max_model_len: int | None = None, seed: int = 0, check_invariants: bool = False,
+                 _loaded=None) -> None:
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.cache = cache or CacheConfig()
+        self.spec = spec or SpecConfig()
+        target, self.tokenizer, _ = _loaded or load_model(model, self.device, self.dtype, max_model_len)
+        self.model = target
+        self.runner = ModelRunner(target, self.cache, self.device, self.dtype, max_seqs=max_num_seqs)
+        self.drafter = self._make_drafter()
+        self.scheduler = KScheduler(self.spec)
+        self.max_num_seqs, self.check_invariants = max_num_seqs, check_invariants
+        self.generator = torch.Generator().manual_seed(seed)
+        self._next_id = 0
+
+    @classmethod
+    def from_model(cls, model, tokenizer, **kw) -> "LLM":
+        """Wrap an already built model (tests, benchmarks)."""
+        return cls("<in-memory>", _loaded=(model, tokenizer, None), **kw)
+
+    def _make_drafter(self) -> Drafter | None:
+        s = self.spec
+        if s.method == "ngram":
+            return NgramDrafter(s.ngram_min, s.ngram_max)
+        if s.method == "early-exit":
+            return EarlyExitDrafter(self.runner, s.early_exit_layers, s.confidence_threshold)
+        if s.method == "draft":
+            if isinstance(s.draft_model, tuple):  # (model, tokenizer) already built
+                dmodel, dtok = s.draft_model
+            else:
+                dmodel, dtok, _ = load_model(s.draft_model, self.device, self.dtype, self.model.max_positions)
+            check_tokenizers_match(self.tokenizer, dtok)
+            if dmodel.config.vocab_size != self.model.config.vocab_size:
+                raise ValueError(f"draft vocab size {dmodel.config.vocab_size} != target {self.model.config.vocab_size}")
+            runner = ModelRunner(dmodel, self.cache, self.device, self.dtype, max_seqs=self.max_num_seqs)
+            return DraftModelDrafter(runner, confidence_threshold=s.confidence_threshold)
+        return None
+
+    # -- requests ------------------------------------------------------------------------------------
+    def _make_request(self, prompt, params: SamplingParams, chat: bool) -> Request:
+        if isinstance(prompt, str):
+            text = prompt
+            if chat:
+                ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                         add_generation_prompt=True, tokenize=True)
+                ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            else:
+                ids = self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+        rid = self._next_id
+        if not ids:
+            raise ValueError(f"request {rid}: empty prompt")
+        vocab = self.model.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"request {rid}: token id out of range [0, {vocab})")
+        limit = self.model.max_positions
+        if len(ids) >= limit:
+            raise ValueError(f"request {rid}: prompt of {len(ids)} tokens is too long for the context of {limit} "
+                             "(it needs room for at least one new token)")
+        if self.runner.kv.capacity_tokens < len(ids) + 1:
+            raise ValueError(f"request {rid}: prompt of {len(ids)} tokens does not fit the KV pool "
+                             f"({self.runner.kv.capacity_tokens} tokens); raise CacheConfig.memory_budget_bytes")
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= set(self.model.config.eos_token_ids)
+            if self.tokenizer.eos_token_id is not None:
+                stops.add(self.tokenizer.eos_token_id)
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (), generator=self.generator))
+        self._next_id += 1
+        return Request(rid, text, ids, params, torch.Generator().manual_seed(seed), frozenset(stops))
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 chat: bool = False, progress: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt (a string, or a list of token ids); returns outputs in prompt order."""
+        requests = self._requests(prompts, sampling_params, chat)
+        bar = tqdm(total=sum(r.params.max_tokens for r in requests), disable=not progress, unit="tok")
+        for done in self._run(requests):
+            bar.update(done)
+        bar.close()
+        return [self._output(r) for r in requests]
+
+    def stream(self, prompt, sampling_params: SamplingParams | None = None, *, chat: bool = False) -> Iterator[str]:
+        """Yield the text of one request as it grows (one piece per round)."""
+        (req,) = self._requests([prompt], sampling_params, chat)
+        shown = 0
+        for _ in self._run([req]):
+            if len(req.text) > shown:
+                yield req.text[shown:]
+                shown = len(req.text)
+
+    def _requests(self, prompts, sampling_params, chat) -> list[Request]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} SamplingParams")
+        return [self._make_request(p, sp, chat) for p, sp in zip(prompts, plist)]  # all validated before any runs
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def _run(self, requests: list[Request]) -> Iterator[int]:
+        waiting, running = list(requests), []
+        kv = self.runner.kv
+        while waiting or running:
+            while waiting and len(running) < self.max_num_seqs and kv.can_allocate(
+                    waiting[0].num_tokens + self.spec.k_max + 2 + kv.block_size):
+                r = waiting.pop(0)
+                kv.add_sequence(r.req_id)
+                running.append(r)
+            if not running:
+                raise RuntimeError("KV pool too small for the next request")
+            limit = self.model.max_positions
+            room = [max(0, min(r.remaining - 1, limit - r.num_tokens)) for r in running]
+            ks = self.scheduler.ks([r.req_id for r in running], room)
+            res = speculative_round(self.runner, self.drafter, running, ks, self.spec.rule, self._verify_kwargs())
+            self._observe(res)
+            produced = 0
+            for i, r in enumerate(running):
+                self.scheduler.observe(r.req_id, res.num_drafted[i], res.num_accepted[i])
+                r.stats.record(res.num_drafted[i], res.num_accepted[i], len(res.emitted[i]))
+                produced += self._commit(r, res.emitted[i], res.logprobs[i] if res.logprobs else None)
+            if self.check_invariants:
+                self._check(running)
+            for r in [r for r in running if r.finished]:
+                running.remove(r)
+                kv.free(r.req_id)
+                if self.drafter is not None:
+                    self.drafter.release(r)
+                self.scheduler.forget(r.req_id)
+            yield produced
+
+    def _verify_kwargs(self) -> dict:
+        s = self.spec
+        if s.rule == "penalty":
+            return {"penalty": s.draft_prob_penalty}
+        if s.rule == "typical":
+            return {"typical_epsilon": s.typical_epsilon, "typical_delta": s.typical_delta}
+        return {}
+
+    def _observe(self, res) -> None:
+        cost = self.scheduler.cost
+        cost.record_target(res.target_tokens, res.target_seconds)
+        if res.draft_steps:
+            cost.record_draft_step(res.draft_seconds / res.draft_steps)
+
+    def _commit(self, r: Request, tokens: list[int], logprobs: list[dict] | None) -> int:
+        """Append tokens one by one; stop at a stop token, a stop string or max_tokens (the rest is dropped)."""
+        n = 0
+        for j, t in enumerate(tokens):
+            r.output_token_ids.append(t)
+            n += 1
+            if logprobs is not None and r.params.logprobs is not None:
+                entry = dict(logprobs[j])
+                if "top" in entry:
+                    entry["top"] = dict(list(entry["top"].items())[: r.params.logprobs])
+                r.logprobs.append(entry)
+            prev = len(r.text)
+            r.text = self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True)
+            if t in r.stop_token_ids:
+                r.finish_reason = FinishReason.STOP
+            for s in r.params.stop:
+                at = r.text.find(s, max(0, prev - len(s) + 1))
+                if at >= 0:
+                    r.text = r.text[:at]
+                    r.finish_reason = FinishReason.STOP
+                    break
+            if r.finish_reason is None and (len(r.output_token_ids) >= r.params.max_tokens
+                                            or r.num_tokens >= self.model.max_positions):
+                r.finish_reason = FinishReason.LENGTH
+            if r.finished:
+                break
+        return n
+
+    def _check(self, running: list[Request]) -> None:
+        """The rollback invariant: caches hold every committed token except the newest."""
+        for r in running:
+            if r.finished:
+                continue
+            want = r.num_tokens - 1
+            got = self.runner.kv.length(r.req_id)
+            if got != want:
+                raise AssertionError(f"request {r.req_id}: target cache holds {got} tokens, expected {want}")
+            if self.drafter is not None:
+                d = self.drafter.cached_length(r)
+                if d is not None and d > want:
+                    raise AssertionError(f"request {r.req_id}: draft cache holds {d} tokens > committed {want}")
+
+    def _output(self, r: Request) -> RequestOutput:
+        return RequestOutput(r.req_id, r.prompt, r.prompt_token_ids, r.text, list(r.output_token_ids),
+                             r.finish_reason.value, r.stats, r.logprobs if r.params.logprobs is not None else None)
+
+    @staticmethod
+    def aggregate_stats(outputs: list[RequestOutput]) -> RequestStats:
+        return aggregate([o.stats for o in outputs])

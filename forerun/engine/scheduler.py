@@ -1,0 +1,114 @@
+"""Which k each request drafts this round: fixed, or adaptive from acceptance and measured costs (seed 003).
+
+Adaptive k maximises expected tokens per second for each request,
+
+    E[tokens](a, k) / (t_target(tokens in the verify batch) + k * t_draft_step)
+
+with E[tokens] = (1 - a^(k+1)) / (1 - a), a the request's running acceptance estimate, t_target a linear
+fit of measured target-forward time against the number of tokens it processed, and t_draft_step the
+measured time of one draft step. When verifying k+1 tokens costs the same as one (t_target flat) this is
+seed 003's speedup (1 - a^(k+1)) / ((1 - a)(1 + k c)), c = t_draft_step / t_target. k = 0 (plain decoding)
+wins when acceptance is low, drafting is expensive, or the batch is large enough that extra verify
+tokens are no longer free (compute-bound decode).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..config import SpecConfig
+from ..stats import expected_tokens_per_round
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Per-request acceptance rate: accepted / tested drafts with exponential forgetting and a prior.
+    A round that accepts a of k drafts tested min(a + 1, k) of them (the first reject ends the test)."""
+
+    prior: float = 0.6
+    prior_weight: float = 4.0
+    decay: float = 0.9
+    accepted: float = 0.0
+    tested: float = 0.0
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        self.accepted = self.decay * self.accepted + accepted
+        self.tested = self.decay * self.tested + min(accepted + 1, drafted)
+
+    @property
+    def alpha(self) -> float:
+        return (self.accepted + self.prior * self.prior_weight) / (self.tested + self.prior_weight)
+
+
+@dataclass
+class CostModel:
+    """Measured seconds: target forwards as t0 + t1 * tokens (least squares over recent calls), draft steps as a mean."""
+
+    target_obs: deque = field(default_factory=lambda: deque(maxlen=64))
+    draft_obs: deque = field(default_factory=lambda: deque(maxlen=64))
+
+    def record_target(self, tokens: int, seconds: float) -> None:
+        self.target_obs.append((tokens, seconds))
+
+    def record_draft_step(self, seconds: float) -> None:
+        self.draft_obs.append(seconds)
+
+    def target_time(self, tokens: int) -> float:
+        obs = list(self.target_obs)
+        if not obs:
+            return 1.0
+        n = len(obs)
+        mx = sum(x for x, _ in obs) / n
+        my = sum(y for _, y in obs) / n
+        var = sum((x - mx) ** 2 for x, _ in obs)
+        slope = sum((x - mx) * (y - my) for x, y in obs) / var if var > 0 else 0.0
+        slope = max(slope, 0.0)
+        t0 = max(my - slope * mx, 1e-6)
+        return t0 + slope * tokens
+
+    def draft_step_time(self) -> float:
+        return sum(self.draft_obs) / len(self.draft_obs) if self.draft_obs else 0.0
+
+
+def choose_k(alpha: float, k_max: int, batch_size: int, cost: CostModel) -> int:
+    """The k in 0..k_max with the most expected tokens per second, the round being shared by batch_size
+    requests that each verify k + 1 tokens (so extra verify tokens get dearer as the batch grows)."""
+    best_k, best = 0, 0.0
+    t_draft = cost.draft_step_time()
+    for k in range(k_max + 1):
+        seconds = cost.target_time(batch_size * (k + 1)) + k * t_draft
+        rate = expected_tokens_per_round(alpha, k) / seconds
+        if rate > best * 1.0001:
+            best_k, best = k, rate
+    return best_k
+
+
+class KScheduler:
+    def __init__(self, spec: SpecConfig) -> None:
+        self.spec = spec
+        self.cost = CostModel()
+        self.estimates: dict[int, AcceptanceEstimate] = {}
+
+    def ks(self, req_ids: list[int], room: list[int]) -> list[int]:
+        """k per request this round; room[i] caps it (context and max_tokens left)."""
+        if not self.spec.enabled:
+            return [0] * len(req_ids)
+        if not self.spec.adaptive:
+            return [max(0, min(self.spec.k, r)) for r in room]
+        n = len(req_ids)
+        out = []
+        for rid, r in zip(req_ids, room):
+            est = self.estimates.setdefault(rid, AcceptanceEstimate())
+            warm = len(self.cost.target_obs) >= 2
+            k = choose_k(est.alpha, min(self.spec.k_max, r), n, self.cost) if warm else min(self.spec.k, r)
+            out.append(max(0, k))
+        return out
+
+    def observe(self, req_id: int, drafted: int, accepted: int) -> None:
+        if self.spec.adaptive:
+            self.estimates.setdefault(req_id, AcceptanceEstimate()).update(drafted, accepted)
+
+    def forget(self, req_id: int) -> None:
+        self.estimates.pop(req_id, None)

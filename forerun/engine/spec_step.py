@@ -1,0 +1,128 @@
+"""One speculative round for a batch of requests: propose -> one verify forward -> verify -> roll back.
+
+Plain decoding is the same round with k = 0 for every request (the target feeds `last`, the verifier
+samples one token), so there is a single code path.
+
+Rollback invariant (seed 003): at the top of a round the target cache holds every committed token except
+the newest, `last`. The target feeds its missing committed tokens (just `last`, or the whole prompt on a
+request's first round) plus the k drafts; afterwards it is truncated to base + accepted + 1, which is
+again "everything committed except the newest token". Draft caches are truncated to the same length or
+less; what they miss is fed on their next proposal.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..drafters.base import DraftProposal, Drafter
+from ..request import Request
+from ..verify import SamplingTensors, verify_chain
+from .runner import Chunk, ModelRunner
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    emitted: list[list[int]]  # per request: accepted drafts then the final (corrected or bonus) token
+    num_drafted: list[int]
+    num_accepted: list[int]
+    logprobs: list[list[dict]] | None  # per request, per emitted token (when any request asked)
+    draft_seconds: float = 0.0
+    draft_steps: int = 0
+    target_seconds: float = 0.0
+    target_tokens: int = 0
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _sampling(requests: list[Request], device) -> SamplingTensors:
+    p = [r.params for r in requests]
+    f32 = dict(dtype=torch.float32, device=device)
+    return SamplingTensors(
+        temperature=torch.tensor([x.temperature for x in p], **f32),
+        top_k=torch.tensor([x.top_k for x in p], dtype=torch.int64, device=device),
+        top_p=torch.tensor([x.top_p for x in p], **f32),
+        min_p=torch.tensor([x.min_p for x in p], **f32),
+    )
+
+
+def speculative_round(target: ModelRunner, drafter: Drafter | None, requests: list[Request], ks: list[int],
+                      rule: str = "auto", verify_kwargs: dict | None = None) -> RoundResult:
+    # 1. Draft: up to k_i tokens per request (k = 0 requests get none).
+    t0 = _now(target.device)
+    if drafter is not None and any(ks):
+        proposal = drafter.propose(requests, ks)
+    else:
+        proposal = DraftProposal([[] for _ in requests], [None] * len(requests))
+    drafts = proposal.tokens
+    t1 = _now(target.device)
+
+    # 2. One target forward: missing committed tokens + drafts; logits for the last k_i + 1 rows.
+    kv = target.kv
+    chunks = [Chunk(r.req_id, r.all_tokens[kv.length(r.req_id):] + d, logits=len(d) + 1)
+              for r, d in zip(requests, drafts)]
+    out, starts = target.forward(chunks)
+    t2 = _now(target.device)
+    logits = out.logits  # [T, V], T = sum(k_i + 1), request i owns rows starts[i] .. starts[i] + k_i
+    device = logits.device
+
+    # 3. Verify. Row j of request i verifies draft j+1; the last row has no draft (-1).
+    seqlens = [len(d) + 1 for d in drafts]
+    draft_ids = torch.tensor([t for d in drafts for t in d + [-1]], dtype=torch.int64, device=device)
+    uniforms = torch.cat([torch.rand(n, 2, generator=r.generator) for r, n in zip(requests, seqlens)]).to(device)
+    sampling = _sampling(requests, device)
+    draft_probs = None
+    if any(r.params.temperature > 0 for r in requests):
+        draft_probs = torch.zeros_like(logits)
+        for i, (d, q) in enumerate(zip(drafts, proposal.probs)):
+            if not d:
+                continue
+            rows = torch.arange(starts[i], starts[i] + len(d), device=device)
+            if q is None:  # deterministic drafter: a point mass on the proposed token
+                draft_probs[rows, torch.tensor(d, device=device)] = 1.0
+            else:
+                draft_probs[rows] = q.to(device)
+    want_lp = max((r.params.logprobs for r in requests if r.params.logprobs is not None), default=None)
+    kwargs = dict(verify_kwargs or {})
+    if want_lp is not None:
+        kwargs["logprobs"] = want_lp
+    res = verify_chain(
+        logits, draft_ids,
+        torch.tensor(starts, dtype=torch.int64, device=device), torch.tensor(seqlens, dtype=torch.int64, device=device),
+        sampling, uniforms, draft_probs=draft_probs, rule=rule, **kwargs,
+    )
+    num_acc = res.num_accepted.tolist()
+    out_ids = res.output_token_ids.tolist()
+    emitted = [row[: a + 1] for row, a in zip(out_ids, num_acc)]
+
+    # 4. Roll back both caches to base + accepted + 1 (= committed tokens except the newest).
+    for r, d, a in zip(requests, drafts, num_acc):
+        valid = kv.length(r.req_id) - (len(d) + 1) + a + 1
+        kv.truncate(r.req_id, valid)
+        if drafter is not None:
+            drafter.rollback(r, valid)
+    lps = _logprobs(res, emitted, want_lp)
+    return RoundResult(emitted, [len(d) for d in drafts], num_acc, lps, draft_seconds=t1 - t0,
+                       draft_steps=max(ks, default=0) if drafter is not None else 0, target_seconds=t2 - t1,
+                       target_tokens=sum(len(c.token_ids) for c in chunks))
+
+
+def _logprobs(res, emitted: list[list[int]], want: int | None) -> list[list[dict]] | None:
+    if want is None or getattr(res, "logprobs", None) is None:
+        return None
+    lp = res.logprobs
+    out = []
+    for i, toks in enumerate(emitted):
+        row = []
+        for j, t in enumerate(toks):
+            entry = {"token_id": t, "logprob": float(lp.token_logprobs[i, j])}
+            if lp.top_ids is not None:
+                entry["top"] = dict(zip(lp.top_ids[i, j].tolist(), lp.top_logprobs[i, j].tolist()))
+            row.append(entry)
+        out.append(row)
+    return out

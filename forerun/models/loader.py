@@ -1,0 +1,518 @@
+"""Open a checkpoint — a Hugging Face directory of safetensors or a GGUF file — as a ModelConfig,
+a stream of tensors under Hugging Face parameter names, and a tokenizer.
+
+    ckpt = load_checkpoint(path)
+    ckpt.config                   # forerun ModelConfig
+    ckpt.hf_config                # transformers-style config.json dict
+    for name, t in ckpt.tensors(): # "model.layers.0.self_attn.q_proj.weight", ... one at a time
+        ...
+    tok = ckpt.tokenizer()        # transformers PreTrainedTokenizerFast, chat_template set if known
+
+Tensor names follow transformers' Llama / Mistral / Qwen2 / Qwen3 ``*ForCausalLM`` state dicts.
+``lm_head.weight`` is absent when the head is tied to the embedding (``config.tie_word_embeddings``).
+
+GGUF tensors are dequantized to float32 one at a time (the 1.5B model is ~7 GB in fp32: never
+hold more than one tensor at once beyond what the caller keeps). llama.cpp's converter permutes
+the rows of Q and K for Llama-architecture GGUFs (interleaved RoPE); that is undone here, exactly
+as transformers' GGUF loader does, so the tensors match the original HF weights' layout. Qwen2 /
+Qwen3 GGUFs use NeoX RoPE and are not permuted.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from forerun.config import SUPPORTED_ARCHITECTURES, ModelConfig
+
+__all__ = ["Checkpoint", "load_checkpoint", "expected_tensor_names", "SUPPORTED_GGUF_ARCHITECTURES"]
+
+# general.architecture values we read, and the transformers model_type each becomes.
+SUPPORTED_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_HF_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+             "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
+
+# GGUF tensor component -> HF module (suffix .weight / .bias is carried over).
+_GGUF_GLOBAL = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_GGUF_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_IGNORED = {"rope_freqs.weight"}  # folded into config.rope_scaling (Llama-3 style)
+# Non-parameter entries some HF checkpoints carry; never yielded.
+_HF_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$|\.masked_bias$|\.attn\.bias$")
+
+
+def _arch_list() -> str:
+    return ", ".join(SUPPORTED_ARCHITECTURES)
+
+
+def expected_tensor_names(config: ModelConfig) -> list[str]:
+    """The HF parameter names a checkpoint of this shape must provide, in load (streaming) order."""
+    names = ["model.embed_tokens.weight"]
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        names.append(p + "input_layernorm.weight")
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            names.append(f"{p}self_attn.{proj}.weight")
+            if config.attention_bias:
+                names.append(f"{p}self_attn.{proj}.bias")
+        names.append(p + "self_attn.o_proj.weight")
+        if config.qk_norm:
+            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        names.append(p + "post_attention_layernorm.weight")
+        names += [f"{p}mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
+    names.append("model.norm.weight")
+    if not config.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names
+
+
+def _layer_sort_key(name: str) -> tuple:
+    """Order names like a model's state dict: embeddings, layer 0, layer 1, ..., final norm, head."""
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    if m:
+        return (1, int(m.group(1)), name)
+    if name.startswith("model.embed_tokens"):
+        return (0, 0, name)
+    if name.startswith("lm_head"):
+        return (3, 0, name)
+    return (2, 0, name)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint opened for loading. Cheap to create: tensors are read only when iterated."""
+
+    config: ModelConfig
+    hf_config: dict
+    source: Path
+    format: str = "safetensors"  # "safetensors" | "gguf"
+    # safetensors: HF name -> (file, name in file); gguf: HF name -> index into reader.tensors
+    _index: dict = field(default_factory=dict, repr=False, compare=False)
+    _reader: Any = field(default=None, repr=False, compare=False)  # gguf.GGUFReader (memory-mapped)
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    # ------------------------------------------------------------ tensors
+
+    def tensor_names(self) -> list[str]:
+        """Names ``tensors()`` yields, in the same order."""
+        return list(self._index)
+
+    def tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, tensor) one at a time. GGUF tensors are float32 (dequantized);
+        safetensors keep their stored dtype. ``dtype`` converts each tensor as it is produced."""
+        if self.format == "gguf":
+            it = self._gguf_tensors()
+        else:
+            it = self._safetensors_tensors()
+        for name, t in it:
+            yield name, (t.to(dtype) if dtype is not None and t.dtype != dtype else t)
+
+    def _safetensors_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        handles: dict[Path, Any] = {}
+        try:
+            for name, (file, key) in self._index.items():
+                if file not in handles:
+                    handles[file] = safe_open(str(file), framework="pt")
+                yield name, handles[file].get_tensor(key)
+        finally:
+            handles.clear()
+
+    def _gguf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from gguf.quants import dequantize
+
+        reader = self._reader
+        permute = self.hf_config["model_type"] in ("llama", "mistral") and self._cache.get("gguf_arch") == "llama"
+        for name, idx in self._index.items():
+            t = reader.tensors[idx]
+            try:
+                w = dequantize(t.data, t.tensor_type)
+            except NotImplementedError as e:
+                raise ValueError(
+                    f"{self.source}: tensor {t.name} has GGML type {t.tensor_type.name}, which gguf cannot dequantize: {e}"
+                ) from e
+            w = np.asarray(w, dtype=np.float32)
+            shape = tuple(int(d) for d in reversed(t.shape))  # GGUF stores dims in ggml (ne) order
+            if w.shape != shape:
+                w = w.reshape(shape)
+            if permute and (".attn_q." in t.name or ".attn_k." in t.name):
+                heads = self.config.num_heads if ".attn_q." in t.name else self.config.num_kv_heads
+                w = _unpermute_qk(w, heads)
+            if not w.flags.writeable or not w.flags.c_contiguous:
+                w = np.array(w, dtype=np.float32, order="C")  # own the memory (F32 is a view of the mmap)
+            yield name, torch.from_numpy(w)
+
+    # ------------------------------------------------------------ tokenizer
+
+    def tokenizer(self):
+        """The checkpoint's tokenizer (transformers PreTrainedTokenizerFast); built once and cached."""
+        if "tokenizer" in self._cache:
+            return self._cache["tokenizer"]
+        import transformers
+
+        if self.format == "gguf":
+            try:
+                tok = transformers.AutoTokenizer.from_pretrained(
+                    str(self.source.parent), gguf_file=self.source.name, local_files_only=True
+                )
+            except Exception as e:  # noqa: BLE001 - transformers raises many kinds
+                raise ValueError(f"cannot build a tokenizer from the GGUF metadata of {self.source}: {e}") from e
+            template = self._cache.get("gguf_chat_template")
+            if not getattr(tok, "chat_template", None) and template:
+                tok.chat_template = template
+        else:
+            d = self.source
+            if not any((d / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                                                  "vocab.json")):  # fmt: skip
+                raise FileNotFoundError(f"no tokenizer files (tokenizer.json, tokenizer_config.json, ...) in {d}")
+            tok = transformers.AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+            if not getattr(tok, "chat_template", None):
+                for fname in ("chat_template.jinja", "chat_template.json"):
+                    f = d / fname
+                    if f.exists():
+                        text = f.read_text()
+                        tok.chat_template = json.loads(text)["chat_template"] if fname.endswith(".json") else text
+                        break
+        self._cache["tokenizer"] = tok
+        return tok
+
+
+def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's ``permute`` (convert_hf_to_gguf.py LlamaModel.permute):
+    GGUF rows are (head, pair, half) -> HF rows (head, half, pair). Works for weights and biases."""
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise ValueError(f"cannot undo the Q/K permutation: {rows} rows for {n_head} heads")
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# ====================================================================== entry point
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Open a Hugging Face checkpoint directory (config.json + model.safetensors, or shards with
+    model.safetensors.index.json) or a ``.gguf`` file. Reads metadata only; tensors load lazily."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        hint = ""
+        try:
+            from forerun.models.hub import known_models
+
+            if str(path) in known_models():
+                hint = f" ({path!r} is a model name: use forerun.models.hub.resolve_model({str(path)!r}) to get its file)"
+        except Exception:  # noqa: BLE001
+            pass
+        raise FileNotFoundError(f"checkpoint path {str(p)!r} does not exist{hint}")
+    if p.is_dir():
+        return _load_hf_dir(p)
+    if p.suffix.lower() == ".gguf" or _has_gguf_magic(p):
+        return _load_gguf(p)
+    if p.name == "config.json" or p.suffix == ".safetensors":
+        return _load_hf_dir(p.parent)
+    raise ValueError(f"{p}: not a checkpoint (expected a directory with config.json + *.safetensors, or a .gguf file)")
+
+
+def _has_gguf_magic(p: Path) -> bool:
+    try:
+        with open(p, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+# ====================================================================== HF directories
+
+
+def _load_hf_dir(d: Path) -> Checkpoint:
+    cfg_file = d / "config.json"
+    if not cfg_file.is_file():
+        ggufs = sorted(x.name for x in d.glob("*.gguf"))
+        hint = f" (it has GGUF files {ggufs}: pass one of them instead)" if ggufs else ""
+        raise FileNotFoundError(f"{d} is not a Hugging Face checkpoint: no config.json{hint}")
+    try:
+        hf_config = json.loads(cfg_file.read_text())
+    except ValueError as e:
+        raise ValueError(f"{cfg_file}: invalid JSON: {e}") from e
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"{cfg_file}: expected a JSON object")
+    try:
+        config = ModelConfig.from_hf(hf_config)
+    except KeyError as e:
+        raise ValueError(f"{cfg_file}: missing config field {e.args[0]!r}") from e
+    except ValueError as e:
+        raise ValueError(f"{d}: {e}") from e
+
+    files = _safetensors_files(d)
+    # name in file -> file
+    available: dict[str, Path] = {}
+    index_file = d / "model.safetensors.index.json"
+    if index_file.is_file():
+        try:
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"{index_file}: not a valid safetensors index (needs 'weight_map'): {e}") from e
+        for name, fname in weight_map.items():
+            f = d / fname
+            if not f.is_file():
+                raise FileNotFoundError(f"{index_file} lists shard {fname!r} (for {name}) but {f} does not exist")
+            available[name] = f
+    else:
+        from safetensors import safe_open
+
+        for f in files:
+            try:
+                with safe_open(str(f), framework="pt") as h:
+                    for name in h.keys():
+                        available[name] = f
+            except Exception as e:  # noqa: BLE001 - safetensors raises SafetensorError
+                raise ValueError(f"{f}: not a valid safetensors file: {e}") from e
+
+    def lookup(name: str) -> tuple[Path, str] | None:
+        for key in (name, name.removeprefix("model.")):
+            if key in available:
+                return available[key], key
+        return None
+
+    index: dict[str, tuple[Path, str]] = {}
+    missing = []
+    for name in expected_tensor_names(config):
+        hit = lookup(name)
+        if hit is None:
+            missing.append(name)
+        else:
+            index[name] = hit
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(f"{d}: checkpoint is missing tensor(s) {missing[:5]}{more}")
+    # Anything else the files hold (e.g. o_proj.bias of a Llama with attention_bias) is passed on,
+    # so the model builder can reject what it does not support instead of silently dropping it.
+    used = {key for _, key in index.values()}
+    extras = []
+    for key, f in available.items():
+        if key in used or _HF_IGNORED.search(key):
+            continue
+        hf_name = key if key.startswith(("model.", "lm_head.")) else f"model.{key}"
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # tied: the embedding is the head
+        extras.append((hf_name, (f, key)))
+    for hf_name, v in extras:
+        index[hf_name] = v
+    index = dict(sorted(index.items(), key=lambda kv: _layer_sort_key(kv[0])))
+    return Checkpoint(config=config, hf_config=hf_config, source=d, format="safetensors", _index=index)
+
+
+def _safetensors_files(d: Path) -> list[Path]:
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        bins = sorted(x.name for x in d.glob("*.bin")) + sorted(x.name for x in d.glob("*.pt*"))
+        hint = f"; found {bins[:3]} — convert them to safetensors" if bins else ""
+        raise FileNotFoundError(f"no *.safetensors weight files in {d}{hint}")
+    return files
+
+
+# ====================================================================== GGUF
+
+
+def _gguf_value(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    v = f.contents()
+    if isinstance(v, (float, np.floating)):
+        # GGUF stores float32: 9.999999747378752e-06 -> 1e-05, like the original config
+        return float(str(np.float32(v)))
+    if isinstance(v, np.integer):
+        return int(v)
+    return v
+
+
+def _load_gguf(p: Path) -> Checkpoint:
+    try:
+        from gguf import GGUFReader
+    except ImportError as e:  # pragma: no cover
+        raise ImportError("reading GGUF files needs the 'gguf' package (pip install gguf)") from e
+    try:
+        reader = GGUFReader(str(p))
+        arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
+        for t in reader.tensors:  # truncated files give short views of the mmap
+            if t.data.nbytes != t.n_bytes:
+                raise ValueError(f"tensor {t.name} has {t.data.nbytes} bytes of data, expected {t.n_bytes}")
+    except Exception as e:  # noqa: BLE001 - GGUFReader raises ValueError, IndexError, struct/mmap errors...
+        raise ValueError(f"{p}: not a valid GGUF file: {type(e).__name__}: {e}") from e
+    if arch is None:
+        raise ValueError(f"{p}: not a valid GGUF file: no general.architecture in its metadata")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{p}: unsupported architecture {arch!r} (GGUF general.architecture); "
+            f"forerun supports GGUF {', '.join(SUPPORTED_GGUF_ARCHITECTURES)} (and HF {_arch_list()})"
+        )
+    model_type = SUPPORTED_GGUF_ARCHITECTURES[arch]
+    by_name = {t.name: i for i, t in enumerate(reader.tensors)}
+
+    def need(key: str):
+        v = _gguf_value(reader, f"{arch}.{key}")
+        if v is None:
+            raise ValueError(f"{p}: GGUF metadata lacks {arch}.{key}")
+        return v
+
+    hidden = int(need("embedding_length"))
+    heads = int(need("attention.head_count"))
+    kv_heads = _gguf_value(reader, f"{arch}.attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # per-layer list in some GGUFs
+        if len(set(kv_heads)) != 1:
+            raise ValueError(f"{p}: per-layer head_count_kv {sorted(set(kv_heads))} is not supported")
+        kv_heads = kv_heads[0]
+    ffn = need("feed_forward_length")
+    if isinstance(ffn, list):
+        if len(set(ffn)) != 1:
+            raise ValueError(f"{p}: per-layer feed_forward_length is not supported")
+        ffn = ffn[0]
+    head_dim = _gguf_value(reader, f"{arch}.attention.key_length")
+    if head_dim is None and arch == "llama":
+        head_dim = _gguf_value(reader, f"{arch}.rope.dimension_count")
+    head_dim = int(head_dim or hidden // heads)
+
+    if "token_embd.weight" not in by_name:
+        raise ValueError(f"{p}: GGUF is missing tensor token_embd.weight")
+    emb = reader.tensors[by_name["token_embd.weight"]]
+    vocab = int(emb.shape[1]) if len(emb.shape) > 1 else None
+    if not vocab:
+        vocab = _gguf_value(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    tied = "output.weight" not in by_name
+    n_layers = int(need("block_count"))
+
+    hf_config: dict[str, Any] = {
+        "model_type": model_type,
+        "architectures": [_HF_CLASS[model_type]],
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(ffn),
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(kv_heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(_gguf_value(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(_gguf_value(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_gguf_value(reader, f"{arch}.context_length", 4096)),
+        "tie_word_embeddings": tied,
+        "attention_bias": "blk.0.attn_q.bias" in by_name,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+    }
+    rope_scaling = _gguf_rope_scaling(reader, arch, p, hf_config, by_name)
+    if rope_scaling:
+        hf_config["rope_scaling"] = rope_scaling
+    bos = _gguf_value(reader, "tokenizer.ggml.bos_token_id")
+    if bos is not None:
+        hf_config["bos_token_id"] = int(bos)
+    eos = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        v = _gguf_value(reader, f"tokenizer.ggml.{key}")
+        if v is not None and int(v) not in eos:
+            eos.append(int(v))
+    if eos:
+        hf_config["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    pad = _gguf_value(reader, "tokenizer.ggml.padding_token_id")
+    if pad is not None:
+        hf_config["pad_token_id"] = int(pad)
+
+    try:
+        config = ModelConfig.from_hf(hf_config)
+    except ValueError as e:
+        raise ValueError(f"{p}: {e}") from e
+
+    # HF name -> tensor index, in streaming order; every tensor must be understood.
+    index: dict[str, int] = {}
+    unknown = []
+    for i, t in enumerate(reader.tensors):
+        if t.name in _GGUF_IGNORED:
+            continue
+        hf = _gguf_to_hf_name(t.name)
+        if hf is None:
+            unknown.append(t.name)
+        else:
+            index[hf] = i
+    if unknown:
+        raise ValueError(f"{p}: GGUF has tensors forerun does not know how to map: {unknown[:8]}")
+    missing = [n for n in expected_tensor_names(config) if n not in index]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(f"{p}: GGUF is missing tensor(s) (HF names) {missing[:5]}{more}")
+    index = dict(sorted(index.items(), key=lambda kv: _layer_sort_key(kv[0])))
+    cache = {"gguf_arch": arch, "gguf_chat_template": _gguf_value(reader, "tokenizer.chat_template")}
+    return Checkpoint(
+        config=config, hf_config=hf_config, source=p, format="gguf", _index=index, _reader=reader, _cache=cache
+    )
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
+    if m:
+        mod = _GGUF_BLOCK.get(m.group(2))
+        return f"model.layers.{m.group(1)}.{mod}.{m.group(3)}" if mod else None
+    m = re.fullmatch(r"(\w+)\.(weight|bias)", name)
+    if m and m.group(1) in _GGUF_GLOBAL:
+        return f"{_GGUF_GLOBAL[m.group(1)]}.{m.group(2)}"
+    return None
+
+
+def _gguf_rope_scaling(reader, arch: str, p: Path, hf_config: dict, by_name: dict) -> dict | None:
+    rtype = _gguf_value(reader, f"{arch}.rope.scaling.type")
+    factor = _gguf_value(reader, f"{arch}.rope.scaling.factor")
+    if rtype not in (None, "none") and factor not in (None, 1.0, 0.0):
+        out: dict[str, Any] = {"rope_type": rtype, "factor": float(factor)}
+        orig = _gguf_value(reader, f"{arch}.rope.scaling.original_context_length")
+        if orig:
+            out["original_max_position_embeddings"] = int(orig)
+        return out
+    if "rope_freqs.weight" in by_name:
+        return _llama3_scaling_from_freqs(reader, by_name["rope_freqs.weight"], p, hf_config)
+    return None
+
+
+def _llama3_scaling_from_freqs(reader, idx: int, p: Path, hf_config: dict) -> dict:
+    """Llama-3.1-style GGUFs store RoPE scaling as a ``rope_freqs`` tensor of per-frequency divisors
+    (computed by llama.cpp's converter from rope_scaling). Recover the parameters it came from,
+    trying the usual values and checking they reproduce the tensor exactly."""
+    from gguf.quants import dequantize
+
+    t = reader.tensors[idx]
+    got = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(-1)
+    dim, base = hf_config["head_dim"], hf_config["rope_theta"]
+    freqs = 1.0 / (base ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    if got.shape != freqs.shape:
+        raise ValueError(f"{p}: rope_freqs has {got.size} entries, expected {freqs.size} for head_dim {dim}")
+    if np.allclose(got, 1.0):
+        return None
+    factor = float(got.max())
+    for orig in (8192, 4096, 2048, 16384, 32768, 131072):
+        for low, high in ((1.0, 4.0), (1.0, 2.0), (2.0, 4.0)):
+            wl = 2 * math.pi / freqs
+            smooth = (orig / wl - low) / (high - low)
+            want = np.where(wl < orig / high, 1.0, np.where(wl > orig / low, factor, 1 / ((1 - smooth) / factor + smooth)))
+            if np.allclose(want, got, rtol=1e-4, atol=1e-5):
+                return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                        "original_max_position_embeddings": orig}  # fmt: skip
+    raise ValueError(f"{p}: cannot recover Llama-3 rope_scaling parameters from its rope_freqs tensor")

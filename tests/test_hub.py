@@ -157,6 +157,21 @@ def test_hash_mismatch_replaces_previous_good_file_state(tmp_path):
     assert leftovers(tmp_path) == []
 
 
+def test_stale_leftovers_of_dead_pulls_are_removed(tmp_path):
+    models = tmp_path / "models"
+    models.mkdir()
+    dead = 2**22 + 12345  # above Linux's pid_max: no such process
+    (models / f"tiny-model.gguf.{dead}.part").write_bytes(b"half")
+    (models / f".dl-{dead}-tiny-model-xyz_1").mkdir()
+    (models / f".dl-{dead}-tiny-model-2-abc").mkdir()  # another model's: left alone
+    (models / "other.gguf.1.part").write_bytes(b"not ours")
+    src = fake_source()
+    pull(src.name, cache_dir=tmp_path, progress=False, download=fake_index(), registry=[src])
+    assert leftovers(tmp_path) == [
+        f".dl-{dead}-tiny-model-2-abc", "other.gguf.1.part", "tiny-model.gguf", "tiny-model.gguf.sha256"
+    ]
+
+
 def test_download_failure_propagates_and_cleans_up(tmp_path):
     src = fake_source()
     idx = fake_index(CHUNKS[:2])  # part 3 is not on the index

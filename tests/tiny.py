@@ -66,7 +66,7 @@ def tiny_llm(hf, spec=None, tokenizer=None, **kw):
     from forerun.engine.llm import LLM
 
     runner = ours_from_hf(hf)
-    kw.setdefault("cache", CacheConfig(block_size=4, num_blocks=4096))
+    kw.setdefault("cache", CacheConfig(block_size=4, num_blocks=16384))
     return LLM.from_model(runner.model, tokenizer or tiny_tokenizer(hf.config.vocab_size), spec=spec, device="cpu", **kw)
 
 

@@ -37,7 +37,7 @@ def check_tokenizers_match(target_tok, draft_tok) -> None:
 class LLM:
     def __init__(self, model: str, *, spec: SpecConfig | None = None, device: str | None = None,
                  dtype: torch.dtype | None = None, cache: CacheConfig | None = None, max_num_seqs: int = 64,
-                 max_model_len: int | None = None, seed: int = 0, check_invariants: bool = False,
+                 max_model_len: int | None = None, max_num_batched_tokens: int = 8192, seed: int = 0, check_invariants: bool = False,
                  _loaded=None) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -45,10 +45,11 @@ class LLM:
         self.spec = spec or SpecConfig()
         target, self.tokenizer, _ = _loaded or load_model(model, self.device, self.dtype, max_model_len)
         self.model = target
-        self.runner = ModelRunner(target, self.cache, self.device, self.dtype, max_seqs=max_num_seqs)
+        self.max_num_seqs, self.check_invariants = max_num_seqs, check_invariants
+        self.runner = ModelRunner(target, self.cache, self.device, self.dtype, max_seqs=max_num_seqs,
+                                  max_batch_tokens=max_num_batched_tokens)
         self.drafter = self._make_drafter()
         self.scheduler = KScheduler(self.spec)
-        self.max_num_seqs, self.check_invariants = max_num_seqs, check_invariants
         self.generator = torch.Generator().manual_seed(seed)
         self._next_id = 0
 
@@ -71,7 +72,8 @@ class LLM:
             check_tokenizers_match(self.tokenizer, dtok)
             if dmodel.config.vocab_size != self.model.config.vocab_size:
                 raise ValueError(f"draft vocab size {dmodel.config.vocab_size} != target {self.model.config.vocab_size}")
-            runner = ModelRunner(dmodel, self.cache, self.device, self.dtype, max_seqs=self.max_num_seqs)
+            runner = ModelRunner(dmodel, self.cache, self.device, self.dtype, max_seqs=self.max_num_seqs,
+                                 max_batch_tokens=self.runner.buffers.max_tokens)
             return DraftModelDrafter(runner, confidence_threshold=s.confidence_threshold)
         return None
 
@@ -97,6 +99,9 @@ class LLM:
         if len(ids) >= limit:
             raise ValueError(f"request {rid}: prompt of {len(ids)} tokens is too long for the context of {limit} "
                              "(it needs room for at least one new token)")
+        if len(ids) + self.spec.k_max + 1 > self.runner.buffers.max_tokens:
+            raise ValueError(f"request {rid}: prompt of {len(ids)} tokens exceeds max_num_batched_tokens "
+                             f"({self.runner.buffers.max_tokens})")
         if self.runner.kv.capacity_tokens < len(ids) + 1:
             raise ValueError(f"request {rid}: prompt of {len(ids)} tokens does not fit the KV pool "
                              f"({self.runner.kv.capacity_tokens} tokens); raise CacheConfig.memory_budget_bytes")
@@ -141,14 +146,19 @@ class LLM:
     def _run(self, requests: list[Request]) -> Iterator[int]:
         waiting, running = list(requests), []
         kv = self.runner.kv
+        budget = kv.num_blocks - 1  # blocks promised to running requests, for their whole lifetime
         while waiting or running:
-            while waiting and len(running) < self.max_num_seqs and kv.can_allocate(
-                    waiting[0].num_tokens + self.spec.k_max + 2 + kv.block_size):
+            # Admit while the worst case of every running request (prompt + max_tokens + drafts) still fits,
+            # so a running request never meets a full pool mid-generation.
+            while waiting and len(running) < self.max_num_seqs and \
+                    sum(map(self._worst_blocks, running + waiting[:1])) <= budget and \
+                    sum(map(self._step_tokens, running + waiting[:1])) <= self.runner.buffers.max_tokens:
                 r = waiting.pop(0)
                 kv.add_sequence(r.req_id)
                 running.append(r)
             if not running:
-                raise RuntimeError("KV pool too small for the next request")
+                raise RuntimeError(f"request {waiting[0].req_id} needs more KV blocks than the pool has ({budget}); "
+                                   "raise CacheConfig.memory_budget_bytes or lower max_tokens")
             limit = self.model.max_positions
             room = [max(0, min(r.remaining - 1, limit - r.num_tokens)) for r in running]
             ks = self.scheduler.ks([r.req_id for r in running], room)
@@ -168,6 +178,15 @@ class LLM:
                     self.drafter.release(r)
                 self.scheduler.forget(r.req_id)
             yield produced
+
+    def _step_tokens(self, r: Request) -> int:
+        """Tokens the request feeds the target in its next round, at most."""
+        kv = self.runner.kv
+        return r.num_tokens - (kv.length(r.req_id) if kv.has(r.req_id) else 0) + self.spec.k_max + 1
+
+    def _worst_blocks(self, r: Request) -> int:
+        tokens = min(len(r.prompt_token_ids) + r.params.max_tokens, self.model.max_positions) + self.spec.k_max + 2
+        return -(-tokens // self.runner.kv.block_size)
 
     def _verify_kwargs(self) -> dict:
         s = self.spec

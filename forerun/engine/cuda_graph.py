@@ -1,0 +1,247 @@
+"""GraphRunner: replay decode / verify steps of a ModelRunner from CUDA graphs captured per bucket.
+
+A bucket is (number of sequences padded up to one of `batch_sizes`, query tokens per sequence q = 1..max_q_len,
+logits rows per sequence, tree mask or not, early-exit depth, hidden layers). The graph is captured over the
+runner's static StepBuffers, so a step only has to be laid into those buffers before `replay()`. Sequences
+missing from a bucket are padded with dummies: q tokens each, in KV block 0 (the pool never hands block 0 out),
+at positions 0..q-1, so they write and read only that block. A step that fits no bucket (prefill, ragged query
+lengths) runs eagerly through the ModelRunner.
+
+Two ways in:
+  * `execute(step)` / `forward(chunks)`: the ModelRunner's host-side `prepare`, then replay (engine path).
+  * `run_uniform(input_ids [B, q], context_lens [B])`: positions, slots and lengths are computed on the device
+    inside the graph from the block tables already in the buffers (no host work, no sync: decode loops).
+
+Outputs of a replay live in the graph's static memory and are overwritten by the next replay of that bucket.
+The model's attention backend must declare `supports_cuda_graphs` (TritonPagedAttention does).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..attention.metadata import AttnMetadata
+from ..models.layers import RMSNorm, RotaryEmbedding, SwiGLU
+from ..models.llama import ForwardOutput
+from .runner import Chunk, ModelRunner, PreparedStep
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    num_seqs: int  # bucket size (padded)
+    q_len: int  # query tokens per sequence
+    logits_per_seq: int  # logits rows per sequence (the last ones)
+    tree: bool  # a tree mask among the new tokens
+    num_layers: int | None = None  # early exit
+    hidden_layers: tuple[int, ...] = ()
+    device_prep: bool = False  # positions / slots computed in the graph (run_uniform)
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph | None  # None: graphs disabled, `body` runs eagerly
+    body: Callable[[], ForwardOutput]
+    out: ForwardOutput  # static outputs of the last replay
+    logits_indices: torch.Tensor  # [B * m], kept alive for the graph
+
+
+def compile_elementwise(model: torch.nn.Module) -> None:
+    """torch.compile the model's RMSNorm, rotary and SwiGLU modules so inductor fuses their elementwise chains
+    (8 kernels per RMSNorm, ~14 per rotary call, 2 per SwiGLU activation otherwise). The matmuls stay cuBLAS.
+    Shapes are dynamic after the first recompile; dynamo's recompile limit is raised to hold the variants."""
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), 64))
+    for mod in model.modules():
+        if isinstance(mod, (RMSNorm, RotaryEmbedding, SwiGLU)):
+            mod.compile()
+
+
+class GraphRunner:
+    def __init__(self, runner: ModelRunner, batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
+                 max_q_len: int = 16, capture_on_demand: bool = True, use_graphs: bool = True) -> None:
+        buf = runner.buffers
+        self.runner = runner
+        self.batch_sizes = tuple(sorted(set(batch_sizes)))
+        self.max_q_len = max_q_len
+        self.capture_on_demand = capture_on_demand
+        self.use_graphs = use_graphs and runner.device.type == "cuda"
+        if self.use_graphs and not getattr(runner.model.backend, "supports_cuda_graphs", False):
+            raise ValueError(f"{type(runner.model.backend).__name__} cannot be captured in CUDA graphs "
+                             "(its launch shapes depend on host-side lengths); use TritonPagedAttention")
+        max_seqs = self.batch_sizes[-1]
+        if max_seqs > buf.max_seqs or max_seqs * max_q_len > buf.max_tokens:
+            raise ValueError(f"the runner's buffers ({buf.max_seqs} seqs, {buf.max_tokens} tokens) are smaller "
+                             f"than the largest bucket ({max_seqs} x {max_q_len})")
+        dev = runner.device
+        self.block_size = runner.kv.block_size
+        self._ar = torch.arange(max_seqs * max_q_len + 1, dtype=torch.int64, device=dev)
+        self._tree = torch.zeros(max_seqs * max_q_len, max_q_len, dtype=torch.bool, device=dev)
+        self._uids = torch.zeros(max_seqs * max_q_len, dtype=torch.int64, device=dev)  # run_uniform inputs
+        self._uctx = torch.zeros(max_seqs, dtype=torch.int64, device=dev)
+        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.graphs: dict[GraphKey, _Captured] = {}
+        self.replays = 0
+        self.eager_steps = 0
+
+    # -- buckets ---------------------------------------------------------------------------------------
+    def bucket(self, num_seqs: int) -> int | None:
+        return next((b for b in self.batch_sizes if b >= num_seqs), None)
+
+    def key_for(self, step: PreparedStep, num_layers: int | None = None, hidden_layers=()) -> GraphKey | None:
+        """The bucket a host-prepared step fits, or None (ragged query lengths or logits, too big)."""
+        b, t, q = len(step.seq_ids), step.meta.num_tokens, step.meta.max_query_len
+        bucket = self.bucket(b)
+        if bucket is None or q > self.max_q_len or t != b * q:
+            return None
+        r = step.logits_indices.shape[0]
+        m = r // b
+        if r != b * m or step.starts != [i * m for i in range(b)]:
+            return None
+        return GraphKey(bucket, q, m, step.meta.tree_mask is not None, num_layers, tuple(hidden_layers))
+
+    # -- capture ---------------------------------------------------------------------------------------
+    def capture(self, num_seqs: int, q_len: int, logits_per_seq: int = 1, tree: bool = False,
+                num_layers: int | None = None, hidden_layers: tuple[int, ...] = (), device_prep: bool = False) -> GraphKey:
+        bucket = self.bucket(num_seqs)
+        if bucket is None or not 1 <= q_len <= self.max_q_len or not 0 < logits_per_seq <= q_len:
+            raise ValueError(f"no bucket for {num_seqs} sequences x {q_len} tokens ({logits_per_seq} logits each)")
+        key = GraphKey(bucket, q_len, logits_per_seq, tree, num_layers, tuple(hidden_layers), device_prep)
+        self._get(key, create=True)
+        return key
+
+    def _get(self, key: GraphKey, create: bool) -> _Captured | None:
+        cap = self.graphs.get(key)
+        if cap is None and (create or self.capture_on_demand):
+            cap = self.graphs[key] = self._capture(key)
+        return cap
+
+    def _capture(self, key: GraphKey) -> _Captured:
+        b, q, m = key.num_seqs, key.q_len, key.logits_per_seq
+        t = b * q
+        buf = self.runner.buffers
+        model, kv = self.runner.model, self.runner.kv
+        meta = AttnMetadata(
+            query_start_loc=buf.query_start_loc[: b + 1], seq_lens=buf.seq_lens[:b], block_tables=buf.block_tables[:b],
+            slot_mapping=buf.slot_mapping[:t], max_query_len=q, max_seq_len=buf.max_blocks * self.block_size,
+            tree_mask=self._tree[:t, :q] if key.tree else None,
+        )
+        rows = (self._ar[:b, None] * q + (q - m) + self._ar[None, :m]).reshape(-1)  # [b * m]
+        prep = self._device_prep(b, q) if key.device_prep else None
+
+        def body() -> ForwardOutput:
+            if prep is not None:
+                prep()
+            return model(buf.input_ids[:t], buf.positions[:t], meta, kv, logits_indices=rows,
+                         num_layers=key.num_layers, hidden_layers=key.hidden_layers)
+
+        # Warm-up and capture run on an all-dummy batch (block 0 only); the inputs of a step that is waiting
+        # for this capture are saved and put back afterwards.
+        inputs = [buf.input_ids[:t], buf.positions[:t], buf.slot_mapping[:t], buf.query_start_loc[: b + 1],
+                  buf.seq_lens[:b], buf.block_tables[:b], self._tree[:t], self._uids[:t], self._uctx[:b]]
+        saved = [x.clone() for x in inputs]
+        with torch.inference_mode():
+            self._fill_padding(0, 0, b, q)
+            self._uctx[:b].zero_()
+            self._uids[:t].zero_()
+            if not self.use_graphs:
+                cap = _Captured(None, body, body(), rows)
+            else:
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):  # compiles Triton / inductor kernels, sets up cuBLAS
+                        body()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    out = body()
+                cap = _Captured(graph, body, out, rows)
+            for x, y in zip(inputs, saved):
+                x.copy_(y)
+        return cap
+
+    def _device_prep(self, b: int, q: int) -> Callable[[], None]:
+        """Buffers from (_uids, _uctx, block tables) on the device: the run_uniform part of the graph."""
+        buf, bs = self.runner.buffers, self.block_size
+        t = b * q
+
+        def prep() -> None:
+            pos = self._uctx[:b, None] + self._ar[None, :q]  # [b, q]
+            buf.input_ids[:t].copy_(self._uids[:t])
+            buf.positions[:t].copy_(pos.reshape(-1))
+            pages = torch.gather(buf.block_tables[:b], 1, pos // bs)
+            buf.slot_mapping[:t].copy_((pages * bs + pos % bs).reshape(-1))
+            buf.seq_lens[:b].copy_(self._uctx[:b] + q)
+            buf.query_start_loc[: b + 1].copy_(self._ar[: b + 1] * q)
+
+        return prep
+
+    def _fill_padding(self, b: int, t: int, bucket: int, q: int) -> None:
+        """Dummy sequences b..bucket-1 (q tokens each, in block 0) after b real ones holding t tokens."""
+        if b == bucket:
+            return
+        buf, n = self.runner.buffers, (bucket - b) * q
+        local = self._ar[:n] % q
+        buf.input_ids[t : t + n].zero_()
+        buf.positions[t : t + n].copy_(local)
+        buf.slot_mapping[t : t + n].copy_(local % self.block_size)
+        buf.query_start_loc[b + 1 : bucket + 1].copy_(t + q * self._ar[1 : bucket - b + 1])
+        buf.seq_lens[b:bucket].fill_(q)
+        buf.block_tables[b:bucket].zero_()
+        self._tree[t : t + n, :q].copy_(self._ar[None, :q] <= local[:, None])
+
+    # -- replay ----------------------------------------------------------------------------------------
+    def _replay(self, cap: _Captured) -> ForwardOutput:
+        self.replays += 1
+        if cap.graph is None:
+            with torch.inference_mode():
+                return cap.body()
+        cap.graph.replay()
+        return cap.out
+
+    def execute(self, step: PreparedStep, num_layers: int | None = None, hidden_layers=()) -> ForwardOutput:
+        """Like ModelRunner.execute: replay the step's bucket if it has one, else run eagerly; commit lengths."""
+        key = self.key_for(step, num_layers, hidden_layers)
+        cap = self._get(key, create=False) if key is not None else None
+        if cap is None:
+            self.eager_steps += 1
+            return self.runner.execute(step, num_layers, hidden_layers)
+        b, t = len(step.seq_ids), step.meta.num_tokens
+        self._fill_padding(b, t, key.num_seqs, key.q_len)
+        if key.tree:
+            self._tree[:t, : key.q_len].copy_(step.meta.tree_mask[:, : key.q_len])
+        out = self._replay(cap)
+        for seq_id, n_len in zip(step.seq_ids, step.new_lens):
+            self.runner.kv.set_length(seq_id, n_len)
+        logits = out.logits[: b * key.logits_per_seq]
+        return ForwardOutput(logits, {i: h[:t] for i, h in out.hidden_states.items()})
+
+    def forward(self, chunks: list[Chunk], num_layers: int | None = None, hidden_layers=()) -> tuple[ForwardOutput, list[int]]:
+        """Drop-in for ModelRunner.forward."""
+        step = self.runner.prepare(chunks)
+        return self.execute(step, num_layers, hidden_layers), step.starts
+
+    def run_uniform(self, input_ids: torch.Tensor, context_lens: torch.Tensor, logits_per_seq: int = 1,
+                    num_layers: int | None = None) -> torch.Tensor:
+        """One step of q new tokens for each of B sequences, prepared on the device.
+
+        input_ids: [B, q] int64; context_lens: [B] int64, cached tokens before the step. Sequence b is row b of
+        the runner's block tables (the caller fills them and reserves the blocks; nothing is committed in the
+        KVPool's host bookkeeping). Returns logits [B * logits_per_seq, V] (static memory)."""
+        b, q = input_ids.shape
+        key = GraphKey(self.bucket(b) or 0, q, logits_per_seq, False, num_layers, (), True)
+        if key.num_seqs == 0 or q > self.max_q_len:
+            raise ValueError(f"run_uniform: no bucket for {b} sequences x {q} tokens")
+        cap = self._get(key, create=True)
+        self._uids[: b * q].copy_(input_ids.reshape(-1))
+        self._uctx[:b].copy_(context_lens)
+        if b < key.num_seqs:
+            self._uctx[b : key.num_seqs].zero_()
+            self._uids[b * q : key.num_seqs * q].zero_()
+            self.runner.buffers.block_tables[b : key.num_seqs].zero_()
+        return self._replay(cap).logits[: b * logits_per_seq]

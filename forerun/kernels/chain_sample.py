@@ -1,0 +1,262 @@
+"""Fused chain verification (speculative rejection sampling) in two Triton launches.
+
+Inputs follow forerun.verify.verify_chain: request r owns logits rows first[r] .. first[r] + n_r - 1; row j
+holds the draft token d_{j+1} that it verifies, the last row holds -1 (it only gives the bonus token).
+
+1. `_row_stats_kernel`, grid (requests, rows, vocab splits): per row and split of the vocabulary, the max of
+   logits / temperature, the first index of that max (greedy), and sum(exp(x - max)) accumulated in float64.
+2. `_chain_kernel`, grid (requests,): combines the splits, walks the request's rows in order with the accept
+   test  u0 * q(d) < p(d)  (= u0 < min(1, p(d) / q(d))), stops at the first rejection, then draws the final
+   token by inverse CDF with the row's second uniform: from the residual max(p - q, 0) after a rejection, from
+   p on the last row (bonus). Greedy requests (temperature 0) accept d iff d == argmax and emit the argmax.
+
+Only the sampled row is read again (twice: its weight total, then the search). Weights are formed in float32
+and accumulated in float64, so the token equals a float64 inverse CDF except at numerical ties.
+Top-k / top-p / min-p are not applied here: use this kernel only for requests that have them off.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_STATS_BLOCK = 2048
+_SAMPLE_BLOCK = 1024
+
+
+@dataclass(frozen=True)
+class ChainSampleOutput:
+    output_token_ids: torch.Tensor  # [R, max_seqlen] int64: accepted drafts, then the final token, then -1
+    num_accepted: torch.Tensor  # [R] int64: accepted drafts per request (tokens emitted = num_accepted + 1)
+
+
+@triton.jit
+def _row_stats_kernel(
+    Logits, InvTemp, Greedy, First, SeqLens,  # [T, V], [R] f32, [R] i8, [R] i64, [R] i64
+    PartMax, PartSum, PartArg,  # [T, NSPLIT] f32 / f64 / i32
+    V, stride_l, chunk, nsplit,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0)
+    j = tl.program_id(1)
+    sp = tl.program_id(2)
+    if j >= tl.load(SeqLens + r):
+        return
+    row = tl.load(First + r) + j
+    inv_t = tl.load(InvTemp + r)
+    lo = sp * chunk
+    hi = tl.minimum(lo + chunk, V)
+    base = Logits + row.to(tl.int64) * stride_l
+    lanes = tl.arange(0, BLOCK)
+
+    # pass 1: max and the first index reaching it (lane-wise, then across lanes)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.full([BLOCK], 2147483647, tl.int32)
+    for start in range(0, chunk, BLOCK):
+        offs = lo + start + lanes
+        x = tl.load(base + offs, mask=offs < hi, other=float("-inf")).to(tl.float32) * inv_t
+        upd = x > best
+        best = tl.where(upd, x, best)
+        best_i = tl.where(upd, offs, best_i)
+    m = tl.max(best, 0)
+    arg = tl.min(tl.where(best == m, best_i, 2147483647), 0)
+
+    # pass 2: sum of exp(x - m) in float64 (skipped for greedy rows, which only need the argmax)
+    total = tl.zeros([BLOCK], tl.float64)
+    if tl.load(Greedy + r) == 0:
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        for start in range(0, chunk, BLOCK):
+            offs = lo + start + lanes
+            x = tl.load(base + offs, mask=offs < hi, other=float("-inf")).to(tl.float32) * inv_t
+            total += tl.exp(x - m_safe).to(tl.float64)
+    out = row * nsplit + sp
+    tl.store(PartMax + out, m)
+    tl.store(PartSum + out, tl.sum(total, 0))
+    tl.store(PartArg + out, arg)
+
+
+@triton.jit
+def _combine(PartMax, PartSum, PartArg, row, nsplit, S_PAD: tl.constexpr):
+    """Row max, softmax normaliser (f64) and first argmax from the per-split partials."""
+    offs = tl.arange(0, S_PAD)
+    ok = offs < nsplit
+    ms = tl.load(PartMax + row * nsplit + offs, mask=ok, other=float("-inf"))
+    ss = tl.load(PartSum + row * nsplit + offs, mask=ok, other=0.0)
+    args = tl.load(PartArg + row * nsplit + offs, mask=ok, other=2147483647)
+    m = tl.max(ms, 0)
+    arg = tl.min(tl.where(ms == m, args, 2147483647), 0)  # splits are in index order: the first max wins
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    scale = tl.exp((ms - m_safe).to(tl.float64))
+    s = tl.sum(tl.where(ok, ss * scale, 0.0), 0)
+    return m, s, arg
+
+
+@triton.jit
+def _weights(Logits, DraftProbs, row, d, m, s, inv_t, offs, V, stride_l, stride_q,
+             RESIDUAL: tl.constexpr, HAS_Q: tl.constexpr):
+    """float64 sampling weights at vocabulary offsets: p, or the residual max(p - q, 0)."""
+    ok = offs < V
+    x = tl.load(Logits + row.to(tl.int64) * stride_l + offs, mask=ok, other=float("-inf")).to(tl.float32) * inv_t
+    w = tl.exp(x - m).to(tl.float64) / s
+    if RESIDUAL:
+        if HAS_Q:
+            q = tl.load(DraftProbs + row.to(tl.int64) * stride_q + offs, mask=ok, other=0.0).to(tl.float64)
+        else:
+            q = tl.where(offs == d, 1.0, 0.0).to(tl.float64)
+        w = tl.maximum(w - q, 0.0)
+    return tl.where(ok, w, 0.0)
+
+
+@triton.jit
+def _weights_total(Logits, DraftProbs, row, d, m, s, inv_t, V, stride_l, stride_q,
+                   RESIDUAL: tl.constexpr, HAS_Q: tl.constexpr, BLOCK: tl.constexpr):
+    acc = tl.zeros([BLOCK], tl.float64)
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc += _weights(Logits, DraftProbs, row, d, m, s, inv_t, offs, V, stride_l, stride_q, RESIDUAL, HAS_Q)
+    return tl.sum(acc, 0)
+
+
+@triton.jit
+def _inverse_cdf(Logits, DraftProbs, row, d, m, s, inv_t, target, V, stride_l, stride_q,
+                 RESIDUAL: tl.constexpr, HAS_Q: tl.constexpr, BLOCK: tl.constexpr):
+    """Smallest index whose cumulative weight exceeds target (the last positive weight if rounding runs out)."""
+    lanes = tl.arange(0, BLOCK)
+    cum = tl.zeros([BLOCK], tl.float64).sum(0)  # float64 scalar
+    tok = tl.zeros([BLOCK], tl.int32).sum(0) - 1
+    last_pos = tl.zeros([BLOCK], tl.int32).sum(0)
+    blk = 0
+    n_blk = tl.cdiv(V, BLOCK)
+    while (tok < 0) & (blk < n_blk):
+        offs = blk * BLOCK + lanes
+        w = _weights(Logits, DraftProbs, row, d, m, s, inv_t, offs, V, stride_l, stride_q, RESIDUAL, HAS_Q)
+        cs = tl.cumsum(w, 0) + cum
+        first = tl.min(tl.where((cs > target) & (w > 0), offs, 2147483647), 0)
+        if first < 2147483647:
+            tok = first
+        last_pos = tl.maximum(last_pos, tl.max(tl.where(w > 0, offs, 0), 0))
+        cum += tl.sum(w, 0)
+        blk += 1
+    return tl.where(tok < 0, last_pos, tok)
+
+
+@triton.jit
+def _chain_kernel(
+    Logits, DraftProbs, DraftIds, First, SeqLens, InvTemp, Greedy, U,  # [T,V], [T,V], [T], [R], [R], [R], [R], [T,2]
+    PartMax, PartSum, PartArg,  # [T, NSPLIT]
+    Out, NumAcc,  # [R, max_len] i64, [R] i64
+    V, stride_l, stride_q, stride_u, stride_o, nsplit, max_len,
+    HAS_Q: tl.constexpr, S_PAD: tl.constexpr, BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0)
+    start = tl.load(First + r)
+    n = tl.load(SeqLens + r)
+    inv_t = tl.load(InvTemp + r)
+    sampled = tl.load(Greedy + r) == 0
+
+    # accept drafts in order until the first rejection
+    j = n * 0
+    go = n > 1
+    while go:
+        row = start + j
+        m, s, arg = _combine(PartMax, PartSum, PartArg, row, nsplit, S_PAD)
+        d = tl.load(DraftIds + row)
+        d_safe = tl.minimum(tl.maximum(d, 0), V - 1)
+        if sampled:
+            x_d = tl.load(Logits + row * stride_l + d_safe).to(tl.float32) * inv_t
+            p_d = tl.exp(x_d - m).to(tl.float64) / s
+            q_d = p_d * 0 + 1.0  # point mass on the draft unless its distribution is given
+            if HAS_Q:
+                q_d = tl.load(DraftProbs + row * stride_q + d_safe).to(tl.float64)
+            u = tl.load(U + row * stride_u).to(tl.float64)
+            ok = (u * q_d < p_d) & (d >= 0) & (d < V)
+        else:
+            ok = arg == d
+        if ok:
+            tl.store(Out + r * stride_o + j, d)
+            j += 1
+            go = j < n - 1
+        else:
+            go = j < 0
+
+    # the final token: residual after a rejection, bonus from the last row otherwise
+    row = start + j
+    m, s, arg = _combine(PartMax, PartSum, PartArg, row, nsplit, S_PAD)
+    tok = arg.to(tl.int64)
+    if sampled:
+        d = tl.load(DraftIds + row)
+        u1 = tl.load(U + row * stride_u + 1).to(tl.float64)
+        residual_total = s * 0  # float64 zero
+        if j < n - 1:
+            residual_total = _weights_total(Logits, DraftProbs, row, d, m, s, inv_t, V, stride_l, stride_q,
+                                            True, HAS_Q, BLOCK)
+        if residual_total > 0:
+            tok = _inverse_cdf(Logits, DraftProbs, row, d, m, s, inv_t, u1 * residual_total, V, stride_l, stride_q,
+                               True, HAS_Q, BLOCK).to(tl.int64)
+        else:  # bonus row (or p == q exactly): sample p itself
+            p_total = _weights_total(Logits, DraftProbs, row, d, m, s, inv_t, V, stride_l, stride_q,
+                                     False, HAS_Q, BLOCK)
+            tok = _inverse_cdf(Logits, DraftProbs, row, d, m, s, inv_t, u1 * p_total, V, stride_l, stride_q,
+                               False, HAS_Q, BLOCK).to(tl.int64)
+    tl.store(Out + r * stride_o + j, tok)
+    tl.store(NumAcc + r, j)
+    for c in range(j + 1, max_len):
+        tl.store(Out + r * stride_o + c, -1)
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def chain_sample(
+    target_logits: torch.Tensor,  # [T, V] float (float32 from the model)
+    draft_token_ids: torch.Tensor,  # [T] int64; row j of a request holds d_{j+1}, its last row -1
+    first_token_positions: torch.Tensor,  # [R] int64, first row of each request
+    seqlens_q: torch.Tensor,  # [R] int64, rows of each request (drafts + 1)
+    sampling,  # SamplingTensors (uses .temperature [R]) or a temperature tensor [R]; 0 = greedy
+    uniforms: torch.Tensor,  # [T, 2] float32: column 0 accept coin, column 1 final-sample coin
+    draft_probs: torch.Tensor | None = None,  # [T, V] draft distribution of each row; None = point mass on the draft
+    max_seqlen: int | None = None,  # max(seqlens_q) if known (avoids a device sync)
+) -> ChainSampleOutput:
+    """Chain rejection sampling for a batch of requests in two kernel launches (see the module docstring)."""
+    temperature = getattr(sampling, "temperature", sampling).to(device=target_logits.device, dtype=torch.float32)
+    num_rows, vocab = target_logits.shape
+    num_req = seqlens_q.shape[0]
+    if max_seqlen is None:
+        max_seqlen = int(seqlens_q.max()) if num_req else 1
+    if target_logits.stride(1) != 1:
+        target_logits = target_logits.contiguous()
+    if draft_probs is not None and draft_probs.stride(1) != 1:
+        draft_probs = draft_probs.contiguous()
+    greedy = (temperature <= 0).to(torch.int8)  # [R]
+    inv_t = torch.where(greedy.bool(), 1.0, 1.0 / temperature)  # [R]; greedy rows use the raw logits
+    first = first_token_positions.to(torch.int64)
+    lens = seqlens_q.to(torch.int64)
+    dev = target_logits.device
+    out = torch.empty(num_req, max_seqlen, dtype=torch.int64, device=dev)
+    num_acc = torch.empty(num_req, dtype=torch.int64, device=dev)
+    if num_req == 0:
+        return ChainSampleOutput(out, num_acc)
+
+    # split the vocabulary so that requests x rows x splits fills the machine about twice
+    nsplit = max(1, min(triton.cdiv(vocab, _STATS_BLOCK), triton.cdiv(2 * _num_sms(dev), num_req * max_seqlen)))
+    chunk = triton.cdiv(triton.cdiv(vocab, nsplit), _STATS_BLOCK) * _STATS_BLOCK
+    nsplit = triton.cdiv(vocab, chunk)
+    part_max = torch.empty(num_rows, nsplit, dtype=torch.float32, device=dev)
+    part_sum = torch.empty(num_rows, nsplit, dtype=torch.float64, device=dev)
+    part_arg = torch.empty(num_rows, nsplit, dtype=torch.int32, device=dev)
+    _row_stats_kernel[(num_req, max_seqlen, nsplit)](
+        target_logits, inv_t, greedy, first, lens, part_max, part_sum, part_arg,
+        vocab, target_logits.stride(0), chunk, nsplit,
+        BLOCK=_STATS_BLOCK, num_warps=8,
+    )
+    q = draft_probs if draft_probs is not None else target_logits  # dummy pointer when HAS_Q is off
+    _chain_kernel[(num_req,)](
+        target_logits, q, draft_token_ids.to(torch.int64), first, lens, inv_t, greedy, uniforms,
+        part_max, part_sum, part_arg, out, num_acc,
+        vocab, target_logits.stride(0), q.stride(0), uniforms.stride(0), out.stride(0), nsplit, max_seqlen,
+        HAS_Q=draft_probs is not None, S_PAD=triton.next_power_of_2(nsplit), BLOCK=_SAMPLE_BLOCK, num_warps=4,
+    )
+    return ChainSampleOutput(out, num_acc)

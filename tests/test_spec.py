@@ -1,0 +1,208 @@
+"""Speculative generation: greedy identity for every drafter, exact sampling, rollback, stops, adaptive k."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from forerun.config import SpecConfig
+from forerun.drafters.ngram import ngram_propose
+from forerun.engine.runner import Chunk
+from forerun.engine.scheduler import AcceptanceEstimate, CostModel, choose_k
+from forerun.engine.spec_step import speculative_round
+from forerun.sampling_params import SamplingParams
+from tiny import hf_model, ours_from_hf, sharpen, tiny_llm, tiny_tokenizer
+
+PROMPTS = [[5, 9, 13, 22, 40, 7, 5, 9, 13], [3], list(range(10, 60, 3)), [70, 71, 72, 70, 71, 72, 70]]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def draft_spec(draft_hf, **kw):
+    runner = ours_from_hf(draft_hf)
+    return SpecConfig(method="draft", draft_model=(runner.model, tiny_tokenizer(draft_hf.config.vocab_size)), **kw)
+
+
+def spec_variants(target_hf):
+    return {
+        "ngram": SpecConfig(method="ngram", k=3),
+        "early-exit": SpecConfig(method="early-exit", early_exit_layers=1, k=3),
+        "draft-other": draft_spec(hf_model("llama", seed=7, num_hidden_layers=1), k=4),
+        "draft-self": draft_spec(target_hf, k=4),
+        "draft-auto": draft_spec(target_hf, adaptive=True, k_max=6),
+        "early-exit-confident": SpecConfig(method="early-exit", early_exit_layers=2, k=4, confidence_threshold=0.3),
+    }
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_speculative_is_token_identical_to_plain(arch):
+    target = sharpen(hf_model(arch), 3.0) if arch == "llama" else hf_model(arch)
+    plain = tiny_llm(target).generate(PROMPTS, GREEDY)
+    for name, spec in spec_variants(target).items():
+        llm = tiny_llm(target, spec=spec, check_invariants=True)
+        outs = llm.generate(PROMPTS, GREEDY)
+        for p, o in zip(plain, outs):
+            assert o.token_ids == p.token_ids, name
+        agg = llm.aggregate_stats(outs)
+        if name == "draft-self":
+            assert agg.acceptance_rate == 1.0 and agg.tokens_per_target_call > 3
+        if name in ("draft-other", "early-exit", "ngram"):
+            assert agg.drafted > 0, name
+        assert llm.runner.kv.num_free_blocks == llm.runner.kv.num_blocks - 1  # everything freed
+
+
+def _manual_rounds(target_hf, spec, prompt, rounds, ks):
+    """Drive speculative_round directly and check the caches against a fresh prefill after every round."""
+    llm = tiny_llm(target_hf, spec=spec)
+    (req,) = llm._requests([prompt], GREEDY, False)
+    llm.runner.kv.add_sequence(req.req_id)
+    for i in range(rounds):
+        res = speculative_round(llm.runner, llm.drafter, [req], [ks[i % len(ks)]])
+        req.output_token_ids.extend(res.emitted[0])
+        kv = llm.runner.kv
+        committed = req.all_tokens[:-1]
+        assert kv.length(req.req_id) == len(committed)  # rollback invariant: all but the newest token
+        fresh = ours_from_hf(target_hf)
+        fresh.kv.add_sequence(0)
+        fresh.forward([Chunk(0, committed, logits="none")])
+        got = kv.k.flatten(1, 2)[:, kv.slots(req.req_id, 0, len(committed))]  # [L, n, Hkv, D]
+        want = fresh.kv.k.flatten(1, 2)[:, fresh.kv.slots(0, 0, len(committed))]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        d = llm.drafter.cached_length(req)
+        assert d is None or d <= len(committed)
+    return req
+
+
+def test_rollback_invariant_after_every_round_draft_model():
+    target = sharpen(hf_model("llama"), 3.0)
+    _manual_rounds(target, draft_spec(target, k=4), PROMPTS[0], 6, [4])  # self-draft: all accepted
+    other = hf_model("llama", seed=9, num_hidden_layers=1)
+    _manual_rounds(target, draft_spec(other, k=3), PROMPTS[2], 6, [3, 0, 5, 1])
+
+
+def test_rollback_invariant_after_every_round_early_exit():
+    target = sharpen(hf_model("qwen3"), 3.0)
+    _manual_rounds(target, SpecConfig(method="early-exit", early_exit_layers=2, k=3), PROMPTS[3], 6, [3, 2, 0])
+
+
+def test_stop_string_inside_accepted_draft_matches_plain():
+    target = sharpen(hf_model("llama"), 3.0)
+    tok = tiny_tokenizer()
+    ref = tiny_llm(target).generate([PROMPTS[2]], GREEDY)[0].token_ids
+    # k = 4 with a perfect draft: round 1 emits tokens 0..4, round 2 emits 5..9 as 4 accepted drafts + bonus.
+    j = next(i for i in range(6, 9) if ref[i] not in ref[:i])
+    stop = f"t{ref[j]}"
+    sp = SamplingParams(temperature=0, max_tokens=24, stop=(stop,), ignore_eos=True)
+    plain = tiny_llm(target).generate([PROMPTS[2]], sp)[0]
+    llm = tiny_llm(target, spec=draft_spec(target, k=4), check_invariants=True)
+    spec = llm.generate([PROMPTS[2]], sp)[0]
+    assert spec.stats.acceptance_rate == 1.0
+    assert spec.text == plain.text and spec.finish_reason == plain.finish_reason == "stop"
+    assert spec.token_ids == plain.token_ids == ref[: j + 1]
+    assert stop not in spec.text and spec.text == tok.decode(ref[: j + 1])[: len(spec.text)]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 6, 11])
+def test_max_tokens_exact_with_speculation(max_tokens):
+    target = sharpen(hf_model("llama"), 3.0)
+    llm = tiny_llm(target, spec=draft_spec(target, k=4), check_invariants=True)
+    o = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0]
+    assert len(o.token_ids) == max_tokens and o.finish_reason == "length"
+
+
+def _exact_two_token_distribution(hf, prompt, temperature):
+    """P(first) [V] and P(first, second) [V, V] of plain sampling from the target, by enumeration."""
+    with torch.no_grad():
+        p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1] / temperature, -1)
+        batch = torch.tensor([prompt + [x] for x in range(hf.config.vocab_size)])
+        p2 = torch.softmax(hf(batch).logits[:, -1] / temperature, -1)
+    return p1.double(), (p1[:, None] * p2).double()
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram", "early-exit"])
+def test_sampling_distribution_equals_plain_sampling(method):
+    """chi-square: the first two emitted tokens of speculative sampling follow the target's distribution."""
+    temperature, n = 1.3, 6000
+    target = sharpen(hf_model("llama"), 8.0)
+    # prompt [5, 9, X, 5, 9]: the n-gram drafter proposes X; pick the X the target itself likes most
+    cands = torch.tensor([[5, 9, x, 5, 9] for x in range(97)])
+    with torch.no_grad():
+        px = torch.softmax(target(cands).logits[:, -1] / temperature, -1)[torch.arange(97), torch.arange(97)]
+    prompt = [5, 9, int(px.argmax()), 5, 9]
+    spec = {"draft": draft_spec(sharpen(hf_model("llama", seed=3, num_hidden_layers=1), 4.0), k=3),
+            "ngram": SpecConfig(method="ngram", k=3),
+            "early-exit": SpecConfig(method="early-exit", early_exit_layers=1, k=3)}[method]
+    llm = tiny_llm(target, spec=spec, max_num_seqs=2048)
+    sp = [SamplingParams(temperature=temperature, max_tokens=2, seed=1000 + i, ignore_eos=True) for i in range(n)]
+    outs = llm.generate([prompt] * n, sp)
+    assert llm.aggregate_stats(outs).accepted > 0.03 * n  # speculation really took part
+    p1, p12 = _exact_two_token_distribution(target, prompt, temperature)
+    first = np.bincount([o.token_ids[0] for o in outs], minlength=97)
+    _chi2_ok(first, p1.numpy(), n)
+    # the two-token prefix jointly (V * V cells, rare ones pooled)
+    pairs = np.bincount([o.token_ids[0] * 97 + o.token_ids[1] for o in outs], minlength=97 * 97)
+    _chi2_ok(pairs, p12.flatten().numpy(), n)
+
+
+def _chi2_ok(counts, probs, n, alpha=1e-3):
+    expected = probs * n
+    big = expected >= 5  # pool the rare cells
+    assert big.sum() >= 10, "test has no power: too few well-populated cells"
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    p = stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+    assert p > alpha, f"chi2 p={p:.2e}"
+
+
+def test_ngram_propose():
+    assert ngram_propose([1, 2, 3, 4, 1, 2], 3, 1, 3) == [3, 4, 1]
+    assert ngram_propose([1, 2, 3, 9, 2, 3, 7, 2, 3], 2, 2, 2) == [7, 2]  # latest match wins
+    assert ngram_propose([1, 2, 3], 4) == []
+    assert ngram_propose([5, 5], 3, 1, 1) == [5]
+
+
+def test_adaptive_k_choice():
+    cheap, flat = CostModel(), CostModel()
+    for tokens in (1, 2, 5, 9):
+        flat.record_target(tokens, 0.010)  # verification is free (memory-bound)
+    flat.record_draft_step(0.0005)
+    assert choose_k(0.9, 8, 1, flat) >= 6
+    assert choose_k(0.05, 8, 1, flat) <= 1
+    expensive = CostModel(flat.target_obs, type(flat.draft_obs)([0.02]))  # drafting costs 2 target steps
+    assert choose_k(0.8, 8, 1, expensive) == 0
+    for tokens in (1, 2, 5, 9, 64, 128):  # compute-bound: every verified token costs
+        cheap.record_target(tokens, 0.001 * tokens)
+    cheap.record_draft_step(0.0001)
+    assert choose_k(0.6, 8, 64, cheap) == 0
+    est = AcceptanceEstimate()
+    for _ in range(30):
+        est.update(4, 0)
+    assert est.alpha < 0.1
+
+
+def test_adaptive_k_turns_speculation_off_for_a_useless_draft():
+    target = sharpen(hf_model("llama"), 3.0)
+    useless = hf_model("llama", seed=11, num_hidden_layers=3)  # as costly as the target, disagrees with it
+    llm = tiny_llm(target, spec=draft_spec(useless, adaptive=True, k_max=4), check_invariants=True)
+    outs = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert outs[0].token_ids == tiny_llm(target).generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].token_ids
+    s = outs[0].stats
+    assert s.drafted < 4 * s.rounds / 2  # it mostly stopped drafting
+
+
+def test_mismatched_tokenizers_raise():
+    target = hf_model("llama")
+    other = hf_model("llama", vocab_size=99)
+    with pytest.raises(ValueError, match="tokenizers differ"):
+        tiny_llm(target, spec=SpecConfig(method="draft", draft_model=(ours_from_hf(other).model, tiny_tokenizer(99))))
+
+
+def test_nan_logits_raise_naming_the_request():
+    target = hf_model("llama")
+    with torch.no_grad():
+        target.lm_head.weight[5] = float("nan")
+    llm = tiny_llm(target)
+    with pytest.raises(ValueError, match="request"):
+        llm.generate([[5, 6, 7]], SamplingParams(temperature=0.7, max_tokens=3))

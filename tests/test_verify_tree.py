@@ -1,0 +1,148 @@
+"""verify_tree and the tree layout helpers: SGLang's worked examples, batched == reference, structure."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forerun.verify import (parents_from_retrive, retrive_links, tree_attention_mask, tree_positions, verify_tree)
+from forerun.verify.reference import ref_verify_tree
+from test_verify_common import DEVICES, const_sampling, emitted, random_tree_batch, to_device
+
+# SGLang's sgl-kernel test: two requests of 6 nodes; retrive_next_token / retrive_next_sibling per request.
+SGL_NEXT_TOKEN = torch.tensor([1, 2, -1, 4, 5, -1, 4, 2, 3, -1, 5, -1])
+SGL_NEXT_SIBLING = torch.tensor([-1, 3, -1, -1, -1, -1, -1, -1, -1, -1, 1, -1])
+SGL_CANDIDATES = torch.tensor([0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12])
+FTP, SIZES = torch.tensor([0, 6]), torch.tensor([6, 6])
+
+
+def _sgl_logits() -> torch.Tensor:
+    logits = torch.ones(2, 6, 20)
+    logits[0, 0, 3] = logits[0, 3, 4] = logits[0, 4, 5] = logits[1, 0, 11] = logits[1, 4, 12] = 10
+    for i in range(2):
+        for j in range(6):
+            if logits[i, j].max() < 10:
+                logits[i, j, 18] = 10
+    return logits.view(12, 20)
+
+
+def test_parents_and_links_round_trip_on_sglang_example():
+    parents = parents_from_retrive(SGL_NEXT_TOKEN, SGL_NEXT_SIBLING, FTP, SIZES)
+    assert parents.tolist() == [-1, 0, 1, 0, 3, 4, -1, 0, 1, 2, 0, 4]
+    next_token, next_sibling = retrive_links(parents, FTP, SIZES)
+    assert next_token[:6].tolist() == SGL_NEXT_TOKEN[:6].tolist()  # request 0: siblings already in index order
+    assert next_sibling[:6].tolist() == SGL_NEXT_SIBLING[:6].tolist()
+    assert next_token[6:].tolist() == [1, 2, 3, -1, 5, -1] and next_sibling[6:].tolist() == [-1, 4, -1, -1, -1, -1]
+
+
+@pytest.mark.parametrize("rule, thresholds", [("greedy", (1.0, 1.0)), ("target_only", (1.0, 1.0)),
+                                              ("target_only", (0.0, 0.0))])
+def test_sglang_worked_example(rule, thresholds):
+    """sgl-kernel's test_tree_speculative_sampling_target_only, temperature 0.01: accept_index
+    [[0, 3, 4, 5], [6, 10, 11, -1]], accept_token_num [3, 2], predicts 3 4 5 18 / 11 12 18."""
+    parents = parents_from_retrive(SGL_NEXT_TOKEN, SGL_NEXT_SIBLING, FTP, SIZES)
+    g = torch.Generator().manual_seed(0)
+    r = verify_tree(_sgl_logits(), SGL_CANDIDATES, parents, FTP, SIZES, const_sampling(2, temperature=0.01),
+                    torch.rand(12, 2, generator=g), rule=rule, threshold_single=thresholds[0],
+                    threshold_acc=thresholds[1])
+    assert r.accepted_rows[:, :4].tolist() == [[0, 3, 4, 5], [6, 10, 11, -1]]
+    assert r.num_accepted.tolist() == [3, 2]
+    assert emitted(r) == [[3, 4, 5, 18], [11, 12, 18]]
+    assert r.accepted_mask.nonzero().flatten().tolist() == [3, 4, 5, 10, 11]
+
+
+def _target_only_single(candidates, next_token, next_sibling, target_probs, coins, threshold_single=1.0):
+    """One request given SGLang-style target_probs (logits = log p at temperature 1)."""
+    n = len(candidates)
+    ftp, size = torch.tensor([0]), torch.tensor([n])
+    parents = parents_from_retrive(torch.tensor(next_token), torch.tensor(next_sibling), ftp, size)
+    uniforms = torch.stack([torch.tensor(coins), torch.zeros(n)], 1)
+    return verify_tree(torch.tensor(target_probs).log(), torch.tensor(candidates), parents, ftp, size,
+                       const_sampling(1), uniforms, rule="target_only", threshold_single=threshold_single)
+
+
+@pytest.mark.parametrize("threshold_single", [0.0, 1.0])
+def test_sglang_zero_probability_candidate_is_never_accepted(threshold_single):
+    r = _target_only_single([0, 1], [1, -1], [-1, -1], [[0.0, 0.0, 1.0, 0.0]] * 2, [0.0, 0.0], threshold_single)
+    assert r.num_accepted.tolist() == [0] and r.sampled_token_ids.tolist() == [2]
+
+
+def test_sglang_zero_coin_accepts_positive_probability_candidate():
+    r = _target_only_single([0, 1], [1, -1], [-1, -1], [[0.0, 0.25, 0.75, 0.0], [0.0, 0.0, 1.0, 0.0]], [0.0, 0.0])
+    assert r.num_accepted.tolist() == [1]
+
+
+def test_sglang_coin_at_bucket_boundary_skips_zero_mass_bucket():
+    r = _target_only_single([0, 1, 2, 3], [1, -1, -1, -1], [-1, 2, 3, -1],
+                            [[0.0, 0.25, 0.0, 0.75]] + [[0.0, 0.0, 1.0, 0.0]] * 3, [0.25, 0.0, 0.0, 0.0])
+    assert r.num_accepted.tolist() == [1] and emitted(r)[0][0] == 3
+
+
+def test_target_only_final_token_excludes_rejected_children():
+    # root children tokens 1 and 2 hold 0.3 + 0.3 of the mass; coin 0.9 rejects both: final from {0, 3}
+    probs = [[0.2, 0.3, 0.3, 0.2]] + [[0.25] * 4] * 2
+    for u in torch.linspace(0, 0.999, 30).tolist():
+        n = 3
+        parents = torch.tensor([-1, 0, 0])
+        uniforms = torch.tensor([[0.9, u], [0.0, 0.0], [0.0, 0.0]])
+        r = verify_tree(torch.tensor(probs).log(), torch.tensor([0, 1, 2]), parents, torch.tensor([0]),
+                        torch.tensor([n]), const_sampling(1), uniforms, rule="target_only")
+        assert r.num_accepted.tolist() == [0] and r.sampled_token_ids.item() in (0, 3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rule, kwargs", [
+    ("greedy", {}), ("auto", {}), ("exact", {}), ("exact", dict(draft_scheme="without_replacement")),
+    ("target_only", {}), ("target_only", dict(threshold_single=0.3, threshold_acc=0.6)), ("typical", {})])
+def test_batched_equals_reference_on_random_trees(rule, kwargs, device):
+    g = torch.Generator().manual_seed(20)
+    for _ in range(4):
+        b = random_tree_batch(g)
+        r = verify_tree(**to_device(b, device), rule=rule, **kwargs)
+        ref = ref_verify_tree(*b.values(), rule=rule, **kwargs)
+        assert r.num_accepted.tolist() == ref.num_accepted
+        assert emitted(r) == ref.output_token_ids
+        paths = [row[: n + 1] for row, n in zip(r.accepted_nodes.tolist(), r.num_accepted.tolist())]
+        assert paths == ref.accepted_nodes
+
+
+def test_tree_of_one_path_equals_the_chain_greedy():
+    g = torch.Generator().manual_seed(21)
+    logits = torch.randn(5, 7, generator=g)
+    tokens = torch.cat([torch.tensor([0]), logits[:4].argmax(-1)])
+    tokens[3] = (tokens[3] + 1) % 7  # the third draft disagrees
+    r = verify_tree(logits, tokens, torch.tensor([-1, 0, 1, 2, 3]), torch.tensor([0]), torch.tensor([5]),
+                    const_sampling(1, temperature=0.0), torch.rand(5, 2, generator=g))
+    assert emitted(r) == [tokens[1:3].tolist() + [int(logits[2].argmax())]]
+
+
+def test_tree_mask_positions():
+    #        0
+    #      /   \
+    #     1     2          parents [-1, 0, 0, 1, 1, 2]
+    #    / \     \
+    #   3   4     5
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, -1, 0])  # a second request with 2 nodes
+    ftp, sizes = torch.tensor([0, 6]), torch.tensor([6, 2])
+    mask = tree_attention_mask(parents, ftp, sizes)
+    assert mask.shape == (8, 6)
+    assert mask[4].tolist() == [True, True, False, False, True, False]
+    assert mask[5].tolist() == [True, False, True, False, False, True]
+    assert mask[7].tolist() == [True, True, False, False, False, False]
+    assert tree_positions(parents, ftp, sizes).tolist() == [0, 1, 1, 2, 2, 2, 0, 1]
+    nt, ns = retrive_links(parents, ftp, sizes)
+    assert nt.tolist() == [1, 3, 5, -1, -1, -1, 1, -1] and ns.tolist() == [-1, 2, -1, 4, -1, -1, -1, -1]
+
+
+def test_bad_trees_and_logits_raise():
+    s, u = const_sampling(1), torch.rand(3, 2)
+    with pytest.raises(ValueError, match="node 2 has parent 2"):
+        verify_tree(torch.zeros(3, 4), torch.zeros(3, dtype=torch.long), torch.tensor([-1, 0, 2]), torch.tensor([0]),
+                    torch.tensor([3]), s, u)
+    logits = torch.zeros(3, 4)
+    logits[1, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"row 1 \(request 0\) contains NaN"):
+        verify_tree(logits, torch.zeros(3, dtype=torch.long), torch.tensor([-1, 0, 0]), torch.tensor([0]),
+                    torch.tensor([3]), s, u, rule="exact", draft_probs=torch.full((3, 4), 0.25))
+    with pytest.raises(ValueError, match=r"draft_probs row 0 \(request 0\)"):
+        verify_tree(torch.zeros(3, 4), torch.zeros(3, dtype=torch.long), torch.tensor([-1, 0, 0]), torch.tensor([0]),
+                    torch.tensor([3]), s, u, rule="exact", draft_probs=torch.zeros(3, 4))

@@ -77,6 +77,15 @@ def cmd_generate(a) -> int:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # its own parser (forerun.bench)
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
+    if argv[:2] == ["models", "pull"]:
+        from .models import hub
+
+        return hub.main_pull(argv[2:])
     p = argparse.ArgumentParser(prog="forerun", description="speculative-decoding inference engine")
     sub = p.add_subparsers(dest="cmd", required=True)
 

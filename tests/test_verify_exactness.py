@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import forerun.verify.chain as chain_module
+import forerun.verify.tree as tree_module
 from forerun.verify import logits_to_probs, residual_weights, verify_chain, verify_tree
 from test_verify_common import chi2_pvalue, const_sampling
 
@@ -21,6 +22,8 @@ V = 8
 CONFIGS = {"t0.7": dict(temperature=0.7), "t1.3": dict(temperature=1.3),
            "top_k3": dict(temperature=1.0, top_k=3), "top_p0.8": dict(temperature=1.0, top_p=0.8)}
 ALPHA = 1e-3  # exact paths must pass; biased ones must fall far below
+CHAIN_N = 1_000_000  # catches an accept ratio off by 1% (p < 1e-13 in every config)
+TREE_N = 200_000
 
 
 def _probs(logits: torch.Tensor, cfg: dict) -> torch.Tensor:
@@ -37,18 +40,21 @@ def _world(seed: int, cfg: dict):
 
 
 def _prefix_pvalue(w: dict, out: torch.Tensor, num_emitted: torch.Tensor, g: torch.Generator) -> float:
+    """Smallest of two chi-square p-values, Bonferroni-corrected: the first token (V cells) and the
+    2-token prefix (V^2 cells)."""
     x1 = out[:, 0]
     x2 = torch.where(num_emitted >= 2, out[:, 1], torch.multinomial(w["p2"][x1], 1, generator=g).squeeze(1))
-    counts = torch.bincount(x1 * V + x2, minlength=V * V)
-    return chi2_pvalue(counts, (w["p1"].unsqueeze(1) * w["p2"]).flatten())
+    first = chi2_pvalue(torch.bincount(x1, minlength=V), w["p1"])
+    joint = chi2_pvalue(torch.bincount(x1 * V + x2, minlength=V * V), (w["p1"].unsqueeze(1) * w["p2"]).flatten())
+    return 2 * min(first, joint)
 
 
-def _chain_trials(w: dict, cfg: dict, n: int, seed: int, rule: str = "rejection", draft_scale: float = 1.0) -> float:
+def _chain_trials(w: dict, cfg: dict, n: int, seed: int, rule: str = "rejection") -> float:
     g = torch.Generator().manual_seed(seed)
     d1 = torch.multinomial(w["q1"], n, replacement=True, generator=g)
     d2 = torch.multinomial(w["q2"][d1], 1, generator=g).squeeze(1)
     logits = torch.stack([w["t1"].expand(n, V), w["t2"][d1], w["t2"][d2]], 1).reshape(3 * n, V)
-    draft_probs = torch.stack([w["q1"].expand(n, V), w["q2"][d1], w["q2"][d2]], 1).reshape(3 * n, V) * draft_scale
+    draft_probs = torch.stack([w["q1"].expand(n, V), w["q2"][d1], w["q2"][d2]], 1).reshape(3 * n, V)
     drafts = torch.stack([d1, d2, torch.full_like(d1, -1)], 1).flatten()
     r = verify_chain(logits, drafts, torch.arange(n) * 3, torch.full((n,), 3), const_sampling(n, **cfg),
                      torch.rand(3 * n, 2, generator=g), draft_probs=draft_probs, rule=rule)
@@ -58,19 +64,19 @@ def _chain_trials(w: dict, cfg: dict, n: int, seed: int, rule: str = "rejection"
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_chain_rejection_emits_the_target_distribution(name):
     cfg = CONFIGS[name]
-    assert _chain_trials(_world(1, cfg), cfg, 400_000, seed=2) > ALPHA
+    assert _chain_trials(_world(1, cfg), cfg, CHAIN_N, seed=2) > ALPHA
 
 
 def test_chain_test_rejects_accept_ratio_off_by_one_percent(monkeypatch):
     cfg = CONFIGS["t1.3"]
     monkeypatch.setattr(chain_module, "ratio_accept", lambda p_x, q_x, u: u * q_x * 0.99 < p_x)
-    assert _chain_trials(_world(1, cfg), cfg, 400_000, seed=2) < 1e-6
+    assert _chain_trials(_world(1, cfg), cfg, CHAIN_N, seed=2) < 1e-6
 
 
 def test_chain_test_rejects_residual_without_subtraction(monkeypatch):
     cfg = CONFIGS["t0.7"]
     monkeypatch.setattr(chain_module, "residual_weights", lambda p, q, alpha=1.0: p)
-    assert _chain_trials(_world(1, cfg), cfg, 400_000, seed=2) < 1e-6
+    assert _chain_trials(_world(1, cfg), cfg, CHAIN_N, seed=2) < 1e-6
 
 
 # ---- trees ---------------------------------------------------------------------------------------------
@@ -79,7 +85,7 @@ TREE_PARENTS = [-1, 0, 0, 0, 1, 1, 2, 2, 3, 3]  # 3 children of the root, 2 chil
 
 
 def _tree_trials(w: dict, cfg: dict, n: int, seed: int, rule: str = "exact", scheme: str = "with_replacement",
-                 drafted: str = "with_replacement", draft_scale: float = 1.0, **kwargs) -> float:
+                 drafted: str = "with_replacement", **kwargs) -> float:
     """drafted: how the children are drawn from q ("with_replacement", "without_replacement", or
     "top" = deterministic top-3 / top-2 of q, EAGLE-style)."""
     g = torch.Generator().manual_seed(seed)
@@ -92,7 +98,7 @@ def _tree_trials(w: dict, cfg: dict, n: int, seed: int, rule: str = "exact", sch
         grand = torch.multinomial(w["q2"][kids.reshape(-1)], 2, replacement=wr, generator=g).view(n, 6)
     tokens = torch.cat([torch.zeros(n, 1, dtype=torch.long), kids, grand], 1)  # [n, 10]
     logits = torch.cat([w["t1"].expand(n, 1, V), w["t2"][tokens[:, 1:]]], 1).reshape(10 * n, V)
-    draft_probs = torch.cat([w["q1"].expand(n, 1, V), w["q2"][tokens[:, 1:]]], 1).reshape(10 * n, V) * draft_scale
+    draft_probs = torch.cat([w["q1"].expand(n, 1, V), w["q2"][tokens[:, 1:]]], 1).reshape(10 * n, V)
     r = verify_tree(logits, tokens.flatten(), torch.tensor(TREE_PARENTS).repeat(n), torch.arange(n) * 10,
                     torch.full((n,), 10), const_sampling(n, **cfg), torch.rand(10 * n, 2, generator=g),
                     draft_probs=draft_probs, rule=rule, draft_scheme=scheme, max_nodes=10, **kwargs)
@@ -102,34 +108,35 @@ def _tree_trials(w: dict, cfg: dict, n: int, seed: int, rule: str = "exact", sch
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_tree_exact_with_replacement_emits_the_target_distribution(name):
     cfg = CONFIGS[name]
-    assert _tree_trials(_world(3, cfg), cfg, 200_000, seed=4) > ALPHA
+    assert _tree_trials(_world(3, cfg), cfg, TREE_N, seed=4) > ALPHA
 
 
 @pytest.mark.parametrize("name", ["t0.7", "t1.3"])
 def test_tree_exact_without_replacement_emits_the_target_distribution(name):
     cfg = CONFIGS[name]
-    p = _tree_trials(_world(3, cfg), cfg, 200_000, seed=5, scheme="without_replacement", drafted="without_replacement")
+    p = _tree_trials(_world(3, cfg), cfg, TREE_N, seed=5, scheme="without_replacement", drafted="without_replacement")
     assert p > ALPHA
 
 
-def test_tree_test_rejects_accept_ratio_off_by_one_percent():
+def test_tree_test_rejects_residual_without_normalisation(monkeypatch):
     cfg = CONFIGS["t1.3"]
-    assert _tree_trials(_world(3, cfg), cfg, 200_000, seed=4, draft_scale=0.99) < 1e-6
+    monkeypatch.setattr(tree_module, "normalised_residual", residual_weights)
+    assert _tree_trials(_world(3, cfg), cfg, TREE_N, seed=4) < 1e-6
 
 
 def test_tree_test_rejects_with_replacement_rule_on_distinct_children():
     cfg = CONFIGS["t1.3"]
-    assert _tree_trials(_world(3, cfg), cfg, 200_000, seed=5, drafted="without_replacement") < 1e-6
+    assert _tree_trials(_world(3, cfg), cfg, TREE_N, seed=5, drafted="without_replacement") < 1e-6
 
 
 def test_target_only_is_exact_with_unit_thresholds_and_distinct_children():
     cfg = CONFIGS["t1.3"]
-    assert _tree_trials(_world(6, cfg), cfg, 200_000, seed=7, rule="target_only", drafted="top") > ALPHA
+    assert _tree_trials(_world(6, cfg), cfg, TREE_N, seed=7, rule="target_only", drafted="top") > ALPHA
 
 
 def test_target_only_with_lower_threshold_is_biased():
     cfg = CONFIGS["t1.3"]
-    p = _tree_trials(_world(6, cfg), cfg, 200_000, seed=7, rule="target_only", drafted="top", threshold_acc=0.7)
+    p = _tree_trials(_world(6, cfg), cfg, TREE_N, seed=7, rule="target_only", drafted="top", threshold_acc=0.7)
     assert p < 1e-6
 
 

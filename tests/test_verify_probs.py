@@ -99,6 +99,19 @@ def test_sample_inverse_cdf_matches_reference_and_skips_zero_weights():
     assert got.tolist() == [ref_sample(w[i].tolist(), float(u[i])) for i in range(300)]
 
 
+def test_sample_across_blocks_matches_reference():
+    """Sparse rows over several 1024-token blocks (empty blocks, a short tail block) and extreme coins."""
+    g = torch.Generator().manual_seed(6)
+    w = torch.rand(40, 3000, generator=g) * (torch.rand(40, 3000, generator=g) < 0.01)
+    w[:, 2999] += (torch.arange(40) % 2).float()  # half the rows: a heavy token in the tail block
+    w[:, 5] += 1e-4
+    u = torch.rand(40, generator=g)
+    u[:4] = torch.tensor([0.0, 1 - 2 ** -24, 0.5, 1 - 2 ** -24])
+    got = sample_from_probs(w, u)
+    assert (w[torch.arange(40), got] > 0).all()
+    assert got.tolist() == [ref_sample(w[i].tolist(), float(u[i])) for i in range(40)]
+
+
 def test_sample_unnormalised_tiny_weights():
     """Every weight below 2^-31 (a near-empty penalty residual): still a valid, correctly weighted token."""
     w = torch.zeros(4, 151_936)

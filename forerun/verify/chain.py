@@ -68,9 +68,9 @@ def residual_weights(p: Tensor, q: Tensor, alpha: float = 1.0) -> Tensor:
     (1 + eps) x (1 - x) <= x + eps (1 - x)  <=>  0 <= (x - eps)^2 + eps (1 - eps) + eps x^2.  QED.
     With the default penalty 5e-5 no token gains more than a factor 1.00005 or loses more than ~5e-5.
     """
-    res = (p - alpha * q).clamp_min(0)
+    res = torch.sub(p, q, alpha=alpha).clamp_min_(0)
     empty = res.sum(-1, keepdim=True) <= 0
-    return torch.where(empty, p, res)
+    return torch.where(empty, p, res) if bool(empty.any()) else res
 
 
 def typical_threshold(probs: Tensor, epsilon: float, delta: float) -> Tensor:
@@ -153,8 +153,6 @@ def verify_chain(
     row_to_req, local_step, is_verify = chain_rows(ftp, seqlens, num_rows)
 
     logits = target_logits if not token_bitmasks else apply_token_bitmasks(target_logits, token_bitmasks, ftp, seqlens)
-    if check:
-        check_logits(logits, row_to_req=row_to_req, name="target_logits")
     draft_vocab = torch.where(is_verify, draft_token_ids.long(), -1)
     drafts = draft_vocab if topk_index is None else vocab_to_columns(draft_vocab, topk_index)
     has_draft = is_verify & (drafts >= 0)
@@ -162,40 +160,47 @@ def verify_chain(
 
     greedy_req = sampling.temperature <= 0 if rule == "auto" else torch.full((num_req,), rule == "greedy", device=device)
     greedy = greedy_req[row_to_req]  # [T]
-    argmax = logits.argmax(-1)  # [T]
-    need_probs = rule != "greedy" and (rule != "auto" or bool((~greedy_req).any()))
+    any_greedy = rule == "greedy" or (rule == "auto" and bool(greedy_req.any()))
+    need_probs = rule != "greedy" and (rule != "auto" or not bool(greedy_req.all()))
     needs_q = need_probs and rule in ("auto", "rejection", "penalty")
     if needs_q and draft_probs is None:
         raise ValueError(f"rule {rule!r} with sampled requests needs draft_probs")
+    probs = sampling.probs(logits, row_to_req, check=check) if need_probs else None  # [T, V]
+    argmax = None
+    if any_greedy:
+        row_max, argmax = logits.max(-1)  # one pass: the argmax and the NaN / Inf check
+        if check and probs is None:
+            check_logits(logits, row_max, row_to_req=row_to_req)
     if needs_q and check:
         check_probs(draft_probs, (has_draft & ~greedy).nonzero().squeeze(1), row_to_req=row_to_req)
 
-    raw = greedy_accept(argmax, drafts)
-    probs = None
-    if need_probs:
-        probs = sampling.probs(logits, row_to_req, check=False)  # [T, V]
+    # per-row decision (greedy rows: argmax; sampled rows: the rule), then the accepted prefix
+    raw = None if argmax is None else greedy_accept(argmax, drafts)
+    if probs is not None:
         p_x = probs.gather(1, d_idx).squeeze(1)
         if rule == "typical":
             sampled_ok = p_x > typical_threshold(probs, typical_epsilon, typical_delta)
         else:
             sampled_ok = ratio_accept(p_x, draft_probs.gather(1, d_idx).squeeze(1).float(), uniforms[:, 0])
-        raw = torch.where(greedy, raw, sampled_ok)
+        raw = sampled_ok if raw is None else torch.where(greedy, raw, sampled_ok)
     raw = raw & has_draft
     if golden_token_ids is not None:
         forced = is_verify & (golden_token_ids >= 0)
         raw = torch.where(forced, draft_vocab == golden_token_ids, raw)
     raw = raw | ~is_verify
-
     acc = accept_prefix(raw, is_verify, row_to_req, ftp)
+
+    # final token from each request's final row: argmax, residual sample (rejected) or bonus sample
     f = acc.final_row  # [R]
-    final = argmax[f]
+    final = None if argmax is None else argmax[f]
     if probs is not None:
         weights = probs[f]  # [R, V]
-        if rule != "typical":
+        if rule != "typical":  # residual where the final row is a rejected verify row; q = 0 on bonus rows
             alpha = math.exp(-penalty) if rule == "penalty" else 1.0
-            rejected = (draft_vocab[f] >= 0).unsqueeze(1)  # the final row is a rejected verify row
-            weights = torch.where(rejected, residual_weights(weights, draft_probs[f].float(), alpha), weights)
-        final = torch.where(greedy_req, final, sample_from_probs(weights, uniforms[f, 1]))
+            rejected = (draft_vocab[f] >= 0).to(weights.dtype).unsqueeze(1)
+            weights = residual_weights(weights, draft_probs[f].float().mul_(rejected), alpha)
+        sampled = sample_from_probs(weights, uniforms[f, 1])
+        final = sampled if final is None else torch.where(greedy_req, final, sampled)
     if topk_index is not None:
         final = columns_to_vocab(final, topk_index[f])
     if golden_token_ids is not None:

@@ -157,10 +157,8 @@ class TreeLayout:
     depth: Tensor  # [R, n] long: 0 for the root
     earlier_sibling: Tensor  # [R, n, n] bool: [r, i, j] = j < i share a parent
     sibling_rank: Tensor  # [R, n] long: number of earlier siblings
-
-    @property
-    def is_child(self) -> Tensor:  # [R, n] bool: a valid non-root node
-        return self.valid & (self.parent >= 0)
+    is_child: Tensor  # [R, n] bool: a valid non-root node
+    has_children: Tensor  # [R, n] bool
 
     @property
     def parent_row(self) -> Tensor:  # [R, n] long: global row of the parent (own row for roots)
@@ -191,7 +189,10 @@ def tree_layout(parents: Tensor, ftp: Tensor, seqlens_q: Tensor, max_nodes: int 
     ancestors = anc > 0
     same = (parent.unsqueeze(2) == parent.unsqueeze(1)) & (parent >= 0).unsqueeze(2)
     earlier = same & (j.unsqueeze(0) < j.unsqueeze(1)).unsqueeze(0)  # [r, i, j]: j < i
-    return TreeLayout(node_row, valid, parent, ancestors, ancestors.sum(-1) - 1, earlier, earlier.sum(-1))
+    is_child = valid & (parent >= 0)
+    has_children = torch.zeros_like(parent).scatter_add_(1, parent.clamp(min=0), is_child.long()) > 0
+    return TreeLayout(node_row, valid, parent, ancestors, ancestors.sum(-1) - 1, earlier, earlier.sum(-1), is_child,
+                      has_children)
 
 
 def _per_row(layout: TreeLayout, values: Tensor, num_rows: int) -> Tensor:

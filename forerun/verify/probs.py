@@ -62,13 +62,12 @@ def check_probs(probs: Tensor, rows: Tensor, *, row_to_req: Tensor | None = None
 
     probs: [N, V]; rows: [M] long row indices to check.
     """
-    sub = probs.index_select(0, rows).float()  # [M, V]
-    total, low = sub.sum(-1), sub.amin(-1)
-    bad = ~torch.isfinite(total) | (total <= 0) | (low < 0)  # [M]
+    total, low = probs.sum(-1, dtype=torch.float32), probs.amin(-1)  # [N]: two reads, no copy
+    bad = (~torch.isfinite(total) | (total <= 0) | (low < 0))[rows]  # [M]
     if bool(bad.any()):
-        i = int(bad.nonzero()[0, 0])
-        raise ValueError(f"{name} {_where(row_to_req, int(rows[i]))} is not a probability distribution "
-                         f"(sum {float(total[i]):.3g}, min {float(low[i]):.3g}): NaN, negative or all-zero")
+        row = int(rows[bad.nonzero()[0, 0]])
+        raise ValueError(f"{name} {_where(row_to_req, row)} is not a probability distribution "
+                         f"(sum {float(total[row]):.3g}, min {float(low[row]):.3g}): NaN, negative or all-zero")
 
 
 def _rows(mask: Tensor) -> Tensor:
@@ -91,7 +90,7 @@ def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
         check_logits(x, row_max.squeeze(1), row_to_req=row_to_req)
     greedy = temperature <= 0  # [N]
     temp = torch.where(greedy, torch.ones_like(temperature), temperature).float()
-    x = (x - row_max) / temp.unsqueeze(1)  # new tensor, <= 0, max entry exactly 0
+    x = x.sub(row_max).div_(temp.unsqueeze(1))  # one new tensor, <= 0, max entry exactly 0
     vocab = x.shape[1]
 
     rows = _rows((top_k > 0) & (top_k < vocab) & ~greedy)
@@ -117,7 +116,8 @@ def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
         floor = min_p.index_select(0, rows).float().unsqueeze(1) * p.amax(-1, keepdim=True)
         x.index_copy_(0, rows, sub.masked_fill(p < floor, NEG_INF))
 
-    probs = x.softmax(-1)
+    probs = x.exp_()  # softmax in place: the row maximum is exactly 0 and always kept by the masks
+    probs.div_(probs.sum(-1, keepdim=True))
     rows = _rows(greedy)
     if rows.numel():
         one_hot = torch.zeros(rows.numel(), vocab, dtype=probs.dtype, device=probs.device)
@@ -126,22 +126,34 @@ def logits_to_probs(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: T
     return probs
 
 
-def sample_from_probs(probs: Tensor, u: Tensor) -> Tensor:
+def sample_from_probs(probs: Tensor, u: Tensor, block: int = 1024) -> Tensor:
     """Inverse-CDF sample of each row: the smallest i with cumsum[i] > u * total.
 
     probs: [N, V] non-negative weights, need not be normalised (a residual can be passed as is, even
     when every weight is below 2^-31); each row must have positive mass. u: [N] in [0, 1).
-    Returns long [N]. The cumulative sum runs in float64, and a zero-weight token is never returned:
-    cumsum[i] > cumsum[i-1] implies weight i > 0, and when rounding puts u * total at or above the
-    final sum, the last token of positive weight is returned.
+    Returns long [N]. Two levels: float32 block sums accumulated in float64, then a float64 cumsum
+    inside the one block that holds the target, so a row costs one pass instead of a sequential scan.
+    A zero-weight token is never returned: the chosen block has a positive sum, and inside it
+    cumsum[i] > cumsum[i-1] implies weight i > 0; when rounding leaves the target at or past the
+    block's own cumsum, the token where that cumsum first reaches its total (positive weight) is used.
     """
-    w = probs.double()
-    cdf = w.cumsum(-1)  # [N, V]
-    target = u.double().unsqueeze(1) * cdf[:, -1:]  # [N, 1]
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)  # [N]
-    vocab = w.shape[1]
-    last_positive = vocab - 1 - (w > 0).flip(-1).to(torch.uint8).argmax(-1)  # [N]
-    return torch.minimum(idx, last_positive)
+    n, vocab = probs.shape
+    block = min(block, vocab)
+    full = vocab // block
+    sums = probs[:, : full * block].view(n, full, block).sum(-1)  # [N, full] (float32 pairwise sums)
+    if vocab > full * block:
+        sums = torch.cat([sums, probs[:, full * block:].sum(-1, keepdim=True)], 1)
+    block_cdf = sums.double().cumsum(-1)  # [N, blocks]
+    total = block_cdf[:, -1:].contiguous()  # [N, 1]
+    target = u.double().unsqueeze(1) * total
+    b = torch.minimum(torch.searchsorted(block_cdf, target, right=True), torch.searchsorted(block_cdf, total))
+    before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp(min=0)), 0.0)  # [N, 1]
+    cols = b * block + torch.arange(block, device=probs.device)  # [N, block]
+    inside = probs.gather(1, cols.clamp(max=vocab - 1)).masked_fill(cols >= vocab, 0.0)
+    cdf = inside.cumsum(-1, dtype=torch.float64)
+    idx = torch.searchsorted(cdf, (target - before).clamp(min=0), right=True)
+    idx = torch.minimum(idx, torch.searchsorted(cdf, cdf[:, -1:].contiguous()))
+    return (b * block + idx).squeeze(1)
 
 
 def compute_logprobs(logits: Tensor, token_ids: Tensor, num_top: int = 0

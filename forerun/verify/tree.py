@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .chain import typical_threshold
+from .chain import ratio_accept, residual_weights, typical_threshold
 from .layout import TreeLayout, chain_rows, tree_layout
 from .probs import SamplingTensors, check_logits, check_probs, sample_from_probs
 
@@ -88,6 +88,12 @@ def _target_only_final(probs_final: Tensor, final: Tensor, tokens: Tensor, lay: 
     return torch.where(res.sum(-1, keepdim=True) > 0, res, probs_final)
 
 
+def normalised_residual(p: Tensor, q: Tensor) -> Tensor:
+    """p_i = norm(max(p_{i-1} - q_{i-1}, 0)) of the recursion below (p_{i-1} where empty). p, q: [N, V]."""
+    res = residual_weights(p, q)
+    return res / res.sum(-1, keepdim=True)
+
+
 def exact_pick(probs: Tensor, draft_probs: Tensor, tokens: Tensor, uniforms: Tensor, lay: TreeLayout,
                without_replacement: bool) -> Tensor:
     """Exact multi-draft tree sampling (recursive rejection sampling: SpecTr / SpecInfer / Yang et al.
@@ -126,7 +132,8 @@ def exact_pick(probs: Tensor, draft_probs: Tensor, tokens: Tensor, uniforms: Ten
     where = torch.where(lay.is_child, lay.parent * slots + lay.sibling_rank, n * slots)
     child_at.scatter_(1, where, torch.arange(n, device=tokens.device).expand(num_req, n).contiguous())
     child_at = child_at[:, : n * slots].view(num_req, n, slots)  # [R, n(parent), slot] local child
-    q = draft_probs.float().clone() if without_replacement else draft_probs.float()
+    q = draft_probs.float().contiguous()
+    q = q.clone() if without_replacement and q is draft_probs else q
     open_ = torch.ones_like(lay.valid)
     for s in range(slots):
         c = child_at[:, :, s]
@@ -134,16 +141,14 @@ def exact_pick(probs: Tensor, draft_probs: Tensor, tokens: Tensor, uniforms: Ten
         c0 = c.clamp(min=0)
         tok = tokens.gather(1, c0).clamp(min=0)
         p_x, q_x = _flat(probs, lay.node_row, tok), _flat(q, lay.node_row, tok)
-        accept = has & (uniforms[:, 0][lay.node_row.gather(1, c0)] * q_x < p_x)
+        accept = has & ratio_accept(p_x, q_x, uniforms[:, 0][lay.node_row.gather(1, c0)])
         picked |= torch.zeros_like(picked).scatter_(1, c0, accept)
         open_ &= ~accept
         reject = has & ~accept
         rows = lay.node_row[reject]
         if rows.numel():
-            p_rows, q_rows = probs.index_select(0, rows), q.index_select(0, rows)
-            res = (p_rows - q_rows).clamp_min(0)
-            z = res.sum(-1, keepdim=True)
-            probs.index_copy_(0, rows, torch.where(z > 0, res / z.clamp_min(1e-38), p_rows))
+            q_rows = q.index_select(0, rows)
+            probs.index_copy_(0, rows, normalised_residual(probs.index_select(0, rows), q_rows))
             if without_replacement:
                 q_rows.scatter_(1, tok[reject].unsqueeze(1), 0.0)
                 zq = q_rows.sum(-1, keepdim=True)
@@ -219,33 +224,45 @@ def verify_tree(
     if check:
         check_logits(target_logits, row_to_req=row_to_req, name="target_logits")
     tokens = torch.where(lay.is_child, node_token_ids.long()[lay.node_row], -1)  # [R, n]
-    argmax = target_logits.argmax(-1)  # [T]
     greedy_req = sampling.temperature <= 0 if rule == "auto" else torch.full((len(ftp),), rule == "greedy", device=device)
-    final = _deepest_on_path(greedy_tree_pick(argmax, tokens, lay), lay)
-    final_token = argmax[lay.node_row.gather(1, final.unsqueeze(1)).squeeze(1)]
+    if rule in ("greedy", "auto"):
+        argmax = target_logits.argmax(-1)  # [T]
+        final = _deepest_on_path(greedy_tree_pick(argmax, tokens, lay), lay)
+        final_token = argmax[lay.node_row.gather(1, final.unsqueeze(1)).squeeze(1)]
     if rule != "greedy" and (rule != "auto" or bool((~greedy_req).any())):
         probs = sampling.probs(target_logits, row_to_req, check=False)  # [T, V]
-        if rule == "typical":
-            rule_final = typical_final_node(probs, tokens, lay, typical_epsilon, typical_delta)
-        elif rule == "target_only":
-            rule_final = _deepest_on_path(
-                target_only_pick(probs, tokens, uniforms, lay, threshold_single, threshold_acc), lay)
-        else:
+        if rule in ("auto", "exact"):
             if draft_probs is None:
                 raise ValueError(f"rule {rule!r} with sampled requests needs draft_probs")
             if check:
-                used = lay.parent_row[lay.is_child & ~greedy_req.unsqueeze(1)].unique()
-                check_probs(draft_probs, used, row_to_req=row_to_req)
-            picked = exact_pick(probs, draft_probs, tokens, uniforms, lay, draft_scheme == "without_replacement")
-            rule_final = _deepest_on_path(picked, lay)
-        rule_row = lay.node_row.gather(1, rule_final.unsqueeze(1)).squeeze(1)
-        weights = probs[rule_row]
-        if rule == "target_only":
-            weights = _target_only_final(weights, rule_final, tokens, lay)
-        sampled = sample_from_probs(weights, uniforms[rule_row, 1])
-        final = torch.where(greedy_req, final, rule_final)
-        final_token = torch.where(greedy_req, final_token, sampled)
+                check_probs(draft_probs, lay.node_row[lay.has_children & ~greedy_req.unsqueeze(1)], row_to_req=row_to_req)
+        sampled_final, sampled_token = _sampled_final(
+            rule, probs, draft_probs, tokens, uniforms, lay, threshold_single=threshold_single,
+            threshold_acc=threshold_acc, without_replacement=draft_scheme == "without_replacement",
+            epsilon=typical_epsilon, delta=typical_delta)
+        if rule == "auto":
+            final = torch.where(greedy_req, final, sampled_final)
+            final_token = torch.where(greedy_req, final_token, sampled_token)
+        else:
+            final, final_token = sampled_final, sampled_token
     return _tree_result(lay, final, final_token, tokens, seqlens, num_rows)
+
+
+def _sampled_final(rule: str, probs: Tensor, draft_probs: Tensor | None, tokens: Tensor, uniforms: Tensor,
+                   lay: TreeLayout, *, threshold_single: float, threshold_acc: float, without_replacement: bool,
+                   epsilon: float, delta: float) -> tuple[Tensor, Tensor]:
+    """Final node [R] and final token [R] of the sampling rules ("auto" = "exact")."""
+    if rule == "typical":
+        final = typical_final_node(probs, tokens, lay, epsilon, delta)
+    elif rule == "target_only":
+        final = _deepest_on_path(target_only_pick(probs, tokens, uniforms, lay, threshold_single, threshold_acc), lay)
+    else:
+        final = _deepest_on_path(exact_pick(probs, draft_probs, tokens, uniforms, lay, without_replacement), lay)
+    row = lay.node_row.gather(1, final.unsqueeze(1)).squeeze(1)
+    weights = probs[row]  # exact: the residual p_m left in probs by exact_pick
+    if rule == "target_only":
+        weights = _target_only_final(weights, final, tokens, lay)
+    return final, sample_from_probs(weights, uniforms[row, 1])
 
 
 def _tree_result(lay: TreeLayout, final: Tensor, final_token: Tensor, tokens: Tensor, seqlens: Tensor,

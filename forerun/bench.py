@@ -1,0 +1,181 @@
+"""`forerun bench`: plain vs speculative decoding on the CPU with real GGUF models, and transformers'
+assisted generation on the same weights as the peer, in one run. Writes JSON and a PNG plot.
+
+Every configuration decodes the same prompts one at a time (batch 1, greedy), so tok/s are comparable
+side by side, and every greedy speculative output is checked token-identical to plain decoding.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .bench_prompts import CODE_PROMPTS
+
+
+def _configs(args) -> list[tuple[str, str, str]]:
+    """(label, draft spec, k) for forerun runs."""
+    out = [("plain", "none", "0")]
+    ks = args.ks.split(",")
+    for drafter in args.drafters.split(","):
+        name = {"draft": args.draft, "early-exit": f"early-exit:{args.early_exit_layers}", "ngram": "ngram"}[drafter]
+        for k in ks:
+            out.append((f"{drafter} k={k}", name, k))
+    return out
+
+
+def run_forerun(args, prompts) -> tuple[list[dict], dict]:
+    from .cli import spec_from_args
+    from .engine.llm import LLM
+    from .models.registry import load_model
+    from .sampling_params import SamplingParams
+
+    t = time.perf_counter()
+    target = load_model(args.model)
+    draft = load_model(args.draft) if "draft" in args.drafters else None
+    print(f"[bench] loaded forerun models in {time.perf_counter() - t:.0f}s", file=sys.stderr)
+    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    rows, plain_ids = [], None
+    for label, dname, k in _configs(args):
+        spec = spec_from_args(dname, k, 0.0, "auto")
+        if spec.method == "draft":
+            from dataclasses import replace
+            spec = replace(spec, draft_model=(draft[0], draft[1]))
+        llm = LLM.from_model(target[0], target[1], spec=spec, device="cpu")
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), chat=True)  # warm-up
+        outs, seconds = [], 0.0
+        for p in tqdm(prompts, desc=label, file=sys.stderr):
+            t = time.perf_counter()
+            outs += llm.generate([p], sp, chat=True)
+            seconds += time.perf_counter() - t
+        agg = llm.aggregate_stats(outs)
+        ids = [o.token_ids for o in outs]
+        if plain_ids is None:
+            plain_ids = ids
+        tokens = sum(map(len, ids))
+        row = {"engine": "forerun", "config": label, "tokens": tokens, "seconds": round(seconds, 2),
+               "tok_per_s": round(tokens / seconds, 3), "identical_to_plain": ids == plain_ids, **agg.as_dict()}
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr)
+        _save(args, rows)
+    del target, draft
+    gc.collect()
+    return rows, {"plain_ids": plain_ids}
+
+
+def run_transformers(args, prompts, plain_ids) -> list[dict]:
+    """transformers generate and assisted generation on the same GGUF files (dequantised to fp32)."""
+    import transformers
+
+    from .models.hub import resolve_model
+
+    def load(name):
+        p = resolve_model(name)
+        tok = transformers.AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32)
+        return model.eval(), tok
+
+    t = time.perf_counter()
+    target, tok = load(args.model)
+    assistant, _ = load(args.draft)
+    print(f"[bench] loaded transformers models in {time.perf_counter() - t:.0f}s", file=sys.stderr)
+    rows = []
+    for label, extra in (("transformers generate", {}), ("transformers assisted", {"assistant_model": assistant})):
+        ids_all, seconds = [], 0.0
+        for p in tqdm(prompts, desc=label, file=sys.stderr):
+            ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True)
+            t = time.perf_counter()
+            with torch.inference_mode():
+                out = target.generate(**ids, max_new_tokens=args.max_tokens, do_sample=False, **extra)
+            seconds += time.perf_counter() - t
+            ids_all.append(out[0, ids["input_ids"].shape[1]:].tolist())
+        tokens = sum(map(len, ids_all))
+        row = {"engine": "transformers", "config": label, "tokens": tokens, "seconds": round(seconds, 2),
+               "tok_per_s": round(tokens / seconds, 3),
+               "identical_to_plain": [x[: len(y)] for x, y in zip(ids_all, plain_ids)] == [y[: len(x)] for x, y in zip(ids_all, plain_ids)]}
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr)
+    return rows
+
+
+def _save(args, rows) -> None:
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    plain = next((r["tok_per_s"] for r in rows if r["config"] == "plain"), None)
+    assisted = next((r["tok_per_s"] for r in rows if r["config"] == "transformers assisted"), None)
+    for r in rows:
+        if plain:
+            r["speedup_vs_plain"] = round(r["tok_per_s"] / plain, 3)
+        if assisted:
+            r["ratio_vs_transformers_assisted"] = round(r["tok_per_s"] / assisted, 3)
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": platform.machine(),
+            "cpu_threads": torch.get_num_threads(), "torch": torch.__version__, "model": args.model,
+            "draft": args.draft, "early_exit_layers": args.early_exit_layers, "prompts": args.num_prompts,
+            "max_tokens": args.max_tokens, "dtype": "float32", "batch": 1, "temperature": 0}
+    out.write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
+
+
+def plot(json_path: Path, png_path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(Path(json_path).read_text())
+    rows = data["results"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 5))
+    labels = [r["config"] for r in rows]
+    colors = ["tab:gray" if r["engine"] == "transformers" else "tab:blue" for r in rows]
+    a1.barh(labels, [r["tok_per_s"] for r in rows], color=colors)
+    a1.set_xlabel("tokens / s (batch 1, greedy, CPU)")
+    a1.invert_yaxis()
+    a1.set_title(f"{data['meta']['model']} (+ {data['meta']['draft']})")
+    for r in rows:
+        if r.get("per_position_acceptance"):
+            a2.plot(range(1, len(r["per_position_acceptance"]) + 1), r["per_position_acceptance"], marker="o",
+                    label=r["config"])
+    a2.set_xlabel("draft position")
+    a2.set_ylabel("acceptance rate")
+    a2.set_ylim(0, 1)
+    a2.legend(fontsize=7)
+    a2.set_title("per-position acceptance")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="forerun bench", description=__doc__)
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--drafters", default="draft,early-exit,ngram")
+    ap.add_argument("--early-exit-layers", type=int, default=8)
+    ap.add_argument("--ks", default="2,4,6,auto")
+    ap.add_argument("--num-prompts", type=int, default=20)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results/cpu_pair.json")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts = list(CODE_PROMPTS[: args.num_prompts])
+    rows, info = run_forerun(args, prompts)
+    if not args.no_transformers:
+        rows += run_transformers(args, prompts, info["plain_ids"])
+    _save(args, rows)
+    plot(Path(args.out), Path(args.out).with_suffix(".png"))
+    print(f"\n{'config':28s} {'tok/s':>8s} {'speedup':>8s} {'accept':>7s} {'acc.len':>8s} {'identical':>9s}")
+    for r in rows:
+        print(f"{r['config']:28s} {r['tok_per_s']:8.2f} {r.get('speedup_vs_plain', 0):8.2f} "
+              f"{r.get('acceptance_rate', 0):7.3f} {r.get('mean_accepted_length', 0):8.2f} {str(r['identical_to_plain']):>9s}")
+    print(f"wrote {args.out} and {Path(args.out).with_suffix('.png')}")
+    return 0

@@ -1,0 +1,306 @@
+"""CUDA-only checks: Triton paged attention vs the reference, the fused chain sampler vs a float64 reference,
+CUDA-graph replay vs eager. Skipped where CUDA is unavailable."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+
+from forerun.attention.metadata import AttnMetadata  # noqa: E402
+from forerun.attention.reference import paged_attention_reference  # noqa: E402
+from forerun.attention.triton_backend import TritonPagedAttention  # noqa: E402
+from forerun.config import CacheConfig, ModelConfig  # noqa: E402
+from forerun.engine.cuda_graph import GraphRunner, compile_elementwise  # noqa: E402
+from forerun.engine.runner import Chunk, ModelRunner  # noqa: E402
+from forerun.kernels.chain_sample import chain_sample  # noqa: E402
+from forerun.models.llama import LlamaForCausalLM  # noqa: E402
+
+DEV = torch.device("cuda")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+# -- paged attention -------------------------------------------------------------------------------------
+def make_attention_case(q_lens, prefixes, hq, hkv, d, page=16, dtype=torch.bfloat16, tree=False, seed=0):
+    """Random paged KV cache (shuffled blocks, block 0 unused) and a ragged batch: q, k_cache, v_cache, meta."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [p + q for p, q in zip(prefixes, q_lens)]
+    nblk = [-(-s // page) for s in seq_lens]
+    total = sum(nblk) + 3
+    perm = (torch.randperm(total - 1, generator=g) + 1).tolist()
+    tables = torch.zeros(len(q_lens), max(nblk) + 2, dtype=torch.int64)
+    i = 0
+    for b, n in enumerate(nblk):
+        tables[b, :n] = torch.tensor(perm[i:i + n])
+        i += n
+    k = torch.randn(total, page, hkv, d, generator=g).to(dtype)
+    v = torch.randn(total, page, hkv, d, generator=g).to(dtype)
+    q = torch.randn(sum(q_lens), hq, d, generator=g).to(dtype)
+    qsl = torch.tensor([0] + list(q_lens)).cumsum(0)
+    slots = []
+    for b, (p, n) in enumerate(zip(prefixes, q_lens)):
+        pos = torch.arange(p, p + n)
+        slots.append(tables[b, pos // page] * page + pos % page)
+    mask = None
+    if tree:  # a random tree per sequence: each node sees its ancestors and itself
+        mask = torch.zeros(sum(q_lens), max(q_lens), dtype=torch.bool)
+        for b, n in enumerate(q_lens):
+            parent = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+            for i in range(n):
+                j = i
+                while j >= 0:
+                    mask[int(qsl[b]) + i, j] = True
+                    j = parent[j]
+    meta = AttnMetadata(query_start_loc=qsl.to(DEV), seq_lens=torch.tensor(seq_lens).to(DEV),
+                        block_tables=tables.to(DEV), slot_mapping=torch.cat(slots).to(DEV),
+                        max_query_len=max(q_lens), max_seq_len=max(seq_lens),
+                        tree_mask=None if mask is None else mask.to(DEV))
+    return q.to(DEV), k.to(DEV), v.to(DEV), meta
+
+
+def _check_attention(q, k, v, meta, splits=(None, 1, 3)):
+    scale = q.shape[-1] ** -0.5
+    ref = paged_attention_reference(q.float(), k.float(), v.float(), meta, scale)
+    for s in splits:
+        out = TritonPagedAttention(num_splits=s).forward(q, k, v, meta, scale)
+        assert out.dtype == q.dtype and out.shape == q.shape
+        assert torch.isfinite(out).all()
+        assert rel_err(out, ref) < 1e-2, (s, rel_err(out, ref))
+
+
+@pytest.mark.parametrize("max_q", list(range(1, 17)))
+@pytest.mark.parametrize("heads", [(32, 8, 128), (16, 8, 128), (8, 8, 64)])
+def test_triton_attention_matches_reference(max_q, heads):
+    hq, hkv, d = heads
+    g = torch.Generator().manual_seed(max_q)
+    q_lens = [max_q] + torch.randint(1, max_q + 1, (4,), generator=g).tolist()
+    prefixes = [0, 1, 15, 16] + torch.randint(17, 900, (1,), generator=g).tolist()
+    _check_attention(*make_attention_case(q_lens, prefixes, hq, hkv, d, seed=max_q))
+
+
+def test_triton_attention_tree_mask():
+    _check_attention(*make_attention_case([7, 16, 1, 11], [30, 257, 5, 0], 32, 8, 128, tree=True, seed=1))
+
+
+def test_triton_attention_prefill_and_small_pages():
+    _check_attention(*make_attention_case([300, 37, 1], [0, 64, 1000], 32, 8, 128, seed=2))
+    _check_attention(*make_attention_case([5, 9, 2], [33, 70, 3], 12, 4, 80, page=4, seed=3))  # group 3, D 80
+
+
+# -- fused chain sampler ---------------------------------------------------------------------------------
+def reference_chain(logits, drafts, first, seqlens, temperature, uniforms, draft_probs, max_len):
+    """Float64 chain rejection sampling. Also returns, per request, the smallest relative distance of any of
+    its decisions to the decision boundary (accept test or inverse CDF): a mismatch there is a numerical tie."""
+    num_req, vocab = seqlens.shape[0], logits.shape[1]
+    logits, drafts, u = logits.cpu(), drafts.cpu(), uniforms.cpu().double()
+    q_all = None if draft_probs is None else draft_probs.cpu().double()
+    out = torch.full((num_req, max_len), -1, dtype=torch.int64)
+    num_acc = torch.zeros(num_req, dtype=torch.int64)
+    margin = torch.full((num_req,), float("inf"), dtype=torch.float64)
+    for r in range(num_req):
+        s0, n, t = int(first[r]), int(seqlens[r]), float(temperature[r])
+        greedy = t <= 0
+        inv_t = torch.tensor(1.0) if greedy else 1.0 / torch.tensor(t, dtype=torch.float32)
+
+        def probs(row):
+            x = logits[row].float() * inv_t
+            e = torch.exp((x - x.max()).double())
+            return e / e.sum()
+
+        def q_row(row):
+            if q_all is not None:
+                return q_all[row]
+            q = torch.zeros(vocab, dtype=torch.float64)
+            q[int(drafts[row])] = 1.0
+            return q
+
+        j = 0
+        while j < n - 1:
+            row = s0 + j
+            d = int(drafts[row])
+            if greedy:
+                ok = int(torch.argmax(logits[row].float())) == d
+            else:
+                p_d, q_d = probs(row)[d], q_row(row)[d]
+                ok = bool(u[row, 0] * q_d < p_d)
+                margin[r] = min(margin[r], abs(u[row, 0] * q_d - p_d) / max(p_d, 1e-300))
+            if not ok:
+                break
+            out[r, j] = d
+            j += 1
+        row = s0 + j
+        if greedy:
+            tok = int(torch.argmax(logits[row].float()))
+        else:
+            p = probs(row)
+            w = (p - q_row(row)).clamp_min(0) if j < n - 1 else p
+            if w.sum() <= 0:
+                w = p
+            cdf = torch.cumsum(w, 0)
+            target = u[row, 1] * cdf[-1]
+            tok = int(torch.searchsorted(cdf, target, right=True).clamp_max(vocab - 1))
+            near = [abs(cdf[i] - target) for i in (tok - 1, tok) if 0 <= i < vocab]
+            margin[r] = min(margin[r], min(near) / cdf[-1])
+        out[r, j] = tok
+        num_acc[r] = j
+    return out, num_acc, margin
+
+
+def make_chain_case(seqlens, temps, vocab=151936, seed=0, accept_bias=0.6):
+    g = torch.Generator().manual_seed(seed)
+    seqlens = torch.tensor(seqlens)
+    first = torch.cumsum(seqlens, 0) - seqlens
+    rows = int(seqlens.sum())
+    logits = (torch.randn(rows, vocab, generator=g) * 4).to(torch.bfloat16).float()  # bf16 values: ties exist
+    q = torch.softmax(logits + torch.randn(rows, vocab, generator=g), -1)
+    drafts = torch.multinomial(q, 1, generator=g)[:, 0]
+    drafts = torch.where(torch.rand(rows, generator=g) < accept_bias, logits.argmax(-1), drafts)
+    drafts[first + seqlens - 1] = -1
+    uniforms = torch.rand(rows, 2, generator=g)
+    return (logits.to(DEV), drafts.to(DEV), first.to(DEV), seqlens.to(DEV), torch.tensor(temps, dtype=torch.float32).to(DEV),
+            uniforms.to(DEV), q.to(DEV))
+
+
+def _check_chain(case, with_q: bool, max_len: int, exact: bool):
+    logits, drafts, first, seqlens, temps, uniforms, q = case
+    dp = q if with_q else None
+    got = chain_sample(logits, drafts, first, seqlens, temps, uniforms, dp, max_seqlen=max_len)
+    want, want_acc, margin = reference_chain(logits, drafts, first, seqlens, temps, uniforms, dp, max_len)
+    got_out, got_acc = got.output_token_ids.cpu(), got.num_accepted.cpu()
+    assert ((got_out >= -1) & (got_out < logits.shape[1])).all()
+    same = (got_out == want).all(1) & (got_acc == want_acc)
+    if exact:
+        assert same.all(), (got_out[~same], want[~same])
+    else:  # identical except at numerical ties
+        assert (margin[~same] < 1e-5).all(), (got_out[~same], want[~same], margin[~same])
+        assert (~same).sum() <= max(1, len(same) // 50)
+    return got_acc
+
+
+def test_chain_sample_greedy_exact():
+    for seed in range(3):
+        seqlens = [1, 2, 3, 5, 7, 7, 4, 1, 6, 2]
+        case = make_chain_case(seqlens, [0.0] * len(seqlens), seed=seed, accept_bias=0.8)
+        acc = _check_chain(case, with_q=False, max_len=7, exact=True)
+        assert acc.sum() > 0  # the test exercises acceptances
+
+
+@pytest.mark.parametrize("with_q", [True, False])
+def test_chain_sample_sampling_matches_reference(with_q):
+    seqlens = [1, 2, 3, 5, 7, 7, 4, 1, 6, 2, 3, 5]
+    temps = [1.0, 0.6, 1.5, 0.0, 1.0, 0.8, 1.2, 1.0, 0.7, 1.0, 0.0, 2.0]
+    for seed in range(4):
+        _check_chain(make_chain_case(seqlens, temps, seed=10 + seed), with_q=with_q, max_len=7, exact=False)
+
+
+def test_chain_sample_small_vocab_distribution():
+    """Many draws at a small vocabulary: the emitted first token follows the target distribution."""
+    vocab, n = 37, 4000
+    g = torch.Generator().manual_seed(5)
+    target = torch.randn(vocab, generator=g) * 2
+    draft = target + torch.randn(vocab, generator=g)
+    q = torch.softmax(draft, -1)
+    drafts = torch.multinomial(q, n, replacement=True, generator=g)
+    logits = target.repeat(2 * n, 1)
+    ids = torch.stack([drafts, torch.full((n,), -1)], 1).reshape(-1)
+    qp = q.repeat(2 * n, 1)
+    res = chain_sample(logits.to(DEV), ids.to(DEV), torch.arange(0, 2 * n, 2).to(DEV), torch.full((n,), 2).to(DEV),
+                       torch.ones(n).to(DEV), torch.rand(2 * n, 2, generator=g).to(DEV), qp.to(DEV), max_seqlen=2)
+    first = res.output_token_ids[:, 0].cpu()
+    freq = torch.bincount(first, minlength=vocab).double() / n
+    p = torch.softmax(target.double(), -1)
+    assert (freq - p).abs().max() < 0.03
+
+
+# -- CUDA graphs -----------------------------------------------------------------------------------------
+def tiny_runner(seed: int = 0, compiled: bool = False) -> ModelRunner:
+    cfg = ModelConfig(arch="qwen3", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
+                      num_heads=8, num_kv_heads=2, head_dim=64, qk_norm=True, max_position_embeddings=1024)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model = model.to(DEV, torch.bfloat16).eval()
+    model.backend = TritonPagedAttention()
+    if compiled:
+        compile_elementwise(model)
+    return ModelRunner(model, CacheConfig(block_size=16, num_blocks=256), DEV, torch.bfloat16,
+                       max_batch_tokens=512, max_seqs=32)
+
+
+def _prefilled_pair(compiled: bool):
+    graph_side, eager_side = tiny_runner(compiled=compiled), tiny_runner()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (7, 40, 16, 3, 100)]
+    for r in (graph_side, eager_side):
+        for i, p in enumerate(prompts):
+            r.kv.add_sequence(i)
+        r.forward([Chunk(i, p, logits="none") for i, p in enumerate(prompts)])
+    return graph_side, eager_side
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_graph_replay_equals_eager(compiled):
+    a, b = _prefilled_pair(compiled)
+    gr = GraphRunner(a, batch_sizes=(1, 2, 4, 8), max_q_len=16)
+    gr.capture(5, 1)
+    gr.capture(5, 4, 4)
+    steps = [
+        [Chunk(i, [10 + i]) for i in range(5)],  # decode, padded to bucket 8
+        [Chunk(i, [1, 2, 3, 4], logits="all") for i in range(5)],  # verify 3 drafts
+        [Chunk(i, [5 + i]) for i in range(2)],  # decode, bucket 2 (captured on demand)
+        [Chunk(i, [7] * 16, logits=3) for i in range(3)],  # 16 tokens, last 3 logits
+        [Chunk(i, [1, 2][: 1 + i % 2], logits="all") for i in range(5)],  # ragged: eager
+    ]
+    for step in steps:
+        got, s1 = gr.forward(step)
+        want, s2 = b.forward(step)
+        assert s1 == s2
+        assert got.logits.shape == want.logits.shape
+        assert rel_err(got.logits, want.logits) < 2e-2
+    assert gr.replays == 4 and gr.eager_steps == 1
+    # tree-masked verification through a graph
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    step = [Chunk(i, [9, 8, 7, 6], positions=[a.kv.length(i) + dd for dd in (0, 1, 1, 2)], tree_mask=mask, logits="all")
+            for i in range(5)]
+    got, _ = gr.forward(step)
+    want, _ = b.forward(step)
+    assert rel_err(got.logits, want.logits) < 2e-2
+    # device-prepared uniform steps (decode loops)
+    seqs = list(range(5))
+    ctx = torch.tensor([a.kv.length(i) for i in seqs], device=DEV)
+    for i in seqs:
+        a.kv.reserve(i, a.kv.length(i) + 3)
+    table = a.kv.block_table(seqs)
+    a.buffers.block_tables[:5, : table.shape[1]].copy_(table)
+    ids = torch.randint(0, 512, (5, 3), device=DEV)
+    got = gr.run_uniform(ids, ctx, logits_per_seq=3).clone()
+    want, _ = b.forward([Chunk(i, ids[i].tolist(), logits="all") for i in seqs])
+    assert rel_err(got, want.logits) < 2e-2
+
+
+def test_chain_sample_matches_forerun_verify():
+    """The fused kernel against the engine's torch verifier on the same inputs (ties aside)."""
+    verify = pytest.importorskip("forerun.verify")
+    seqlens = [1, 2, 3, 5, 7, 7, 4, 1, 6, 2, 3, 5]
+    temps = [1.0, 0.6, 1.5, 0.0, 1.0, 0.8, 1.2, 1.0, 0.7, 1.0, 0.0, 2.0]
+    mismatches, total = 0, 0
+    for seed in range(4):
+        logits, drafts, first, seqlens_t, temps_t, uniforms, q = make_chain_case(seqlens, temps, seed=20 + seed)
+        r = len(seqlens)
+        sampling = verify.SamplingTensors(temps_t, torch.zeros(r, dtype=torch.long, device=DEV),
+                                          torch.ones(r, device=DEV), torch.zeros(r, device=DEV))
+        want = verify.verify_chain(logits, drafts, first, seqlens_t, sampling, uniforms, draft_probs=q)
+        got = chain_sample(logits, drafts, first, seqlens_t, sampling, uniforms, q, max_seqlen=7)
+        _, _, margin = reference_chain(logits, drafts, first, seqlens_t, temps_t, uniforms, q, 7)
+        same = ((got.output_token_ids == want.output_token_ids).all(1) & (got.num_accepted == want.num_accepted)).cpu()
+        assert (margin[~same] < 1e-5).all(), (got.output_token_ids[~same], want.output_token_ids[~same])
+        mismatches += int((~same).sum())
+        total += r
+    assert mismatches <= max(1, total // 50)

@@ -111,3 +111,27 @@ def test_wrong_model_path():
 
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM("/no/such/model.gguf")
+
+
+def test_stream_pieces_add_up_to_generate():
+    hf = hf_model("llama")
+    llm = tiny_llm(hf)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    full = llm.generate([PROMPTS[0]], sp)[0].text
+    pieces = list(llm.stream(PROMPTS[0], sp))
+    assert len(pieces) > 1 and "".join(pieces) == full
+
+
+def test_cli_generate_on_a_checkpoint_directory(tmp_path, capsys):
+    """End to end through `forerun generate`: HF directory -> loader -> engine -> text + stats."""
+    from forerun.cli import main
+
+    hf = hf_model("qwen2")
+    hf.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    rc = main(["generate", "t5 t9 t13", "--model", str(tmp_path), "--draft", "early-exit:1", "--k", "3",
+               "--raw", "--max-tokens", "8", "--ignore-eos", "--stats", "--compare-plain"])
+    assert rc == 0
+    out, err = capsys.readouterr()
+    assert out.strip().startswith("t")
+    assert '"identical_to_plain": true' in err and '"acceptance_rate"' in err

@@ -88,8 +88,10 @@ def test_step_bitmasks_apply_to_row_ftp_plus_k_before_verification():
     logits_before = b["target_logits"].clone()
     # step 1: request B may only emit 5 or 22 -> row 7 keeps 22 (accepted); request A may only emit 3 -> row 1
     # loses 12 (its draft) and emits 3. step 3: request B only 4 -> bonus row 9 emits 4.
+    # step 4: request B has no row 4, its mask is skipped (request A's row 4 keeps only 15, its draft)
     masks = [None, (torch.tensor([1, 0]), _bitmask_allowing([[5, 22], [3]], V)),
-             None, (torch.tensor([1]), _bitmask_allowing([[4]], V))]
+             None, (torch.tensor([1]), _bitmask_allowing([[4]], V)),
+             (torch.tensor([1, 0]), _bitmask_allowing([[0], [15]], V))]
     r = verify_chain(**b, token_bitmasks=masks)
     assert emitted(r) == [[11, 3], [21, 22, 23, 4]]
     assert torch.equal(b["target_logits"], logits_before), "caller's logits must not be modified"

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from forerun.verify import compute_logprobs, logits_to_probs, sample_from_probs
+from forerun.sampling_params import SamplingParams
+from forerun.verify import SamplingTensors, compute_logprobs, logits_to_probs, sample_from_probs
 from forerun.verify.reference import ref_probs, ref_sample
 from test_verify_common import DEVICES
 
@@ -132,3 +133,13 @@ def test_compute_logprobs_raw_and_top_n():
     torch.testing.assert_close(top, ref.topk(3).values)
     assert ids.tolist() == ref.topk(3).indices.tolist()
     assert compute_logprobs(logits, tok, 0)[1] is None
+
+
+def test_sampling_tensors_from_params_gather_per_row():
+    s = SamplingTensors.from_params([SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=-1,
+                                                                                     top_p=0.9, min_p=0.05)])
+    assert s.temperature.tolist() == [0.0, pytest.approx(0.7)] and s.top_k.tolist() == [0, 0]
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(7))
+    probs = s.probs(logits, torch.tensor([1, 0, 1]))
+    want = logits_to_probs(logits, s.temperature[[1, 0, 1]], s.top_k[[1, 0, 1]], s.top_p[[1, 0, 1]], s.min_p[[1, 0, 1]])
+    assert torch.equal(probs, want) and probs[1].max() == 1.0

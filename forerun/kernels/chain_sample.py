@@ -1,17 +1,21 @@
-"""Fused chain verification (speculative rejection sampling) in two Triton launches.
+"""Fused chain verification (speculative rejection sampling) in three Triton launches.
 
 Inputs follow forerun.verify.verify_chain: request r owns logits rows first[r] .. first[r] + n_r - 1; row j
 holds the draft token d_{j+1} that it verifies, the last row holds -1 (it only gives the bonus token).
 
-1. `_row_stats_kernel`, grid (requests, rows, vocab splits): per row and split of the vocabulary, the max of
-   logits / temperature, the first index of that max (greedy), and sum(exp(x - max)) accumulated in float64.
-2. `_chain_kernel`, grid (requests,): combines the splits, walks the request's rows in order with the accept
-   test  u0 * q(d) < p(d)  (= u0 < min(1, p(d) / q(d))), stops at the first rejection, then draws the final
-   token by inverse CDF with the row's second uniform: from the residual max(p - q, 0) after a rejection, from
-   p on the last row (bonus). Greedy requests (temperature 0) accept d iff d == argmax and emit the argmax.
+1. `_row_stats_kernel`, grid (requests, rows, vocabulary splits): per row and split, the max of
+   logits / temperature, the first index reaching it (greedy), and sum(exp(x - max)) in float64.
+2. `_split_weights_kernel`, grid (requests, splits): walks the request's rows in order with the accept test
+   u0 * q(d) < p(d)  (= u0 < min(1, p(d) / q(d))) up to the first rejection (the walk reads one logit and
+   one draft probability per row), then sums the final row's sampling weights over its split: the residual
+   max(p - q, 0) after a rejection, p itself on the last row (bonus).
+3. `_final_kernel`, grid (requests,): the same walk writes the accepted drafts; the final token is the argmax
+   (temperature 0: accept d iff d == argmax) or the inverse CDF with the row's second uniform: the split
+   from (2), then blocks inside it, then the token.
 
-Only the sampled row is read again (twice: its weight total, then the search). Weights are formed in float32
-and accumulated in float64, so the token equals a float64 inverse CDF except at numerical ties.
+Every logits row is read once by (1); the final row is read once more by (2), split across the machine, and
+(3) reads only the blocks of one split. Weights are formed in float32 and accumulated in float64, so the
+token equals a float64 inverse CDF except at numerical ties.
 Top-k / top-p / min-p are not applied here: use this kernel only for requests that have them off.
 """
 from __future__ import annotations
@@ -23,7 +27,7 @@ import triton
 import triton.language as tl
 
 _STATS_BLOCK = 2048
-_SAMPLE_BLOCK = 1024
+_SAMPLE_BLOCK = 2048
 
 
 @dataclass(frozen=True)
@@ -110,53 +114,11 @@ def _weights(Logits, DraftProbs, row, d, m, s, inv_t, offs, V, stride_l, stride_
 
 
 @triton.jit
-def _weights_total(Logits, DraftProbs, row, d, m, s, inv_t, V, stride_l, stride_q,
-                   RESIDUAL: tl.constexpr, HAS_Q: tl.constexpr, BLOCK: tl.constexpr):
-    acc = tl.zeros([BLOCK], tl.float64)
-    for start in range(0, V, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        acc += _weights(Logits, DraftProbs, row, d, m, s, inv_t, offs, V, stride_l, stride_q, RESIDUAL, HAS_Q)
-    return tl.sum(acc, 0)
-
-
-@triton.jit
-def _inverse_cdf(Logits, DraftProbs, row, d, m, s, inv_t, target, V, stride_l, stride_q,
-                 RESIDUAL: tl.constexpr, HAS_Q: tl.constexpr, BLOCK: tl.constexpr):
-    """Smallest index whose cumulative weight exceeds target (the last positive weight if rounding runs out)."""
-    lanes = tl.arange(0, BLOCK)
-    cum = tl.zeros([BLOCK], tl.float64).sum(0)  # float64 scalar
-    tok = tl.zeros([BLOCK], tl.int32).sum(0) - 1
-    last_pos = tl.zeros([BLOCK], tl.int32).sum(0)
-    blk = 0
-    n_blk = tl.cdiv(V, BLOCK)
-    while (tok < 0) & (blk < n_blk):
-        offs = blk * BLOCK + lanes
-        w = _weights(Logits, DraftProbs, row, d, m, s, inv_t, offs, V, stride_l, stride_q, RESIDUAL, HAS_Q)
-        cs = tl.cumsum(w, 0) + cum
-        first = tl.min(tl.where((cs > target) & (w > 0), offs, 2147483647), 0)
-        if first < 2147483647:
-            tok = first
-        last_pos = tl.maximum(last_pos, tl.max(tl.where(w > 0, offs, 0), 0))
-        cum += tl.sum(w, 0)
-        blk += 1
-    return tl.where(tok < 0, last_pos, tok)
-
-
-@triton.jit
-def _chain_kernel(
-    Logits, DraftProbs, DraftIds, First, SeqLens, InvTemp, Greedy, U,  # [T,V], [T,V], [T], [R], [R], [R], [R], [T,2]
-    PartMax, PartSum, PartArg,  # [T, NSPLIT]
-    Out, NumAcc,  # [R, max_len] i64, [R] i64
-    V, stride_l, stride_q, stride_u, stride_o, nsplit, max_len,
-    HAS_Q: tl.constexpr, S_PAD: tl.constexpr, BLOCK: tl.constexpr,
-):
-    r = tl.program_id(0)
-    start = tl.load(First + r)
-    n = tl.load(SeqLens + r)
-    inv_t = tl.load(InvTemp + r)
-    sampled = tl.load(Greedy + r) == 0
-
-    # accept drafts in order until the first rejection
+def _accept_walk(Logits, DraftProbs, DraftIds, U, PartMax, PartSum, PartArg, Out,
+                 r, start, n, inv_t, sampled, V, stride_l, stride_q, stride_u, stride_o, nsplit,
+                 HAS_Q: tl.constexpr, S_PAD: tl.constexpr, WRITE: tl.constexpr):
+    """Accept the request's drafts in order until the first rejection; returns the number accepted
+    (its final row is start + that number). With WRITE, stores the accepted drafts in Out."""
     j = n * 0
     go = n > 1
     while go:
@@ -175,31 +137,112 @@ def _chain_kernel(
         else:
             ok = arg == d
         if ok:
-            tl.store(Out + r * stride_o + j, d)
+            if WRITE:
+                tl.store(Out + r * stride_o + j, d)
             j += 1
             go = j < n - 1
         else:
             go = j < 0
+    return j
 
-    # the final token: residual after a rejection, bonus from the last row otherwise
+
+@triton.jit
+def _split_weights_kernel(
+    Logits, DraftProbs, DraftIds, First, SeqLens, InvTemp, Greedy, U,  # as in _final_kernel
+    PartMax, PartSum, PartArg,  # [T, NSPLIT] row statistics
+    WSum,  # [R, NS, 2] f64 out: per split of the final row, sum of residual weights and of p
+    V, stride_l, stride_q, stride_u, nsplit, ns, chunk,
+    HAS_Q: tl.constexpr, S_PAD: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Grid (R, NS): the weight mass of each vocabulary split of the request's final row."""
+    r = tl.program_id(0)
+    sp = tl.program_id(1)
+    if tl.load(Greedy + r) != 0:
+        return
+    start = tl.load(First + r)
+    n = tl.load(SeqLens + r)
+    inv_t = tl.load(InvTemp + r)
+    j = _accept_walk(Logits, DraftProbs, DraftIds, U, PartMax, PartSum, PartArg, WSum, r, start, n, inv_t, True,
+                     V, stride_l, stride_q, stride_u, 0, nsplit, HAS_Q, S_PAD, False)
+    row = start + j
+    m, s, arg = _combine(PartMax, PartSum, PartArg, row, nsplit, S_PAD)
+    d = tl.load(DraftIds + row)
+    lo = sp * chunk
+    res_acc = tl.zeros([BLOCK], tl.float64)
+    p_acc = tl.zeros([BLOCK], tl.float64)
+    for off in range(0, chunk, BLOCK):
+        offs = lo + off + tl.arange(0, BLOCK)
+        ok = offs < tl.minimum(lo + chunk, V)
+        w = _weights(Logits, DraftProbs, row, d, m, s, inv_t, offs, V, stride_l, stride_q, False, HAS_Q)
+        w = tl.where(ok, w, 0.0)
+        p_acc += w
+        if j < n - 1:  # rejected row: the residual max(p - q, 0)
+            wr = _weights(Logits, DraftProbs, row, d, m, s, inv_t, offs, V, stride_l, stride_q, True, HAS_Q)
+            res_acc += tl.where(ok, wr, 0.0)
+    tl.store(WSum + (r * ns + sp) * 2, tl.sum(res_acc, 0))
+    tl.store(WSum + (r * ns + sp) * 2 + 1, tl.sum(p_acc, 0))
+
+
+@triton.jit
+def _final_kernel(
+    Logits, DraftProbs, DraftIds, First, SeqLens, InvTemp, Greedy, U,  # [T,V], [T,V], [T], [R], [R], [R], [R], [T,2]
+    PartMax, PartSum, PartArg,  # [T, NSPLIT]
+    WSum,  # [R, NS, 2] f64 from _split_weights_kernel
+    Out, NumAcc,  # [R, max_len] i64, [R] i64
+    V, stride_l, stride_q, stride_u, stride_o, nsplit, ns, chunk, max_len,
+    HAS_Q: tl.constexpr, S_PAD: tl.constexpr, NS_PAD: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Grid (R,): accepted drafts, then the final token (argmax, or inverse CDF: split, then block, then token)."""
+    r = tl.program_id(0)
+    start = tl.load(First + r)
+    n = tl.load(SeqLens + r)
+    inv_t = tl.load(InvTemp + r)
+    sampled = tl.load(Greedy + r) == 0
+    j = _accept_walk(Logits, DraftProbs, DraftIds, U, PartMax, PartSum, PartArg, Out, r, start, n, inv_t, sampled,
+                     V, stride_l, stride_q, stride_u, stride_o, nsplit, HAS_Q, S_PAD, True)
     row = start + j
     m, s, arg = _combine(PartMax, PartSum, PartArg, row, nsplit, S_PAD)
     tok = arg.to(tl.int64)
     if sampled:
         d = tl.load(DraftIds + row)
         u1 = tl.load(U + row * stride_u + 1).to(tl.float64)
-        residual_total = s * 0  # float64 zero
-        if j < n - 1:
-            residual_total = _weights_total(Logits, DraftProbs, row, d, m, s, inv_t, V, stride_l, stride_q,
-                                            True, HAS_Q, BLOCK)
-        if residual_total > 0:
-            tok = _inverse_cdf(Logits, DraftProbs, row, d, m, s, inv_t, u1 * residual_total, V, stride_l, stride_q,
-                               True, HAS_Q, BLOCK).to(tl.int64)
-        else:  # bonus row (or p == q exactly): sample p itself
-            p_total = _weights_total(Logits, DraftProbs, row, d, m, s, inv_t, V, stride_l, stride_q,
-                                     False, HAS_Q, BLOCK)
-            tok = _inverse_cdf(Logits, DraftProbs, row, d, m, s, inv_t, u1 * p_total, V, stride_l, stride_q,
-                               False, HAS_Q, BLOCK).to(tl.int64)
+        offs_s = tl.arange(0, NS_PAD)
+        s_ok = offs_s < ns
+        res = tl.load(WSum + (r * ns + offs_s) * 2, mask=s_ok, other=0.0)
+        pw = tl.load(WSum + (r * ns + offs_s) * 2 + 1, mask=s_ok, other=0.0)
+        use_res = (j < n - 1) & (tl.sum(res, 0) > 0)  # p == q exactly leaves no residual: sample p
+        sums = tl.where(use_res, res, pw)
+        cdf = tl.cumsum(sums, 0)
+        target = u1 * tl.sum(sums, 0)
+        hit = (cdf > target) & (sums > 0)
+        last_pos = tl.max(tl.where(sums > 0, offs_s, 0), 0)
+        sp = tl.min(tl.where(hit, offs_s, NS_PAD), 0)
+        sp = tl.where(sp == NS_PAD, last_pos, sp)  # rounding ran past the total: the last split with mass
+        before = tl.sum(tl.where(offs_s < sp, sums, 0.0), 0)
+        # inside the split: blocks in order until the cumulative weight passes the target
+        lo = sp * chunk
+        hi = tl.minimum(lo + chunk, V)
+        lanes = tl.arange(0, BLOCK)
+        cum = before
+        found = tok * 0 - 1
+        last_tok = tok * 0 + lo
+        off = lo
+        while (found < 0) & (off < hi):
+            offs = off + lanes
+            ok = offs < hi
+            if use_res:
+                w = _weights(Logits, DraftProbs, row, d, m, s, inv_t, offs, V, stride_l, stride_q, True, HAS_Q)
+            else:
+                w = _weights(Logits, DraftProbs, row, d, m, s, inv_t, offs, V, stride_l, stride_q, False, HAS_Q)
+            w = tl.where(ok, w, 0.0)
+            cs = tl.cumsum(w, 0) + cum
+            first = tl.min(tl.where((cs > target) & (w > 0), offs, 2147483647), 0)
+            if first < 2147483647:
+                found = first.to(tl.int64)
+            last_tok = tl.maximum(last_tok, tl.max(tl.where(w > 0, offs, 0), 0).to(tl.int64))
+            cum += tl.sum(w, 0)
+            off += BLOCK
+        tok = tl.where(found < 0, last_tok, found)
     tl.store(Out + r * stride_o + j, tok)
     tl.store(NumAcc + r, j)
     for c in range(j + 1, max_len):
@@ -220,7 +263,7 @@ def chain_sample(
     draft_probs: torch.Tensor | None = None,  # [T, V] draft distribution of each row; None = point mass on the draft
     max_seqlen: int | None = None,  # max(seqlens_q) if known (avoids a device sync)
 ) -> ChainSampleOutput:
-    """Chain rejection sampling for a batch of requests in two kernel launches (see the module docstring)."""
+    """Chain rejection sampling for a batch of requests in three kernel launches (see the module docstring)."""
     temperature = getattr(sampling, "temperature", sampling).to(device=target_logits.device, dtype=torch.float32)
     num_rows, vocab = target_logits.shape
     num_req = seqlens_q.shape[0]
@@ -253,10 +296,21 @@ def chain_sample(
         BLOCK=_STATS_BLOCK, num_warps=8,
     )
     q = draft_probs if draft_probs is not None else target_logits  # dummy pointer when HAS_Q is off
-    _chain_kernel[(num_req,)](
-        target_logits, q, draft_token_ids.to(torch.int64), first, lens, inv_t, greedy, uniforms,
-        part_max, part_sum, part_arg, out, num_acc,
-        vocab, target_logits.stride(0), q.stride(0), uniforms.stride(0), out.stride(0), nsplit, max_seqlen,
+    ids = draft_token_ids.to(torch.int64)
+    # the final row's sampling mass per split of the vocabulary: about 2 programs per SM in all
+    ns = max(1, min(triton.cdiv(vocab, _SAMPLE_BLOCK), triton.cdiv(2 * _num_sms(dev), num_req)))
+    ns_chunk = triton.cdiv(triton.cdiv(vocab, ns), _SAMPLE_BLOCK) * _SAMPLE_BLOCK
+    ns = triton.cdiv(vocab, ns_chunk)
+    wsum = torch.empty(num_req, ns, 2, dtype=torch.float64, device=dev)
+    common = (target_logits, q, ids, first, lens, inv_t, greedy, uniforms, part_max, part_sum, part_arg)
+    _split_weights_kernel[(num_req, ns)](
+        *common, wsum, vocab, target_logits.stride(0), q.stride(0), uniforms.stride(0), nsplit, ns, ns_chunk,
         HAS_Q=draft_probs is not None, S_PAD=triton.next_power_of_2(nsplit), BLOCK=_SAMPLE_BLOCK, num_warps=4,
+    )
+    _final_kernel[(num_req,)](
+        *common, wsum, out, num_acc,
+        vocab, target_logits.stride(0), q.stride(0), uniforms.stride(0), out.stride(0), nsplit, ns, ns_chunk, max_seqlen,
+        HAS_Q=draft_probs is not None, S_PAD=triton.next_power_of_2(nsplit), NS_PAD=triton.next_power_of_2(ns),
+        BLOCK=_SAMPLE_BLOCK, num_warps=4,
     )
     return ChainSampleOutput(out, num_acc)

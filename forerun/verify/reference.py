@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
 
 from .probs import SamplingTensors
@@ -29,7 +28,7 @@ def ref_probs(logits: Tensor, temperature: float, top_k: int, top_p: float, min_
         p = _softmax(x)
         order = sorted(range(vocab), key=lambda i: p[i])  # ascending, stable
         cumulative = 0.0
-        for rank, i in enumerate(order[:-1]):  # the most likely token is always kept
+        for i in order[:-1]:  # the most likely token is always kept
             cumulative += p[i]
             if cumulative <= 1 - top_p:
                 x[i] = -math.inf

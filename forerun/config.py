@@ -131,8 +131,8 @@ class SpecConfig:
     confidence_threshold: float = 0.0
     rule: str = "auto"
     draft_prob_penalty: float = 5e-5
-    typical_epsilon: float = 0.3
-    typical_delta: float = 0.09
+    typical_epsilon: float = 0.09  # Medusa's posterior_threshold
+    typical_delta: float = 0.3  # Medusa's posterior_alpha
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:

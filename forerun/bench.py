@@ -40,7 +40,11 @@ def run_forerun(args, prompts) -> tuple[list[dict], dict]:
 
     t = time.perf_counter()
     target = load_model(args.model)
-    draft = load_model(args.draft) if "draft" in args.drafters else None
+    from .config import SpecConfig
+    from .engine.llm import draft_dtype
+
+    ddtype = draft_dtype(SpecConfig(), torch.device("cpu"), torch.float32)
+    draft = load_model(args.draft, dtype=ddtype) if "draft" in args.drafters else None
     print(f"[bench] loaded forerun models in {time.perf_counter() - t:.0f}s", file=sys.stderr)
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     rows, plain_ids = [], None

@@ -133,6 +133,7 @@ class SpecConfig:
     draft_prob_penalty: float = 5e-5
     typical_epsilon: float = 0.09  # Medusa's posterior_threshold
     typical_delta: float = 0.3  # Medusa's posterior_alpha
+    draft_dtype: str = "auto"  # auto: bfloat16 on CPUs with native bf16 (a draft only proposes), else the target's
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -145,6 +146,8 @@ class SpecConfig:
             raise ValueError("k and k_max must be >= 0 (k_max >= 1 when adaptive)")
         if self.rule not in VERIFY_RULES:
             raise ValueError(f"unknown verification rule {self.rule!r}; choose from {VERIFY_RULES}")
+        if self.draft_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"draft_dtype must be auto, float32, bfloat16 or float16, got {self.draft_dtype!r}")
         if not 0.0 <= self.confidence_threshold < 1.0:
             raise ValueError("confidence_threshold must be in [0, 1)")
 

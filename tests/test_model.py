@@ -119,3 +119,19 @@ def test_prompt_longer_than_context_raises():
     runner.kv.add_sequence(0)
     with pytest.raises(ValueError, match="exceed the context"):
         runner.forward([Chunk(0, list(range(40)))])
+
+
+def test_packed_cpu_linears_match():
+    from forerun.models.cpu_linear import pack_linears, packing_available
+
+    if not packing_available():
+        pytest.skip("no oneDNN in this torch build")
+    hf = hf_model("qwen2")
+    plain, packed = ours_from_hf(hf), ours_from_hf(hf)
+    assert pack_linears(packed.model) == 3 * 7 + 1  # 7 per layer + the head (a packed copy when tied)
+    ids = list(range(3, 40))
+    for r in (plain, packed):
+        r.kv.add_sequence(0)
+    a = plain.forward([Chunk(0, ids, logits="all")])[0].logits
+    b = packed.forward([Chunk(0, ids, logits="all")])[0].logits
+    assert rel_err(b, a) <= 1e-5

@@ -25,6 +25,16 @@ from .scheduler import KScheduler
 from .spec_step import speculative_round
 
 
+def draft_dtype(spec: SpecConfig, device: torch.device, target_dtype: torch.dtype) -> torch.dtype:
+    """The draft only proposes, so its precision cannot change the output: on a CPU with native bf16
+    (oneDNN packed weights) 'auto' halves its bytes; elsewhere it follows the target."""
+    if spec.draft_dtype != "auto":
+        return getattr(torch, spec.draft_dtype)
+    from ..models.cpu_linear import fast_cpu_bf16
+
+    return torch.bfloat16 if device.type == "cpu" and fast_cpu_bf16() else target_dtype
+
+
 def check_tokenizers_match(target_tok, draft_tok) -> None:
     """Drafts are token ids: they mean the same text only if both vocabularies agree exactly."""
     tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
@@ -65,14 +75,16 @@ class LLM:
         if s.method == "early-exit":
             return EarlyExitDrafter(self.runner, s.early_exit_layers, s.confidence_threshold)
         if s.method == "draft":
+            ddtype = draft_dtype(s, self.device, self.dtype)
             if isinstance(s.draft_model, tuple):  # (model, tokenizer) already built
                 dmodel, dtok = s.draft_model
+                ddtype = next(dmodel.parameters()).dtype
             else:
-                dmodel, dtok, _ = load_model(s.draft_model, self.device, self.dtype, self.model.max_positions)
+                dmodel, dtok, _ = load_model(s.draft_model, self.device, ddtype, self.model.max_positions)
             check_tokenizers_match(self.tokenizer, dtok)
             if dmodel.config.vocab_size != self.model.config.vocab_size:
                 raise ValueError(f"draft vocab size {dmodel.config.vocab_size} != target {self.model.config.vocab_size}")
-            runner = ModelRunner(dmodel, self.cache, self.device, self.dtype, max_seqs=self.max_num_seqs,
+            runner = ModelRunner(dmodel, self.cache, self.device, ddtype, max_seqs=self.max_num_seqs,
                                  max_batch_tokens=self.runner.buffers.max_tokens)
             return DraftModelDrafter(runner, confidence_threshold=s.confidence_threshold)
         return None
@@ -163,7 +175,7 @@ class LLM:
             room = [max(0, min(r.remaining - 1, limit - r.num_tokens)) for r in running]
             ks = self.scheduler.ks([r.req_id for r in running], room)
             res = speculative_round(self.runner, self.drafter, running, ks, self.spec.rule, self._verify_kwargs())
-            self._observe(res)
+            self._observe(res, len(running))
             produced = 0
             for i, r in enumerate(running):
                 self.scheduler.observe(r.req_id, res.num_drafted[i], res.num_accepted[i])
@@ -196,9 +208,11 @@ class LLM:
             return {"typical_epsilon": s.typical_epsilon, "typical_delta": s.typical_delta}
         return {}
 
-    def _observe(self, res) -> None:
+    def _observe(self, res, num_requests: int) -> None:
+        """Feed the cost model with decode/verify rounds only: a prefill's per-token cost is not a verify's."""
         cost = self.scheduler.cost
-        cost.record_target(res.target_tokens, res.target_seconds)
+        if res.target_tokens <= num_requests * (self.spec.k_max + 1):
+            cost.record_target(res.target_tokens, res.target_seconds)
         if res.draft_steps:
             cost.record_draft_step(res.draft_seconds / res.draft_steps)
 

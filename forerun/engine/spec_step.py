@@ -77,7 +77,7 @@ def speculative_round(target: ModelRunner, drafter: Drafter | None, requests: li
     uniforms = torch.cat([torch.rand(n, 2, generator=r.generator) for r, n in zip(requests, seqlens)]).to(device)
     sampling = _sampling(requests, device)
     draft_probs = None
-    if any(r.params.temperature > 0 for r in requests):
+    if any(r.params.temperature > 0 for r in requests) and any(drafts):
         draft_probs = torch.zeros_like(logits)
         for i, (d, q) in enumerate(zip(drafts, proposal.probs)):
             if not d:

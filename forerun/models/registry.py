@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from .cpu_linear import pack_linears
 from .llama import LlamaForCausalLM
 from .loader import Checkpoint, load_checkpoint
 
@@ -19,8 +20,9 @@ def model_class(cfg: ModelConfig):
 
 
 def build_model(ckpt: Checkpoint, device: torch.device | str, dtype: torch.dtype,
-                max_positions: int | None = None) -> LlamaForCausalLM:
-    """Instantiate without random init (meta device), then stream the checkpoint's tensors in."""
+                max_positions: int | None = None, pack_cpu: bool = True) -> LlamaForCausalLM:
+    """Instantiate without random init (meta device), then stream the checkpoint's tensors in.
+    On the CPU in fp32, linear weights are then packed for oneDNN (see cpu_linear.py)."""
     cls = model_class(ckpt.config)
     with torch.device("meta"):
         model = cls(ckpt.config, max_positions=max_positions)
@@ -28,13 +30,15 @@ def build_model(ckpt: Checkpoint, device: torch.device | str, dtype: torch.dtype
     model.tie_weights()  # materialising from meta may replace the shared parameter
     model.reset_rope(device)
     model.load_weights(ckpt.tensors())
+    if pack_cpu and torch.device(device).type == "cpu":
+        pack_linears(model)
     return model.eval()
 
 
 def load_model(path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-               max_positions: int | None = None):
+               max_positions: int | None = None, pack_cpu: bool = True):
     """(model, tokenizer, checkpoint) from a checkpoint directory, a .gguf file or a known model name."""
     from .hub import resolve_model
 
     ckpt = load_checkpoint(resolve_model(path))
-    return build_model(ckpt, device, dtype, max_positions), ckpt.tokenizer(), ckpt
+    return build_model(ckpt, device, dtype, max_positions, pack_cpu), ckpt.tokenizer(), ckpt

@@ -164,7 +164,9 @@ def verify_chain(
     need_probs = rule != "greedy" and (rule != "auto" or not bool(greedy_req.all()))
     needs_q = need_probs and rule in ("auto", "rejection", "penalty")
     if needs_q and draft_probs is None:
-        raise ValueError(f"rule {rule!r} with sampled requests needs draft_probs")
+        if bool(has_draft.any()):
+            raise ValueError(f"rule {rule!r} with sampled requests needs draft_probs")
+        needs_q = False  # no row carries a draft (plain decoding): q plays no part
     probs = sampling.probs(logits, row_to_req, check=check) if need_probs else None  # [T, V]
     argmax = None
     if any_greedy:
@@ -180,6 +182,8 @@ def verify_chain(
         p_x = probs.gather(1, d_idx).squeeze(1)
         if rule == "typical":
             sampled_ok = p_x > typical_threshold(probs, typical_epsilon, typical_delta)
+        elif draft_probs is None:
+            sampled_ok = torch.zeros_like(has_draft)
         else:
             sampled_ok = ratio_accept(p_x, draft_probs.gather(1, d_idx).squeeze(1).float(), uniforms[:, 0])
         raw = sampled_ok if raw is None else torch.where(greedy, raw, sampled_ok)
@@ -195,7 +199,7 @@ def verify_chain(
     final = None if argmax is None else argmax[f]
     if probs is not None:
         weights = probs[f]  # [R, V]
-        if rule != "typical":  # residual where the final row is a rejected verify row; q = 0 on bonus rows
+        if rule != "typical" and draft_probs is not None:  # residual where the final row is a rejected verify row; q = 0 on bonus rows
             alpha = math.exp(-penalty) if rule == "penalty" else 1.0
             rejected = (draft_vocab[f] >= 0).to(weights.dtype).unsqueeze(1)
             weights = residual_weights(weights, draft_probs[f].float().mul_(rejected), alpha)

@@ -206,3 +206,15 @@ def test_nan_logits_raise_naming_the_request():
     llm = tiny_llm(target)
     with pytest.raises(ValueError, match="request"):
         llm.generate([[5, 6, 7]], SamplingParams(temperature=0.7, max_tokens=3))
+
+
+def test_confidence_stopping_shortens_drafts_and_keeps_output():
+    target = sharpen(hf_model("llama"), 8.0)  # top probabilities spread over ~0.05 .. 0.25
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain = tiny_llm(target).generate(PROMPTS, sp)
+    free = tiny_llm(target, spec=draft_spec(target, k=4)).generate(PROMPTS, sp)
+    llm = tiny_llm(target, spec=draft_spec(target, k=4, confidence_threshold=0.12), check_invariants=True)
+    outs = llm.generate(PROMPTS, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    drafted = llm.aggregate_stats(outs).drafted
+    assert 0 < drafted < 0.8 * tiny_llm(target).aggregate_stats(free).drafted

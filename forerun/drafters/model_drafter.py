@@ -60,7 +60,9 @@ class ModelDrafter(Drafter):
             u = torch.stack([torch.rand((), generator=r.generator) for r in group]).to(q.device)
             greedy = torch.tensor([r.params.temperature == 0 for r in group], device=q.device)
             picked = torch.where(greedy, q.argmax(-1), sample_from_probs(q, u)).tolist()
-            top = q.max(-1).values.tolist()
+            # confidence: the draft's top probability (of softmax(logits) for greedy rows, whose q is one-hot)
+            top = torch.where(greedy, torch.softmax(out.logits, -1).max(-1).values, q.max(-1).values).tolist() \
+                if self.confidence_threshold > 0 else [1.0] * len(group)
             still = []
             for row, i in enumerate(active):
                 if top[row] < self.confidence_threshold:

@@ -14,18 +14,8 @@ import torch
 
 from ..engine.runner import Chunk, ModelRunner
 from ..request import Request
-from ..verify.probs import logits_to_probs, sample_from_probs
+from ..verify.probs import SamplingTensors, logits_to_probs, sample_from_probs
 from .base import DraftProposal, Drafter
-
-
-def sampling_tensors(requests: list[Request], device) -> tuple[torch.Tensor, ...]:
-    p = [r.params for r in requests]
-    return (
-        torch.tensor([x.temperature for x in p], dtype=torch.float32, device=device),
-        torch.tensor([x.top_k for x in p], dtype=torch.int64, device=device),
-        torch.tensor([x.top_p for x in p], dtype=torch.float32, device=device),
-        torch.tensor([x.min_p for x in p], dtype=torch.float32, device=device),
-    )
 
 
 class ModelDrafter(Drafter):
@@ -56,7 +46,8 @@ class ModelDrafter(Drafter):
                 chunks.append(Chunk(r.req_id, feed))
             out, _ = self.runner.forward(chunks, num_layers=self.num_layers)
             group = [requests[i] for i in active]
-            q = logits_to_probs(out.logits, *sampling_tensors(group, out.logits.device))  # [A, V]
+            st = SamplingTensors.from_params([r.params for r in group], out.logits.device)
+            q = logits_to_probs(out.logits, st.temperature, st.top_k, st.top_p, st.min_p)  # [A, V]
             u = torch.stack([torch.rand((), generator=r.generator) for r in group]).to(q.device)
             greedy = torch.tensor([r.params.temperature == 0 for r in group], device=q.device)
             picked = torch.where(greedy, q.argmax(-1), sample_from_probs(q, u)).tolist()

@@ -40,17 +40,6 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _sampling(requests: list[Request], device) -> SamplingTensors:
-    p = [r.params for r in requests]
-    f32 = dict(dtype=torch.float32, device=device)
-    return SamplingTensors(
-        temperature=torch.tensor([x.temperature for x in p], **f32),
-        top_k=torch.tensor([x.top_k for x in p], dtype=torch.int64, device=device),
-        top_p=torch.tensor([x.top_p for x in p], **f32),
-        min_p=torch.tensor([x.min_p for x in p], **f32),
-    )
-
-
 def speculative_round(target: ModelRunner, drafter: Drafter | None, requests: list[Request], ks: list[int],
                       rule: str = "auto", verify_kwargs: dict | None = None) -> RoundResult:
     # 1. Draft: up to k_i tokens per request (k = 0 requests get none).
@@ -75,7 +64,7 @@ def speculative_round(target: ModelRunner, drafter: Drafter | None, requests: li
     seqlens = [len(d) + 1 for d in drafts]
     draft_ids = torch.tensor([t for d in drafts for t in d + [-1]], dtype=torch.int64, device=device)
     uniforms = torch.cat([torch.rand(n, 2, generator=r.generator) for r, n in zip(requests, seqlens)]).to(device)
-    sampling = _sampling(requests, device)
+    sampling = SamplingTensors.from_params([r.params for r in requests], device)
     draft_probs = None
     if any(r.params.temperature > 0 for r in requests) and any(drafts):
         draft_probs = torch.zeros_like(logits)

@@ -32,11 +32,15 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from forerun.attention.triton_backend import TritonPagedAttention  # noqa: E402
 from forerun.config import CacheConfig, ModelConfig  # noqa: E402
 from forerun.engine.cuda_graph import GraphRunner, compile_elementwise  # noqa: E402
 from forerun.engine.runner import Chunk, ModelRunner  # noqa: E402
-from forerun.kernels.chain_sample import chain_sample  # noqa: E402
+
+try:  # the measurements need triton; re-plotting a JSON (--plot) does not
+    from forerun.attention.triton_backend import TritonPagedAttention
+    from forerun.kernels.chain_sample import chain_sample
+except ImportError:
+    TritonPagedAttention = chain_sample = None
 from forerun.models.layers import RotaryEmbedding  # noqa: E402
 from forerun.models.llama import LlamaForCausalLM  # noqa: E402
 

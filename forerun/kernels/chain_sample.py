@@ -273,6 +273,8 @@ def chain_sample(
         target_logits = target_logits.contiguous()
     if draft_probs is not None and draft_probs.stride(1) != 1:
         draft_probs = draft_probs.contiguous()
+    if uniforms.stride(1) != 1:
+        uniforms = uniforms.contiguous()
     greedy = (temperature <= 0).to(torch.int8)  # [R]
     inv_t = torch.where(greedy.bool(), 1.0, 1.0 / temperature)  # [R]; greedy rows use the raw logits
     first = first_token_positions.to(torch.int64)

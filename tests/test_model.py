@@ -128,7 +128,7 @@ def test_packed_cpu_linears_match():
         pytest.skip("no oneDNN in this torch build")
     hf = hf_model("qwen2")
     plain, packed = ours_from_hf(hf), ours_from_hf(hf)
-    assert pack_linears(packed.model) == 3 * 7 + 1  # 7 per layer + the head (a packed copy when tied)
+    assert pack_linears(packed.model) == 3 * 4 + 1  # qkv, o, gate_up, down per layer + the head (a copy when tied)
     ids = list(range(3, 40))
     for r in (plain, packed):
         r.kv.add_sequence(0)

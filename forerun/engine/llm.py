@@ -47,8 +47,8 @@ def check_tokenizers_match(target_tok, draft_tok) -> None:
 class LLM:
     def __init__(self, model: str, *, spec: SpecConfig | None = None, device: str | None = None,
                  dtype: torch.dtype | None = None, cache: CacheConfig | None = None, max_num_seqs: int = 64,
-                 max_model_len: int | None = None, max_num_batched_tokens: int = 8192, seed: int = 0, check_invariants: bool = False,
-                 _loaded=None) -> None:
+                 max_model_len: int | None = None, max_num_batched_tokens: int = 8192, seed: int = 0,
+                 check_invariants: bool = False, cuda_graphs: bool = True, _loaded=None) -> None:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.cache = cache or CacheConfig()
@@ -59,6 +59,9 @@ class LLM:
         self.runner = ModelRunner(target, self.cache, self.device, self.dtype, max_seqs=max_num_seqs,
                                   max_batch_tokens=max_num_batched_tokens)
         self.drafter = self._make_drafter()
+        if cuda_graphs and self.device.type == "cuda":
+            for runner in {id(r): r for r in (self.runner, getattr(self.drafter, "runner", None)) if r}.values():
+                runner.enable_cuda_graphs(max_q_len=self.spec.k_max + 1)
         self.scheduler = KScheduler(self.spec)
         self.generator = torch.Generator().manual_seed(seed)
         self._next_id = 0

@@ -71,6 +71,16 @@ class ModelRunner:
         self.kv = KVPool(model.config, cache, dtype, self.device)
         max_blocks = -(-model.max_positions // cache.block_size) + 1
         self.buffers = StepBuffers(max_batch_tokens, max_seqs, max_blocks, self.device)
+        self.graphs = None  # a cuda_graph.GraphRunner over this runner, when CUDA graphs are on
+
+    def enable_cuda_graphs(self, max_q_len: int, batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)) -> None:
+        """Triton paged attention + CUDA-graph replay of uniform decode/verify steps (captured on first use)."""
+        from ..attention.triton_backend import TritonPagedAttention
+        from .cuda_graph import GraphRunner
+
+        self.model.backend = TritonPagedAttention()
+        sizes = tuple(b for b in batch_sizes if b <= self.buffers.max_seqs and b * max_q_len <= self.buffers.max_tokens)
+        self.graphs = GraphRunner(self, batch_sizes=sizes, max_q_len=max_q_len)
 
     @property
     def config(self):
@@ -138,4 +148,5 @@ class ModelRunner:
 
         Returns the output (logits rows in chunk order) and, per chunk, the index of its first logits row."""
         step = self.prepare(chunks)
-        return self.execute(step, num_layers, hidden_layers), step.starts
+        executor = self.graphs if self.graphs is not None else self  # graph replay falls back to execute
+        return executor.execute(step, num_layers, hidden_layers), step.starts

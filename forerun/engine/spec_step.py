@@ -63,28 +63,26 @@ def speculative_round(target: ModelRunner, drafter: Drafter | None, requests: li
     # 3. Verify. Row j of request i verifies draft j+1; the last row has no draft (-1).
     seqlens = [len(d) + 1 for d in drafts]
     draft_ids = torch.tensor([t for d in drafts for t in d + [-1]], dtype=torch.int64, device=device)
+    ftp = torch.tensor(starts, dtype=torch.int64, device=device)
+    lens = torch.tensor(seqlens, dtype=torch.int64, device=device)
     uniforms = torch.cat([torch.rand(n, 2, generator=r.generator) for r, n in zip(requests, seqlens)]).to(device)
     sampling = SamplingTensors.from_params([r.params for r in requests], device)
-    draft_probs = None
-    if any(r.params.temperature > 0 for r in requests) and any(drafts):
-        draft_probs = torch.zeros_like(logits)
-        for i, (d, q) in enumerate(zip(drafts, proposal.probs)):
-            if not d:
-                continue
-            rows = torch.arange(starts[i], starts[i] + len(d), device=device)
-            if q is None:  # deterministic drafter: a point mass on the proposed token
-                draft_probs[rows, torch.tensor(d, device=device)] = 1.0
-            else:
-                draft_probs[rows] = q.to(device)
+    sampled_drafts = any(r.params.temperature > 0 for r in requests) and any(drafts)
     want_lp = max((r.params.logprobs for r in requests if r.params.logprobs is not None), default=None)
-    kwargs = dict(verify_kwargs or {})
-    if want_lp is not None:
-        kwargs["logprobs"] = want_lp
-    res = verify_chain(
-        logits, draft_ids,
-        torch.tensor(starts, dtype=torch.int64, device=device), torch.tensor(seqlens, dtype=torch.int64, device=device),
-        sampling, uniforms, draft_probs=draft_probs, rule=rule, **kwargs,
-    )
+    if _fused_ok(device, rule, requests, want_lp, verify_kwargs):
+        # CUDA: one fused Triton pass (probabilities, accept test, residual / bonus sample); a drafter without
+        # distributions (n-gram: point masses) needs no dense q at all
+        from ..kernels.chain_sample import chain_sample
+
+        dense = sampled_drafts and any(q is not None for q in proposal.probs)
+        q = _dense_draft_probs(logits, drafts, proposal.probs, starts) if dense else None
+        res = chain_sample(logits, draft_ids, ftp, lens, sampling, uniforms, draft_probs=q, max_seqlen=max(seqlens))
+    else:
+        q = _dense_draft_probs(logits, drafts, proposal.probs, starts) if sampled_drafts else None
+        kwargs = dict(verify_kwargs or {})
+        if want_lp is not None:
+            kwargs["logprobs"] = want_lp
+        res = verify_chain(logits, draft_ids, ftp, lens, sampling, uniforms, draft_probs=q, rule=rule, **kwargs)
     num_acc = res.num_accepted.tolist()
     out_ids = res.output_token_ids.tolist()
     emitted = [row[: a + 1] for row, a in zip(out_ids, num_acc)]
@@ -95,10 +93,38 @@ def speculative_round(target: ModelRunner, drafter: Drafter | None, requests: li
         kv.truncate(r.req_id, valid)
         if drafter is not None:
             drafter.rollback(r, valid)
-    lps = _logprobs(res, emitted, want_lp)
+    lps = _logprobs(res, emitted, want_lp) if want_lp is not None else None
     return RoundResult(emitted, [len(d) for d in drafts], num_acc, lps, draft_seconds=t1 - t0,
                        draft_steps=max(ks, default=0) if drafter is not None else 0, target_seconds=t2 - t1,
                        target_tokens=sum(len(c.token_ids) for c in chunks))
+
+
+def _dense_draft_probs(logits: torch.Tensor, drafts: list[list[int]], probs: list[torch.Tensor | None],
+                       starts: list[int]) -> torch.Tensor:
+    """[T, V] draft distribution per row (zeros on rows without a draft); None = a point mass on the token."""
+    out = torch.zeros_like(logits)
+    for d, q, s in zip(drafts, probs, starts):
+        if not d:
+            continue
+        rows = torch.arange(s, s + len(d), device=logits.device)
+        if q is None:
+            out[rows, torch.tensor(d, device=logits.device)] = 1.0
+        else:
+            out[rows] = q.to(logits.device)
+    return out
+
+
+def _fused_ok(device: torch.device, rule: str, requests: list[Request], want_lp, verify_kwargs) -> bool:
+    """The fused CUDA kernel covers rule 'auto' with temperature only (no top-k/p, min-p, logprobs, extras)."""
+    if device.type != "cuda" or rule != "auto" or want_lp is not None or verify_kwargs:
+        return False
+    if any(r.params.top_k or r.params.top_p < 1.0 or r.params.min_p > 0 for r in requests):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _logprobs(res, emitted: list[list[int]], want: int | None) -> list[list[dict]] | None:

@@ -31,9 +31,9 @@ class Attention(nn.Module):
         super().__init__()
         self.layer, self.cfg = layer, cfg
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        # q, k and v projections fused into one matrix (rows: q, then k, then v): one weight read, one GEMM
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -42,9 +42,10 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, rope: RotaryEmbedding, meta: AttnMetadata, kv: KVPool, backend: AttentionBackend):
         t, d = x.shape[0], self.cfg.head_dim
-        q = self.q_proj(x).view(t, self.cfg.num_heads, d)  # [T, Hq, D]
-        k = self.k_proj(x).view(t, self.cfg.num_kv_heads, d)  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.cfg.num_kv_heads, d)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.cfg.num_heads, d)  # [T, Hq, D]
+        k = k.reshape(t, self.cfg.num_kv_heads, d)  # [T, Hkv, D]
+        v = v.reshape(t, self.cfg.num_kv_heads, d)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, k, positions)
@@ -122,22 +123,48 @@ class LlamaForCausalLM(nn.Module):
         return ForwardOutput(logits, hidden)
 
     # -- weights -------------------------------------------------------------------------------------
+    # HF names of the fused matrices' parts, in row order
+    FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+    def _param_slices(self) -> dict[str, tuple[torch.Tensor, slice]]:
+        """HF tensor name -> (parameter, row slice). Fused parameters are split back into their HF parts."""
+        out: dict[str, tuple[torch.Tensor, slice]] = {}
+        for name, p in self.named_parameters(remove_duplicate=False):
+            mod, _, leaf = name.rpartition(".")
+            base, _, fused = mod.rpartition(".")
+            if fused not in self.FUSED:
+                out[name] = (p, slice(None))
+                continue
+            owner = self.get_submodule(base)  # the Attention or SwiGLU holding the fused matrix
+            sizes = [owner.q_size, owner.kv_size, owner.kv_size] if fused == "qkv_proj" else [p.shape[0] // 2] * 2
+            start = 0
+            for part, size in zip(self.FUSED[fused], sizes):
+                out[f"{base}.{part}.{leaf}"] = (p, slice(start, start + size))
+                start += size
+        return out
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Parameters under transformers' names (fused matrices split back; views, no copies)."""
+        tied = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+        return {name: p[rows] for name, (p, rows) in self._param_slices().items() if name not in tied}
+
     @torch.no_grad()
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the parameters; every parameter must be given exactly once."""
-        params = dict(self.named_parameters(remove_duplicate=False))
+        """Copy HF-named tensors into the parameters; every (part of a) parameter must be given exactly once."""
+        targets = self._param_slices()
         tied = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
         seen: set[str] = set()
         for name, tensor in tensors:
             if name in tied or name.endswith("rotary_emb.inv_freq"):
                 continue
-            if name not in params:
+            if name not in targets:
                 raise KeyError(f"checkpoint tensor {name!r} has no parameter in {self.config.arch} model")
-            p = params[name]
-            if tuple(p.shape) != tuple(tensor.shape):
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(p.shape)}")
-            p.copy_(tensor.to(p.dtype))
+            p, rows = targets[name]
+            dst = p[rows]
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            p[rows].copy_(tensor.to(p.dtype))
             seen.add(name)
-        missing = set(params) - seen - tied
+        missing = set(targets) - seen - tied
         if missing:
             raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")

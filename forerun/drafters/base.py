@@ -14,10 +14,12 @@ class DraftProposal:
     """Per request (same order as the requests given to propose):
     tokens[i]: the drafted token ids, at most k_i of them (fewer when a drafter stops early);
     probs[i]: [len(tokens[i]), V] float32 draft distributions each token was sampled from (already through
-    the shared probability transform), or None for a deterministic drafter (a point mass on the token)."""
+    the shared probability transform), or None for a deterministic drafter (a point mass on the token).
+    step_seconds: what one more draft token costs, measured on steps that fed one token per request."""
 
     tokens: list[list[int]]
     probs: list[torch.Tensor | None]
+    step_seconds: float | None = None  # mean time of one draft step (catch-up feeding excluded), for adaptive k
 
 
 class Drafter(ABC):

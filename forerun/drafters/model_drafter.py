@@ -10,6 +10,8 @@ that request's draft before that token.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..engine.runner import Chunk, ModelRunner
@@ -37,8 +39,9 @@ class ModelDrafter(Drafter):
         for r in (requests[i] for i in active):
             self._ensure(r)
         start_len = {requests[i].req_id: kv.length(requests[i].req_id) for i in active}
-        step = 0
+        step, step_times = 0, []
         while active:
+            t_step = time.perf_counter()
             chunks = []
             for i in active:
                 r = requests[i]
@@ -62,11 +65,14 @@ class ModelDrafter(Drafter):
                 probs[i].append(q[row])
                 if len(tokens[i]) < ks[i]:
                     still.append(i)
+            if all(len(c.token_ids) == 1 for c in chunks):  # a pure draft step (no catch-up feeding)
+                step_times.append(time.perf_counter() - t_step)  # .tolist() above has synchronised
             active, step = still, step + 1
         if self.shares_target_cache:  # early exit wrote into the target's cache: give the positions back
             for rid, n in start_len.items():
                 kv.truncate(rid, n)
-        return DraftProposal(tokens, [torch.stack(p) if p else None for p in probs])
+        return DraftProposal(tokens, [torch.stack(p) if p else None for p in probs],
+                             step_seconds=sum(step_times) / len(step_times) if step_times else None)
 
     def rollback(self, request: Request, valid_len: int) -> None:
         kv = self.runner.kv

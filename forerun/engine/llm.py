@@ -216,8 +216,8 @@ class LLM:
         cost = self.scheduler.cost
         if res.target_tokens <= num_requests * (self.spec.k_max + 1):
             cost.record_target(res.target_tokens, res.target_seconds)
-        if res.draft_steps:
-            cost.record_draft_step(res.draft_seconds / res.draft_steps)
+        if res.draft_step_seconds is not None:
+            cost.record_draft_step(res.draft_step_seconds)
 
     def _commit(self, r: Request, tokens: list[int], logprobs: list[dict] | None) -> int:
         """Append tokens one by one; stop at a stop token, a stop string or max_tokens (the rest is dropped)."""

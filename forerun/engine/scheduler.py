@@ -90,6 +90,7 @@ class KScheduler:
         self.spec = spec
         self.cost = CostModel()
         self.estimates: dict[int, AcceptanceEstimate] = {}
+        self.overall = AcceptanceEstimate(decay=0.99)  # across requests: the prior of a new request
         self.idle_rounds: dict[int, int] = {}  # rounds since the request last drafted (adaptive k = 0)
 
     PROBE_EVERY = 16  # with k = 0 chosen this many rounds in a row, draft one token to re-measure acceptance
@@ -103,7 +104,7 @@ class KScheduler:
         n = len(req_ids)
         out = []
         for rid, r in zip(req_ids, room):
-            est = self.estimates.setdefault(rid, AcceptanceEstimate())
+            est = self._estimate(rid)
             warm = len(self.cost.target_obs) >= 2
             k = choose_k(est.alpha, min(self.spec.k_max, r), n, self.cost) if warm else min(self.spec.k, r)
             idle = self.idle_rounds.get(rid, 0) + 1 if k == 0 else 0
@@ -113,9 +114,15 @@ class KScheduler:
             out.append(max(0, k))
         return out
 
+    def _estimate(self, req_id: int) -> AcceptanceEstimate:
+        if req_id not in self.estimates:
+            self.estimates[req_id] = AcceptanceEstimate(prior=self.overall.alpha)
+        return self.estimates[req_id]
+
     def observe(self, req_id: int, drafted: int, accepted: int) -> None:
         if self.spec.adaptive:
-            self.estimates.setdefault(req_id, AcceptanceEstimate()).update(drafted, accepted)
+            self._estimate(req_id).update(drafted, accepted)
+            self.overall.update(drafted, accepted)
 
     def forget(self, req_id: int) -> None:
         self.estimates.pop(req_id, None)

@@ -28,8 +28,7 @@ class RoundResult:
     num_drafted: list[int]
     num_accepted: list[int]
     logprobs: list[list[dict]] | None  # per request, per emitted token (when any request asked)
-    draft_seconds: float = 0.0
-    draft_steps: int = 0
+    draft_step_seconds: float | None = None  # one draft step's measured time (None: not measured this round)
     target_seconds: float = 0.0
     target_tokens: int = 0
 
@@ -94,8 +93,10 @@ def speculative_round(target: ModelRunner, drafter: Drafter | None, requests: li
         if drafter is not None:
             drafter.rollback(r, valid)
     lps = _logprobs(res, emitted, want_lp) if want_lp is not None else None
-    return RoundResult(emitted, [len(d) for d in drafts], num_acc, lps, draft_seconds=t1 - t0,
-                       draft_steps=max(ks, default=0) if drafter is not None else 0, target_seconds=t2 - t1,
+    step_s = proposal.step_seconds
+    if step_s is None and drafter is not None and any(drafts):  # drafters without steps: their whole cost per token
+        step_s = (t1 - t0) / max(map(len, drafts))
+    return RoundResult(emitted, [len(d) for d in drafts], num_acc, lps, draft_step_seconds=step_s, target_seconds=t2 - t1,
                        target_tokens=sum(len(c.token_ids) for c in chunks))
 
 

@@ -45,10 +45,9 @@ def pack_linears(model: nn.Module) -> int:
     if not packing_available():
         return 0
     dtypes = (torch.float32, torch.bfloat16) if fast_cpu_bf16() else (torch.float32,)
-    count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" and child.weight.dtype in dtypes:
-                setattr(parent, name, PackedLinear(child))
-                count += 1
-    return count
+    # (parent, name) pairs only: once a Linear is replaced nothing holds it, so peak memory stays ~1x the model
+    targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
+               if isinstance(child, nn.Linear) and child.weight.device.type == "cpu" and child.weight.dtype in dtypes]
+    for parent, name in targets:
+        setattr(parent, name, PackedLinear(getattr(parent, name)))
+    return len(targets)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import torch
+from tqdm.auto import tqdm
 
 from ..config import ModelConfig
 from .cpu_linear import pack_linears
@@ -20,7 +21,7 @@ def model_class(cfg: ModelConfig):
 
 
 def build_model(ckpt: Checkpoint, device: torch.device | str, dtype: torch.dtype,
-                max_positions: int | None = None, pack_cpu: bool = True) -> LlamaForCausalLM:
+                max_positions: int | None = None, pack_cpu: bool = True, progress: bool = True) -> LlamaForCausalLM:
     """Instantiate without random init (meta device), then stream the checkpoint's tensors in.
     On the CPU in fp32, linear weights are then packed for oneDNN (see cpu_linear.py)."""
     cls = model_class(ckpt.config)
@@ -29,7 +30,9 @@ def build_model(ckpt: Checkpoint, device: torch.device | str, dtype: torch.dtype
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()  # materialising from meta may replace the shared parameter
     model.reset_rope(device)
-    model.load_weights(ckpt.tensors())
+    names = ckpt.tensor_names()
+    model.load_weights(tqdm(ckpt.tensors(), total=len(names), desc=f"loading {ckpt.source.name}", unit="tensor",
+                            disable=not progress, leave=False))
     if pack_cpu and torch.device(device).type == "cpu":
         pack_linears(model)
     return model.eval()

@@ -10,7 +10,8 @@ DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
 
-def spec_from_args(draft: str | None, k: str, confidence: float, rule: str, ngram_max: int = 3):
+def spec_from_args(draft: str | None, k: str, confidence: float, rule: str, ngram_max: int = 3,
+                   tree: str | None = None):
     """--draft (MODEL | early-exit:N | ngram | none) and --k (K | auto) -> SpecConfig."""
     from .config import SpecConfig
 
@@ -26,6 +27,8 @@ def spec_from_args(draft: str | None, k: str, confidence: float, rule: str, ngra
         if not n.isdigit():
             raise SystemExit("--draft early-exit:N needs a layer count, e.g. early-exit:8")
         return SpecConfig(method="early-exit", early_exit_layers=int(n), **common)
+    if tree:
+        return SpecConfig(method="draft", draft_model=draft, tree=tuple(int(x) for x in tree.split(",")), **common)
     return SpecConfig(method="draft", draft_model=draft, **common)
 
 
@@ -47,7 +50,7 @@ def cmd_generate(a) -> int:
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    spec = spec_from_args(a.draft, a.k, a.confidence, a.rule)
+    spec = spec_from_args(a.draft, a.k, a.confidence, a.rule, tree=a.tree)
     params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, seed=a.seed,
                             max_tokens=a.max_tokens, stop=tuple(a.stop or ()), ignore_eos=a.ignore_eos)
     t = time.perf_counter()
@@ -95,6 +98,7 @@ def main(argv=None) -> int:
     g.add_argument("--draft", default=DEFAULT_DRAFT, help="MODEL | early-exit:N | ngram | none")
     g.add_argument("--k", default="auto", help="drafts per round, or 'auto' (adaptive)")
     g.add_argument("--rule", default="auto", choices=["auto", "greedy", "rejection", "penalty", "typical"])
+    g.add_argument("--tree", default=None, help="tree drafting with the draft model: children per depth, e.g. 2,2,1")
     g.add_argument("--confidence", type=float, default=0.0, help="stop a draft when its top probability is below this")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)

@@ -134,6 +134,7 @@ class SpecConfig:
     typical_epsilon: float = 0.09  # Medusa's posterior_threshold
     typical_delta: float = 0.3  # Medusa's posterior_alpha
     draft_dtype: str = "auto"  # auto: bfloat16 on CPUs with native bf16 (a draft only proposes), else the target's
+    tree: tuple[int, ...] | None = None  # method 'draft' only: children per node at each depth, e.g. (2, 2, 1)
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -148,9 +149,24 @@ class SpecConfig:
             raise ValueError(f"unknown verification rule {self.rule!r}; choose from {VERIFY_RULES}")
         if self.draft_dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"draft_dtype must be auto, float32, bfloat16 or float16, got {self.draft_dtype!r}")
+        if self.tree is not None:
+            object.__setattr__(self, "tree", tuple(int(b) for b in self.tree))
+            if self.method != "draft" or not self.tree or min(self.tree) < 1:
+                raise ValueError("tree drafting needs method 'draft' and positive children counts per depth")
         if not 0.0 <= self.confidence_threshold < 1.0:
             raise ValueError("confidence_threshold must be in [0, 1)")
 
     @property
     def enabled(self) -> bool:
-        return self.method != "none" and (self.adaptive or self.k > 0)
+        return self.method != "none" and (self.adaptive or self.k > 0 or self.tree is not None)
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """Most draft tokens one request feeds the target in a round (chain: k_max or k; tree: its nodes)."""
+        if self.tree is not None:
+            nodes, width = 0, 1
+            for b in self.tree:
+                width *= b
+                nodes += width
+            return nodes
+        return max(self.k_max, self.k)

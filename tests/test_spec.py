@@ -218,3 +218,71 @@ def test_confidence_stopping_shortens_drafts_and_keeps_output():
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     drafted = llm.aggregate_stats(outs).drafted
     assert 0 < drafted < 0.8 * tiny_llm(target).aggregate_stats(free).drafted
+
+
+# -- tree drafting ------------------------------------------------------------------------------------------
+def test_tree_shape():
+    from forerun.drafters.tree_drafter import TreeShape
+
+    t = TreeShape.from_branching((2, 2, 1))
+    assert t.num_nodes == 11 and t.parents[:7] == (-1, 0, 0, 1, 1, 2, 2) and t.depth[-1] == 3
+    assert SpecConfig(method="draft", draft_model="x", tree=(2, 2, 1)).max_draft_tokens == 10
+    m = t.mask()
+    assert m[10].nonzero().flatten().tolist() == [0, 2, 6, 10]  # root, depth-1, depth-2 ancestors, itself
+
+
+@pytest.mark.parametrize("tree", [(2, 2, 1), (3, 1), (1, 1, 1, 1)])
+def test_tree_greedy_identical_to_plain(tree):
+    target = sharpen(hf_model("llama"), 3.0)
+    plain = tiny_llm(target).generate(PROMPTS, GREEDY)
+    for draft in (hf_model("llama", seed=7, num_hidden_layers=1), target):
+        llm = tiny_llm(target, spec=draft_spec(draft, tree=tree), check_invariants=True)
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+        if draft is target:  # the draft's top-1 path is the target's greedy path: every level accepted
+            assert llm.aggregate_stats(outs).acceptance_rate > 0.8
+
+
+def test_tree_round_keeps_the_cache_exact():
+    """After each tree round the target cache equals a fresh prefill of the committed tokens (path compaction)."""
+    from forerun.engine.tree_step import tree_round
+
+    target = sharpen(hf_model("llama"), 3.0)
+    other = sharpen(hf_model("llama"), 3.0)  # a noisy copy of the target: it agrees often, not always first
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p) * p.std() * 0.3)
+    llm = tiny_llm(target, spec=draft_spec(other, tree=(3, 2)))
+    (req,) = llm._requests([PROMPTS[2]], GREEDY, False)
+    llm.runner.kv.add_sequence(req.req_id)
+    accepted = []
+    for _ in range(8):
+        res = tree_round(llm.runner, llm.drafter, [req])
+        req.output_token_ids.extend(res.emitted[0])
+        accepted.append(res.num_accepted[0])
+        kv, committed = llm.runner.kv, req.all_tokens[:-1]
+        assert kv.length(req.req_id) == len(committed)
+        fresh = ours_from_hf(target)
+        fresh.kv.add_sequence(0)
+        fresh.forward([Chunk(0, committed, logits="none")])
+        for cache, fcache in ((kv.k, fresh.kv.k), (kv.v, fresh.kv.v)):
+            got = cache.flatten(1, 2)[:, kv.slots(req.req_id, 0, len(committed))]
+            want = fcache.flatten(1, 2)[:, fresh.kv.slots(0, 0, len(committed))]
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert max(accepted) == 2  # depth-2 nodes (indices 4..9) accepted: their keys were moved to root + 2
+
+
+def test_tree_sampling_distribution_equals_plain_sampling():
+    """chi-square: exact multi-draft tree sampling keeps the first two tokens distributed as the target's."""
+    temperature, n = 1.3, 6000
+    target = sharpen(hf_model("llama"), 8.0)
+    draft = sharpen(hf_model("llama", seed=3, num_hidden_layers=1), 4.0)
+    llm = tiny_llm(target, spec=draft_spec(draft, tree=(3, 2)), max_num_seqs=2048)
+    prompt = [5, 9, 13, 5, 9]
+    sp = [SamplingParams(temperature=temperature, max_tokens=3, seed=7000 + i, ignore_eos=True) for i in range(n)]
+    outs = llm.generate([prompt] * n, sp)
+    assert llm.aggregate_stats(outs).accepted > 0.05 * n
+    p1, p12 = _exact_two_token_distribution(target, prompt, temperature)
+    _chi2_ok(np.bincount([o.token_ids[0] for o in outs], minlength=97), p1.numpy(), n)
+    pairs = np.bincount([o.token_ids[0] * 97 + o.token_ids[1] for o in outs], minlength=97 * 97)
+    _chi2_ok(pairs, p12.flatten().numpy(), n)

@@ -16,6 +16,7 @@ from ..config import CacheConfig, SpecConfig
 from ..drafters.base import Drafter
 from ..drafters.model_drafter import DraftModelDrafter, EarlyExitDrafter
 from ..drafters.ngram import NgramDrafter
+from ..drafters.tree_drafter import TreeDrafter
 from ..models.registry import load_model
 from ..request import FinishReason, Request, RequestOutput
 from ..sampling_params import SamplingParams
@@ -23,6 +24,7 @@ from ..stats import RequestStats, aggregate
 from .runner import ModelRunner
 from .scheduler import KScheduler
 from .spec_step import speculative_round
+from .tree_step import tree_round
 
 
 def draft_dtype(spec: SpecConfig, device: torch.device, target_dtype: torch.dtype) -> torch.dtype:
@@ -61,7 +63,7 @@ class LLM:
         self.drafter = self._make_drafter()
         if cuda_graphs and self.device.type == "cuda":
             for runner in {id(r): r for r in (self.runner, getattr(self.drafter, "runner", None)) if r}.values():
-                runner.enable_cuda_graphs(max_q_len=self.spec.k_max + 1)
+                runner.enable_cuda_graphs(max_q_len=self.spec.max_draft_tokens + 1)
         self.scheduler = KScheduler(self.spec)
         self.generator = torch.Generator().manual_seed(seed)
         self._next_id = 0
@@ -89,6 +91,8 @@ class LLM:
                 raise ValueError(f"draft vocab size {dmodel.config.vocab_size} != target {self.model.config.vocab_size}")
             runner = ModelRunner(dmodel, self.cache, self.device, ddtype, max_seqs=self.max_num_seqs,
                                  max_batch_tokens=self.runner.buffers.max_tokens)
+            if s.tree is not None:
+                return TreeDrafter(runner, s.tree)
             return DraftModelDrafter(runner, confidence_threshold=s.confidence_threshold)
         return None
 
@@ -114,7 +118,7 @@ class LLM:
         if len(ids) >= limit:
             raise ValueError(f"request {rid}: prompt of {len(ids)} tokens is too long for the context of {limit} "
                              "(it needs room for at least one new token)")
-        if len(ids) + self.spec.k_max + 1 > self.runner.buffers.max_tokens:
+        if len(ids) + self.spec.max_draft_tokens + 1 > self.runner.buffers.max_tokens:
             raise ValueError(f"request {rid}: prompt of {len(ids)} tokens exceeds max_num_batched_tokens "
                              f"({self.runner.buffers.max_tokens})")
         if self.runner.kv.capacity_tokens < len(ids) + 1:
@@ -176,8 +180,14 @@ class LLM:
                                    "raise CacheConfig.memory_budget_bytes or lower max_tokens")
             limit = self.model.max_positions
             room = [max(0, min(r.remaining - 1, limit - r.num_tokens)) for r in running]
-            ks = self.scheduler.ks([r.req_id for r in running], room)
-            res = speculative_round(self.runner, self.drafter, running, ks, self.spec.rule, self._verify_kwargs())
+            if isinstance(self.drafter, TreeDrafter):  # a tree needs room for all its nodes, else a plain round
+                fits = all(r.remaining - 1 >= len(self.spec.tree) and limit - r.num_tokens >= self.spec.max_draft_tokens
+                           for r in running)
+                res = tree_round(self.runner, self.drafter, running) if fits else \
+                    speculative_round(self.runner, None, running, [0] * len(running), self.spec.rule)
+            else:
+                ks = self.scheduler.ks([r.req_id for r in running], room)
+                res = speculative_round(self.runner, self.drafter, running, ks, self.spec.rule, self._verify_kwargs())
             self._observe(res, len(running))
             produced = 0
             for i, r in enumerate(running):
@@ -197,10 +207,10 @@ class LLM:
     def _step_tokens(self, r: Request) -> int:
         """Tokens the request feeds the target in its next round, at most."""
         kv = self.runner.kv
-        return r.num_tokens - (kv.length(r.req_id) if kv.has(r.req_id) else 0) + self.spec.k_max + 1
+        return r.num_tokens - (kv.length(r.req_id) if kv.has(r.req_id) else 0) + self.spec.max_draft_tokens + 1
 
     def _worst_blocks(self, r: Request) -> int:
-        tokens = min(len(r.prompt_token_ids) + r.params.max_tokens, self.model.max_positions) + self.spec.k_max + 2
+        tokens = min(len(r.prompt_token_ids) + r.params.max_tokens, self.model.max_positions) + self.spec.max_draft_tokens + 2
         return -(-tokens // self.runner.kv.block_size)
 
     def _verify_kwargs(self) -> dict:
@@ -214,7 +224,7 @@ class LLM:
     def _observe(self, res, num_requests: int) -> None:
         """Feed the cost model with decode/verify rounds only: a prefill's per-token cost is not a verify's."""
         cost = self.scheduler.cost
-        if res.target_tokens <= num_requests * (self.spec.k_max + 1):
+        if res.target_tokens <= num_requests * (self.spec.max_draft_tokens + 1):
             cost.record_target(res.target_tokens, res.target_seconds)
         if res.draft_step_seconds is not None:
             cost.record_draft_step(res.draft_step_seconds)

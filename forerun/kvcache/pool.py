@@ -114,3 +114,14 @@ class KVPool:
         """Store new keys/values [T, Hkv, D] at flat slots [T]."""
         self.k[layer].view(-1, *self.k.shape[-2:])[slots] = k
         self.v[layer].view(-1, *self.v.shape[-2:])[slots] = v
+
+    def move(self, seq_id: int, src_positions: list[int], dst_positions: list[int]) -> None:
+        """Copy keys/values of logical positions src -> dst (all layers), e.g. compacting an accepted tree path
+        into contiguous positions. Gathered before scattering, so overlapping moves are safe."""
+        if not src_positions:
+            return
+        src = torch.cat([self.slots(seq_id, p, p + 1) for p in src_positions]).to(self.k.device)
+        dst = torch.cat([self.slots(seq_id, p, p + 1) for p in dst_positions]).to(self.k.device)
+        for cache in (self.k, self.v):
+            flat = cache.view(cache.shape[0], -1, *cache.shape[-2:])  # [L, slots, Hkv, D]
+            flat[:, dst] = flat[:, src].clone()

@@ -1,0 +1,131 @@
+"""Tree drafting with a draft model: several candidate continuations checked in one target forward.
+
+The tree has a fixed shape, `branching[d]` children for every node at depth d (so (2, 2, 1) gives
+1 + 2 + 4 + 4 = 11 nodes, root included). Nodes are numbered breadth first; node 0 is the root, the last
+committed token. Children of a node are drawn from the draft distribution q at that node:
+  - greedy requests (temperature 0): the top-b tokens of q (distinct), verified by the greedy tree walk;
+  - sampled requests: b i.i.d. draws from q (with replacement), verified by exact multi-draft recursive
+    rejection sampling (`verify_tree(rule="exact", draft_scheme="with_replacement")`), which needs exactly
+    this scheme to keep the output distributed as the target's.
+Each depth is one batched draft forward over the whole tree so far with a tree mask (every node sees the
+committed prefix and its ancestors only); afterwards the draft cache is cut back to the committed prefix,
+and the accepted tokens are fed on the next proposal like any other catch-up.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.runner import Chunk, ModelRunner
+from ..request import Request
+from ..verify.probs import SamplingTensors, logits_to_probs, sample_from_probs
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """Parents (breadth-first, -1 at the root), depth of every node, and the nodes of each depth."""
+
+    parents: tuple[int, ...]
+    depth: tuple[int, ...]
+    levels: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def from_branching(cls, branching: tuple[int, ...]) -> "TreeShape":
+        if not branching or any(b < 1 for b in branching):
+            raise ValueError(f"tree branching must be positive counts per depth, got {branching}")
+        parents, depth, levels = [-1], [0], [(0,)]
+        for d, b in enumerate(branching, start=1):
+            level = []
+            for p in levels[-1]:
+                for _ in range(b):
+                    parents.append(p)
+                    depth.append(d)
+                    level.append(len(parents) - 1)
+            levels.append(tuple(level))
+        return cls(tuple(parents), tuple(depth), tuple(levels))
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.parents)
+
+    def mask(self, upto: int | None = None) -> torch.Tensor:
+        """[m, m] bool over the first m nodes: node i sees j iff j is i or an ancestor of i."""
+        m = self.num_nodes if upto is None else upto
+        out = torch.zeros(m, m, dtype=torch.bool)
+        for i in range(m):
+            j = i
+            while j >= 0:
+                out[i, j] = True
+                j = self.parents[j]
+        return out
+
+
+@dataclass(frozen=True)
+class TreeProposal:
+    """Per request: tokens [n] (node 0 = the root, the last committed token) and q [n, V] (row i: the draft
+    distribution node i's children were drawn from; zeros for leaves)."""
+
+    tokens: list[list[int]]
+    probs: list[torch.Tensor]
+    step_seconds: float | None = None
+
+
+class TreeDrafter:
+    name = "draft-tree"
+
+    def __init__(self, runner: ModelRunner, branching: tuple[int, ...]) -> None:
+        self.runner, self.shape = runner, TreeShape.from_branching(tuple(branching))
+
+    def propose_tree(self, requests: list[Request]) -> TreeProposal:
+        kv, shape = self.runner.kv, self.shape
+        n = shape.num_nodes
+        tokens = [[r.all_tokens[-1]] + [0] * (n - 1) for r in requests]
+        probs: list[torch.Tensor | None] = [None] * len(requests)
+        for r in requests:
+            if not kv.has(r.req_id):
+                kv.add_sequence(r.req_id)
+        root_pos = [r.num_tokens - 1 for r in requests]
+        st = SamplingTensors.from_params([r.params for r in requests], self.runner.device)
+        greedy = [r.params.temperature == 0 for r in requests]
+        for d, level in enumerate(shape.levels[:-1]):
+            if d == 0:  # catch-up: committed tokens the draft cache lacks, the root last
+                chunks = [Chunk(r.req_id, r.all_tokens[kv.length(r.req_id):]) for r in requests]
+            else:  # the root and every node above depth d, with the tree mask
+                m = level[-1] + 1
+                chunks = [Chunk(r.req_id, tokens[i][:m], positions=[root_pos[i] + shape.depth[j] for j in range(m)],
+                                tree_mask=shape.mask(m), logits=len(level)) for i, r in enumerate(requests)]
+            out, _ = self.runner.forward(chunks)
+            for r, pos in zip(requests, root_pos):
+                kv.truncate(r.req_id, pos)  # keep the committed prefix only (the root is re-fed)
+            v = out.logits.shape[-1]
+            rows = len(level)
+            q = logits_to_probs(out.logits, st.temperature.repeat_interleave(rows), st.top_k.repeat_interleave(rows),
+                                st.top_p.repeat_interleave(rows), st.min_p.repeat_interleave(rows))  # [R*rows, V]
+            children = len(shape.levels[d + 1]) // rows
+            for i, r in enumerate(requests):
+                if probs[i] is None:
+                    probs[i] = torch.zeros(n, v, device=q.device)
+                qi = q[i * rows:(i + 1) * rows]  # [rows, V]
+                if greedy[i]:
+                    picked = out.logits[i * rows:(i + 1) * rows].topk(children, dim=-1).indices  # distinct tokens
+                else:
+                    u = torch.rand(rows, children, generator=r.generator).to(q.device)
+                    picked = sample_from_probs(qi.repeat_interleave(children, 0), u.flatten()).view(rows, children)
+                for a, node in enumerate(level):
+                    probs[i][node] = qi[a]
+                    for c in range(children):
+                        tokens[i][shape.levels[d + 1][a * children + c]] = int(picked[a, c])
+        return TreeProposal(tokens, probs)
+
+    def rollback(self, request: Request, valid_len: int) -> None:
+        kv = self.runner.kv
+        if kv.has(request.req_id) and kv.length(request.req_id) > valid_len:
+            kv.truncate(request.req_id, valid_len)
+
+    def release(self, request: Request) -> None:
+        self.runner.kv.free(request.req_id)
+
+    def cached_length(self, request: Request) -> int | None:
+        kv = self.runner.kv
+        return kv.length(request.req_id) if kv.has(request.req_id) else 0

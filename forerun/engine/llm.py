@@ -187,7 +187,8 @@ class LLM:
                     speculative_round(self.runner, None, running, [0] * len(running), self.spec.rule)
             else:
                 ks = self.scheduler.ks([r.req_id for r in running], room)
-                res = speculative_round(self.runner, self.drafter, running, ks, self.spec.rule, self._verify_kwargs())
+                res = speculative_round(self.runner, self.drafter, running, ks, self.spec.rule, self._verify_kwargs(),
+                                        timing=self.spec.adaptive)
             self._observe(res, len(running))
             produced = 0
             for i, r in enumerate(running):

@@ -92,8 +92,9 @@ class ModelRunner:
 
     def prepare(self, chunks: list[Chunk]) -> PreparedStep:
         """Reserve cache slots for every chunk and lay the flattened batch into the static buffers."""
-        kv = self.kv
+        kv, bs = self.kv, self.kv.block_size
         ids, pos, slots, qsl, lens, logit_rows, starts, masks = [], [], [], [0], [], [], [], []
+        tables = []
         for c in chunks:
             n = len(c.token_ids)
             if n == 0:
@@ -102,26 +103,34 @@ class ModelRunner:
             if base + n > self.model.max_positions:
                 raise ValueError(f"sequence {c.seq_id}: {base + n} tokens exceed the context of {self.model.max_positions}")
             kv.reserve(c.seq_id, base + n)
+            blocks = kv.blocks(c.seq_id)
             ids.extend(c.token_ids)
             pos.extend(c.positions if c.positions is not None else range(base, base + n))
-            slots.append(kv.slots(c.seq_id, base, base + n))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(base, base + n))
             row0 = qsl[-1]
             starts.append(len(logit_rows))
             logit_rows.extend(range(row0 + n - c.logit_count(), row0 + n))
             qsl.append(row0 + n)
             lens.append(base + n)
             masks.append(c.tree_mask)
+            tables.append(blocks)
         t, b = qsl[-1], len(chunks)
         if t > self.buffers.max_tokens or b > self.buffers.max_seqs:
             raise ValueError(f"batch of {t} tokens / {b} sequences exceeds the runner's buffers")
         buf = self.buffers
-        buf.input_ids[:t].copy_(torch.tensor(ids, dtype=torch.int64))
-        buf.positions[:t].copy_(torch.tensor(pos, dtype=torch.int64))
-        buf.slot_mapping[:t].copy_(torch.cat(slots))
-        buf.query_start_loc[: b + 1].copy_(torch.tensor(qsl, dtype=torch.int64))
-        buf.seq_lens[:b].copy_(torch.tensor(lens, dtype=torch.int64))
-        table = kv.block_table([c.seq_id for c in chunks])
-        buf.block_tables[:b, : table.shape[1]].copy_(table)
+        width = max(map(len, tables))
+        table = [x for blocks in tables for x in blocks + [0] * (width - len(blocks))]
+        # one host -> device transfer for the whole step, then device-side copies into the static buffers
+        host = torch.tensor(ids + pos + slots + qsl + lens + logit_rows + table, dtype=torch.int64)
+        dev = host.to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+        parts = dev.split([t, t, t, b + 1, b, len(logit_rows), b * width])
+        buf.input_ids[:t].copy_(parts[0])
+        buf.positions[:t].copy_(parts[1])
+        buf.slot_mapping[:t].copy_(parts[2])
+        buf.query_start_loc[: b + 1].copy_(parts[3])
+        buf.seq_lens[:b].copy_(parts[4])
+        rows = parts[5]
+        buf.block_tables[:b, :width].copy_(parts[6].view(b, width))
         max_q = max(qsl[i + 1] - qsl[i] for i in range(b))
         tree = None
         if any(m is not None for m in masks):
@@ -132,10 +141,9 @@ class ModelRunner:
             tree = tree.to(self.device)
         meta = AttnMetadata(
             query_start_loc=buf.query_start_loc[: b + 1], seq_lens=buf.seq_lens[:b],
-            block_tables=buf.block_tables[:b, : table.shape[1]], slot_mapping=buf.slot_mapping[:t],
+            block_tables=buf.block_tables[:b, :width], slot_mapping=buf.slot_mapping[:t],
             max_query_len=max_q, max_seq_len=max(lens), tree_mask=tree,
         )
-        rows = torch.tensor(logit_rows, dtype=torch.int64).to(self.device)
         return PreparedStep(buf.input_ids[:t], buf.positions[:t], meta, rows, [c.seq_id for c in chunks], lens, starts)
 
     def execute(self, step: PreparedStep, num_layers: int | None = None, hidden_layers=()) -> ForwardOutput:

@@ -40,32 +40,31 @@ def _now(device: torch.device) -> float:
 
 
 def speculative_round(target: ModelRunner, drafter: Drafter | None, requests: list[Request], ks: list[int],
-                      rule: str = "auto", verify_kwargs: dict | None = None) -> RoundResult:
+                      rule: str = "auto", verify_kwargs: dict | None = None, timing: bool = True) -> RoundResult:
+    """timing: synchronise the device around the draft and target phases so that their times are real
+    (adaptive k needs them; without it the host never waits for the device before verification)."""
+    now = (lambda: _now(target.device)) if timing else time.perf_counter
     # 1. Draft: up to k_i tokens per request (k = 0 requests get none).
-    t0 = _now(target.device)
+    t0 = now()
     if drafter is not None and any(ks):
         proposal = drafter.propose(requests, ks)
     else:
         proposal = DraftProposal([[] for _ in requests], [None] * len(requests))
     drafts = proposal.tokens
-    t1 = _now(target.device)
+    t1 = now()
 
     # 2. One target forward: missing committed tokens + drafts; logits for the last k_i + 1 rows.
     kv = target.kv
     chunks = [Chunk(r.req_id, r.all_tokens[kv.length(r.req_id):] + d, logits=len(d) + 1)
               for r, d in zip(requests, drafts)]
     out, starts = target.forward(chunks)
-    t2 = _now(target.device)
+    t2 = now()
     logits = out.logits  # [T, V], T = sum(k_i + 1), request i owns rows starts[i] .. starts[i] + k_i
     device = logits.device
 
     # 3. Verify. Row j of request i verifies draft j+1; the last row has no draft (-1).
     seqlens = [len(d) + 1 for d in drafts]
-    draft_ids = torch.tensor([t for d in drafts for t in d + [-1]], dtype=torch.int64, device=device)
-    ftp = torch.tensor(starts, dtype=torch.int64, device=device)
-    lens = torch.tensor(seqlens, dtype=torch.int64, device=device)
-    uniforms = torch.cat([torch.rand(n, 2, generator=r.generator) for r, n in zip(requests, seqlens)]).to(device)
-    sampling = SamplingTensors.from_params([r.params for r in requests], device)
+    draft_ids, ftp, lens, sampling, uniforms = _verify_inputs(requests, drafts, starts, seqlens, device)
     sampled_drafts = any(r.params.temperature > 0 for r in requests) and any(drafts)
     want_lp = max((r.params.logprobs for r in requests if r.params.logprobs is not None), default=None)
     if _fused_ok(device, rule, requests, want_lp, verify_kwargs):
@@ -82,8 +81,8 @@ def speculative_round(target: ModelRunner, drafter: Drafter | None, requests: li
         if want_lp is not None:
             kwargs["logprobs"] = want_lp
         res = verify_chain(logits, draft_ids, ftp, lens, sampling, uniforms, draft_probs=q, rule=rule, **kwargs)
-    num_acc = res.num_accepted.tolist()
-    out_ids = res.output_token_ids.tolist()
+    both = torch.cat([res.num_accepted.unsqueeze(1), res.output_token_ids], 1).tolist()  # one device sync
+    num_acc, out_ids = [row[0] for row in both], [row[1:] for row in both]
     emitted = [row[: a + 1] for row, a in zip(out_ids, num_acc)]
 
     # 4. Roll back both caches to base + accepted + 1 (= committed tokens except the newest).
@@ -98,6 +97,24 @@ def speculative_round(target: ModelRunner, drafter: Drafter | None, requests: li
         step_s = (t1 - t0) / max(map(len, drafts))
     return RoundResult(emitted, [len(d) for d in drafts], num_acc, lps, draft_step_seconds=step_s, target_seconds=t2 - t1,
                        target_tokens=sum(len(c.token_ids) for c in chunks))
+
+
+def _verify_inputs(requests: list[Request], drafts: list[list[int]], starts: list[int], seqlens: list[int],
+                   device: torch.device):
+    """The verifier's small inputs in two host -> device transfers (one int64, one float32):
+    draft ids [T], ftp [R], seqlens [R], sampling settings [R] and the requests' own coins [T, 2]."""
+    num_req, rows = len(requests), sum(seqlens)
+    p = [r.params for r in requests]
+    ints = torch.tensor([t for d in drafts for t in d + [-1]] + starts + seqlens + [x.top_k for x in p],
+                        dtype=torch.int64).to(device, non_blocking=True)
+    coins = torch.cat([torch.rand(n, 2, generator=r.generator) for r, n in zip(requests, seqlens)]).flatten()
+    floats = torch.cat([coins, torch.tensor([v for x in p for v in (x.temperature, x.top_p, x.min_p)])])
+    floats = floats.to(device, non_blocking=True)
+    draft_ids, ftp, lens, top_k = ints.split([rows, num_req, num_req, num_req])
+    uniforms, settings = floats.split([2 * rows, 3 * num_req])
+    settings = settings.view(num_req, 3)
+    sampling = SamplingTensors(settings[:, 0], top_k, settings[:, 1], settings[:, 2])
+    return draft_ids, ftp, lens, sampling, uniforms.view(rows, 2)
 
 
 def _dense_draft_probs(logits: torch.Tensor, drafts: list[list[int]], probs: list[torch.Tensor | None],

@@ -1,0 +1,73 @@
+"""The user-facing path on the GPU: `LLM.generate` (host-side step preparation, verification, stop checks)
+at the Qwen3-8B shape with random bf16 weights, batch 1 and 8, plus a torch.profiler summary of where the
+host time goes. Run on the H200 machine: `python benchmarks/engine_gpu.py`; prints a table, writes
+benchmarks/results/engine_h200.json.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+from gpu import BF16, QWEN3_8B, _NoTextTokenizer, build_model, weight_bytes  # noqa: E402
+
+from forerun.engine.llm import LLM  # noqa: E402
+from forerun.sampling_params import SamplingParams  # noqa: E402
+
+
+def timed_generate(llm: LLM, prompts: list[list[int]], new_tokens: int) -> dict:
+    sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))  # prefill-only pass
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp)
+    torch.cuda.synchronize()
+    secs = time.perf_counter() - t
+    tokens = sum(len(o.token_ids) for o in outs)
+    return dict(batch=len(prompts), tokens=tokens, seconds=secs, tok_s=tokens / secs, ms_per_step=secs / new_tokens * 1e3)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    model = build_model(QWEN3_8B, None, seed=0)
+    _, read = weight_bytes(model)
+    llm = LLM.from_model(model, _NoTextTokenizer(), device="cuda", dtype=BF16)
+    prompt_len, new = 512, 128
+    prompts = [torch.randint(0, model.config.vocab_size, (prompt_len,)).tolist() for _ in range(8)]
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # capture + compile
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    res = dict(device=torch.cuda.get_device_name(), date=datetime.datetime.now().isoformat(timespec="seconds"),
+               torch=torch.__version__, shape="Qwen3-8B (random bf16)", prompt_len=prompt_len, new_tokens=new,
+               note="prefill excluded: generate(max_tokens=N) minus nothing; the timed call re-prefills its prompt",
+               runs=[])
+    for b in (1, 8):
+        r = timed_generate(llm, prompts[:b], new)
+        res["runs"].append(r)
+        print(f"LLM.generate batch {b}: {r['tok_s']:.1f} tok/s ({r['ms_per_step']:.2f} ms per step incl. prefill)",
+              flush=True)
+    # where the host time goes: 32 decode steps at batch 1 under the profiler
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+    print(table)
+    ev = {e.key: dict(count=e.count, self_cpu_ms=e.self_cpu_time_total / 1e3) for e in prof.key_averages()}
+    res["profile_b1_32_steps"] = dict(sorted(ev.items(), key=lambda kv: -kv[1]["self_cpu_ms"])[:40])
+    res["graph_replays"], res["eager_steps"] = llm.runner.graphs.replays, llm.runner.graphs.eager_steps
+    out = os.path.join(REPO, "benchmarks", "results", "engine_h200.json")
+    json.dump(res, open(out, "w"), indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

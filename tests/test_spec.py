@@ -286,3 +286,24 @@ def test_tree_sampling_distribution_equals_plain_sampling():
     _chi2_ok(np.bincount([o.token_ids[0] for o in outs], minlength=97), p1.numpy(), n)
     pairs = np.bincount([o.token_ids[0] * 97 + o.token_ids[1] for o in outs], minlength=97 * 97)
     _chi2_ok(pairs, p12.flatten().numpy(), n)
+
+
+def test_per_position_acceptance_estimate():
+    est = AcceptanceEstimate(decay=1.0, prior_weight=1e-9)
+    for _ in range(20):  # first draft accepted 3 times in 4; after that, always
+        est.update(4, 4)
+        est.update(4, 4)
+        est.update(4, 4)
+        est.update(4, 0)
+    assert est.rate(0) == pytest.approx(0.75) and est.rate(1) == pytest.approx(1.0)
+    assert est.expected_tokens(4) == pytest.approx(1 + 4 * 0.75)
+    flat = CostModel()
+    for tokens in (1, 2, 5, 9):
+        flat.record_target(tokens, 0.010)
+    flat.record_draft_step(0.002)
+    assert choose_k(est, 8, 1, flat) >= 4
+    geometric = AcceptanceEstimate(decay=1.0, prior_weight=1e-9)
+    for _ in range(40):
+        geometric.update(1, 1)
+        geometric.update(1, 0)
+    assert geometric.expected_tokens(2) == pytest.approx(1 + 0.5 + 0.25)  # unseen positions use the last prior

@@ -22,24 +22,53 @@ from ..stats import expected_tokens_per_round
 
 @dataclass
 class AcceptanceEstimate:
-    """Per-request acceptance rate: accepted / tested drafts with exponential forgetting and a prior.
-    A round that accepts a of k drafts tested min(a + 1, k) of them (the first reject ends the test)."""
+    """Acceptance per draft position, conditional on reaching it, with exponential forgetting and a prior.
+
+    Drafts are not accepted independently: once the first is accepted the next ones usually are too (on
+    the Qwen2.5-Coder pair: 0.83 for the first, then 0.93, 0.92, 0.96 given the ones before). So position i
+    keeps its own rate a_i = accepted_i / tested_i, and a round of k drafts is worth
+    E[tokens] = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k (seed 003's (1 - a^(k+1)) / (1 - a) when all a_i = a).
+    A round that accepts m of k drafts tested positions 1 .. min(m + 1, k) and accepted 1 .. m."""
 
     prior: float = 0.6
     prior_weight: float = 1.0
     decay: float = 0.95
-    accepted: float = 0.0
-    tested: float = 0.0
+    accepted: list[float] = field(default_factory=list)
+    tested: list[float] = field(default_factory=list)
+    priors: list[float] = field(default_factory=list)  # per-position priors (default: `prior`)
 
     def update(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
             return
-        self.accepted = self.decay * self.accepted + accepted
-        self.tested = self.decay * self.tested + min(accepted + 1, drafted)
+        while len(self.tested) < drafted:
+            self.tested.append(0.0)
+            self.accepted.append(0.0)
+        for i in range(len(self.tested)):
+            self.tested[i] *= self.decay
+            self.accepted[i] *= self.decay
+        for i in range(min(accepted + 1, drafted)):
+            self.tested[i] += 1.0
+            self.accepted[i] += float(i < accepted)
+
+    def rate(self, i: int) -> float:
+        """Conditional acceptance of draft position i (0-based)."""
+        prior = self.priors[i] if i < len(self.priors) else (self.priors[-1] if self.priors else self.prior)
+        if i >= len(self.tested):  # never drafted this far: like the deepest position seen, else the prior
+            return self.rate(len(self.tested) - 1) if self.tested and i >= len(self.priors) else prior
+        return (self.accepted[i] + prior * self.prior_weight) / (self.tested[i] + self.prior_weight)
+
+    def expected_tokens(self, k: int) -> float:
+        total, reach = 1.0, 1.0
+        for i in range(k):
+            reach *= self.rate(i)
+            total += reach
+        return total
 
     @property
     def alpha(self) -> float:
-        return (self.accepted + self.prior * self.prior_weight) / (self.tested + self.prior_weight)
+        """All positions pooled: accepted / tested."""
+        tested = sum(self.tested)
+        return (sum(self.accepted) + self.prior * self.prior_weight) / (tested + self.prior_weight)
 
 
 @dataclass
@@ -72,14 +101,17 @@ class CostModel:
         return sum(self.draft_obs) / len(self.draft_obs) if self.draft_obs else 0.0
 
 
-def choose_k(alpha: float, k_max: int, batch_size: int, cost: CostModel) -> int:
+def choose_k(acceptance: "float | AcceptanceEstimate", k_max: int, batch_size: int, cost: CostModel) -> int:
     """The k in 0..k_max with the most expected tokens per second, the round being shared by batch_size
-    requests that each verify k + 1 tokens (so extra verify tokens get dearer as the batch grows)."""
+    requests that each verify k + 1 tokens (so extra verify tokens get dearer as the batch grows).
+    acceptance: one rate for every position (seed 003's model) or per-position estimates."""
+    expected = acceptance.expected_tokens if isinstance(acceptance, AcceptanceEstimate) else \
+        (lambda k: expected_tokens_per_round(acceptance, k))
     best_k, best = 0, 0.0
     t_draft = cost.draft_step_time()
     for k in range(k_max + 1):
         seconds = cost.target_time(batch_size * (k + 1)) + k * t_draft
-        rate = expected_tokens_per_round(alpha, k) / seconds
+        rate = expected(k) / seconds
         if rate > best * 1.0001:
             best_k, best = k, rate
     return best_k
@@ -106,7 +138,7 @@ class KScheduler:
         for rid, r in zip(req_ids, room):
             est = self._estimate(rid)
             warm = len(self.cost.target_obs) >= 2
-            k = choose_k(est.alpha, min(self.spec.k_max, r), n, self.cost) if warm else min(self.spec.k, r)
+            k = choose_k(est, min(self.spec.k_max, r), n, self.cost) if warm else min(self.spec.k, r)
             idle = self.idle_rounds.get(rid, 0) + 1 if k == 0 else 0
             if idle >= self.PROBE_EVERY and r > 0:
                 k, idle = 1, 0
@@ -115,8 +147,9 @@ class KScheduler:
         return out
 
     def _estimate(self, req_id: int) -> AcceptanceEstimate:
-        if req_id not in self.estimates:
-            self.estimates[req_id] = AcceptanceEstimate(prior=self.overall.alpha)
+        if req_id not in self.estimates:  # start from what the engine has seen so far, position by position
+            priors = [self.overall.rate(i) for i in range(self.spec.k_max)]
+            self.estimates[req_id] = AcceptanceEstimate(prior=self.overall.alpha, priors=priors)
         return self.estimates[req_id]
 
     def observe(self, req_id: int, drafted: int, accepted: int) -> None:

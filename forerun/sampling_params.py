@@ -1,7 +1,7 @@
 """SamplingParams: what a user asks of one request, validated on creation (vLLM-style)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ checks after each, and whatever a round produced past a stop or max_tokens is dr
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Iterator, Sequence
 
 import torch

@@ -20,6 +20,7 @@ import torch
 from ..engine.runner import Chunk, ModelRunner
 from ..request import Request
 from ..verify.probs import SamplingTensors, logits_to_probs, sample_from_probs
+from .model_drafter import ModelDrafter
 
 
 @dataclass(frozen=True)
@@ -71,11 +72,15 @@ class TreeProposal:
     step_seconds: float | None = None
 
 
-class TreeDrafter:
+class TreeDrafter(ModelDrafter):
+    """A draft model with its own cache (rollback / release / cached_length as ModelDrafter's); the tree
+    round calls propose_tree, a chain round could still call propose."""
+
     name = "draft-tree"
 
     def __init__(self, runner: ModelRunner, branching: tuple[int, ...]) -> None:
-        self.runner, self.shape = runner, TreeShape.from_branching(tuple(branching))
+        super().__init__(runner)
+        self.shape = TreeShape.from_branching(tuple(branching))
 
     def propose_tree(self, requests: list[Request]) -> TreeProposal:
         kv, shape = self.runner.kv, self.shape
@@ -117,15 +122,3 @@ class TreeDrafter:
                     for c in range(children):
                         tokens[i][shape.levels[d + 1][a * children + c]] = int(picked[a, c])
         return TreeProposal(tokens, probs)
-
-    def rollback(self, request: Request, valid_len: int) -> None:
-        kv = self.runner.kv
-        if kv.has(request.req_id) and kv.length(request.req_id) > valid_len:
-            kv.truncate(request.req_id, valid_len)
-
-    def release(self, request: Request) -> None:
-        self.runner.kv.free(request.req_id)
-
-    def cached_length(self, request: Request) -> int | None:
-        kv = self.runner.kv
-        return kv.length(request.req_id) if kv.has(request.req_id) else 0

@@ -38,8 +38,10 @@ from forerun.engine.runner import Chunk, ModelRunner  # noqa: E402
 try:  # the measurements need triton; re-plotting a JSON (--plot) does not
     from forerun.attention.triton_backend import TritonPagedAttention
     from forerun.kernels.chain_sample import chain_sample
+    from forerun.kernels.layer_ops import FusedLayerOps
+    from forerun.kernels.skinny_gemm import skinny_linear
 except ImportError:
-    TritonPagedAttention = chain_sample = None
+    TritonPagedAttention = chain_sample = FusedLayerOps = skinny_linear = None
 from forerun.models.layers import RotaryEmbedding  # noqa: E402
 from forerun.models.llama import LlamaForCausalLM  # noqa: E402
 
@@ -301,6 +303,10 @@ def kernel_breakdown(fn, reps: int = 5, top: int = 25) -> dict:
         low = name.lower()
         if "_paged_attention" in low or "_merge_splits" in low:
             return "attention (Triton)"
+        if "_skinny_gemm" in low:
+            return "matmul (skinny Triton)"
+        if "_add_rmsnorm" in low or "_qk_norm_rope" in low:
+            return "fused norm / rope / KV write (Triton)"
         if any(t in low for t in ("gemv", "gemm", "cutlass", "xmma", "sm90_", "splitk", "cublas")):
             return "matmul (cuBLAS)"
         if low.startswith("triton_"):
@@ -318,20 +324,35 @@ def kernel_breakdown(fn, reps: int = 5, top: int = 25) -> dict:
 
 
 def gemm_efficiency(model: LlamaForCausalLM, bw: float, batch: int = 1) -> dict:
-    """Each projection kind of all layers back to back in one graph at M = batch: ms and achieved GB/s
-    (the model holds q/k/v and gate/up fused, one matrix each)."""
+    """Each projection kind of all layers back to back in one graph at M = batch: ms and achieved GB/s, for cuBLAS
+    (F.linear; gate/up then silu * up) and for the skinny Triton kernel as FusedLayerOps configures it."""
     layers = model.model.layers
-    groups = {name: [getattr(layer.self_attn, name).weight for layer in layers] for name in ("qkv_proj", "o_proj")}
-    groups.update({name: [getattr(layer.mlp, name).weight for layer in layers] for name in ("gate_up_proj", "down_proj")})
-    groups["lm_head"] = [model.lm_head.weight]
+    groups = {name: [getattr(layer.self_attn, name) for layer in layers] for name in ("qkv_proj", "o_proj")}
+    groups.update({name: [getattr(layer.mlp, name) for layer in layers] for name in ("gate_up_proj", "down_proj")})
+    groups["lm_head"] = [model.lm_head]
+    ops = FusedLayerOps()
     out = {}
 
-    def run(weights):
-        xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=BF16, device=DEV) for w in weights}
+    def run(mods, fused: bool, glu: bool):
+        xs = {m.weight.shape[1]: torch.randn(batch, m.weight.shape[1], dtype=BF16, device=DEV) for m in mods}
 
         def body():
-            for w in weights:
-                torch.nn.functional.linear(xs[w.shape[1]], w)
+            for m in mods:
+                x = xs[m.weight.shape[1]]
+                if not fused:
+                    y = torch.nn.functional.linear(x, m.weight)
+                    if glu:
+                        g, u = y.chunk(2, dim=-1)
+                        torch.nn.functional.silu(g) * u
+                elif glu:
+                    cfg = ops._config(x, m, glu=True)
+                    if cfg is None:
+                        g, u = torch.nn.functional.linear(x, m.weight).chunk(2, dim=-1)
+                        torch.nn.functional.silu(g) * u
+                    else:
+                        skinny_linear(x, m.weight, glu=True, config=cfg)
+                else:
+                    ops.linear(x, m)
 
         body()
         torch.cuda.synchronize()
@@ -339,15 +360,17 @@ def gemm_efficiency(model: LlamaForCausalLM, bw: float, batch: int = 1) -> dict:
         with torch.cuda.graph(graph):
             body()
         ms = bench_ms(graph.replay, inner=5, outer=5)
-        nbytes = sum(w.numel() * w.element_size() for w in weights)
+        nbytes = sum(m.weight.numel() * m.weight.element_size() for m in mods)
         return dict(ms=ms, GBps=nbytes / (ms * 1e-3) / 1e9, of_copy_bw=nbytes / (ms * 1e-3) / bw,
-                    shape=list(weights[0].shape), count=len(weights))
+                    shape=list(mods[0].weight.shape), count=len(mods))
 
     with torch.inference_mode():
-        for name, ws in groups.items():
-            out[name] = run(ws)
+        for name, mods in groups.items():
+            out[name] = run(mods, False, name == "gate_up_proj")
+            out[name]["skinny"] = run(mods, True, name == "gate_up_proj")
     torch.cuda.empty_cache()
     out["total_ms"] = sum(out[n]["ms"] for n in groups)
+    out["skinny_total_ms"] = sum(out[n]["skinny"]["ms"] for n in groups)
     return out
 
 
@@ -487,6 +510,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "gpu_h200.json"))
     ap.add_argument("--context", type=int, default=512, help="cached tokens per sequence at the start")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile of the elementwise modules")
+    ap.add_argument("--decode-only", action="store_true", help="stop after the batch-1 decode measurements")
     ap.add_argument("--only-verify", action="store_true",
                     help="re-measure only the verification kernels and update them in an existing --out JSON")
     args = ap.parse_args()
@@ -538,7 +562,8 @@ def main() -> None:
         res[f"{name}_floor_ms"] = total / bw * 1e3
         log(f"{name}: {total / 1e9:.2f} GB of weights, floor {total / bw * 1e3:.3f} ms/token")
 
-    # 1. batch-1 decode: eager, graphs, graphs + compiled elementwise modules
+    # 1. batch-1 decode, side by side: eager; graphs with torch ops; graphs + torch.compile'd elementwise modules
+    #    (the previous default); graphs + fused Triton layer kernels (the default now)
     dec: dict = {}
     for name, side in models.items():
         dec[f"{name}_eager_ms"] = eager_decode_ms(side, 8 if quick else 16)
@@ -563,8 +588,25 @@ def main() -> None:
             for side in models.values():
                 for mod in side.model.modules():
                     mod._compiled_call_impl = None
-                side.graphs = GraphRunner(side.runner, batch_sizes=batches, max_q_len=16)
     res["compiled_elementwise"] = compiled
+    if compiled:
+        for name, side in models.items():
+            step, reset = plain_step_fn(side, 1, ctx0, 1.0)
+            dec[f"{name}_compiled_ms"] = bench_ms(step, inner=16, outer=5)
+            reset()
+            log(f"{name} b1 decode, graphs + torch.compile'd elementwise: {dec[f'{name}_compiled_ms']:.3f} ms")
+    # fused elementwise kernels with cuBLAS products (separates the two effects), then the default from here on:
+    # fused Triton layer kernels (skinny products, add+norm, norm+rope+KV write)
+    for name, side in models.items():
+        side.model.ops = FusedLayerOps(max_skinny_rows=0)
+        side.graphs = GraphRunner(side.runner, batch_sizes=batches, max_q_len=16)
+        step, reset = plain_step_fn(side, 1, ctx0, 1.0)
+        dec[f"{name}_fused_cublas_ms"] = bench_ms(step, inner=16, outer=5)
+        reset()
+        log(f"{name} b1 decode, graphs + fused elementwise, cuBLAS products: {dec[f'{name}_fused_cublas_ms']:.3f} ms")
+    for side in models.values():
+        side.model.ops = FusedLayerOps()
+        side.graphs = GraphRunner(side.runner, batch_sizes=batches, max_q_len=16)
     for name, side in models.items():
         step, reset = plain_step_fn(side, 1, ctx0, 1.0)
         dec[f"{name}_ms"] = bench_ms(step, inner=16, outer=5)
@@ -576,8 +618,11 @@ def main() -> None:
         dec[f"{name}_fraction_of_floor"] = res[f"{name}_floor_ms"] / dec[f"{name}_ms"]
         dec[f"{name}_fraction_of_streamed_floor"] = (
             (res[f"{name}_streamed_bytes"] + ctx0 * kv_bytes_per_token(side.model.config)) / bw * 1e3 / dec[f"{name}_ms"])
-        log(f"{name} b1 decode: {dec[f'{name}_ms']:.3f} ms/token ({dec[f'{name}_tok_s']:.1f} tok/s, "
-            f"{100 * dec[f'{name}_fraction_of_floor']:.1f}% of floor), forward replay {dec[f'{name}_replay_ms']:.3f} ms")
+        if compiled:
+            dec[f"{name}_fused_speedup_vs_compiled"] = dec[f"{name}_compiled_ms"] / dec[f"{name}_ms"]
+        log(f"{name} b1 decode, graphs + fused Triton kernels: {dec[f'{name}_ms']:.3f} ms/token "
+            f"({dec[f'{name}_tok_s']:.1f} tok/s, {100 * dec[f'{name}_fraction_of_floor']:.1f}% of floor), "
+            f"forward replay {dec[f'{name}_replay_ms']:.3f} ms")
     res["decode_b1"] = dec
     save(res, args.out)
 
@@ -594,8 +639,13 @@ def main() -> None:
         res[f"{name}_gemm_b1"] = gemm_efficiency(side.model, bw)
         g = res[f"{name}_gemm_b1"]
         log(f"{name} matmuls b1: " + ", ".join(f"{n} {v['of_copy_bw']:.0%}" for n, v in g.items() if isinstance(v, dict))
-            + f"; all {g['total_ms']:.3f} ms")
+            + f"; all {g['total_ms']:.3f} ms; skinny Triton: "
+            + ", ".join(f"{n} {v['skinny']['of_copy_bw']:.0%}" for n, v in g.items() if isinstance(v, dict))
+            + f"; all {g['skinny_total_ms']:.3f} ms")
     save(res, args.out)
+    if args.decode_only:
+        print_table(res)
+        return
 
     # 2. target forward cost per query length (batch 1, logits for every row: verification shape)
     fwd = {}
@@ -781,11 +831,14 @@ def print_table(res: dict) -> None:
              f"{' (QUICK)' if res['quick'] else ''}"]
     lines.append(f"{'batch-1 decode':<34}{'target':>12}{'draft':>12}")
     for label, key, fmt in [("floor ms (weights / bandwidth)", "floor", "{:.3f}"), ("eager ms/token", "eager_ms", "{:.2f}"),
-                            ("graphs ms/token", "graph_ms", "{:.3f}"), ("graphs+compile ms/token", "ms", "{:.3f}"),
+                            ("graphs, torch ops ms/token", "graph_ms", "{:.3f}"),
+                            ("graphs + torch.compile ms/token", "compiled_ms", "{:.3f}"),
+                            ("graphs + fused norms, cuBLAS ms/token", "fused_cublas_ms", "{:.3f}"),
+                            ("graphs + fused Triton ms/token", "ms", "{:.3f}"),
                             ("tok/s", "tok_s", "{:.1f}"), ("fraction of floor", "fraction_of_floor", "{:.1%}"),
                             ("matmuls alone ms", "matmul_stream_ms", "{:.3f}")]:
-        vals = [res[f"{n}_floor_ms"] if key == "floor" else d[f"{n}_{key}"] for n in ("target", "draft")]
-        lines.append(f"{label:<34}" + "".join(f"{fmt.format(v):>12}" for v in vals))
+        vals = [res[f"{n}_floor_ms"] if key == "floor" else d.get(f"{n}_{key}") for n in ("target", "draft")]
+        lines.append(f"{label:<34}" + "".join(f"{fmt.format(v) if v is not None else '-':>12}" for v in vals))
     hf = res.get("transformers_generate_b1", {})
     if "tok_s" in hf:
         lines.append(f"transformers generate (8B shape, b1): {hf['tok_s']:.1f} tok/s; forerun is "
@@ -793,16 +846,17 @@ def print_table(res: dict) -> None:
     eng = res.get("engine_generate_b1", {})
     if "tok_s" in eng:
         lines.append(f"forerun LLM.generate (8B shape, b1, host overhead included): {eng['tok_s']:.1f} tok/s")
-    fwd = res["target_forward_ms_by_q_b1"]
+    fwd = res.get("target_forward_ms_by_q_b1", {})
     lines.append("target forward ms, q=1..16: " + " ".join(f"{v:.2f}" for v in fwd.values()))
-    lines.append(f"{'speculative, batch 1 (c = ' + format(res['costs']['1']['c'], '.3f') + ')':<34}"
-                 "a    k   tok/s   ideal  %ideal  tok/round  ideal@real  %ideal@real  speedup")
-    for r in res["spec_b1"]:
+    if "costs" in res:
+        lines.append(f"{'speculative, batch 1 (c = ' + format(res['costs']['1']['c'], '.3f') + ')':<34}"
+                     "a    k   tok/s   ideal  %ideal  tok/round  ideal@real  %ideal@real  speedup")
+    for r in res.get("spec_b1", []):
         lines.append(f"{'':<34}{r['a']:.1f}  {r['k']}  {r['tok_s']:6.1f}  {r['ideal_tok_s']:6.1f}  "
                      f"{r['fraction_of_ideal']:6.1%}  {r['tokens_per_round']:9.2f}  {r.get('ideal_realized_tok_s', 0):10.1f}  "
                      f"{r.get('fraction_of_ideal_realized', 0):11.1%}  {r['speedup']:.2f}x")
     lines.append("batch sweep: batch  a   k*  plain tok/s  spec(k*) tok/s  spec/plain  spec(k=4)")
-    for r in res["batch_sweep"]:
+    for r in res.get("batch_sweep", []):
         lines.append(f"{'':<13}{r['batch']:>5} {r['a']:.1f} {r['k_chosen']:>3} {r['plain_tok_s']:>12.0f} "
                      f"{r['chosen_tok_s']:>15.0f} {r['chosen_vs_plain']:>11.2f} {r['fixed_k4_tok_s']:>10.0f}")
     for name in ("target", "draft"):
@@ -811,6 +865,10 @@ def print_table(res: dict) -> None:
             lines.append(f"{name} matmuls b1 (of copy bandwidth): " + " ".join(
                 f"{n}={v['of_copy_bw']:.0%}" for n, v in g.items() if isinstance(v, dict))
                 + f"; all {g['total_ms']:.2f} ms")
+            if "skinny_total_ms" in g:
+                lines.append(f"{name} skinny Triton matmuls b1 (of copy bandwidth): " + " ".join(
+                    f"{n}={v['skinny']['of_copy_bw']:.0%}" for n, v in g.items() if isinstance(v, dict))
+                    + f"; all {g['skinny_total_ms']:.2f} ms")
         kb = res.get(f"{name}_kernels_b1")
         if kb:
             lines.append(f"{name} decode kernels b1 ({kb['total_us'] / 1e3:.2f} ms): " + ", ".join(

@@ -15,6 +15,9 @@ from forerun.config import CacheConfig, ModelConfig  # noqa: E402
 from forerun.engine.cuda_graph import GraphRunner, compile_elementwise  # noqa: E402
 from forerun.engine.runner import Chunk, ModelRunner  # noqa: E402
 from forerun.kernels.chain_sample import chain_sample  # noqa: E402
+from forerun.kernels.fused_norm import add_rmsnorm  # noqa: E402
+from forerun.kernels.layer_ops import FusedLayerOps  # noqa: E402
+from forerun.kernels.skinny_gemm import GemmConfig, skinny_linear  # noqa: E402
 from forerun.models.llama import LlamaForCausalLM  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -217,7 +220,9 @@ def test_chain_sample_small_vocab_distribution():
 
 
 # -- CUDA graphs -----------------------------------------------------------------------------------------
-def tiny_runner(seed: int = 0, compiled: bool = False) -> ModelRunner:
+def tiny_runner(seed: int = 0, ops: str = "torch") -> ModelRunner:
+    """A random bf16 Qwen3-shaped model; ops: "torch" (reference), "compiled" (torch.compile'd modules) or
+    "fused" (Triton layer kernels)."""
     cfg = ModelConfig(arch="qwen3", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
                       num_heads=8, num_kv_heads=2, head_dim=64, qk_norm=True, max_position_embeddings=1024)
     torch.manual_seed(seed)
@@ -228,14 +233,16 @@ def tiny_runner(seed: int = 0, compiled: bool = False) -> ModelRunner:
                 p.add_(torch.randn_like(p) * 0.1)
     model = model.to(DEV, torch.bfloat16).eval()
     model.backend = TritonPagedAttention()
-    if compiled:
+    if ops == "compiled":
         compile_elementwise(model)
+    elif ops == "fused":
+        model.ops = FusedLayerOps()
     return ModelRunner(model, CacheConfig(block_size=16, num_blocks=256), DEV, torch.bfloat16,
                        max_batch_tokens=512, max_seqs=32)
 
 
-def _prefilled_pair(compiled: bool):
-    graph_side, eager_side = tiny_runner(compiled=compiled), tiny_runner()
+def _prefilled_pair(ops: str):
+    graph_side, eager_side = tiny_runner(ops=ops), tiny_runner()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (7, 40, 16, 3, 100)]
     for r in (graph_side, eager_side):
@@ -245,9 +252,9 @@ def _prefilled_pair(compiled: bool):
     return graph_side, eager_side
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_graph_replay_equals_eager(compiled):
-    a, b = _prefilled_pair(compiled)
+@pytest.mark.parametrize("ops", ["torch", "compiled", "fused"])
+def test_graph_replay_equals_eager(ops):
+    a, b = _prefilled_pair(ops)
     gr = GraphRunner(a, batch_sizes=(1, 2, 4, 8), max_q_len=16)
     gr.capture(5, 1)
     gr.capture(5, 4, 4)
@@ -342,3 +349,40 @@ def test_engine_on_cuda_graphs_greedy_spec_equals_plain(method):
     assert llm.runner.graphs is not None and llm.runner.graphs.replays > 0
     if method == "draft":
         assert llm.aggregate_stats(outs).acceptance_rate == 1.0
+
+
+# -- fused layer kernels in bf16 (the interpreter tests in test_kernels.py cover float32 / float16) ----------
+@pytest.mark.parametrize("m", [1, 2, 4, 16])
+@pytest.mark.parametrize("glu", [False, True])
+def test_skinny_linear_bf16(m, glu):
+    g = torch.Generator(device=DEV).manual_seed(m)
+    x = torch.randn(m, 4096, device=DEV, generator=g, dtype=torch.bfloat16)
+    w = torch.randn(2 * 1536, 4096, device=DEV, generator=g, dtype=torch.bfloat16) * 0.02
+    ref = x.float() @ w.float().T
+    if glu:
+        gate, up = ref.chunk(2, dim=-1)
+        ref = torch.nn.functional.silu(gate) * up
+    cfgs = [GemmConfig(8, 512, False, 4, 1), GemmConfig(16, 256, True, 4, 4)] if m <= 2 else [GemmConfig(16, 256, True, 4, 4)]
+    for cfg in cfgs + [None]:
+        y = skinny_linear(x, w, glu=glu, config=cfg)
+        assert y.dtype == torch.bfloat16 and rel_err(y, ref) < 8e-3, cfg
+
+
+def test_fused_norm_kernels_bf16():
+    g = torch.Generator(device=DEV).manual_seed(0)
+    x, r = (torch.randn(7, 4096, device=DEV, generator=g, dtype=torch.bfloat16) for _ in range(2))
+    w = torch.randn(4096, device=DEV, generator=g, dtype=torch.bfloat16)
+    y, s = add_rmsnorm(x, r, w, 1e-6)
+    s64 = x.double() + r.double()
+    assert torch.equal(s, x + r)
+    assert rel_err(y, w.double() * s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + 1e-6)) < 8e-3
+
+
+@pytest.mark.parametrize("ops", ["compiled", "fused"])
+def test_fused_ops_match_torch_ops_bf16(ops):
+    """Prefill (torch products) and decode / verify steps (skinny products) agree with the torch ops in bf16."""
+    a, b = _prefilled_pair(ops)
+    for step in ([Chunk(i, [10 + i]) for i in range(5)], [Chunk(i, [1, 2, 3, 4], logits="all") for i in range(5)]):
+        got, _ = a.forward(step)
+        want, _ = b.forward(step)
+        assert rel_err(got.logits, want.logits) < 2e-2

@@ -18,6 +18,7 @@ from ..attention.metadata import AttnMetadata
 from ..config import ModelConfig
 from ..kvcache.pool import KVPool
 from .layers import RMSNorm, RotaryEmbedding, SwiGLU
+from .ops import LayerOps
 
 
 @dataclass
@@ -40,18 +41,15 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.scale = d ** -0.5
 
-    def forward(self, x, positions, rope: RotaryEmbedding, meta: AttnMetadata, kv: KVPool, backend: AttentionBackend):
-        t, d = x.shape[0], self.cfg.head_dim
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, self.cfg.num_heads, d)  # [T, Hq, D]
-        k = k.reshape(t, self.cfg.num_kv_heads, d)  # [T, Hkv, D]
-        v = v.reshape(t, self.cfg.num_kv_heads, d)
-        if self.cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, k, positions)
-        kv.write(self.layer, meta.slot_mapping, k, v)
+    def forward(self, x, positions, rope: RotaryEmbedding, meta: AttnMetadata, kv: KVPool, backend: AttentionBackend,
+                ops: LayerOps):
+        t, cfg = x.shape[0], self.cfg
+        qkv = ops.linear(x, self.qkv_proj)  # [T, (Hq + 2 Hkv) D]
+        norms = (self.q_norm, self.k_norm) if cfg.qk_norm else (None, None)
+        q = ops.qkv_to_cache(qkv, positions, rope, *norms, self.layer, meta, kv,
+                             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)  # [T, Hq, D]; k, v now in the cache
         out = backend.forward(q, kv.k[self.layer], kv.v[self.layer], meta, self.scale)  # [T, Hq, D]
-        return self.o_proj(out.reshape(t, -1))
+        return ops.linear(out.reshape(t, -1), self.o_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -62,9 +60,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rope, meta, kv, backend):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, kv, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h, residual, positions, rope, meta, kv, backend, ops: LayerOps):
+        """The residual stream is carried as (h, residual) with x = h + residual (residual None: x = h), so
+        each add is fused with the norm that follows it. Returns the new (h, residual)."""
+        h, residual = ops.add_rmsnorm(h, residual, self.input_layernorm)
+        h = self.self_attn(h, positions, rope, meta, kv, backend, ops)
+        h, residual = ops.add_rmsnorm(h, residual, self.post_attention_layernorm)
+        h = ops.mlp(h, self.mlp)
+        return h, residual
 
 
 class _Backbone(nn.Module):
@@ -85,6 +88,7 @@ class LlamaForCausalLM(nn.Module):
         self.max_positions = min(max_positions or cfg.max_position_embeddings, 1 << 17)
         self.reset_rope()
         self.backend: AttentionBackend = ReferenceBackend()
+        self.ops = LayerOps()  # torch kernels; FusedLayerOps (Triton) on CUDA
 
     def tie_weights(self) -> None:
         """Share the output head with the embeddings (Qwen2 small models, SmolLM2; GGUFs without output.weight)."""
@@ -111,15 +115,16 @@ class LlamaForCausalLM(nn.Module):
         if not 1 <= n <= self.config.num_layers:
             raise ValueError(f"num_layers must be in 1..{self.config.num_layers}, got {n}")
         wanted = set(hidden_layers)
-        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        h, res = self.model.embed_tokens(input_ids), None  # [T, hidden]
         hidden: dict[int, torch.Tensor] = {}
         for i in range(n):
-            x = self.model.layers[i](x, positions, self.rope, meta, kv, self.backend)
+            h, res = self.model.layers[i](h, res, positions, self.rope, meta, kv, self.backend, self.ops)
             if i in wanted:
-                hidden[i] = x
+                hidden[i] = h + res
         if logits_indices is not None:
-            x = x[logits_indices]
-        logits = self.lm_head(self.model.norm(x)).float()  # [R, V]
+            h, res = h[logits_indices], res[logits_indices]
+        x, _ = self.ops.add_rmsnorm(h, res, self.model.norm)
+        logits = self.ops.linear(x, self.lm_head, out_dtype=torch.float32)  # [R, V]
         return ForwardOutput(logits, hidden)
 
     # -- weights -------------------------------------------------------------------------------------

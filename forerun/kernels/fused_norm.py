@@ -1,0 +1,124 @@
+"""Fused elementwise kernels of a decoder layer, one launch each (torch would launch 5-15 small kernels).
+
+* `add_rmsnorm`: s = x + residual (rounded to the activation dtype, as transformers adds in that dtype), then
+  y = weight * s / sqrt(mean(s^2) + eps) in float32. Returns (y, s); s is the next residual stream.
+* `qk_norm_rope_store`: splits the fused qkv projection [T, (Hq + 2 Hkv) * D] per head; applies the Q/K
+  RMSNorm (Qwen3) and rotate-half RoPE to q and k; writes k and v into the paged cache at their slots; returns
+  q [T, Hq, D]. One program per (token, head), heads ordered q, k, v.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rmsnorm_kernel(
+    X, Res, W, Y, S,  # [T, H] each (W: [H])
+    H, eps, stride_x, stride_r, stride_y, stride_s,
+    BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < H
+    s = tl.load(X + row * stride_x + offs, mask=ok, other=0.0)
+    if HAS_RES:
+        s = (s.to(tl.float32) + tl.load(Res + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32))
+        s = s.to(X.dtype.element_ty)
+        tl.store(S + row * stride_s + offs, s, mask=ok)
+    s32 = s.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(s32 * s32, 0) / H + eps)
+    w = tl.load(W + offs, mask=ok, other=0.0).to(tl.float32)
+    y = (s32 * inv).to(X.dtype.element_ty).to(tl.float32) * w  # normalised value rounded first, as transformers
+    tl.store(Y + row * stride_y + offs, y.to(Y.dtype.element_ty), mask=ok)
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [T, H]. Returns (rmsnorm(x + residual), x + residual); without a residual, (rmsnorm(x), x)."""
+    t, h = x.shape
+    y = torch.empty_like(x)
+    s = torch.empty_like(x) if residual is not None else x
+    if t:
+        block = triton.next_power_of_2(h)
+        _add_rmsnorm_kernel[(t,)](
+            x, residual if residual is not None else x, weight, y, s, h, eps,
+            x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), s.stride(0),
+            BLOCK=block, HAS_RES=residual is not None, num_warps=max(1, min(16, block // 256)),
+        )
+    return y, s
+
+
+@triton.jit
+def _qk_norm_rope_store_kernel(
+    QKV, Pos, Cos, Sin, QW, KW, Slots, Q, KC, VC,
+    num_q_heads, num_kv_heads, eps, page,
+    stride_t, stride_qt, stride_qh, stride_cos,
+    stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
+    HALF: tl.constexpr, QK_NORM: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs = tl.arange(0, HALF)
+    base = QKV + tok * stride_t + head * (2 * HALF)
+    lo = tl.load(base + offs).to(tl.float32)  # first half of the head
+    hi = tl.load(base + HALF + offs).to(tl.float32)
+    is_v = head >= num_q_heads + num_kv_heads
+    slot = tl.load(Slots + tok)
+    blk, in_blk = slot // page, slot % page
+    if is_v:
+        vh = head - num_q_heads - num_kv_heads
+        dst = VC + blk * stride_vb + in_blk * stride_vp + vh * stride_vh
+        tl.store(dst + offs, lo.to(VC.dtype.element_ty))
+        tl.store(dst + HALF + offs, hi.to(VC.dtype.element_ty))
+    else:
+        is_q = head < num_q_heads
+        if QK_NORM:
+            inv = 1.0 / tl.sqrt((tl.sum(lo * lo, 0) + tl.sum(hi * hi, 0)) / (2 * HALF) + eps)
+            nw = QW if is_q else KW
+            lo = (lo * inv).to(QKV.dtype.element_ty).to(tl.float32) * tl.load(nw + offs).to(tl.float32)
+            hi = (hi * inv).to(QKV.dtype.element_ty).to(tl.float32) * tl.load(nw + HALF + offs).to(tl.float32)
+            lo = lo.to(QKV.dtype.element_ty).to(tl.float32)
+            hi = hi.to(QKV.dtype.element_ty).to(tl.float32)
+        p = tl.load(Pos + tok)
+        cos = tl.load(Cos + p * stride_cos + offs)  # cos/sin rows repeat their first half: read it once
+        sin = tl.load(Sin + p * stride_cos + offs)
+        out_lo = lo * cos - hi * sin
+        out_hi = hi * cos + lo * sin
+        if is_q:
+            dst = Q + tok * stride_qt + head * stride_qh
+            tl.store(dst + offs, out_lo.to(Q.dtype.element_ty))
+            tl.store(dst + HALF + offs, out_hi.to(Q.dtype.element_ty))
+        else:
+            kh = head - num_q_heads
+            dst = KC + blk * stride_kb + in_blk * stride_kp + kh * stride_kh
+            tl.store(dst + offs, out_lo.to(KC.dtype.element_ty))
+            tl.store(dst + HALF + offs, out_hi.to(KC.dtype.element_ty))
+
+
+def qk_norm_rope_store(
+    qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D]
+    positions: torch.Tensor,  # [T] int64
+    cos: torch.Tensor, sin: torch.Tensor,  # [P, D] float32 (rotate-half tables)
+    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,  # [D] RMSNorm weights (Qwen3) or None
+    eps: float,
+    slot_mapping: torch.Tensor,  # [T] int64
+    k_cache: torch.Tensor, v_cache: torch.Tensor,  # [num_blocks, page, Hkv, D]
+    num_q_heads: int, num_kv_heads: int, head_dim: int,
+) -> torch.Tensor:  # q [T, Hq, D]
+    t = qkv.shape[0]
+    if head_dim % 2 or head_dim & (head_dim - 1):
+        raise ValueError(f"qk_norm_rope_store needs a power-of-two head_dim, got {head_dim}")
+    q = torch.empty(t, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if t:
+        norm = q_norm is not None
+        _qk_norm_rope_store_kernel[(t, num_q_heads + 2 * num_kv_heads)](
+            qkv, positions, cos, sin, q_norm if norm else cos, k_norm if norm else cos, slot_mapping, q,
+            k_cache, v_cache, num_q_heads, num_kv_heads, eps, k_cache.shape[1],
+            qkv.stride(0), q.stride(0), q.stride(1), cos.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            HALF=head_dim // 2, QK_NORM=norm, num_warps=1,
+        )
+    return q

@@ -1,0 +1,76 @@
+"""FusedLayerOps: forerun.models.ops.LayerOps on CUDA with Triton kernels.
+
+Per decoder layer this makes 8 launches plus attention (add+RMSNorm, qkv product, Q/K norm + RoPE + cache
+write, attention, o_proj, add+RMSNorm, gate/up product with SwiGLU, down product) where the torch path makes
+~40. Matrix products with at most `max_skinny_rows` rows (decode, verification of short chains at small
+batches) use the skinny Triton kernel; larger ones stay with cuBLAS. Tensors on other devices fall back to
+torch (`devices` adds "cpu" for tests under TRITON_INTERPRET=1).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..models.ops import LayerOps
+from .fused_norm import add_rmsnorm, qk_norm_rope_store
+from .skinny_gemm import MAX_ROWS, GemmConfig, config_key, default_config, load_configs, skinny_linear
+
+
+class FusedLayerOps(LayerOps):
+    def __init__(self, max_skinny_rows: int = MAX_ROWS, devices: tuple[str, ...] = ("cuda",),
+                 device_name: str | None = None) -> None:
+        self.max_skinny_rows = min(max_skinny_rows, MAX_ROWS)
+        self.devices = devices
+        if device_name is None and torch.cuda.is_available():
+            device_name = torch.cuda.get_device_name()
+        # tuned configurations for this card: a config, or None where cuBLAS measured faster
+        self.configs = load_configs(device_name) if device_name else {}
+
+    def _config(self, x: torch.Tensor, layer: nn.Module, glu: bool = False) -> GemmConfig | None:
+        """The skinny kernel's configuration for this product, or None to leave it to torch / cuBLAS."""
+        if not self._skinny(x, layer):
+            return None
+        m, (n, k) = x.shape[0], layer.weight.shape
+        n = n // 2 if glu else n
+        key = config_key(m, n, k, glu)
+        return self.configs[key] if key in self.configs else default_config(m, n, k)
+
+    def _on(self, x: torch.Tensor) -> bool:
+        return x.device.type in self.devices
+
+    def _skinny(self, x: torch.Tensor, layer: nn.Module) -> bool:
+        return (self._on(x) and 1 <= x.shape[0] <= self.max_skinny_rows and isinstance(layer, nn.Linear)
+                and x.dtype == layer.weight.dtype and x.stride(-1) == 1)
+
+    def add_rmsnorm(self, x, residual, norm):
+        if not self._on(x):
+            return super().add_rmsnorm(x, residual, norm)
+        return add_rmsnorm(x, residual, norm.weight, norm.eps)
+
+    def linear(self, x, layer, out_dtype=None):
+        cfg = self._config(x, layer)
+        if cfg is None:
+            return super().linear(x, layer, out_dtype)
+        return skinny_linear(x, layer.weight, layer.bias, out_dtype=out_dtype, config=cfg)
+
+    def mlp(self, x, mlp):
+        if not self._on(x):
+            return super().mlp(x, mlp)
+        gate_up = mlp.gate_up_proj
+        cfg = self._config(x, gate_up, glu=True) if gate_up.bias is None else None
+        if cfg is not None:
+            act = skinny_linear(x, gate_up.weight, glu=True, config=cfg)  # SwiGLU in the product's epilogue
+        else:
+            gate, up = gate_up(x).chunk(2, dim=-1)
+            act = nn.functional.silu(gate) * up
+        return self.linear(act, mlp.down_proj)
+
+    def qkv_to_cache(self, qkv, positions, rope, q_norm, k_norm, layer, meta, kv, num_heads, num_kv_heads, head_dim):
+        if not self._on(qkv) or head_dim & (head_dim - 1):
+            return super().qkv_to_cache(qkv, positions, rope, q_norm, k_norm, layer, meta, kv,
+                                        num_heads, num_kv_heads, head_dim)
+        eps = q_norm.eps if q_norm is not None else 0.0
+        return qk_norm_rope_store(
+            qkv, positions, rope.cos, rope.sin, q_norm.weight if q_norm is not None else None,
+            k_norm.weight if k_norm is not None else None, eps, meta.slot_mapping, kv.k[layer], kv.v[layer],
+            num_heads, num_kv_heads, head_dim)

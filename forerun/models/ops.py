@@ -1,0 +1,47 @@
+"""The layer-kernel extension point: the few operations a decoder layer is made of, behind one interface.
+
+`LayerOps` is the plain torch implementation (any device, any batch): it is the reference, and it is what the
+CPU and prefill run. `forerun.kernels.layer_ops.FusedLayerOps` overrides it on CUDA with Triton kernels that
+fuse each operation into one launch (and, for decode-sized batches, skinny matrix products). A model holds one
+`LayerOps` in `model.ops`, as it holds one attention backend in `model.backend`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..attention.metadata import AttnMetadata
+from ..kvcache.pool import KVPool
+from .layers import RMSNorm, RotaryEmbedding, SwiGLU
+
+
+class LayerOps:
+    def add_rmsnorm(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual: [T, H]. Returns (norm(x + residual), x + residual); residual None means zero."""
+        s = x if residual is None else x + residual
+        return norm(s), s
+
+    def linear(self, x: torch.Tensor, layer: nn.Module, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x: [T, in] -> [T, out] (optionally cast, e.g. float32 logits)."""
+        y = layer(x)
+        return y if out_dtype is None else y.to(out_dtype)
+
+    def mlp(self, x: torch.Tensor, mlp: SwiGLU) -> torch.Tensor:
+        """x: [T, H] -> down(silu(gate(x)) * up(x)): [T, H]."""
+        return mlp(x)
+
+    def qkv_to_cache(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                     q_norm: RMSNorm | None, k_norm: RMSNorm | None, layer: int, meta: AttnMetadata, kv: KVPool,
+                     num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+        """qkv: [T, (Hq + 2 Hkv) D] -> q [T, Hq, D] after Q/K norm and RoPE; k and v are written to the cache."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+        q = q.reshape(t, num_heads, head_dim)
+        k = k.reshape(t, num_kv_heads, head_dim)
+        v = v.reshape(t, num_kv_heads, head_dim)
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        q, k = rope(q, k, positions)
+        kv.write(layer, meta.slot_mapping, k, v)
+        return q

@@ -314,9 +314,11 @@ def test_chain_sample_matches_forerun_verify():
 
 
 # -- the engine end to end on CUDA -------------------------------------------------------------------------
-@pytest.mark.parametrize("method", ["draft", "ngram"])
+@pytest.mark.parametrize("method", ["draft", "ngram", "early-exit", "tree"])
 def test_engine_on_cuda_graphs_greedy_spec_equals_plain(method):
-    """LLM on CUDA (Triton attention, CUDA graphs, fused verify kernel): speculative greedy == plain greedy."""
+    """LLM on CUDA (Triton attention, fused layer kernels, CUDA graphs, fused verify kernel): speculative greedy
+    output == plain greedy output, for every drafter. In float32: in bf16 a verify step (k+1 rows) and a decode
+    step (1 row) may round differently (other kernel tiles), which can flip an argmax at a near-tie."""
     import sys, os
 
     sys.path.insert(0, os.path.dirname(__file__))
@@ -328,26 +330,30 @@ def test_engine_on_cuda_graphs_greedy_spec_equals_plain(method):
 
     hf = sharpen(hf_model("llama"), 3.0)
     cfg = ModelConfig.from_hf(hf.config.to_dict())
+    dtype = torch.float32
 
     def build():
         m = LlamaForCausalLM(cfg).eval()
         m.load_weights(hf.state_dict().items())
-        m = m.to(DEV)
+        m = m.to(DEV, dtype)
         m.reset_rope(DEV)
         return m
 
     tok = tiny_tokenizer()
-    spec = SpecConfig(method="draft", draft_model=(build(), tok), k=3) if method == "draft" else \
-        SpecConfig(method="ngram", k=3)
-    kw = dict(device="cuda", dtype=torch.float32, cache=CacheConfig(block_size=16, num_blocks=512))
+    spec = {"draft": lambda: SpecConfig(method="draft", draft_model=(build(), tok), k=3),
+            "ngram": lambda: SpecConfig(method="ngram", k=3),
+            "early-exit": lambda: SpecConfig(method="early-exit", early_exit_layers=1, k=3),
+            "tree": lambda: SpecConfig(method="draft", draft_model=(build(), tok), tree=(2, 2, 1))}[method]()
+    kw = dict(device="cuda", dtype=dtype, cache=CacheConfig(block_size=16, num_blocks=512))
     prompts = [[5, 9, 13, 22, 40, 7, 5, 9, 13], [70, 71, 72, 70, 71, 72, 70]]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = LLM.from_model(build(), tok, **kw).generate(prompts, sp)
     llm = LLM.from_model(build(), tok, spec=spec, check_invariants=True, **kw)
+    assert isinstance(llm.runner.model.ops, FusedLayerOps)
     outs = llm.generate(prompts, sp)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert llm.runner.graphs is not None and llm.runner.graphs.replays > 0
-    if method == "draft":
+    if method in ("draft", "tree"):
         assert llm.aggregate_stats(outs).acceptance_rate == 1.0
 
 
@@ -386,3 +392,25 @@ def test_fused_ops_match_torch_ops_bf16(ops):
         got, _ = a.forward(step)
         want, _ = b.forward(step)
         assert rel_err(got.logits, want.logits) < 2e-2
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_skinny_linear_float32_default_config(m):
+    """float32 activations take the default configuration (the tuned table is for bf16) and must fit the
+    shared memory with a wide K; dot products in IEEE float32, not TF32."""
+    g = torch.Generator(device=DEV).manual_seed(m)
+    x = torch.randn(m, 4096, device=DEV, generator=g)
+    w = torch.randn(2 * 2048, 4096, device=DEV, generator=g)
+    gate, up = (x.double() @ w.double().T).chunk(2, dim=-1)
+    y = FusedLayerOps().mlp(x, _Mlp(w, torch.eye(4096, 2048, device=DEV)))
+    assert rel_err(y, (torch.nn.functional.silu(gate) * up) @ torch.eye(4096, 2048, device=DEV, dtype=torch.float64).T) < 1e-5
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        super().__init__()
+        self.gate_up_proj = torch.nn.Linear(gate_up.shape[1], gate_up.shape[0], bias=False, device=DEV)
+        self.down_proj = torch.nn.Linear(down.shape[1], down.shape[0], bias=False, device=DEV)
+        with torch.no_grad():
+            self.gate_up_proj.weight.copy_(gate_up)
+            self.down_proj.weight.copy_(down)

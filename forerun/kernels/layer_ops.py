@@ -33,7 +33,9 @@ class FusedLayerOps(LayerOps):
         m, (n, k) = x.shape[0], layer.weight.shape
         n = n // 2 if glu else n
         key = config_key(m, n, k, glu)
-        return self.configs[key] if key in self.configs else default_config(m, n, k)
+        if key in self.configs and x.element_size() == 2:  # the table was tuned with bf16
+            return self.configs[key]
+        return default_config(m, n, k, x.element_size())
 
     def _on(self, x: torch.Tensor) -> bool:
         return x.device.type in self.devices

@@ -1,6 +1,6 @@
 """The user-facing path on the GPU: `LLM.generate` (host-side step preparation, verification, stop checks)
-at the Qwen3-8B shape with random bf16 weights, batch 1 and 8, plus a torch.profiler summary of where the
-host time goes. Run on the H200 machine: `python benchmarks/engine_gpu.py`; prints a table, writes
+at the Qwen3-8B shape with random bf16 weights, batch 1 and 8, with overlapped decoding on and off side by
+side, plus a torch.profiler summary of where the host time goes. Run on the H200 machine: `python benchmarks/engine_gpu.py`; prints a table, writes
 benchmarks/results/engine_h200.json.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
-from gpu import BF16, QWEN3_8B, _NoTextTokenizer, build_model, weight_bytes  # noqa: E402
+from gpu import BF16, QWEN3_8B, _NoTextTokenizer, build_model, copy_bandwidth, weight_bytes  # noqa: E402
 
 from forerun.engine.llm import LLM  # noqa: E402
 from forerun.sampling_params import SamplingParams  # noqa: E402
@@ -50,14 +50,26 @@ def main() -> None:
     prompts = [torch.randint(0, model.config.vocab_size, (prompt_len,)).tolist() for _ in range(8)]
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # capture + compile
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    bw = copy_bandwidth(2.0)
+    total, _ = weight_bytes(model)
+    floor_ms = total / bw * 1e3
     res = dict(device=torch.cuda.get_device_name(), date=datetime.datetime.now().isoformat(timespec="seconds"),
                torch=torch.__version__, shape="Qwen3-8B (random bf16)", prompt_len=prompt_len, new_tokens=new,
-               note="decode only: time of generate(max_tokens=128) minus generate(max_tokens=1), per step",
+               copy_bandwidth_TBps=bw / 1e12, floor_ms=floor_ms,
+               note="decode only: time of generate(max_tokens=128) minus generate(max_tokens=1), per step; "
+                    "overlap on (the default) and off, alternated, twice each",
                runs=[])
     for b in (1, 8):
-        r = timed_generate(llm, prompts[:b], new)
-        res["runs"].append(r)
-        print(f"LLM.generate batch {b}: {r['tok_s']:.1f} tok/s decode ({r['ms_per_step']:.2f} ms per step)", flush=True)
+        for rep in range(2):
+            for overlap in (False, True):
+                llm.overlap = overlap
+                r = timed_generate(llm, prompts[:b], new)
+                r.update(overlap=overlap, rep=rep, fraction_of_floor=floor_ms / r["ms_per_step"] if b == 1 else None)
+                res["runs"].append(r)
+                print(f"LLM.generate batch {b}, overlap {'on ' if overlap else 'off'}: {r['tok_s']:.1f} tok/s decode "
+                      f"({r['ms_per_step']:.3f} ms per step" + (f", {r['fraction_of_floor']:.1%} of the floor)" if b == 1
+                                                               else ")"), flush=True)
+    llm.overlap = True
     # where the host time goes: 32 decode steps at batch 1 under the profiler
     from torch.profiler import ProfilerActivity, profile
 

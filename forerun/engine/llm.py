@@ -20,6 +20,7 @@ from ..models.registry import load_model
 from ..request import FinishReason, Request, RequestOutput
 from ..sampling_params import SamplingParams
 from ..stats import RequestStats, aggregate
+from .overlap import overlap_applies, overlapped_decode
 from .runner import ModelRunner
 from .scheduler import KScheduler
 from .spec_step import speculative_round
@@ -49,14 +50,16 @@ class LLM:
     def __init__(self, model: str, *, spec: SpecConfig | None = None, device: str | None = None,
                  dtype: torch.dtype | None = None, cache: CacheConfig | None = None, max_num_seqs: int = 64,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 8192, seed: int = 0,
-                 check_invariants: bool = False, cuda_graphs: bool = True, _loaded=None) -> None:
+                 check_invariants: bool = False, cuda_graphs: bool = True, overlap: bool = True,
+                 _loaded=None) -> None:
+        """overlap: with CUDA graphs, run plain decoding steps overlapped with the host's commits (engine/overlap.py)."""
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.cache = cache or CacheConfig()
         self.spec = spec or SpecConfig()
         target, self.tokenizer, _ = _loaded or load_model(model, self.device, self.dtype, max_model_len)
         self.model = target
-        self.max_num_seqs, self.check_invariants = max_num_seqs, check_invariants
+        self.max_num_seqs, self.check_invariants, self.overlap = max_num_seqs, check_invariants, overlap
         self.runner = ModelRunner(target, self.cache, self.device, self.dtype, max_seqs=max_num_seqs,
                                   max_batch_tokens=max_num_batched_tokens)
         self.drafter = self._make_drafter()
@@ -178,22 +181,11 @@ class LLM:
                 raise RuntimeError(f"request {waiting[0].req_id} needs more KV blocks than the pool has ({budget}); "
                                    "raise CacheConfig.memory_budget_bytes or lower max_tokens")
             limit = self.model.max_positions
-            room = [max(0, min(r.remaining - 1, limit - r.num_tokens)) for r in running]
-            if isinstance(self.drafter, TreeDrafter):  # a tree needs room for all its nodes, else a plain round
-                fits = all(r.remaining - 1 >= len(self.spec.tree) and limit - r.num_tokens >= self.spec.max_draft_tokens
-                           for r in running)
-                res = tree_round(self.runner, self.drafter, running) if fits else \
-                    speculative_round(self.runner, None, running, [0] * len(running), self.spec.rule)
+            produced = None
+            if self.overlap and self.drafter is None and overlap_applies(self.runner, running, limit):
+                yield from overlapped_decode(self.runner, running, limit, self._commit)  # until one finishes
             else:
-                ks = self.scheduler.ks([r.req_id for r in running], room)
-                res = speculative_round(self.runner, self.drafter, running, ks, self.spec.rule, self._verify_kwargs(),
-                                        timing=self.spec.adaptive)
-            self._observe(res, len(running))
-            produced = 0
-            for i, r in enumerate(running):
-                self.scheduler.observe(r.req_id, res.num_drafted[i], res.num_accepted[i])
-                r.stats.record(res.num_drafted[i], res.num_accepted[i], len(res.emitted[i]))
-                produced += self._commit(r, res.emitted[i], res.logprobs[i] if res.logprobs else None)
+                produced = self._round(running, limit)
             if self.check_invariants:
                 self._check(running)
             for r in [r for r in running if r.finished]:
@@ -202,7 +194,28 @@ class LLM:
                 if self.drafter is not None:
                     self.drafter.release(r)
                 self.scheduler.forget(r.req_id)
-            yield produced
+            if produced is not None:
+                yield produced
+
+    def _round(self, running: list[Request], limit: int) -> int:
+        """One round (prefill, plain decode or speculation) over the running requests; returns tokens committed."""
+        room = [max(0, min(r.remaining - 1, limit - r.num_tokens)) for r in running]
+        if isinstance(self.drafter, TreeDrafter):  # a tree needs room for all its nodes, else a plain round
+            fits = all(r.remaining - 1 >= len(self.spec.tree) and limit - r.num_tokens >= self.spec.max_draft_tokens
+                       for r in running)
+            res = tree_round(self.runner, self.drafter, running) if fits else \
+                speculative_round(self.runner, None, running, [0] * len(running), self.spec.rule)
+        else:
+            ks = self.scheduler.ks([r.req_id for r in running], room)
+            res = speculative_round(self.runner, self.drafter, running, ks, self.spec.rule, self._verify_kwargs(),
+                                    timing=self.spec.adaptive)
+        self._observe(res, len(running))
+        produced = 0
+        for i, r in enumerate(running):
+            self.scheduler.observe(r.req_id, res.num_drafted[i], res.num_accepted[i])
+            r.stats.record(res.num_drafted[i], res.num_accepted[i], len(res.emitted[i]))
+            produced += self._commit(r, res.emitted[i], res.logprobs[i] if res.logprobs else None)
+        return produced
 
     def _step_tokens(self, r: Request) -> int:
         """Tokens the request feeds the target in its next round, at most."""

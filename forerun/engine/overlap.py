@@ -1,0 +1,120 @@
+"""Overlapped plain decoding: the device runs step n+1 while the host commits step n.
+
+Without overlap, every decode step ends with a device -> host read of the new tokens, and the device idles
+while the host commits them (stop checks, detokenisation) and prepares the next step. Here the next step
+is launched first, fed on the device (its input ids are the previous step's sampled tokens, its positions
+and cache slots are computed inside the CUDA graph from the context lengths and block tables:
+`GraphRunner.run_uniform`), and only then does the host wait for the previous step's tokens. So the host
+work of step n hides behind the device work of step n+1 (seed 000's zero-overhead scheduling).
+
+Exactness: a launched step never changes what is committed. Each step draws the same two coins per request
+from the request's own generator as a non-overlapped round with k = 0 (`speculative_round`), and samples
+with the same rule, so outputs equal the non-overlapped ones for the same seeds. When a request finishes
+(stop token or string, found only after its step was committed), the step already in flight is still
+committed for the others; the finished request's extra token is dropped and its cache is freed. A step is
+launched only if every request still needs a token after the pending one (max_tokens, context length), so
+no request is ever fed past its limits.
+
+Scope: plain decoding (no drafter), every request past its prefill, sampling the fused kernel covers on CUDA
+(temperature; no top-k / top-p / min-p / logprobs). Elsewhere the engine runs ordinary rounds.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+
+from ..request import Request
+from ..verify import SamplingTensors, verify_chain
+from .runner import ModelRunner
+
+
+def overlap_applies(runner: ModelRunner, requests: list[Request], limit: int) -> bool:
+    """All requests decode plainly, are past their prefill, fit one graph bucket and need two more tokens."""
+    gr, kv = runner.graphs, runner.kv
+    if gr is None or not requests or gr.bucket(len(requests)) is None:
+        return False
+    for r in requests:
+        p = r.params
+        if p.top_k or p.top_p < 1.0 or p.min_p > 0 or p.logprobs is not None:
+            return False
+        if kv.length(r.req_id) != r.num_tokens - 1 or r.remaining < 2 or r.num_tokens + 1 >= limit:
+            return False
+    return True
+
+
+def overlapped_decode(runner: ModelRunner, requests: list[Request], limit: int,
+                      commit: Callable[[Request, list[int], None], int]) -> Iterator[int]:
+    """Decode steps for `requests` with one step in flight; yields tokens committed per step; returns when a
+    request has finished or another step would pass a request's limits. On return every unfinished request
+    holds the round invariant (its cache has every committed token but the newest)."""
+    gr, kv, dev = runner.graphs, runner.kv, runner.device
+    cuda = dev.type == "cuda"
+    b = len(requests)
+    ids = torch.tensor([[r.all_tokens[-1]] for r in requests], device=dev)  # [B, 1] next input, fed on device
+    ctx = torch.tensor([kv.length(r.req_id) for r in requests], device=dev)  # [B] cached tokens before a step
+    table = kv.block_table([r.req_id for r in requests])
+    runner.buffers.block_tables[:b].zero_()
+    runner.buffers.block_tables[:b, : table.shape[1]].copy_(table)  # row i = requests[i] (run_uniform's rows)
+    temps = [r.params.temperature for r in requests]
+    sampling = SamplingTensors(torch.tensor(temps, device=dev), torch.zeros(b, dtype=torch.int64, device=dev),
+                               torch.ones(b, device=dev), torch.zeros(b, device=dev))
+    no_draft = torch.full((b,), -1, dtype=torch.int64, device=dev)
+    first = torch.arange(b, device=dev)
+    ones = torch.ones(b, dtype=torch.int64, device=dev)
+
+    def launch() -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Reserve a slot per request, replay the step, sample, feed the tokens back; start the token copy."""
+        for i, r in enumerate(requests):
+            n = kv.length(r.req_id)
+            before = len(kv.blocks(r.req_id))
+            kv.reserve(r.req_id, n + 1)
+            for j, blk in enumerate(kv.blocks(r.req_id)[before:], start=before):
+                runner.buffers.block_tables[i, j] = blk
+            kv.set_length(r.req_id, n + 1)
+        coins = torch.cat([torch.rand(1, 2, generator=r.generator) for r in requests])  # as speculative_round
+        coins = coins.pin_memory().to(dev, non_blocking=True) if cuda else coins
+        logits = gr.run_uniform(ids, ctx, 1)  # [B, V]
+        if cuda:  # the fused Triton sampler; the CPU (tests) samples with the reference verifier
+            from ..kernels.chain_sample import chain_sample
+
+            tok = chain_sample(logits, no_draft, first, ones, sampling, coins, None, max_seqlen=1).output_token_ids[:, 0]
+        else:
+            tok = verify_chain(logits, no_draft, first, ones, sampling, coins).output_token_ids[:, 0]
+        ids.copy_(tok.view(b, 1))
+        ctx.add_(1)
+        if not cuda:
+            return tok, None
+        host = torch.empty(b, dtype=torch.int64, pin_memory=True)
+        host.copy_(tok, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
+
+    def commit_step(step, only_unfinished: bool) -> int:
+        tokens, done = step
+        if done is not None:
+            done.synchronize()
+        produced = 0
+        for r, t in zip(requests, tokens.tolist()):
+            if only_unfinished and r.finished:
+                continue
+            n = commit(r, [t], None)
+            r.stats.record(0, 0, n)
+            produced += n
+        return produced
+
+    pending = None
+    while True:
+        ahead = 0 if pending is None else 1  # steps launched but not committed
+        room = all(r.remaining - ahead >= 1 and r.num_tokens + ahead < limit for r in requests)
+        step = launch() if room else None
+        if pending is not None:
+            yield commit_step(pending, only_unfinished=False)
+            if any(r.finished for r in requests):
+                if step is not None:  # already computed for everyone: commit it for those still running
+                    yield commit_step(step, only_unfinished=True)
+                return
+        if step is None:
+            return
+        pending = step

@@ -6,6 +6,7 @@ from enum import Enum
 
 import torch
 
+from .detokenizer import IncrementalDetokenizer
 from .sampling_params import SamplingParams
 from .stats import RequestStats
 
@@ -31,6 +32,7 @@ class Request:
     text: str = ""
     finish_reason: FinishReason | None = None
     stats: RequestStats = field(default_factory=RequestStats)
+    detokenizer: IncrementalDetokenizer | None = None  # keeps `text` up to date token by token
 
     @property
     def all_tokens(self) -> list[int]:

@@ -17,6 +17,7 @@ from ..drafters.model_drafter import DraftModelDrafter, EarlyExitDrafter
 from ..drafters.ngram import NgramDrafter
 from ..drafters.tree_drafter import TreeDrafter
 from ..models.registry import load_model
+from ..detokenizer import IncrementalDetokenizer
 from ..request import FinishReason, Request, RequestOutput
 from ..sampling_params import SamplingParams
 from ..stats import RequestStats, aggregate
@@ -133,7 +134,8 @@ class LLM:
                 stops.add(self.tokenizer.eos_token_id)
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (), generator=self.generator))
         self._next_id += 1
-        return Request(rid, text, ids, params, torch.Generator().manual_seed(seed), frozenset(stops))
+        return Request(rid, text, ids, params, torch.Generator().manual_seed(seed), frozenset(stops),
+                       detokenizer=IncrementalDetokenizer(self.tokenizer))
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  chat: bool = False, progress: bool = False) -> list[RequestOutput]:
@@ -253,8 +255,9 @@ class LLM:
                 if "top" in entry:
                     entry["top"] = dict(list(entry["top"].items())[: r.params.logprobs])
                 r.logprobs.append(entry)
-            prev = len(r.text)
-            r.text = self.tokenizer.decode(r.output_token_ids, skip_special_tokens=True)
+            prev, matched = len(r.text), False
+            r.detokenizer.add(t)  # decodes a short window, not the whole output
+            r.text = r.detokenizer.text
             if t in r.stop_token_ids:
                 r.finish_reason = FinishReason.STOP
             for s in r.params.stop:
@@ -262,11 +265,14 @@ class LLM:
                 if at >= 0:
                     r.text = r.text[:at]
                     r.finish_reason = FinishReason.STOP
+                    matched = True
                     break
             if r.finish_reason is None and (len(r.output_token_ids) >= r.params.max_tokens
                                             or r.num_tokens >= self.model.max_positions):
                 r.finish_reason = FinishReason.LENGTH
             if r.finished:
+                if not matched:
+                    r.text = r.detokenizer.final()  # the exact full decode
                 break
         return n
 

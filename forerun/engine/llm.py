@@ -12,12 +12,12 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import CacheConfig, SpecConfig
+from ..detokenizer import IncrementalDetokenizer
 from ..drafters.base import Drafter
 from ..drafters.model_drafter import DraftModelDrafter, EarlyExitDrafter
 from ..drafters.ngram import NgramDrafter
 from ..drafters.tree_drafter import TreeDrafter
 from ..models.registry import load_model
-from ..detokenizer import IncrementalDetokenizer
 from ..request import FinishReason, Request, RequestOutput
 from ..sampling_params import SamplingParams
 from ..stats import RequestStats, aggregate

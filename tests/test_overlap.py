@@ -93,3 +93,27 @@ def test_overlapped_decoding_stops_at_the_context_limit(steps):
     got = make(True).generate([prompt, PROMPTS[0]], params)
     same(got, ref)
     assert len(got[0].token_ids) == 512 - 500 and got[0].finish_reason == "length" and steps["steps"] > 5
+
+
+def test_adaptive_k_at_zero_runs_overlapped_and_still_probes(steps):
+    """A draft model that never agrees with the target makes adaptive k choose 0; those plain rounds run
+    overlapped in sessions that end where the scheduler probes again (it must keep probing), and greedy output
+    is the plain output."""
+    from forerun.config import SpecConfig
+    from tiny import ours_from_hf, tiny_tokenizer
+
+    target = sharpen(hf_model("llama"), 2.0)
+    other = ours_from_hf(sharpen(hf_model("llama", seed=5), 2.0)).model  # unrelated weights: ~1/97 agreement
+    spec = SpecConfig(method="draft", draft_model=(other, tiny_tokenizer()), adaptive=True, k_max=4)
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    prompts = [list(range(20, 60)), [5, 9, 13]]
+    plain = make(False).generate(prompts, params)
+
+    llm = tiny_llm(target, spec=spec, overlap=True, check_invariants=True)
+    llm.runner.graphs = GraphRunner(llm.runner, batch_sizes=(1, 2), max_q_len=5, use_graphs=False)
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    assert steps["tokens"] >= 0.5 * sum(len(o.token_ids) for o in got)
+    for o in got:  # probes (rounds of exactly one draft) every 16 rounds of k = 0, overlapped ones counted
+        one_draft_rounds = o.stats.drafted_at[0] - (o.stats.drafted_at[1] if len(o.stats.drafted_at) > 1 else 0)
+        assert one_draft_rounds >= 3, o.stats

@@ -184,10 +184,17 @@ class LLM:
                                    "raise CacheConfig.memory_budget_bytes or lower max_tokens")
             limit = self.model.max_positions
             produced = None
-            if self.overlap and self.drafter is None and overlap_applies(self.runner, running, limit):
-                yield from overlapped_decode(self.runner, running, limit, self._commit)  # until one finishes
+            ks = None if isinstance(self.drafter, TreeDrafter) else self._ks(running, limit)
+            plain = ks is not None and not any(ks)
+            if self.overlap and plain and overlap_applies(self.runner, running, limit):
+                # plain decoding: no drafter, or adaptive k at 0 for all until the scheduler's next probe
+                ids = [r.req_id for r in running]
+                steps = self.scheduler.rounds_before_probe(ids) if self.drafter and self.spec.adaptive else None
+                before = running[0].stats.rounds
+                yield from overlapped_decode(self.runner, running, limit, self._commit, max_steps=steps)
+                self.scheduler.skip_idle_rounds(ids, max(0, running[0].stats.rounds - before - 1))
             else:
-                produced = self._round(running, limit)
+                produced = self._round(running, limit, ks)
             if self.check_invariants:
                 self._check(running)
             for r in [r for r in running if r.finished]:
@@ -199,16 +206,20 @@ class LLM:
             if produced is not None:
                 yield produced
 
-    def _round(self, running: list[Request], limit: int) -> int:
-        """One round (prefill, plain decode or speculation) over the running requests; returns tokens committed."""
+    def _ks(self, running: list[Request], limit: int) -> list[int]:
+        """k per request this round (0 = plain decoding), capped by the room each has left."""
         room = [max(0, min(r.remaining - 1, limit - r.num_tokens)) for r in running]
-        if isinstance(self.drafter, TreeDrafter):  # a tree needs room for all its nodes, else a plain round
+        return self.scheduler.ks([r.req_id for r in running], room)
+
+    def _round(self, running: list[Request], limit: int, ks: list[int] | None) -> int:
+        """One round (prefill, plain decode or speculation) over the running requests; returns tokens committed.
+        ks: drafts per request (None for a tree drafter, which decides itself)."""
+        if ks is None:  # a tree needs room for all its nodes, else a plain round
             fits = all(r.remaining - 1 >= len(self.spec.tree) and limit - r.num_tokens >= self.spec.max_draft_tokens
                        for r in running)
             res = tree_round(self.runner, self.drafter, running) if fits else \
                 speculative_round(self.runner, None, running, [0] * len(running), self.spec.rule)
         else:
-            ks = self.scheduler.ks([r.req_id for r in running], room)
             res = speculative_round(self.runner, self.drafter, running, ks, self.spec.rule, self._verify_kwargs(),
                                     timing=self.spec.adaptive)
         self._observe(res, len(running))

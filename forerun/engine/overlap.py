@@ -15,7 +15,8 @@ committed for the others; the finished request's extra token is dropped and its 
 launched only if every request still needs a token after the pending one (max_tokens, context length), so
 no request is ever fed past its limits.
 
-Scope: plain decoding (no drafter), every request past its prefill, sampling the fused kernel covers on CUDA
+Scope: plain decoding (no drafter, or adaptive k at 0 for every request, for as many steps as the k scheduler
+allows before it probes again), every request past its prefill, sampling the fused kernel covers on CUDA
 (temperature; no top-k / top-p / min-p / logprobs). Elsewhere the engine runs ordinary rounds.
 """
 from __future__ import annotations
@@ -44,10 +45,10 @@ def overlap_applies(runner: ModelRunner, requests: list[Request], limit: int) ->
 
 
 def overlapped_decode(runner: ModelRunner, requests: list[Request], limit: int,
-                      commit: Callable[[Request, list[int], None], int]) -> Iterator[int]:
+                      commit: Callable[[Request, list[int], None], int], max_steps: int | None = None) -> Iterator[int]:
     """Decode steps for `requests` with one step in flight; yields tokens committed per step; returns when a
-    request has finished or another step would pass a request's limits. On return every unfinished request
-    holds the round invariant (its cache has every committed token but the newest)."""
+    request has finished, another step would pass a request's limits, or max_steps steps have run. On return
+    every unfinished request holds the round invariant (its cache has every committed token but the newest)."""
     gr, kv, dev = runner.graphs, runner.kv, runner.device
     cuda = dev.type == "cuda"
     b = len(requests)
@@ -104,11 +105,12 @@ def overlapped_decode(runner: ModelRunner, requests: list[Request], limit: int,
             produced += n
         return produced
 
-    pending = None
+    pending, launched = None, 0
     while True:
         ahead = 0 if pending is None else 1  # steps launched but not committed
         room = all(r.remaining - ahead >= 1 and r.num_tokens + ahead < limit for r in requests)
-        step = launch() if room else None
+        step = launch() if room and (max_steps is None or launched < max_steps) else None
+        launched += step is not None
         if pending is not None:
             yield commit_step(pending, only_unfinished=False)
             if any(r.finished for r in requests):

@@ -146,6 +146,16 @@ class KScheduler:
             out.append(max(0, k))
         return out
 
+    def rounds_before_probe(self, req_ids: list[int]) -> int:
+        """After ks() gave k = 0 to all of these requests: how many more k = 0 rounds, this one included, run
+        before one of them probes (the engine runs those rounds overlapped, without asking again)."""
+        return max(1, min(self.PROBE_EVERY - self.idle_rounds.get(rid, 0) for rid in req_ids))
+
+    def skip_idle_rounds(self, req_ids: list[int], rounds: int) -> None:
+        """Count `rounds` more k = 0 rounds (run without calling ks())."""
+        for rid in req_ids:
+            self.idle_rounds[rid] = self.idle_rounds.get(rid, 0) + rounds
+
     def _estimate(self, req_id: int) -> AcceptanceEstimate:
         if req_id not in self.estimates:  # start from what the engine has seen so far, position by position
             priors = [self.overall.rate(i) for i in range(self.spec.k_max)]

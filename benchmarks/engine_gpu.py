@@ -17,8 +17,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
-from gpu import BF16, QWEN3_8B, _NoTextTokenizer, build_model, copy_bandwidth, weight_bytes  # noqa: E402
+from gpu import BF16, QWEN3_06B, QWEN3_8B, _NoTextTokenizer, build_model, copy_bandwidth, weight_bytes  # noqa: E402
 
+from forerun.config import SpecConfig  # noqa: E402
 from forerun.engine.llm import LLM  # noqa: E402
 from forerun.sampling_params import SamplingParams  # noqa: E402
 
@@ -70,6 +71,26 @@ def main() -> None:
                       f"({r['ms_per_step']:.3f} ms per step" + (f", {r['fraction_of_floor']:.1%} of the floor)" if b == 1
                                                                else ")"), flush=True)
     llm.overlap = True
+    # Adaptive speculation with a draft that never agrees (random 0.6B-shaped weights, unrelated to the target):
+    # k falls to 0, those rounds run overlapped between the scheduler's probes; it must not lose to plain decoding.
+    tok = llm.tokenizer
+    draft = build_model(QWEN3_06B, None, seed=3)
+    spec_llm = LLM.from_model(model, tok, device="cuda", dtype=BF16,
+                              spec=SpecConfig(method="draft", draft_model=(draft, tok), adaptive=True))
+    spec_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    res["useless_draft_adaptive"] = []
+    for b in (1, 8):
+        ref = None
+        for name, engine in (("plain", llm), ("adaptive spec, useless draft", spec_llm)):
+            r = timed_generate(engine, prompts[:b], new)
+            outs = engine.generate(prompts[:b], SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+            st = engine.aggregate_stats(outs)
+            ids = [o.token_ids for o in outs]
+            ref = ref or ids  # bf16: verify rows may round differently from decode rows (near-ties can flip)
+            r.update(config=name, drafted=st.drafted, accepted=st.accepted, rounds=st.rounds, identical_to_plain=ids == ref)
+            res["useless_draft_adaptive"].append(r)
+            print(f"LLM.generate batch {b}, {name}: {r['tok_s']:.1f} tok/s decode ({r['ms_per_step']:.3f} ms per step; "
+                  f"drafted {st.drafted}, accepted {st.accepted})", flush=True)
     # where the host time goes: 32 decode steps at batch 1 under the profiler
     from torch.profiler import ProfilerActivity, profile
 

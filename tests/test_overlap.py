@@ -114,6 +114,7 @@ def test_adaptive_k_at_zero_runs_overlapped_and_still_probes(steps):
     got = llm.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in plain]
     assert steps["tokens"] >= 0.5 * sum(len(o.token_ids) for o in got)
-    for o in got:  # probes (rounds of exactly one draft) every 16 rounds of k = 0, overlapped ones counted
+    for o in got:  # probes (rounds of exactly one draft) after 16, then 32, 64 ... rounds of k = 0 (rejected
+        # probes back off), overlapped rounds counted: over ~75 rounds at k = 0, two probes
         one_draft_rounds = o.stats.drafted_at[0] - (o.stats.drafted_at[1] if len(o.stats.drafted_at) > 1 else 0)
-        assert one_draft_rounds >= 3, o.stats
+        assert one_draft_rounds == 2, o.stats

@@ -192,6 +192,36 @@ def test_adaptive_k_turns_speculation_off_for_a_useless_draft():
     assert s.drafted < 4 * s.rounds / 2  # it mostly stopped drafting
 
 
+def test_probes_back_off_while_rejected_and_reset_when_accepted():
+    """With k = 0 chosen, the scheduler drafts one token after 16 idle rounds; each rejected probe doubles the
+    wait (up to PROBE_MAX), an accepted one brings it back to 16."""
+    from forerun.engine.scheduler import KScheduler
+
+    sched = KScheduler(SpecConfig(method="ngram", adaptive=True, k_max=4))
+    for tokens in (2, 5):
+        sched.cost.record_target(tokens, 0.01 * tokens)  # verification costs: with acceptance 0, k = 0 wins
+    sched.cost.record_draft_step(0.005)
+    for _ in range(10):
+        sched.observe(7, 4, 0)
+
+    def probe_gaps(n_probes, accept):
+        gaps, idle = [], 0
+        while len(gaps) < n_probes:
+            (k,) = sched.ks([7], [100])
+            idle += 1
+            if k:
+                assert k == 1
+                gaps.append(idle)
+                idle = 0
+            sched.observe(7, k, int(accept and k > 0))
+        return gaps
+
+    assert probe_gaps(4, accept=False) == [16, 32, 64, 128]  # rounds from one probe to the next, inclusive
+    assert probe_gaps(1, accept=False) == [256]
+    assert probe_gaps(1, accept=True) == [256]  # the cap; accepted, so the next wait is 16 again (or k > 0)
+    assert probe_gaps(1, accept=False)[0] <= 16
+
+
 def test_mismatched_tokenizers_raise():
     target = hf_model("llama")
     other = hf_model("llama", vocab_size=99)

@@ -314,6 +314,20 @@ def test_chain_sample_matches_forerun_verify():
 
 
 # -- the engine end to end on CUDA -------------------------------------------------------------------------
+def model_factory(hf, dtype: torch.dtype):
+    """A function building fresh forerun copies of a transformers model on the GPU."""
+    cfg = ModelConfig.from_hf(hf.config.to_dict())
+
+    def build():
+        m = LlamaForCausalLM(cfg).eval()
+        m.load_weights(hf.state_dict().items())
+        m = m.to(DEV, dtype)
+        m.reset_rope(DEV)
+        return m
+
+    return build
+
+
 @pytest.mark.parametrize("method", ["draft", "ngram", "early-exit", "tree"])
 def test_engine_on_cuda_graphs_greedy_spec_equals_plain(method):
     """LLM on CUDA (Triton attention, fused layer kernels, CUDA graphs, fused verify kernel): speculative greedy
@@ -328,23 +342,14 @@ def test_engine_on_cuda_graphs_greedy_spec_equals_plain(method):
     from forerun.engine.llm import LLM
     from forerun.sampling_params import SamplingParams
 
-    hf = sharpen(hf_model("llama"), 3.0)
-    cfg = ModelConfig.from_hf(hf.config.to_dict())
-    dtype = torch.float32
-
-    def build():
-        m = LlamaForCausalLM(cfg).eval()
-        m.load_weights(hf.state_dict().items())
-        m = m.to(DEV, dtype)
-        m.reset_rope(DEV)
-        return m
+    build = model_factory(sharpen(hf_model("llama"), 3.0), torch.float32)
 
     tok = tiny_tokenizer()
     spec = {"draft": lambda: SpecConfig(method="draft", draft_model=(build(), tok), k=3),
             "ngram": lambda: SpecConfig(method="ngram", k=3),
             "early-exit": lambda: SpecConfig(method="early-exit", early_exit_layers=1, k=3),
             "tree": lambda: SpecConfig(method="draft", draft_model=(build(), tok), tree=(2, 2, 1))}[method]()
-    kw = dict(device="cuda", dtype=dtype, cache=CacheConfig(block_size=16, num_blocks=512))
+    kw = dict(device="cuda", dtype=torch.float32, cache=CacheConfig(block_size=16, num_blocks=512))
     prompts = [[5, 9, 13, 22, 40, 7, 5, 9, 13], [70, 71, 72, 70, 71, 72, 70]]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = LLM.from_model(build(), tok, **kw).generate(prompts, sp)
@@ -429,15 +434,7 @@ def test_engine_overlapped_decoding_on_cuda_equals_rounds(dtype):
     from forerun.engine.llm import LLM
     from forerun.sampling_params import SamplingParams
 
-    hf = sharpen(hf_model("qwen3"), 2.0)
-    cfg = ModelConfig.from_hf(hf.config.to_dict())
-
-    def build():
-        m = LlamaForCausalLM(cfg).eval()
-        m.load_weights(hf.state_dict().items())
-        m = m.to(DEV, dtype)
-        m.reset_rope(DEV)
-        return m
+    build = model_factory(sharpen(hf_model("qwen3"), 2.0), dtype)
 
     prompts = [[5, 9, 13, 22, 40, 7], [3], list(range(10, 60, 3)), [70, 71, 72, 70, 71], [8, 8, 8]]
     params = [SamplingParams(temperature=t, max_tokens=n, seed=i, ignore_eos=True)

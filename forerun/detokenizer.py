@@ -7,9 +7,12 @@ decode, byte-level BPE splits a character's UTF-8 bytes over tokens), so the win
 token, `prefix`, and the new text is decode(ids[prefix:]) minus decode(ids[prefix:read]), the part of the
 window already shown; while the window ends inside a character (U+FFFD at the end), nothing is emitted.
 
-The result equals the full decode for the tokenizers used here (tested on the real Qwen2.5 and SmolLM2
-tokenizers with multi-byte text); `final()` returns the full decode itself, which the engine uses once a
-request has finished, so a request's final text is always exactly tokenizer.decode(all its ids).
+The result equals the full decode for the tokenizers used here (tested at every step on the real Qwen2.5 and
+SmolLM2 tokenizers with multi-byte text and arbitrary ids). It can differ where a decoder rewrites text it
+already produced, e.g. SentencePiece byte-fallback bytes that later turn out to form invalid UTF-8 (then the
+bytes already shown become U+FFFD). So the engine uses this text only while a request runs (stop strings,
+streaming) and replaces it with the full decode, `final()`, when the request finishes: a request's final
+text is always tokenizer.decode(all its ids), cut at the first stop string.
 """
 from __future__ import annotations
 

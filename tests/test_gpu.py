@@ -446,7 +446,7 @@ def test_engine_overlapped_decoding_on_cuda_equals_rounds(dtype):
 
     def spy(*args, **kwargs):
         calls.append(1)
-        yield from real(*args, **kwargs)
+        return (yield from real(*args, **kwargs))
 
     llm_module.overlapped_decode = spy
     try:

@@ -186,13 +186,12 @@ class LLM:
             produced = None
             ks = None if isinstance(self.drafter, TreeDrafter) else self._ks(running, limit)
             plain = ks is not None and not any(ks)
-            if self.overlap and plain and overlap_applies(self.runner, running, limit):
+            if self.overlap and plain and self.spec.rule == "auto" and overlap_applies(self.runner, running, limit):
                 # plain decoding: no drafter, or adaptive k at 0 for all until the scheduler's next probe
                 ids = [r.req_id for r in running]
                 steps = self.scheduler.rounds_before_probe(ids) if self.drafter and self.spec.adaptive else None
-                before = running[0].stats.rounds
-                yield from overlapped_decode(self.runner, running, limit, self._commit, max_steps=steps)
-                self.scheduler.skip_idle_rounds(ids, max(0, running[0].stats.rounds - before - 1))
+                launched = yield from overlapped_decode(self.runner, running, limit, self._commit, max_steps=steps)
+                self.scheduler.skip_idle_rounds(ids, launched - 1)  # ks() above counted the first
             else:
                 produced = self._round(running, limit, ks)
             if self.check_invariants:
@@ -282,10 +281,18 @@ class LLM:
                                             or r.num_tokens >= self.model.max_positions):
                 r.finish_reason = FinishReason.LENGTH
             if r.finished:
-                if not matched:
-                    r.text = r.detokenizer.final()  # the exact full decode
+                r.text = self._final_text(r, matched)
                 break
         return n
+
+    def _final_text(self, r: Request, stopped_by_string: bool) -> str:
+        """The exact full decode (the incremental text can differ where a tokenizer rewrites earlier text, e.g.
+        byte-fallback bytes that turn out invalid), cut at the first stop string."""
+        full = r.detokenizer.final()
+        if stopped_by_string:
+            cuts = [at for at in (full.find(s) for s in r.params.stop) if at >= 0]
+            return full[: min(cuts)] if cuts else r.text
+        return full
 
     def _check(self, running: list[Request]) -> None:
         """The rollback invariant: caches hold every committed token except the newest."""

@@ -21,7 +21,7 @@ allows before it probes again), every request past its prefill, sampling the fus
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Generator
 
 import torch
 
@@ -45,10 +45,12 @@ def overlap_applies(runner: ModelRunner, requests: list[Request], limit: int) ->
 
 
 def overlapped_decode(runner: ModelRunner, requests: list[Request], limit: int,
-                      commit: Callable[[Request, list[int], None], int], max_steps: int | None = None) -> Iterator[int]:
-    """Decode steps for `requests` with one step in flight; yields tokens committed per step; returns when a
-    request has finished, another step would pass a request's limits, or max_steps steps have run. On return
-    every unfinished request holds the round invariant (its cache has every committed token but the newest)."""
+                      commit: Callable[[Request, list[int], None], int],
+                      max_steps: int | None = None) -> Generator[int, None, int]:
+    """Decode steps for `requests` with one step in flight; yields tokens committed per step; stops when a
+    request has finished, another step would pass a request's limits, or max_steps steps have run, and returns
+    the number of steps run (each committed for every request still unfinished). On return every unfinished
+    request holds the round invariant (its cache has every committed token but the newest)."""
     gr, kv, dev = runner.graphs, runner.kv, runner.device
     cuda = dev.type == "cuda"
     b = len(requests)
@@ -116,7 +118,7 @@ def overlapped_decode(runner: ModelRunner, requests: list[Request], limit: int,
             if any(r.finished for r in requests):
                 if step is not None:  # already computed for everyone: commit it for those still running
                     yield commit_step(step, only_unfinished=True)
-                return
+                return launched
         if step is None:
-            return
+            return launched
         pending = step

@@ -173,7 +173,8 @@ class KScheduler:
             if req_id in self.probing:  # a rejected probe waits twice as long for the next one
                 self.probing.discard(req_id)
                 interval = self.probe_every.get(req_id, self.PROBE_EVERY)
-                self.probe_every[req_id] = self.PROBE_EVERY if accepted else min(2 * interval, self.PROBE_MAX)
+                if drafted:  # (a drafter with nothing to propose tested nothing)
+                    self.probe_every[req_id] = self.PROBE_EVERY if accepted else min(2 * interval, self.PROBE_MAX)
 
     def forget(self, req_id: int) -> None:
         self.estimates.pop(req_id, None)

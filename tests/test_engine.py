@@ -135,3 +135,23 @@ def test_cli_generate_on_a_checkpoint_directory(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert out.strip().startswith("t")
     assert '"identical_to_plain": true' in err and '"acceptance_rate"' in err
+
+
+def test_blocks_come_back_after_an_abandoned_stream_or_an_error():
+    """A stream() its reader stops early, or a generate() that raises, leaves no KV blocks allocated."""
+    from forerun.config import SpecConfig
+
+    hf = hf_model("llama")
+    llm = tiny_llm(hf, spec=SpecConfig(method="ngram", k=3))
+    free = llm.runner.kv.num_free_blocks
+    stream = llm.stream([5, 9, 13], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    next(stream), next(stream)
+    stream.close()
+    assert llm.runner.kv.num_free_blocks == free
+    with torch.no_grad():
+        hf.lm_head.weight[7] = float("nan")
+    bad = tiny_llm(hf)
+    free = bad.runner.kv.num_free_blocks
+    with pytest.raises(ValueError, match="request"):
+        bad.generate([[5, 6, 7], [8, 9]], SamplingParams(temperature=0.7, max_tokens=3))
+    assert bad.runner.kv.num_free_blocks == free

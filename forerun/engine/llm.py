@@ -167,43 +167,52 @@ class LLM:
 
     # -- the loop ------------------------------------------------------------------------------------
     def _run(self, requests: list[Request]) -> Iterator[int]:
+        """Admit, run rounds, commit, free; yields tokens committed per step. If it stops early (an error, or a
+        stream() closed by its reader), the requests still running give their KV blocks back."""
         waiting, running = list(requests), []
         kv = self.runner.kv
         budget = kv.num_blocks - 1  # blocks promised to running requests, for their whole lifetime
-        while waiting or running:
-            # Admit while the worst case of every running request (prompt + max_tokens + drafts) still fits,
-            # so a running request never meets a full pool mid-generation.
-            while waiting and len(running) < self.max_num_seqs and \
-                    sum(map(self._worst_blocks, running + waiting[:1])) <= budget and \
-                    sum(map(self._step_tokens, running + waiting[:1])) <= self.runner.buffers.max_tokens:
-                r = waiting.pop(0)
-                kv.add_sequence(r.req_id)
-                running.append(r)
-            if not running:
-                raise RuntimeError(f"request {waiting[0].req_id} needs more KV blocks than the pool has ({budget}); "
-                                   "raise CacheConfig.memory_budget_bytes or lower max_tokens")
-            limit = self.model.max_positions
-            produced = None
-            ks = None if isinstance(self.drafter, TreeDrafter) else self._ks(running, limit)
-            plain = ks is not None and not any(ks)
-            if self.overlap and plain and self.spec.rule == "auto" and overlap_applies(self.runner, running, limit):
-                # plain decoding: no drafter, or adaptive k at 0 for all until the scheduler's next probe
-                ids = [r.req_id for r in running]
-                steps = self.scheduler.rounds_before_probe(ids) if self.drafter and self.spec.adaptive else None
-                launched = yield from overlapped_decode(self.runner, running, limit, self._commit, max_steps=steps)
-                self.scheduler.skip_idle_rounds(ids, launched - 1)  # ks() above counted the first
-            else:
-                produced = self._round(running, limit, ks)
-            if self.check_invariants:
-                self._check(running)
-            for r in [r for r in running if r.finished]:
-                running.remove(r)
-                kv.free(r.req_id)
-                if self.drafter is not None:
-                    self.drafter.release(r)
-                self.scheduler.forget(r.req_id)
-            if produced is not None:
-                yield produced
+        try:
+            while waiting or running:
+                # Admit while the worst case of every running request (prompt + max_tokens + drafts) still fits,
+                # so a running request never meets a full pool mid-generation.
+                while waiting and len(running) < self.max_num_seqs and \
+                        sum(map(self._worst_blocks, running + waiting[:1])) <= budget and \
+                        sum(map(self._step_tokens, running + waiting[:1])) <= self.runner.buffers.max_tokens:
+                    r = waiting.pop(0)
+                    kv.add_sequence(r.req_id)
+                    running.append(r)
+                if not running:
+                    raise RuntimeError(f"request {waiting[0].req_id} needs more KV blocks than the pool has "
+                                       f"({budget}); raise CacheConfig.memory_budget_bytes or lower max_tokens")
+                limit = self.model.max_positions
+                produced = None
+                ks = None if isinstance(self.drafter, TreeDrafter) else self._ks(running, limit)
+                plain = ks is not None and not any(ks)
+                if self.overlap and plain and self.spec.rule == "auto" and overlap_applies(self.runner, running, limit):
+                    # plain decoding: no drafter, or adaptive k at 0 for all until the scheduler's next probe
+                    ids = [r.req_id for r in running]
+                    steps = self.scheduler.rounds_before_probe(ids) if self.drafter and self.spec.adaptive else None
+                    launched = yield from overlapped_decode(self.runner, running, limit, self._commit, max_steps=steps)
+                    self.scheduler.skip_idle_rounds(ids, launched - 1)  # ks() above counted the first
+                else:
+                    produced = self._round(running, limit, ks)
+                if self.check_invariants:
+                    self._check(running)
+                for r in [r for r in running if r.finished]:
+                    running.remove(r)
+                    self._release(r)
+                if produced is not None:
+                    yield produced
+        finally:
+            for r in running:
+                self._release(r)
+
+    def _release(self, r: Request) -> None:
+        self.runner.kv.free(r.req_id)
+        if self.drafter is not None:
+            self.drafter.release(r)
+        self.scheduler.forget(r.req_id)
 
     def _ks(self, running: list[Request], limit: int) -> list[int]:
         """k per request this round (0 = plain decoding), capped by the room each has left."""

@@ -189,7 +189,7 @@ class LLM:
                 produced = None
                 ks = None if isinstance(self.drafter, TreeDrafter) else self._ks(running, limit)
                 plain = ks is not None and not any(ks)
-                if self.overlap and plain and self.spec.rule == "auto" and overlap_applies(self.runner, running, limit):
+                if self.overlap and plain and overlap_applies(self.runner, running, limit, self.spec.rule):
                     # plain decoding: no drafter, or adaptive k at 0 for all until the scheduler's next probe
                     ids = [r.req_id for r in running]
                     steps = self.scheduler.rounds_before_probe(ids) if self.drafter and self.spec.adaptive else None

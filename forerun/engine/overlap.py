@@ -28,20 +28,19 @@ import torch
 from ..request import Request
 from ..verify import SamplingTensors, verify_chain
 from .runner import ModelRunner
+from .spec_step import temperature_only
 
 
-def overlap_applies(runner: ModelRunner, requests: list[Request], limit: int) -> bool:
-    """All requests decode plainly, are past their prefill, fit one graph bucket and need two more tokens."""
+def overlap_applies(runner: ModelRunner, requests: list[Request], limit: int, rule: str) -> bool:
+    """All requests sample as the fused kernel does (rule auto, temperature only), are past their prefill, fit
+    one graph bucket and need two more tokens."""
     gr, kv = runner.graphs, runner.kv
-    if gr is None or not requests or gr.bucket(len(requests)) is None:
+    if gr is None or not requests or gr.bucket(len(requests)) is None or rule != "auto":
         return False
-    for r in requests:
-        p = r.params
-        if p.top_k or p.top_p < 1.0 or p.min_p > 0 or p.logprobs is not None:
-            return False
-        if kv.length(r.req_id) != r.num_tokens - 1 or r.remaining < 2 or r.num_tokens + 1 >= limit:
-            return False
-    return True
+    if not temperature_only(requests):
+        return False
+    return all(kv.length(r.req_id) == r.num_tokens - 1 and r.remaining >= 2 and r.num_tokens + 1 < limit
+               for r in requests)
 
 
 def overlapped_decode(runner: ModelRunner, requests: list[Request], limit: int,

@@ -67,7 +67,7 @@ def speculative_round(target: ModelRunner, drafter: Drafter | None, requests: li
     draft_ids, ftp, lens, sampling, uniforms = _verify_inputs(requests, drafts, starts, seqlens, device)
     sampled_drafts = any(r.params.temperature > 0 for r in requests) and any(drafts)
     want_lp = max((r.params.logprobs for r in requests if r.params.logprobs is not None), default=None)
-    if _fused_ok(device, rule, requests, want_lp, verify_kwargs):
+    if _fused_ok(device, rule, requests, verify_kwargs):
         # CUDA: one fused Triton pass (probabilities, accept test, residual / bonus sample); a drafter without
         # distributions (n-gram: point masses) needs no dense q at all
         from ..kernels.chain_sample import chain_sample
@@ -132,11 +132,16 @@ def _dense_draft_probs(logits: torch.Tensor, drafts: list[list[int]], probs: lis
     return out
 
 
-def _fused_ok(device: torch.device, rule: str, requests: list[Request], want_lp, verify_kwargs) -> bool:
+def temperature_only(requests: list[Request]) -> bool:
+    """Every request samples with temperature alone (or greedily): no top-k / top-p / min-p, no logprobs.
+    That is what the fused chain kernel covers (and so the overlapped decoding that uses it)."""
+    return not any(r.params.top_k or r.params.top_p < 1.0 or r.params.min_p > 0 or r.params.logprobs is not None
+                   for r in requests)
+
+
+def _fused_ok(device: torch.device, rule: str, requests: list[Request], verify_kwargs) -> bool:
     """The fused CUDA kernel covers rule 'auto' with temperature only (no top-k/p, min-p, logprobs, extras)."""
-    if device.type != "cuda" or rule != "auto" or want_lp is not None or verify_kwargs:
-        return False
-    if any(r.params.top_k or r.params.top_p < 1.0 or r.params.min_p > 0 for r in requests):
+    if device.type != "cuda" or rule != "auto" or verify_kwargs or not temperature_only(requests):
         return False
     try:
         import triton  # noqa: F401

@@ -63,8 +63,7 @@ class FusedLayerOps(LayerOps):
         if cfg is not None:
             act = skinny_linear(x, gate_up.weight, glu=True, config=cfg)  # SwiGLU in the product's epilogue
         else:
-            gate, up = gate_up(x).chunk(2, dim=-1)
-            act = nn.functional.silu(gate) * up
+            act = mlp.activation(gate_up(x))
         return self.linear(act, mlp.down_proj)
 
     def qkv_to_cache(self, qkv, positions, rope, q_norm, k_norm, layer, meta, kv, num_heads, num_kv_heads, head_dim):

@@ -79,5 +79,9 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.activation(self.gate_up_proj(x)))
+
+    @staticmethod
+    def activation(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> silu(gate) * up: [T, I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return nn.functional.silu(gate) * up

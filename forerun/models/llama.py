@@ -168,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
             dst = p[rows]
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-            p[rows].copy_(tensor.to(p.dtype))
+            dst.copy_(tensor.to(p.dtype))
             seen.add(name)
         missing = set(targets) - seen - tied
         if missing:

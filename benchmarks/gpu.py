@@ -32,8 +32,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from forerun.config import CacheConfig, ModelConfig  # noqa: E402
-from forerun.engine.cuda_graph import GraphRunner, compile_elementwise  # noqa: E402
-from forerun.engine.runner import Chunk, ModelRunner  # noqa: E402
+from forerun.runtime.cuda_graph import GraphRunner, compile_elementwise  # noqa: E402
+from forerun.runtime.runner import Chunk, ModelRunner  # noqa: E402
 
 try:  # the measurements need triton; re-plotting a JSON (--plot) does not
     from forerun.attention.triton_backend import TritonPagedAttention

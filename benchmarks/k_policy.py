@@ -1,4 +1,4 @@
-"""Replay the engine's adaptive-k policy (forerun.engine.scheduler.choose_k) on the costs measured on the H200
+"""Replay the engine's adaptive-k policy (forerun.engine.k_policy.choose_k) on the costs measured on the H200
 (benchmarks/results/gpu_h200.json) and compare it with the best k of the benchmark's exhaustive prediction.
 
 No GPU needed: `python benchmarks/k_policy.py` prints a table and writes benchmarks/results/k_policy_h200.json.
@@ -12,7 +12,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from forerun.engine.scheduler import CostModel, choose_k  # noqa: E402
+from forerun.engine.k_policy import CostModel, choose_k  # noqa: E402
 
 
 def main() -> None:

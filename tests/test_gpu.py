@@ -12,8 +12,8 @@ from forerun.attention.metadata import AttnMetadata  # noqa: E402
 from forerun.attention.reference import paged_attention_reference  # noqa: E402
 from forerun.attention.triton_backend import TritonPagedAttention  # noqa: E402
 from forerun.config import CacheConfig, ModelConfig  # noqa: E402
-from forerun.engine.cuda_graph import GraphRunner, compile_elementwise  # noqa: E402
-from forerun.engine.runner import Chunk, ModelRunner  # noqa: E402
+from forerun.runtime.cuda_graph import GraphRunner, compile_elementwise  # noqa: E402
+from forerun.runtime.runner import Chunk, ModelRunner  # noqa: E402
 from forerun.kernels.chain_sample import chain_sample  # noqa: E402
 from forerun.kernels.fused_norm import add_rmsnorm  # noqa: E402
 from forerun.kernels.layer_ops import FusedLayerOps  # noqa: E402

@@ -117,7 +117,7 @@ def test_qk_norm_rope_store_matches_torch(qk_norm):
 def test_fused_layer_ops_model_forward(arch):
     """A whole forward (prefill of 20 rows, i.e. cuBLAS/torch products + fused norms, then decode-sized steps
     on the skinny kernels) with FusedLayerOps equals the torch ops."""
-    from forerun.engine.runner import Chunk
+    from forerun.runtime.runner import Chunk
 
     hf = hf_model(arch, num_hidden_layers=2)
     runners = [ours_from_hf(hf) for _ in range(2)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forerun.engine.runner import Chunk
+from forerun.runtime.runner import Chunk
 from tiny import hf_model, ours_from_hf
 
 ARCHS = ["llama", "llama3", "qwen2", "qwen3", "mistral"]

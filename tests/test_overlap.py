@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 import forerun.engine.llm as llm_module
-from forerun.engine.cuda_graph import GraphRunner
+from forerun.runtime.cuda_graph import GraphRunner
 from forerun.sampling_params import SamplingParams
 from tiny import hf_model, sharpen, tiny_llm
 

@@ -33,7 +33,7 @@ def test_smollm2_logits_match_transformers_gguf_loader(smol, smol_hf):
     model, tok, _ = smol
     llm = LLM.from_model(model, tok, device="cpu")
     ids = tok.encode("Speculative decoding checks a draft with one forward pass of the target model.")
-    from forerun.engine.runner import Chunk
+    from forerun.runtime.runner import Chunk
 
     llm.runner.kv.add_sequence(99)
     got = llm.runner.forward([Chunk(99, ids, logits="all")])[0].logits

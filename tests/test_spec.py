@@ -8,8 +8,8 @@ from scipy import stats
 
 from forerun.config import SpecConfig
 from forerun.drafters.ngram import ngram_propose
-from forerun.engine.runner import Chunk
-from forerun.engine.scheduler import AcceptanceEstimate, CostModel, choose_k
+from forerun.runtime.runner import Chunk
+from forerun.engine.k_policy import AcceptanceEstimate, CostModel, choose_k
 from forerun.engine.spec_step import speculative_round
 from forerun.sampling_params import SamplingParams
 from tiny import hf_model, ours_from_hf, sharpen, tiny_llm, tiny_tokenizer
@@ -195,9 +195,9 @@ def test_adaptive_k_turns_speculation_off_for_a_useless_draft():
 def test_probes_back_off_while_rejected_and_reset_when_accepted():
     """With k = 0 chosen, the scheduler drafts one token after 16 idle rounds; each rejected probe doubles the
     wait (up to PROBE_MAX), an accepted one brings it back to 16."""
-    from forerun.engine.scheduler import KScheduler
+    from forerun.engine.k_policy import KPolicy
 
-    sched = KScheduler(SpecConfig(method="ngram", adaptive=True, k_max=4))
+    sched = KPolicy(SpecConfig(method="ngram", adaptive=True, k_max=4))
     for tokens in (2, 5):
         sched.cost.record_target(tokens, 0.01 * tokens)  # verification costs: with acceptance 0, k = 0 wins
     sched.cost.record_draft_step(0.005)

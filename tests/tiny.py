@@ -5,7 +5,7 @@ import torch
 import transformers
 
 from forerun.config import CacheConfig, ModelConfig
-from forerun.engine.runner import ModelRunner
+from forerun.runtime.runner import ModelRunner
 from forerun.models.llama import LlamaForCausalLM
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,

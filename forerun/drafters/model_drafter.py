@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from ..engine.runner import Chunk, ModelRunner
+from ..runtime.runner import Chunk, ModelRunner
 from ..request import Request
 from ..verify.probs import SamplingTensors, logits_to_probs, sample_from_probs
 from .base import DraftProposal, Drafter

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.runner import Chunk, ModelRunner
+from ..runtime.runner import Chunk, ModelRunner
 from ..request import Request
 from ..verify.probs import SamplingTensors, logits_to_probs, sample_from_probs
 from .model_drafter import ModelDrafter

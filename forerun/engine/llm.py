@@ -22,8 +22,9 @@ from ..request import FinishReason, Request, RequestOutput
 from ..sampling_params import SamplingParams
 from ..stats import RequestStats, aggregate
 from .overlap import overlap_applies, overlapped_decode
-from .runner import ModelRunner
-from .scheduler import KScheduler
+from ..runtime.cuda_graph import enable_cuda_graphs
+from ..runtime.runner import ModelRunner
+from .k_policy import KPolicy
 from .spec_step import speculative_round
 from .tree_step import tree_round
 
@@ -66,8 +67,8 @@ class LLM:
         self.drafter = self._make_drafter()
         if cuda_graphs and self.device.type == "cuda":
             for runner in {id(r): r for r in (self.runner, getattr(self.drafter, "runner", None)) if r}.values():
-                runner.enable_cuda_graphs(max_q_len=self.spec.max_draft_tokens + 1)
-        self.scheduler = KScheduler(self.spec)
+                enable_cuda_graphs(runner, max_q_len=self.spec.max_draft_tokens + 1)
+        self.scheduler = KPolicy(self.spec)
         self.generator = torch.Generator().manual_seed(seed)
         self._next_id = 0
 

@@ -27,7 +27,7 @@ import torch
 
 from ..request import Request
 from ..verify import SamplingTensors, verify_chain
-from .runner import ModelRunner
+from ..runtime.runner import ModelRunner
 from .spec_step import temperature_only
 
 

@@ -19,7 +19,7 @@ import torch
 from ..drafters.base import DraftProposal, Drafter
 from ..request import Request
 from ..verify import SamplingTensors, verify_chain
-from .runner import Chunk, ModelRunner
+from ..runtime.runner import Chunk, ModelRunner
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 from ..drafters.tree_drafter import TreeDrafter
 from ..request import Request
 from ..verify import SamplingTensors, verify_tree
-from .runner import Chunk, ModelRunner
+from ..runtime.runner import Chunk, ModelRunner
 from .spec_step import RoundResult
 
 

@@ -117,7 +117,7 @@ def choose_k(acceptance: "float | AcceptanceEstimate", k_max: int, batch_size: i
     return best_k
 
 
-class KScheduler:
+class KPolicy:
     def __init__(self, spec: SpecConfig) -> None:
         self.spec = spec
         self.cost = CostModel()

@@ -245,3 +245,21 @@ class GraphRunner:
             self._uids[b * q : key.num_seqs * q].zero_()
             self.runner.buffers.block_tables[b : key.num_seqs].zero_()
         return self._replay(cap).logits[: b * logits_per_seq]
+
+
+def enable_cuda_graphs(runner: ModelRunner, max_q_len: int, batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
+                       fused: bool = True) -> None:
+    """Install Triton paged attention + CUDA-graph replay of uniform decode/verify steps (captured on first use).
+    fused: Triton layer kernels (forerun.kernels.layer_ops); otherwise the torch ops, with the norm /
+    rotary / MLP modules torch.compiled (the baseline the fused kernels are measured against)."""
+    from ..attention.triton_backend import TritonPagedAttention
+
+    runner.model.backend = TritonPagedAttention()
+    if fused:
+        from ..kernels.layer_ops import FusedLayerOps
+
+        runner.model.ops = FusedLayerOps()
+    else:
+        compile_elementwise(runner.model)
+    sizes = tuple(b for b in batch_sizes if b <= runner.buffers.max_seqs and b * max_q_len <= runner.buffers.max_tokens)
+    runner.graphs = GraphRunner(runner, batch_sizes=sizes, max_q_len=max_q_len)

@@ -73,24 +73,6 @@ class ModelRunner:
         self.buffers = StepBuffers(max_batch_tokens, max_seqs, max_blocks, self.device)
         self.graphs = None  # a cuda_graph.GraphRunner over this runner, when CUDA graphs are on
 
-    def enable_cuda_graphs(self, max_q_len: int, batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
-                           fused: bool = True) -> None:
-        """Triton paged attention + CUDA-graph replay of uniform decode/verify steps (captured on first use).
-        fused: Triton layer kernels (forerun.kernels.layer_ops); otherwise the torch ops, with the norm /
-        rotary / MLP modules torch.compiled (the baseline the fused kernels are measured against)."""
-        from ..attention.triton_backend import TritonPagedAttention
-        from .cuda_graph import GraphRunner, compile_elementwise
-
-        self.model.backend = TritonPagedAttention()
-        if fused:
-            from ..kernels.layer_ops import FusedLayerOps
-
-            self.model.ops = FusedLayerOps()
-        else:
-            compile_elementwise(self.model)
-        sizes = tuple(b for b in batch_sizes if b <= self.buffers.max_seqs and b * max_q_len <= self.buffers.max_tokens)
-        self.graphs = GraphRunner(self, batch_sizes=sizes, max_q_len=max_q_len)
-
     @property
     def config(self):
         return self.model.config

@@ -33,7 +33,6 @@ def _configs(args) -> list[tuple[str, str, str]]:
 
 
 def run_forerun(args, prompts) -> tuple[list[dict], dict]:
-    from .cli import spec_from_args
     from .engine.llm import LLM
     from .models.registry import load_model
     from .sampling_params import SamplingParams
@@ -49,7 +48,7 @@ def run_forerun(args, prompts) -> tuple[list[dict], dict]:
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     rows, plain_ids = [], None
     for label, dname, k in _configs(args):
-        spec = spec_from_args(dname, k, 0.0, "auto")
+        spec = SpecConfig.from_flags(dname, k, 0.0, "auto")
         if spec.method == "draft":
             from dataclasses import replace
             spec = replace(spec, draft_model=(draft[0], draft[1]))

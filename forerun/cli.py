@@ -10,28 +10,6 @@ DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
 
-def spec_from_args(draft: str | None, k: str, confidence: float, rule: str, ngram_max: int = 3,
-                   tree: str | None = None):
-    """--draft (MODEL | early-exit:N | ngram | none) and --k (K | auto) -> SpecConfig."""
-    from .config import SpecConfig
-
-    adaptive = k == "auto"
-    kk = 4 if adaptive else int(k)
-    common = dict(k=kk, adaptive=adaptive, confidence_threshold=confidence, rule=rule)
-    if not draft or draft == "none":
-        return SpecConfig()
-    if draft == "ngram":
-        return SpecConfig(method="ngram", ngram_max=ngram_max, **common)
-    if draft.startswith("early-exit"):
-        _, _, n = draft.partition(":")
-        if not n.isdigit():
-            raise SystemExit("--draft early-exit:N needs a layer count, e.g. early-exit:8")
-        return SpecConfig(method="early-exit", early_exit_layers=int(n), **common)
-    if tree:
-        return SpecConfig(method="draft", draft_model=draft, tree=tuple(int(x) for x in tree.split(",")), **common)
-    return SpecConfig(method="draft", draft_model=draft, **common)
-
-
 def _print_stats(label: str, outputs, seconds: float, file=sys.stderr) -> dict:
     from .stats import aggregate
 
@@ -45,12 +23,13 @@ def _print_stats(label: str, outputs, seconds: float, file=sys.stderr) -> dict:
 def cmd_generate(a) -> int:
     import torch
 
+    from .config import SpecConfig
     from .engine.llm import LLM
     from .sampling_params import SamplingParams
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    spec = spec_from_args(a.draft, a.k, a.confidence, a.rule, tree=a.tree)
+    spec = SpecConfig.from_flags(a.draft, a.k, a.confidence, a.rule, tree=a.tree)
     params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, seed=a.seed,
                             max_tokens=a.max_tokens, stop=tuple(a.stop or ()), ignore_eos=a.ignore_eos)
     t = time.perf_counter()

@@ -170,3 +170,23 @@ class SpecConfig:
                 nodes += width
             return nodes
         return max(self.k_max, self.k)
+
+    @classmethod
+    def from_flags(cls, draft: str | None, k: str, confidence: float, rule: str, ngram_max: int = 3,
+                   tree: str | None = None) -> "SpecConfig":
+        """The command line's --draft (MODEL | early-exit:N | ngram | none) and --k (K | auto) -> SpecConfig (generate, serve, bench)."""
+        adaptive = k == "auto"
+        kk = 4 if adaptive else int(k)
+        common = dict(k=kk, adaptive=adaptive, confidence_threshold=confidence, rule=rule)
+        if not draft or draft == "none":
+            return cls()
+        if draft == "ngram":
+            return cls(method="ngram", ngram_max=ngram_max, **common)
+        if draft.startswith("early-exit"):
+            _, _, n = draft.partition(":")
+            if not n.isdigit():
+                raise SystemExit("--draft early-exit:N needs a layer count, e.g. early-exit:8")
+            return cls(method="early-exit", early_exit_layers=int(n), **common)
+        if tree:
+            return cls(method="draft", draft_model=draft, tree=tuple(int(x) for x in tree.split(",")), **common)
+        return cls(method="draft", draft_model=draft, **common)

@@ -22,6 +22,20 @@ class DraftProposal:
     step_seconds: float | None = None  # mean time of one draft step (catch-up feeding excluded), for adaptive k
 
 
+@dataclass(frozen=True)
+class TreeProposal:
+    """Per request: a draft tree of n_i nodes, breadth-first or any order where a parent precedes its children.
+    tokens[i]: [n_i] token ids, node 0 = the root (the request's newest committed token);
+    parents[i]: [n_i] parent node of each node (-1 for the root); shapes may differ between requests;
+    probs[i]: [n_i, V] row j = the draft distribution node j's children were drawn from (zeros for leaves);
+    for greedy requests (and coupled seeded ones) the rows are never read."""
+
+    tokens: list[list[int]]
+    parents: list[list[int]]
+    probs: list[torch.Tensor]
+    step_seconds: float | None = None
+
+
 class Drafter(ABC):
     """A source of draft tokens. Drafters that keep a KV cache keep the same invariant as the target:
     after `rollback(req, n)` their cache holds at most the first n tokens of req.all_tokens, and the next
@@ -37,6 +51,16 @@ class Drafter(ABC):
 
     def release(self, request: Request) -> None:
         """The request finished: free its state."""
+
+    # Feature-level drafters (EAGLE) read the target's hidden states. The round asks the target forward for
+    # these layers' outputs and, after verification, hands over the states of every newly committed token.
+    target_hidden_layers: tuple[int, ...] = ()
+
+    def observe_target(self, requests: list[Request], states: list[dict[int, torch.Tensor] | None],
+                       starts: list[int]) -> None:
+        """After a round: states[i][layer] is [n_i, hidden], the target's hidden states (after that layer) at
+        absolute positions starts[i] .. starts[i] + n_i - 1 of request i, every one of them a committed token
+        (None: request i fed nothing this round). Called only when target_hidden_layers is not empty."""
 
     def cached_length(self, request: Request) -> int | None:
         """Tokens of the request in the drafter's own cache (None: the drafter has no cache)."""

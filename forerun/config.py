@@ -153,6 +153,12 @@ class SpecConfig:
             object.__setattr__(self, "tree", tuple(int(b) for b in self.tree))
             if self.method != "draft" or not self.tree or min(self.tree) < 1:
                 raise ValueError("tree drafting needs method 'draft' and positive children counts per depth")
+            if self.rule != "auto":
+                raise ValueError(f"rule {self.rule!r} does nothing with a tree (trees verify with rule 'auto')")
+            if self.confidence_threshold > 0:
+                raise ValueError("confidence_threshold does nothing with a tree (a tree drafts its full shape)")
+        if self.method == "ngram" and self.confidence_threshold > 0:
+            raise ValueError("confidence_threshold does nothing with method 'ngram' (its drafts have no probabilities)")
         if not 0.0 <= self.confidence_threshold < 1.0:
             raise ValueError("confidence_threshold must be in [0, 1)")
 
@@ -171,22 +177,105 @@ class SpecConfig:
             return nodes
         return max(self.k_max, self.k)
 
+    def check_sampling(self, params) -> None:
+        """Refuse a SamplingParams this speculation setting would silently not honour: rule 'greedy' decodes
+        the argmax whatever the temperature, so a sampled request under it would be decoded greedily."""
+        if self.rule == "greedy" and params.temperature > 0:
+            raise ValueError(f"rule 'greedy' decodes greedily and would ignore temperature={params.temperature}; "
+                             "use rule 'auto' (exact sampling) or temperature 0")
+
     @classmethod
-    def from_flags(cls, draft: str | None, k: str, confidence: float, rule: str, ngram_max: int = 3,
-                   tree: str | None = None) -> "SpecConfig":
-        """The command line's --draft (MODEL | early-exit:N | ngram | none) and --k (K | auto) -> SpecConfig (generate, serve, bench)."""
+    def from_flags(cls, draft: str | None, k: str | int | None, confidence: float | None, rule: str | None,
+                   ngram_max: int = 3, tree: str | None = None) -> "SpecConfig":
+        """The command line's --draft (MODEL | early-exit:N | ngram | none), --k (K | auto), --tree (B1,B2,..)
+        -> SpecConfig (generate, serve, bench). Raises ValueError with a one-line message for a malformed or
+        meaningless combination (a flag that would do nothing in the chosen mode is refused, not ignored).
+        None for k / confidence / rule means "not given"."""
+        k = "auto" if k is None else str(k).strip()
         adaptive = k == "auto"
-        kk = 4 if adaptive else int(k)
-        common = dict(k=kk, adaptive=adaptive, confidence_threshold=confidence, rule=rule)
+        if not adaptive:
+            try:
+                kk = int(k)
+            except ValueError:
+                raise ValueError(f"--k must be a non-negative integer or 'auto', got {k!r}") from None
+            if kk < 0:
+                raise ValueError(f"--k must be a non-negative integer or 'auto', got {k!r}")
+        else:
+            kk = 4
+        confidence = confidence or None  # 0 = off = not given
+        rule = None if rule in (None, "auto") else rule
+        if confidence is not None and not 0.0 <= confidence < 1.0:
+            raise ValueError(f"--confidence must be in [0, 1), got {confidence}")
+        common = dict(k=kk, adaptive=adaptive, confidence_threshold=confidence or 0.0, rule=rule or "auto")
         if not draft or draft == "none":
-            return cls()
+            given = [f for f, v in (("--tree", tree), ("--confidence", confidence)) if v is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} need(s) a drafter; --draft none turns speculation off")
+            return cls(rule=rule or "auto")
+        if tree is not None and draft == "ngram" or tree is not None and draft.startswith("early-exit"):
+            raise ValueError(f"--tree works with a draft model only, not with --draft {draft}")
         if draft == "ngram":
+            if confidence is not None:
+                raise ValueError("--confidence does nothing with --draft ngram (n-gram drafts have no probabilities)")
             return cls(method="ngram", ngram_max=ngram_max, **common)
         if draft.startswith("early-exit"):
             _, _, n = draft.partition(":")
-            if not n.isdigit():
-                raise SystemExit("--draft early-exit:N needs a layer count, e.g. early-exit:8")
+            if not n.isdigit() or int(n) < 1:
+                raise ValueError("--draft early-exit:N needs a positive layer count, e.g. early-exit:8")
             return cls(method="early-exit", early_exit_layers=int(n), **common)
-        if tree:
-            return cls(method="draft", draft_model=draft, tree=tuple(int(x) for x in tree.split(",")), **common)
+        if tree is not None:
+            if rule is not None:
+                raise ValueError(f"--rule {rule} does nothing with --tree (trees verify with the exact rule 'auto')")
+            if confidence is not None:
+                raise ValueError("--confidence does nothing with --tree (a tree drafts its full shape)")
+            if k != "auto":
+                raise ValueError("--k does nothing with --tree (the tree shape sets the drafts)")
+            return cls(method="draft", draft_model=draft, tree=parse_tree(tree), **common)
         return cls(method="draft", draft_model=draft, **common)
+
+
+def parse_tree(text: str) -> tuple[int, ...]:
+    """'2,2,1' -> (2, 2, 1): children per node at each depth, every count a positive integer."""
+    parts = [x.strip() for x in str(text).split(",")]
+    if not parts or not all(x.isdigit() and int(x) >= 1 for x in parts):
+        raise ValueError(f"--tree must be comma-separated positive integers (children per depth), e.g. 2,2,1; "
+                         f"got {text!r}")
+    return tuple(int(x) for x in parts)
+
+
+def tree_label(tree: tuple[int, ...]) -> str:
+    """How stats name a tree shape: 'tree 2x2x1 (10 nodes)'."""
+    nodes, width = 0, 1
+    for b in tree:
+        width *= b
+        nodes += width
+    return f"tree {'x'.join(map(str, tree))} ({nodes} nodes)"
+
+
+_INT64_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine limits, validated on creation so a bad value is named instead of surfacing later as a KV
+    shortage or a batching error. max_num_seqs: requests running at once (>= 1). max_model_len: longest
+    sequence (prompt + output) in tokens, None = the model's own context. max_num_batched_tokens: tokens one
+    forward may hold (>= 1; chunked prefill splits longer prompts)."""
+
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        def whole(name: str, v) -> None:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+            if not 1 <= v <= _INT64_MAX:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+
+        whole("max_num_seqs", self.max_num_seqs)
+        if self.max_model_len is not None:
+            if isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int) or self.max_model_len < 1:
+                raise ValueError(f"max_model_len must be a positive integer or None (the model's context), "
+                                 f"got {self.max_model_len!r}")
+        whole("max_num_batched_tokens", self.max_num_batched_tokens)

@@ -1,7 +1,27 @@
 """SamplingParams: what a user asks of one request, validated on creation (vLLM-style)."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
+
+from .structured import StructuredOutput  # issue 14 (structured-output helper)
+
+INT64_MAX = 2**63 - 1
+MAX_LOGPROBS = 1 << 20  # top-n logprobs beyond any vocabulary are refused
+
+
+def _int(name: str, v, low: int, high: int = INT64_MAX) -> None:
+    """v must be a whole number (not a bool, not a float) in [low, high]: the engine keeps these in int64."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {v!r}")
+    if not low <= int(v) <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {v}")
+
+
+def _number(name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -27,28 +47,46 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured_output: StructuredOutput | None = None  # constrain the output (JSON schema, regex, ...): forerun/structured.py
 
     def __post_init__(self) -> None:
+        # Every value is checked here, with a message naming the field, so a bad one never reaches the
+        # tensors (where 2**70 overflows an int64 deep inside generate).
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        if self.stop is None:
+            object.__setattr__(self, "stop", ())
+        if not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        ids = () if self.stop_token_ids is None else self.stop_token_ids
+        for t in ids:
+            _int("stop_token_ids entry", t, 0)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        _number("temperature", self.temperature)
+        if not (self.temperature >= 0.0) or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        _int("top_k", self.top_k, -1)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 or -1 = off), got {self.top_k}")
+        _number("top_p", self.top_p)
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _number("min_p", self.min_p)
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None:
+            _int("seed", self.seed, -INT64_MAX - 1)
+        _int("max_tokens", self.max_tokens, 1)
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be None or >= 0, got {self.logprobs}")
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise ValueError("structured_output must be a forerun.structured.StructuredOutput, got "
+                             f"{type(self.structured_output).__name__}")
 
     @property
     def greedy(self) -> bool:

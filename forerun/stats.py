@@ -20,15 +20,24 @@ def expected_speedup(alpha: float, k: int, c: float) -> float:
 @dataclass
 class RequestStats:
     rounds: int = 0  # target forward passes that produced tokens for this request
-    drafted: int = 0
+    drafted: int = 0  # draft positions offered (chain: its length k; tree: its depth), summed over rounds
     accepted: int = 0
     emitted: int = 0
     drafted_at: list[int] = field(default_factory=list)  # per draft position i: rounds that drafted a token at i
     accepted_at: list[int] = field(default_factory=list)  # per draft position i: rounds that accepted it
+    drafted_nodes: int = 0  # draft tokens the target verified (chain: = drafted; tree: every node of the tree)
 
-    def record(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
+    def record(self, num_drafted: int, num_accepted: int, num_emitted: int, drafted_nodes: int | None = None) -> None:
+        """One round of this request. num_drafted: draft positions (chain k, tree depth); num_accepted: drafts
+        accepted; num_emitted: tokens committed; drafted_nodes: draft tokens the target scored (a tree's
+        node count; defaults to num_drafted for a chain). A tree's cost is its nodes, not its depth."""
+        if drafted_nodes is None:
+            drafted_nodes = num_drafted
+        if drafted_nodes < num_drafted:
+            raise ValueError(f"drafted_nodes ({drafted_nodes}) < num_drafted ({num_drafted})")
         self.rounds += 1
         self.drafted += num_drafted
+        self.drafted_nodes += drafted_nodes
         self.accepted += num_accepted
         self.emitted += num_emitted
         while len(self.drafted_at) < num_drafted:
@@ -41,6 +50,7 @@ class RequestStats:
     def merge(self, other: "RequestStats") -> None:
         self.rounds += other.rounds
         self.drafted += other.drafted
+        self.drafted_nodes += other.drafted_nodes
         self.accepted += other.accepted
         self.emitted += other.emitted
         for i in range(len(other.drafted_at)):
@@ -52,6 +62,13 @@ class RequestStats:
 
     @property
     def acceptance_rate(self) -> float:
+        """Accepted drafts over draft tokens verified (vLLM's num_accepted_tokens / num_draft_tokens); for a
+        tree the denominator is its nodes, so a wide tree is not credited as if it drafted its depth only."""
+        return self.accepted / self.drafted_nodes if self.drafted_nodes else 0.0
+
+    @property
+    def position_acceptance_rate(self) -> float:
+        """Accepted drafts over draft positions (chain: = acceptance_rate; tree: accepted depth / depth)."""
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
@@ -69,8 +86,10 @@ class RequestStats:
 
     def as_dict(self) -> dict:
         return {
-            "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted, "emitted": self.emitted,
+            "rounds": self.rounds, "drafted": self.drafted, "drafted_nodes": self.drafted_nodes,
+            "accepted": self.accepted, "emitted": self.emitted,
             "acceptance_rate": round(self.acceptance_rate, 4),
+            "position_acceptance_rate": round(self.position_acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),
             "tokens_per_target_call": round(self.tokens_per_target_call, 4),
             "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance],

@@ -31,7 +31,8 @@ import torch
 
 from forerun.config import SUPPORTED_ARCHITECTURES, ModelConfig
 
-__all__ = ["Checkpoint", "load_checkpoint", "expected_tensor_names", "SUPPORTED_GGUF_ARCHITECTURES"]
+__all__ = ["Checkpoint", "load_checkpoint", "load_tokenizer", "check_tokenizer_fits", "expected_tensor_names",
+           "SUPPORTED_GGUF_ARCHITECTURES"]
 
 # general.architecture values we read, and the transformers model_type each becomes.
 SUPPORTED_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -166,37 +167,111 @@ class Checkpoint:
 
     # ------------------------------------------------------------ tokenizer
 
-    def tokenizer(self):
-        """The checkpoint's tokenizer (transformers PreTrainedTokenizerFast); built once and cached."""
-        if "tokenizer" in self._cache:
-            return self._cache["tokenizer"]
-        import transformers
+    def tokenizer(self, path: str | Path | None = None):
+        """The checkpoint's tokenizer (transformers PreTrainedTokenizerFast); built once and cached.
 
-        if self.format == "gguf":
-            try:
-                tok = transformers.AutoTokenizer.from_pretrained(
-                    str(self.source.parent), gguf_file=self.source.name, local_files_only=True
-                )
-            except Exception as e:  # noqa: BLE001 - transformers raises many kinds
-                raise ValueError(f"cannot build a tokenizer from the GGUF metadata of {self.source}: {e}") from e
-            template = self._cache.get("gguf_chat_template")
-            if not getattr(tok, "chat_template", None) and template:
-                tok.chat_template = template
+        A GGUF uses the tokenizer embedded in its own metadata, never tokenizer files that happen to sit
+        in the same folder (they may belong to another model: silently garbage output). ``path`` names
+        another tokenizer (a directory of tokenizer files, or a .gguf) instead. Either way the tokenizer
+        must fit the model's embedding (every token id < vocab_size), else ValueError. Nothing from a
+        model folder is ever executed (trust_remote_code=False) and nothing is asked on stdin."""
+        key = "tokenizer" if path is None else ("tokenizer", str(path))
+        if key in self._cache:
+            return self._cache[key]
+        if path is not None:
+            tok = load_tokenizer(path)
+        elif self.format == "gguf":
+            tok = _gguf_tokenizer(self.source, self._cache.get("gguf_chat_template"))
         else:
-            d = self.source
-            if not any((d / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-                                                  "vocab.json")):  # fmt: skip
-                raise FileNotFoundError(f"no tokenizer files (tokenizer.json, tokenizer_config.json, ...) in {d}")
-            tok = transformers.AutoTokenizer.from_pretrained(str(d), local_files_only=True)
-            if not getattr(tok, "chat_template", None):
-                for fname in ("chat_template.jinja", "chat_template.json"):
-                    f = d / fname
-                    if f.exists():
-                        text = f.read_text()
-                        tok.chat_template = json.loads(text)["chat_template"] if fname.endswith(".json") else text
-                        break
-        self._cache["tokenizer"] = tok
+            tok = _dir_tokenizer(self.source)
+        check_tokenizer_fits(tok, self.config.vocab_size, str(path or self.source))
+        self._cache[key] = tok
         return tok
+
+
+def load_tokenizer(path: str | Path):
+    """A tokenizer on its own: from a .gguf file's metadata (its tensors are not read) or a directory of
+    Hugging Face tokenizer files. Never runs code from the folder (trust_remote_code=False)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"tokenizer path {str(p)!r} does not exist")
+    if p.is_file() and (p.suffix.lower() == ".gguf" or _has_gguf_magic(p)):
+        template = None
+        try:
+            from gguf import GGUFReader
+
+            template = _gguf_value(GGUFReader(str(p)), "tokenizer.chat_template")
+        except Exception:  # noqa: BLE001 - the tokenizer build below reports a bad file
+            pass
+        return _gguf_tokenizer(p, template)
+    return _dir_tokenizer(p if p.is_dir() else p.parent)
+
+
+def check_tokenizer_fits(tok, vocab_size: int, where: str = "") -> None:
+    """Every token id the tokenizer can produce must index the model's embedding ([vocab_size, hidden]);
+    a larger tokenizer belongs to another model (its ids would index past the table or mean other text).
+    An embedding padded beyond the tokenizer (Qwen2.5: 151936 rows, 151665 tokens) is fine."""
+    ids = tok.get_vocab().values()
+    top = max(ids, default=-1)
+    if top >= vocab_size or len(tok) > vocab_size:
+        raise ValueError(
+            f"{where + ': ' if where else ''}tokenizer does not fit the model: it has {len(tok)} tokens "
+            f"(largest id {top}) but the model's embedding has {vocab_size} rows; "
+            "use the tokenizer that belongs to this model"
+        )
+
+
+def _gguf_tokenizer(p: Path, chat_template: str | None):
+    """Tokenizer from the GGUF's own metadata. transformers' ``from_pretrained(dir, gguf_file=...)`` also
+    reads tokenizer.json / tokenizer_config.json from ``dir`` when present, so the file is loaded from a
+    private temporary folder that holds nothing but a link to it."""
+    import tempfile
+
+    import transformers
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="forerun-gguf-tok-") as tmp:
+            link = Path(tmp) / "model.gguf"
+            try:
+                link.symlink_to(p.resolve())
+            except OSError:  # no symlinks here: the folder must then hold no tokenizer files
+                link = p
+            tok = transformers.AutoTokenizer.from_pretrained(
+                str(link.parent), gguf_file=link.name, local_files_only=True, trust_remote_code=False
+            )
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds
+        raise ValueError(f"cannot build a tokenizer from the GGUF metadata of {p}: {e}") from e
+    try:
+        tok.name_or_path = str(p)
+    except Exception:  # noqa: BLE001 - cosmetic only
+        pass
+    if not getattr(tok, "chat_template", None) and chat_template:
+        tok.chat_template = chat_template
+    return tok
+
+
+def _dir_tokenizer(d: Path):
+    """Tokenizer from a directory of Hugging Face tokenizer files (no code from the folder is run)."""
+    import transformers
+
+    if not any((d / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                                          "vocab.json")):  # fmt: skip
+        raise FileNotFoundError(f"no tokenizer files (tokenizer.json, tokenizer_config.json, ...) in {d}")
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(str(d), local_files_only=True, trust_remote_code=False)
+    except ValueError as e:
+        if "trust_remote_code" in str(e) or "custom code" in str(e):
+            raise ValueError(f"{d}: its tokenizer needs custom code from the folder, which forerun never runs "
+                             "(trust_remote_code=False); use a standard tokenizer.json") from e
+        raise
+    if not getattr(tok, "chat_template", None):
+        for fname in ("chat_template.jinja", "chat_template.json"):
+            f = d / fname
+            if f.exists():
+                text = f.read_text()
+                tok.chat_template = json.loads(text)["chat_template"] if fname.endswith(".json") else text
+                break
+    return tok
 
 
 def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:

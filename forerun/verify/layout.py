@@ -60,6 +60,23 @@ class AcceptPrefix:
     final_row: Tensor  # [R] long: ftp + num_accepted
 
 
+def build_row_to_req(first_token_positions: Tensor, seqlens_q: Tensor, num_rows: int | None = None) -> Tensor:
+    """row_to_req [T] long: the request index of every row of a flattened batch (chain or tree).
+
+    Requests own contiguous rows: request r owns rows ftp[r] .. ftp[r] + seqlens_q[r] - 1, so for
+    ftp = [0, 4], seqlens_q = [4, 1] this is [0, 0, 0, 0, 1]. It is what `SamplingTensors.probs(logits,
+    row_to_req)` needs to apply each request's settings to its rows, e.g. to build `draft_probs` with the
+    same transform as the target. num_rows defaults to ftp[-1] + seqlens_q[-1] (one host sync; pass it
+    to avoid that). Rows past the last request, if any, are given to the last request."""
+    ftp, seqlens = first_token_positions.long(), seqlens_q.long()
+    if ftp.dim() != 1 or ftp.shape != seqlens.shape:
+        raise ValueError(f"first_token_positions {tuple(ftp.shape)} and seqlens_q {tuple(seqlens.shape)} must be "
+                         "1-D tensors of the same length (one entry per request)")
+    if num_rows is None:
+        num_rows = int(seqlens.sum())
+    return chain_rows(ftp, seqlens, num_rows)[0]
+
+
 def accept_prefix(raw_accept: Tensor, is_verify: Tensor, row_to_req: Tensor, ftp: Tensor) -> AcceptPrefix:
     """Effective accepts from raw per-row decisions (seed 000's table). raw_accept, is_verify,
     row_to_req: [T]; ftp: [R]. Each request's rows are contiguous, so an exclusive cumulative count of

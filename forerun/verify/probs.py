@@ -57,17 +57,32 @@ def check_logits(logits: Tensor, row_max: Tensor | None = None, *, row_to_req: T
     raise ValueError(f"{name} {_where(row_to_req, row)} {what}")
 
 
-def check_probs(probs: Tensor, rows: Tensor, *, row_to_req: Tensor | None = None, name: str = "draft_probs") -> None:
-    """Raise ValueError if one of `rows` of probs is not a distribution (NaN/Inf, negative, or zero mass).
+PROB_SUM_TOLERANCE = 1e-3  # |sum - 1| allowed for a float32 draft distribution (half types: 8e-3)
 
+
+def check_probs(probs: Tensor, rows: Tensor, *, row_to_req: Tensor | None = None, name: str = "draft_probs",
+                tolerance: float | None = None) -> None:
+    """Raise ValueError if one of `rows` of probs is not a probability distribution: NaN/Inf, a negative
+    entry, or a sum off 1 by more than `tolerance` (default PROB_SUM_TOLERANCE, 8e-3 for 16-bit types).
+
+    The rejection rules compare p(x) with q(x) directly, so a scaled q (0.99 * q) is not a harmless
+    normalisation slip: it raises every acceptance probability and biases the output; it is refused.
     probs: [N, V]; rows: [M] long row indices to check.
     """
+    if tolerance is None:
+        tolerance = PROB_SUM_TOLERANCE if probs.dtype.itemsize >= 4 else 8e-3
     total, low = probs.sum(-1, dtype=torch.float32), probs.amin(-1)  # [N]: two reads, no copy
     bad = (~torch.isfinite(total) | (total <= 0) | (low < 0))[rows]  # [M]
     if bool(bad.any()):
         row = int(rows[bad.nonzero()[0, 0]])
         raise ValueError(f"{name} {_where(row_to_req, row)} is not a probability distribution "
                          f"(sum {float(total[row]):.3g}, min {float(low[row]):.3g}): NaN, negative or all-zero")
+    off = ((total - 1).abs() > tolerance)[rows]  # [M]
+    if bool(off.any()):
+        row = int(rows[off.nonzero()[0, 0]])
+        raise ValueError(f"{name} {_where(row_to_req, row)} sums to {float(total[row]):.6g}, not 1 (tolerance "
+                         f"{tolerance:g}): pass the normalised distribution the draft was sampled from "
+                         "(logits_to_probs); a scaled q biases the accept test")
 
 
 def _rows(mask: Tensor) -> Tensor:

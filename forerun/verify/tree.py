@@ -199,7 +199,7 @@ def verify_tree(
     sampling: SamplingTensors,  # per request
     uniforms: Tensor,  # [T, 2] in [0, 1): column 0 accept coins, column 1 final-sample coin
     draft_probs: Tensor | None = None,  # [T, V]: row i = draft distribution node i's children were drawn from
-    rule: str = "greedy",
+    rule: str = "auto",  # the same default as verify_chain
     *,
     threshold_single: float = 1.0,
     threshold_acc: float = 1.0,

@@ -16,9 +16,9 @@ cutting changes no distribution, it only saves the rows. Cut tokens are counted 
 The matcher advances only by committed tokens (`commit`). Trees are walked depth first with one-token rollback
 (`tree_masks`).
 
-After the grammar terminates (it accepted a stop token) no further token is constrained: such rows get an
-all-allowed mask so that nothing is fully masked, and whatever is sampled there follows the stop token and is
-dropped by the engine (`commit` says how many tokens the grammar consumed).
+After the grammar terminates (it accepted a stop token) only a stop token may follow: rows past the end
+allow the stop tokens alone (never a fully masked row), and `commit` says how many tokens the grammar consumed
+(what follows the terminating stop token is dropped by the engine, which stops at a stop token anyway).
 
 Engine hooks, in round order (see docs/structured.md):
   1. drafter: `apply_grammar_to_draft_logits` before its probability transform, `GrammarState.draft_accept`
@@ -158,6 +158,11 @@ def _grammar(spec: StructuredOutput):
     return g
 
 
+def _bit(i: int) -> int:
+    """int32 value with bit i set (bit 31 is the sign bit)."""
+    return (1 << i) - (1 << 32) if i == 31 else 1 << i
+
+
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
@@ -240,6 +245,12 @@ class GrammarState:
         self.matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
         self.words = bitmask_words(vocab_size)
+        self._stop_row = torch.zeros(self.words, dtype=torch.int32)  # after termination: only a stop token
+        for t in self.matcher.stop_token_ids:
+            if 0 <= t < vocab_size:
+                self._stop_row[t // 32] |= _bit(t % 32)
+        if not bool(self._stop_row.any()):
+            self._stop_row.fill_(ALL_ALLOWED)
         self.num_committed = 0
         self.num_rejected_drafts = 0  # drafted tokens cut because the grammar rejects them (or an earlier one)
         self._pending = 0  # tokens accepted beyond the committed ones (draft session)
@@ -257,9 +268,9 @@ class GrammarState:
         return self.matcher.is_completed()
 
     def _fill(self, out: Tensor) -> Tensor:
-        """out: [words] int32 (CPU) <- mask of the matcher's current state; all allowed once terminated."""
+        """out: [words] int32 (CPU) <- mask of the matcher's current state; once terminated, the stop tokens only."""
         if self.matcher.is_terminated():
-            out.fill_(ALL_ALLOWED)
+            out.copy_(self._stop_row)
         else:
             self.matcher.fill_next_token_bitmask(out.unsqueeze(0))
         return out
@@ -358,7 +369,7 @@ class GrammarState:
         return len(tokens)
 
     # -- trees ----------------------------------------------------------------------------------------
-    def tree_masks(self, tokens: Sequence[int], parents: Sequence[int]) -> tuple[Tensor, Tensor]:
+    def tree_masks(self, tokens: Sequence[int], parents: Sequence[int], count: bool = True) -> tuple[Tensor, Tensor]:
         """(valid [n] bool, masks [n, words] int32) for a draft tree (node 0 = root = the newest committed token,
         parents[i] < i). Walked depth first with one-token rollback: mask row i is the grammar state after the
         path to node i. A node whose token the grammar rejects is not valid, nor its subtree; their rows are
@@ -387,7 +398,8 @@ class GrammarState:
                 valid[child] = True
                 self._fill(masks[child])
                 stack.append((child, 0))
-        self.num_rejected_drafts += int(n - 1 - int(valid[1:].sum()))
+        if count:
+            self.num_rejected_drafts += int(n - 1 - int(valid[1:].sum()))
         return valid, masks
 
 
@@ -451,3 +463,32 @@ def tree_verify_bitmask(states: Sequence[GrammarState | None], tokens: Sequence[
 def mask_target_logits_(logits: Tensor, bitmask: Tensor | None) -> Tensor:
     """Round hook, after the target forward: logits [T, V] of the verify rows, masked in place."""
     return logits if bitmask is None else apply_bitmask_(logits, bitmask)
+
+
+def mask_request_rows_(logits: Tensor, masks: Sequence[Tensor | None], starts: Sequence[int]) -> Tensor:
+    """Round hook, after the target forward: request i's mask rows [n_i, words] apply to logits rows
+    starts[i] .. starts[i] + n_i - 1 (logits [T, V], in place; None: unconstrained). Returns logits."""
+    idx = [(s, m) for s, m in zip(starts, masks) if m is not None]
+    if idx:
+        rows = torch.cat([torch.arange(s, s + m.shape[0]) for s, m in idx])
+        apply_bitmask_(logits, torch.cat([m for _, m in idx]), rows)
+    return logits
+
+
+def commit_emitted(states: Sequence[GrammarState | None], emitted: Sequence[Sequence[int]]) -> None:
+    """Round hook, after verification: advance each constrained request's matcher by its emitted tokens. The
+    engine may drop tokens past max_tokens or a stop string, but then the request finishes, so its grammar
+    no longer matters; tokens after the terminating stop token are ignored (commit's return value)."""
+    for s, toks in zip(states, emitted):
+        if s is not None and toks:
+            s.commit(toks)
+
+
+def tree_node_masks(state: GrammarState, tokens: Sequence[int], parents: Sequence[int],
+                    nodes: Sequence[int]) -> Tensor:
+    """Tree-drafter hook: masks [len(nodes), words] of the given nodes of a partial tree (tokens / parents of the
+    nodes drafted so far; node 0 = the root), i.e. the grammar state after each node's path. Rejected nodes
+    (their token or an ancestor's is not allowed) get all-allowed rows; nothing is counted as rejected here."""
+    m = max(nodes) + 1
+    _, masks = state.tree_masks(list(tokens[:m]), list(parents[:m]), count=False)
+    return masks[list(nodes)]

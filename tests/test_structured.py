@@ -35,7 +35,7 @@ def reference_allowed(comp, prefix: list[int]) -> torch.Tensor:
     for t in prefix:
         assert m.accept_token(t)
     if m.is_terminated():
-        return torch.ones(V, dtype=torch.bool)
+        return torch.arange(V) == EOS
     bm = xgr.allocate_token_bitmask(1, V)
     m.fill_next_token_bitmask(bm)
     return torch.tensor([(int(bm[0, t // 32]) >> (t % 32)) & 1 == 1 for t in range(V)])
@@ -121,8 +121,8 @@ def test_draft_session_rows_are_reused_and_equal(comp):
 def test_commit_stops_at_termination_and_refuses_disallowed_tokens(comp):
     st = comp.new_state(SPEC)
     assert st.commit([6, EOS, 1, 2]) == 2 and st.is_terminated()
-    n, rows = st.draft_masks([1])  # nothing may follow a terminated grammar; the row is all allowed
-    assert n == 0 and bool(unpack(rows[0], V).all())
+    n, rows = st.draft_masks([1])  # nothing but a stop token may follow a terminated grammar
+    assert n == 0 and unpack(rows[0], V).nonzero().flatten().tolist() == [EOS]
     st = comp.new_state(SPEC)
     with pytest.raises(ValueError, match="not allowed"):
         st.commit([1])
@@ -318,3 +318,22 @@ def test_constrained_greedy_speculation_equals_constrained_plain_greedy(comp, dr
         a2 = torch.where(reference_allowed(comp, [int(a1)]), w["t2"][a1], float("-inf")).argmax()
         assert bool((out[:, 0] == a1).all())
         assert bool((out[ne >= 2, 1] == a2).all())
+
+
+def test_round_hooks_mask_rows_commit_and_tree_nodes(comp):
+    from forerun.structured import commit_emitted, mask_request_rows_, tree_node_masks
+
+    a, b = comp.new_state(SPEC), comp.new_state(SPEC)
+    _, _, masks = cut_drafts([a, None, b], [[0, 4], [1], [6]], [None, None, None])
+    logits = torch.zeros(9, V)
+    mask_request_rows_(logits, masks, [0, 3, 5])  # rows 0-2: a, 3-4: free, 5-6: b, 7-8: untouched
+    assert torch.equal(torch.isfinite(logits[2]), reference_allowed(comp, [0, 4]))
+    assert torch.equal(torch.isfinite(logits[6]), reference_allowed(comp, [6]))
+    assert bool(torch.isfinite(logits[3:5]).all() and torch.isfinite(logits[7:]).all())
+    commit_emitted([a, None, b], [[0, 4], [3], [6, EOS, EOS]])
+    assert a.num_committed == 2 and b.is_terminated()
+    st = comp.new_state(SPEC)
+    m = tree_node_masks(st, [99, 0, 3, 2, 1], [-1, 0, 0, 1, 2], [3, 4])
+    assert torch.equal(unpack(m[0], V), reference_allowed(comp, [0, 2]))
+    assert torch.equal(unpack(m[1], V), reference_allowed(comp, [3, 1]))
+    assert st.num_rejected_drafts == 0

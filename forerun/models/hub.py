@@ -12,10 +12,13 @@ checks the sha256, and moves the result into the cache:
 
 ``cache_dir()`` is ``$FORERUN_CACHE`` if set, else ``$XDG_CACHE_HOME/forerun``, else
 ``~/.cache/forerun``. The marker means a later ``pull`` returns at once, without rehashing
-a 1 GB file; if the file changes (size or mtime), it is hashed again.
+a 1 GB file; if the file changes (size or mtime), it is hashed again. Size and mtime cannot see
+a change that keeps both, so the first load after a pull (``resolve_model``) hashes the file on
+disk once more (and records that in the marker), and ``forerun models verify`` rehashes on demand.
 
-The CLI calls ``main_pull(argv)`` for ``forerun models pull NAME...`` and
-``main_list(argv)`` for ``forerun models list``; library code calls ``resolve_model``.
+The CLI calls ``main_pull(argv)`` for ``forerun models pull NAME...``, ``main_list(argv)`` for
+``forerun models list`` and ``main_verify(argv)`` for ``forerun models verify``; library code calls
+``resolve_model``.
 """
 from __future__ import annotations
 
@@ -51,9 +54,11 @@ __all__ = [
     "is_cached",
     "pull",
     "resolve_model",
+    "verify",
     "pip_download",
     "main_pull",
     "main_list",
+    "main_verify",
 ]
 
 _CHUNK = 1 << 20  # bytes per read when extracting and hashing
@@ -196,11 +201,15 @@ def _read_marker(path: Path) -> dict | None:
         return None
 
 
-def _write_marker(path: Path, sha256: str) -> None:
+def _write_marker(path: Path, sha256: str, rehashed: bool = False) -> None:
+    """rehashed: the file on disk (not the download stream) was hashed just now, so the first load need not."""
     st = path.stat()
     marker = _marker_path(path)
     tmp = marker.with_name(f"{marker.name}.{os.getpid()}.part")
-    tmp.write_text(json.dumps({"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}) + "\n")
+    data = {"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "rehashed": rehashed}
+    if rehashed:
+        data["rehashed_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    tmp.write_text(json.dumps(data) + "\n")
     os.replace(tmp, marker)
 
 
@@ -338,7 +347,7 @@ def pull(
             return path
         got = _sha256_file(path, progress, f"verifying {src.filename}")
         if got == src.sha256:
-            _write_marker(path, got)
+            _write_marker(path, got, rehashed=True)
             return path
         print(f"forerun: cached {path} has sha256 {got}, expected {src.sha256}; fetching again", file=sys.stderr)
 
@@ -405,10 +414,46 @@ def resolve_model(
     if p.exists():
         return p
     if arg in known_models():
-        return pull(arg, cache_dir=cache_dir, progress=progress)
+        path = pull(arg, cache_dir=cache_dir, progress=progress)
+        if not _verified_on_load(path, get_source(arg), progress):  # changed since the pull: fetch it again
+            path = pull(arg, cache_dir=cache_dir, progress=progress, force=True)
+        return path
     if isinstance(name_or_path, os.PathLike) or _looks_like_path(arg):
         raise FileNotFoundError(f"model path {str(p)!r} does not exist (known model names: {', '.join(known_models())})")
     raise UnknownModelError(arg, known_models())
+
+
+def _verified_on_load(path: Path, src: ModelSource, progress: bool) -> bool:
+    """First load after a pull: hash the file on disk once (size + mtime cannot see every change) and
+    record it in the marker. False (marker removed) when the content no longer matches."""
+    m = _read_marker(path)
+    if not m or m.get("rehashed") or not _marker_ok(path, src.sha256):
+        return True  # nothing to do (no marker: not ours to judge; stale marker: pull rehashes)
+    got = _sha256_file(path, progress, f"verifying {src.filename} (first load after pull)")
+    if got == src.sha256:
+        _write_marker(path, got, rehashed=True)
+        return True
+    print(f"forerun: {path} changed since it was pulled (sha256 {got}, expected {src.sha256}); fetching again",
+          file=sys.stderr)
+    _marker_path(path).unlink(missing_ok=True)
+    return False
+
+
+def verify(name: str, cache_dir: str | Path | None = None, progress: bool = True,
+           registry: Iterable[ModelSource] | None = None) -> tuple[str, str]:
+    """Hash the cached file of ``name`` in full (ignoring the marker). Returns (state, sha256 or "") with
+    state "ok" (marker refreshed), "mismatch" (marker removed: the next pull fetches it again) or
+    "not pulled"."""
+    src = get_source(name, registry)
+    path = _models_dir(cache_dir) / src.filename
+    if not path.is_file():
+        return "not pulled", ""
+    got = _sha256_file(path, progress, f"verifying {src.filename}")
+    if got == src.sha256:
+        _write_marker(path, got, rehashed=True)
+        return "ok", got
+    _marker_path(path).unlink(missing_ok=True)
+    return "mismatch", got
 
 
 # ---------------------------------------------------------------- CLI entry points
@@ -436,13 +481,43 @@ def main_pull(argv: Sequence[str] | None = None) -> int:
 
 
 def main_list(argv: Sequence[str] | None = None) -> int:
-    """``forerun models list``: known models, whether cached, and where."""
+    """``forerun models list``: known models, whether cached, and where. "cached" means the size and mtime
+    match the file that was verified; only ``forerun models verify`` rehashes the content."""
     argparse.ArgumentParser(prog="forerun models list", description="List known models.").parse_args(argv)
     for src in REGISTRY:
         path = _models_dir(None) / src.filename
         state = "cached" if _marker_ok(path, src.sha256) else ("unverified" if path.exists() else "not pulled")
         print(f"{src.name:32s} {state:11s} {path}\n    {src.description}")
+    print("(\"cached\" checks size and mtime only; `forerun models verify` rehashes the files in full)")
     return 0
+
+
+def main_verify(argv: Sequence[str] | None = None) -> int:
+    """``forerun models verify [NAME...] [--cache-dir DIR] [--quiet]``: full sha256 of each cached model
+    (default: every known model that is pulled). Exit code 0 when all match, 1 when one does not."""
+    ap = argparse.ArgumentParser(prog="forerun models verify", description="Rehash cached models in full.")
+    ap.add_argument("names", nargs="*", metavar="NAME", help=f"model name(s) (default: all pulled): {', '.join(known_models())}")
+    ap.add_argument("--cache-dir", default=None, help=f"cache root (default {cache_dir()})")
+    ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    args = ap.parse_args(argv)
+    for name in args.names:
+        get_source(name)  # UnknownModelError before any hashing
+    names = args.names or known_models()
+    bad = 0
+    for name in names:
+        state, got = verify(name, cache_dir=args.cache_dir, progress=not args.quiet)
+        if state == "not pulled":
+            if args.names:
+                print(f"{name}: not pulled (forerun models pull {name})")
+                bad += 1
+            continue
+        if state == "ok":
+            print(f"{name}: ok (sha256 {got})")
+        else:
+            bad += 1
+            print(f"{name}: MISMATCH: sha256 {got}, expected {get_source(name).sha256}; "
+                  f"run `forerun models pull {name}` to fetch it again")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":  # python -m forerun.models.hub NAME...

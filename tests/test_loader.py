@@ -513,3 +513,178 @@ def test_real_qwen25_coder_05b_gguf_matches_transformers():
     assert c.eos_token_ids == (151645,) and c.bos_token_id == 151643
     assert tok.encode("Hello world", add_special_tokens=False) == [9707, 1879]
     assert tok.convert_tokens_to_ids("<|im_end|>") == 151645
+
+
+# ====================================================================== tokenizers: whose, and never run code (issue 10: 2, 3)
+
+
+def _word_tokenizer(n: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(n)}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="w0", eos_token="w1")
+
+
+def _cached(name: str):
+    from forerun.models import hub
+
+    return hub.model_path(name) if hub.is_cached(name) else None
+
+
+def test_gguf_uses_its_own_tokenizer_not_the_folders(tmp_path):
+    """A real GGUF next to another model's tokenizer files: the GGUF's embedded tokenizer wins (the folder's
+    97-word tokenizer used to be picked up silently). Metadata only: no weight is read."""
+    path = _cached(SMOL)
+    if path is None:
+        pytest.skip(f"{SMOL} not pulled")
+    (tmp_path / "model.gguf").symlink_to(path)
+    _word_tokenizer(97).save_pretrained(tmp_path)
+    ckpt = load_checkpoint(tmp_path / "model.gguf")
+    tok = ckpt.tokenizer()
+    assert len(tok) == 49152 and tok.encode("Hello world", add_special_tokens=False) == [19556, 905]
+    assert tok.chat_template and "im_start" in tok.chat_template
+    other = ckpt.tokenizer(tmp_path)  # naming another tokenizer is still possible
+    assert len(other) == 97 and other.encode("w5 w7", add_special_tokens=False) == [5, 7]
+
+
+def test_tokenizer_larger_than_the_embedding_is_refused(tmp_path):
+    model = tiny_model("llama")  # vocab_size 256
+    d = save(model, tmp_path / "m")
+    _word_tokenizer(300).save_pretrained(d)
+    with pytest.raises(ValueError, match=r"tokenizer does not fit the model: its vocabulary has 300 tokens .* 256 rows"):
+        load_checkpoint(d).tokenizer()
+    _word_tokenizer(200).save_pretrained(d)  # smaller than a padded embedding: fine
+    assert len(load_checkpoint(d).tokenizer()) == 200
+
+
+def test_tokenizer_loading_never_trusts_remote_code(tmp_path, monkeypatch):
+    calls = []
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def spy(*a, **kw):
+        calls.append(kw)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy)
+    d = save(tiny_model("llama"), tmp_path / "m")
+    _word_tokenizer(10).save_pretrained(d)
+    load_checkpoint(d).tokenizer()
+    gg = tmp_path / "g.gguf"
+    write_gguf(gg, "llama", tiny_model("llama"))
+    with pytest.raises(ValueError):  # no tokenizer in this synthetic GGUF; the call is what matters
+        load_checkpoint(gg).tokenizer()
+    assert len(calls) == 2 and all(kw.get("trust_remote_code") is False for kw in calls)
+
+
+def test_custom_tokenizer_code_is_refused_without_a_prompt(tmp_path, capsys):
+    """A folder whose tokenizer_config asks for its own Python class: refused, the code never runs, and
+    nothing is asked on stdin (transformers' "Do you wish to run the custom code? [y/N]")."""
+    d = save(tiny_model("llama"), tmp_path / "evil")
+    _word_tokenizer(10).save_pretrained(d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["auto_map"] = {"AutoTokenizer": ["tokenization_evil.EvilTokenizer", "tokenization_evil.EvilTokenizer"]}
+    cfg["tokenizer_class"] = "EvilTokenizer"
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    marker = tmp_path / "RAN"
+    (d / "tokenization_evil.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).write_text('x')\n"
+                                            "from transformers import PreTrainedTokenizerFast as EvilTokenizer\n")
+    with pytest.raises(ValueError, match="custom code"):
+        load_checkpoint(d).tokenizer()
+    out = capsys.readouterr()
+    assert not marker.exists()
+    assert "Do you wish" not in out.out + out.err
+
+
+# ====================================================================== draft compatibility before loading (issue 10: 9)
+
+
+def test_read_gguf_vocab_matches_gguf_reader(tmp_path):
+    path = tmp_path / "v.gguf"
+    tokens = [f"tok{i}" for i in range(250)] + ["ünï", "你好", "Ġx", "<|im_end|>", "\n", " ", ""]
+    write_gguf(path, "llama", tiny_model("llama", vocab_size=len(tokens)),
+               extra_kv={"add_tokenizer_model": "gpt2", "add_token_list": tokens})
+    from forerun.models.compat import read_gguf_vocab
+
+    got, rows = read_gguf_vocab(path)
+    reader = gguf.GGUFReader(str(path))
+    assert got == list(reader.fields["tokenizer.ggml.tokens"].contents()) == tokens
+    assert rows == len(tokens)
+    with pytest.raises(ValueError, match="not a GGUF"):
+        read_gguf_vocab(Path(__file__))
+
+
+class _Vocab:
+    def __init__(self, tokens):
+        self.v = {t: i for i, t in enumerate(tokens)}
+
+    def get_vocab(self):
+        return self.v
+
+
+def test_incompatible_gguf_draft_is_refused_from_its_header(tmp_path, monkeypatch):
+    """The draft's weights are never read and its tokenizer never built: the header's token list decides."""
+    from forerun.models import compat
+    from forerun.models.loader import Checkpoint
+
+    def no_weights(*a, **k):
+        raise AssertionError("draft weights read")
+
+    monkeypatch.setattr(Checkpoint, "tensors", no_weights)
+    tokens = [f"tok{i}" for i in range(256)]
+    path = tmp_path / "d.gguf"
+    write_gguf(path, "llama", tiny_model("llama"), extra_kv={"add_tokenizer_model": "gpt2", "add_token_list": tokens})
+    monkeypatch.setattr(compat, "draft_metadata", lambda d: (_ for _ in ()).throw(AssertionError("tokenizer built")))
+    with pytest.raises(ValueError, match="does not fit this target: their tokenizers differ"):
+        compat.check_draft_compatible(_Vocab([f"other{i}" for i in range(256)]), 256, str(path))
+    with pytest.raises(ValueError, match="its vocabulary has 256 rows, the target's 300"):
+        compat.check_draft_compatible(_Vocab(tokens), 300, str(path))
+    compat.check_draft_compatible(_Vocab(tokens), 256, str(path))  # fits: no error, no tokenizer built
+    for d in ("ngram", "none", "early-exit:3"):
+        compat.check_draft_compatible(_Vocab(tokens), 256, d)
+    with pytest.raises(ValueError, match="does not exist"):
+        compat.check_draft_compatible(_Vocab(tokens), 256, str(tmp_path / "missing.gguf"))
+    with pytest.raises(ValueError, match="unknown model"):
+        compat.check_draft_compatible(_Vocab(tokens), 256, "no-such-draft")
+
+
+def test_incompatible_hf_draft_is_refused_before_its_weights(tmp_path, monkeypatch):
+    from forerun.models import compat
+    from forerun.models.loader import Checkpoint
+
+    monkeypatch.setattr(Checkpoint, "tensors", lambda *a, **k: (_ for _ in ()).throw(AssertionError("weights read")))
+    d = save(tiny_model("llama"), tmp_path / "draft")
+    _word_tokenizer(200).save_pretrained(d)
+    target_tok = _word_tokenizer(200)
+    compat.check_draft_compatible(target_tok, 256, str(d))
+    with pytest.raises(ValueError, match="its vocabulary has 256 rows, the target's 512"):
+        compat.check_draft_compatible(target_tok, 512, str(d))
+    with pytest.raises(ValueError, match="their tokenizers differ"):
+        compat.check_draft_compatible(_word_tokenizer(150), 256, str(d))
+
+
+def test_default_draft_fits_the_target():
+    from forerun.models.compat import default_draft_for
+    from forerun.models.hub import model_path
+
+    assert default_draft_for("qwen2.5-coder-1.5b-instruct") == "qwen2.5-coder-0.5b-instruct"
+    assert default_draft_for(str(model_path("qwen2.5-coder-1.5b-instruct"))) == "qwen2.5-coder-0.5b-instruct"
+    assert default_draft_for("smollm2-135m-instruct") == "ngram"  # no known draft shares its tokenizer
+    assert default_draft_for("/somewhere/else.gguf") == "ngram"
+
+
+def test_real_pairs_compat_without_loading(monkeypatch):
+    """The real models: the Qwen pair fits, SmolLM2 with the Qwen draft does not; no weight is read."""
+    from forerun.models.compat import check_draft_compatible, read_gguf_vocab
+
+    monkeypatch.setattr(Checkpoint, "tensors", lambda *a, **k: (_ for _ in ()).throw(AssertionError("weights read")))
+
+    paths = {n: _cached(n) for n in (SMOL, QWEN_DRAFT, "qwen2.5-coder-1.5b-instruct")}
+    if any(p is None for p in paths.values()):
+        pytest.skip("real models not pulled")
+    smol_tokens, smol_rows = read_gguf_vocab(paths[SMOL])
+    with pytest.raises(ValueError, match="does not fit this target"):
+        check_draft_compatible(_Vocab(smol_tokens), smol_rows, QWEN_DRAFT)
+    q_tokens, q_rows = read_gguf_vocab(paths["qwen2.5-coder-1.5b-instruct"])
+    check_draft_compatible(_Vocab(q_tokens), q_rows, QWEN_DRAFT)

@@ -148,3 +148,38 @@ def test_all_zero_draft_distribution_names_the_request():
         verify_chain(**dict(b, draft_probs=None))
     with pytest.raises(ValueError, match="rule must be one of"):
         verify_chain(**b, rule="nope")
+
+
+def test_draft_probs_that_do_not_sum_to_one_are_refused():
+    """0.99 * q passed as q raises every acceptance probability: refused, naming the row and request (issue 10: 12).
+    Rows without a draft (the last row of each request) are not checked: they carry no q."""
+    b = random_chain_batch(torch.Generator().manual_seed(15), num_req=6)
+    b["sampling"].temperature[:] = 1.0
+    verify_chain(**b)  # normalised: fine
+    rows = (b["draft_token_ids"] >= 0).nonzero().squeeze(1)
+    row = int(rows[len(rows) // 2])
+    scaled = b["draft_probs"].clone()
+    scaled[row] *= 0.99
+    with pytest.raises(ValueError, match=rf"draft_probs row {row} \(request \d+\) sums to 0.99.*not 1"):
+        verify_chain(**dict(b, draft_probs=scaled))
+    last = b["first_token_positions"] + b["seqlens_q"] - 1  # no draft on these rows: anything goes
+    loose = b["draft_probs"].clone()
+    loose[last] *= 0.5
+    verify_chain(**dict(b, draft_probs=loose))
+
+
+def test_build_row_to_req_is_exported_and_matches_the_result():
+    from forerun.verify import build_row_to_req
+
+    ftp, seqlens = torch.tensor([0, 4]), torch.tensor([4, 1])
+    assert build_row_to_req(ftp, seqlens).tolist() == [0, 0, 0, 0, 1]
+    b = random_chain_batch(torch.Generator().manual_seed(16), num_req=7)  # shuffled row blocks
+    r = verify_chain(**b)
+    assert torch.equal(build_row_to_req(b["first_token_positions"], b["seqlens_q"]), r.row_to_req)
+    # and it builds draft_probs with each request's settings, as the docs show
+    rtr = build_row_to_req(b["first_token_positions"], b["seqlens_q"])
+    logits = torch.randn(len(rtr), 12)
+    want = torch.stack([b["sampling"].probs(logits[i:i + 1], rtr[i:i + 1])[0] for i in range(len(rtr))])
+    assert torch.allclose(b["sampling"].probs(logits, rtr), want)
+    with pytest.raises(ValueError, match="same length"):
+        build_row_to_req(torch.tensor([0, 1]), torch.tensor([1]))

@@ -146,3 +146,24 @@ def test_bad_trees_and_logits_raise():
     with pytest.raises(ValueError, match=r"draft_probs row 0 \(request 0\)"):
         verify_tree(torch.zeros(3, 4), torch.zeros(3, dtype=torch.long), torch.tensor([-1, 0, 0]), torch.tensor([0]),
                     torch.tensor([3]), s, u, rule="exact", draft_probs=torch.zeros(3, 4))
+
+
+def test_verify_tree_and_verify_chain_share_the_default_rule():
+    """Both default to "auto" (issue 10: 12): a sampled request passed without a rule is verified exactly,
+    not silently greedily; without draft_probs it is an error, as in verify_chain."""
+    import inspect
+
+    from forerun.verify import verify_chain
+
+    assert inspect.signature(verify_tree).parameters["rule"].default == "auto"
+    assert inspect.signature(verify_chain).parameters["rule"].default == "auto"
+    b = random_tree_batch(torch.Generator().manual_seed(22))
+    b["sampling"].temperature[:] = 1.0
+    default, auto = verify_tree(**b), verify_tree(**b, rule="auto")
+    assert emitted(default) == emitted(auto) and emitted(default) != emitted(verify_tree(**b, rule="greedy"))
+    with pytest.raises(ValueError, match="needs draft_probs"):
+        verify_tree(**dict(b, draft_probs=None))
+    scaled = b["draft_probs"].clone()
+    scaled *= 0.99
+    with pytest.raises(ValueError, match="sums to 0.99"):
+        verify_tree(**dict(b, draft_probs=scaled))

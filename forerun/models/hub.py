@@ -459,15 +459,26 @@ def verify(name: str, cache_dir: str | Path | None = None, progress: bool = True
 # ---------------------------------------------------------------- CLI entry points
 
 
+def _argument_parser(**kw) -> argparse.ArgumentParser:
+    """forerun's parser: a usage error is one line (forerun.cli turns it into exit code 2)."""
+    from forerun.cli import ArgumentParser
+
+    return ArgumentParser(**kw)
+
+
 def main_pull(argv: Sequence[str] | None = None) -> int:
     """``forerun models pull NAME... [--cache-dir DIR] [--force] [--quiet]``; prints each path. Returns an exit code."""
-    ap = argparse.ArgumentParser(prog="forerun models pull", description="Download and verify model weights.")
+    ap = _argument_parser(prog="forerun models pull", description="Download and verify model weights.")
     ap.add_argument("names", nargs="+", metavar="NAME", help=f"model name(s) or 'all': {', '.join(known_models())}")
     ap.add_argument("--cache-dir", default=None, help=f"cache root (default {cache_dir()})")
     ap.add_argument("--force", action="store_true", help="download again even if cached")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
     names = known_models() if args.names == ["all"] else args.names
+    for name in names:  # every name checked before anything is downloaded
+        if name not in known_models():
+            print(f"forerun: error: {UnknownModelError(name, known_models())}", file=sys.stderr)
+            return 2
     for name in names:
         t0 = time.perf_counter()
         try:
@@ -483,7 +494,7 @@ def main_pull(argv: Sequence[str] | None = None) -> int:
 def main_list(argv: Sequence[str] | None = None) -> int:
     """``forerun models list``: known models, whether cached, and where. "cached" means the size and mtime
     match the file that was verified; only ``forerun models verify`` rehashes the content."""
-    argparse.ArgumentParser(prog="forerun models list", description="List known models.").parse_args(argv)
+    _argument_parser(prog="forerun models list", description="List known models.").parse_args(argv)
     for src in REGISTRY:
         path = _models_dir(None) / src.filename
         state = "cached" if _marker_ok(path, src.sha256) else ("unverified" if path.exists() else "not pulled")
@@ -495,13 +506,15 @@ def main_list(argv: Sequence[str] | None = None) -> int:
 def main_verify(argv: Sequence[str] | None = None) -> int:
     """``forerun models verify [NAME...] [--cache-dir DIR] [--quiet]``: full sha256 of each cached model
     (default: every known model that is pulled). Exit code 0 when all match, 1 when one does not."""
-    ap = argparse.ArgumentParser(prog="forerun models verify", description="Rehash cached models in full.")
+    ap = _argument_parser(prog="forerun models verify", description="Rehash cached models in full.")
     ap.add_argument("names", nargs="*", metavar="NAME", help=f"model name(s) (default: all pulled): {', '.join(known_models())}")
     ap.add_argument("--cache-dir", default=None, help=f"cache root (default {cache_dir()})")
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
     args = ap.parse_args(argv)
-    for name in args.names:
-        get_source(name)  # UnknownModelError before any hashing
+    for name in args.names:  # every name checked before any hashing
+        if name not in known_models():
+            print(f"forerun: error: {UnknownModelError(name, known_models())}", file=sys.stderr)
+            return 2
     names = args.names or known_models()
     bad = 0
     for name in names:
@@ -521,4 +534,6 @@ def main_verify(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # python -m forerun.models.hub NAME...
-    raise SystemExit(main_pull())
+    from forerun.cli import main as _cli_main
+
+    raise SystemExit(_cli_main(["models", "pull", *sys.argv[1:]]))

@@ -208,16 +208,16 @@ def load_tokenizer(path: str | Path):
 
 
 def check_tokenizer_fits(tok, vocab_size: int, where: str = "") -> None:
-    """Every token id the tokenizer can produce must index the model's embedding ([vocab_size, hidden]);
-    a larger tokenizer belongs to another model (its ids would index past the table or mean other text).
-    An embedding padded beyond the tokenizer (Qwen2.5: 151936 rows, 151665 tokens) is fine."""
-    ids = tok.get_vocab().values()
-    top = max(ids, default=-1)
-    if top >= vocab_size or len(tok) > vocab_size:
+    """The tokenizer's vocabulary must index the model's embedding ([vocab_size, hidden]); a larger one
+    belongs to another model (its ids would index past the table or mean other text). An embedding padded
+    beyond the tokenizer (Qwen2.5: 151936 rows, 151665 tokens) is fine. Special tokens that transformers
+    adds on its own beyond the files (Qwen2Tokenizer's pad '<|endoftext|>') are not counted: a prompt
+    that uses one past the table is refused by the engine's token-id range check."""
+    base = getattr(tok, "vocab_size", None) or len(tok)
+    if base > vocab_size:
         raise ValueError(
-            f"{where + ': ' if where else ''}tokenizer does not fit the model: it has {len(tok)} tokens "
-            f"(largest id {top}) but the model's embedding has {vocab_size} rows; "
-            "use the tokenizer that belongs to this model"
+            f"{where + ': ' if where else ''}tokenizer does not fit the model: its vocabulary has {base} tokens "
+            f"but the model's embedding has {vocab_size} rows; use the tokenizer that belongs to this model"
         )
 
 

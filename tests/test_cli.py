@@ -1,0 +1,186 @@
+"""The command line: one-line errors, exit code 2 for usage errors, nothing loaded before the checks (issue 10: 8-11)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+
+from forerun import cli
+from forerun.config import SpecConfig
+from forerun.models import hub
+
+
+def run(args, capsys):
+    """forerun.cli.main in-process -> (exit code, stdout, stderr); a SystemExit counts as its code."""
+    try:
+        rc = cli.main(list(args))
+    except SystemExit as e:  # pragma: no cover - main returns codes; kept so a regression shows as a failure
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fail the test if anything tries to load weights or download."""
+    import forerun.models.registry as registry
+    from forerun.models.loader import Checkpoint
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded or downloaded before the command line was checked")
+
+    monkeypatch.setattr(registry, "load_model", boom)
+    monkeypatch.setattr(registry, "build_model", boom)
+    monkeypatch.setattr(Checkpoint, "tensors", boom)
+    monkeypatch.setattr(hub, "pip_download", boom)
+
+
+USAGE = [
+    (["generate", "hi", "--max-tokens", "0"], "--max-tokens must be in [1,"),
+    (["generate", "hi", "--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    (["generate", "hi", "--k", "-1"], "--k must be a non-negative integer or 'auto'"),
+    (["generate", "hi", "--k", "x"], "--k must be a non-negative integer or 'auto'"),
+    (["generate", "hi", "--tree", "a,b"], "--tree must be comma-separated positive integers"),
+    (["generate", "hi", "--tree", "2,0"], "--tree must be comma-separated positive integers"),
+    (["generate", "hi", "--confidence", "1.5"], "--confidence must be in [0, 1)"),
+    (["generate", "hi", "--model", "no-such-model"], "unknown model 'no-such-model'; known models:"),
+    (["generate", "hi", "--model", "./nowhere/model.gguf"], "unknown model path './nowhere/model.gguf'"),
+    (["generate", "hi", "--draft", "no-such-draft"], "unknown draft model 'no-such-draft'"),
+    (["generate", "hi", "--top-k", str(2**70)], "--top-k must be in [-1,"),
+    (["generate", "hi", "--seed", str(2**64)], "--seed must be in"),
+    (["generate", "hi", "--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["generate", "hi", "--seed", "x"], "argument --seed: invalid int value: 'x'"),
+    (["generate", "hi", "--rule", "fast"], "argument --rule: invalid choice: 'fast'"),
+    (["generate", "hi", "--threads", "-2"], "--threads must be >= 0"),
+    (["generate", "hi", "--device", "warp9"], "--device 'warp9'"),
+    (["generate", ""], "a prompt is empty"),
+    (["generate"], "the following arguments are required: prompt"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["models"], "required: mcmd"),
+    (["models", "pull", "no-such-model"], "unknown model 'no-such-model'"),
+    (["models", "verify", "no-such-model"], "unknown model 'no-such-model'"),
+    (["models", "pull"], "the following arguments are required: NAME"),
+    # flags that would do nothing in the chosen mode (issue 10: 10)
+    (["generate", "hi", "--draft", "ngram", "--tree", "2,2"], "--tree works with a draft model only"),
+    (["generate", "hi", "--draft", "early-exit:4", "--tree", "2"], "--tree works with a draft model only"),
+    (["generate", "hi", "--tree", "2,2", "--rule", "greedy"], "--rule greedy does nothing with --tree"),
+    (["generate", "hi", "--tree", "2,2", "--confidence", "0.3"], "--confidence does nothing with --tree"),
+    (["generate", "hi", "--tree", "2,2", "--k", "3"], "--k does nothing with --tree"),
+    (["generate", "hi", "--rule", "greedy", "--temperature", "0.8"], "rule 'greedy' decodes greedily"),
+    (["generate", "hi", "--draft", "ngram", "--confidence", "0.5"], "--confidence does nothing with --draft ngram"),
+    (["generate", "hi", "--draft", "none", "--k", "3"], "--k does nothing with --draft none"),
+    (["generate", "hi", "--draft", "none", "--tree", "2"], "need(s) a drafter"),
+    (["generate", "hi", "--draft", "none", "--compare-plain"], "--compare-plain does nothing with --draft none"),
+    (["generate", "hi", "--draft", "early-exit:x"], "early-exit:N needs a positive layer count"),
+    (["generate", "hi", "--model", "smollm2-135m-instruct", "--tree", "2,2"], "no known compatible draft"),
+]
+
+
+@pytest.mark.parametrize("args, message", USAGE, ids=[" ".join(a)[:60] for a, _ in USAGE])
+def test_usage_errors_are_one_line_with_exit_code_2(args, message, capsys, no_loading):
+    rc, out, err = run(args, capsys)
+    assert rc == 2, (rc, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("forerun: error: "), err
+    assert message in lines[0]
+    assert "Traceback" not in err and out == ""
+
+
+def test_debug_shows_the_traceback(capsys, no_loading):
+    with pytest.raises(cli.UsageError, match="unknown model"):
+        cli.main(["--debug", "generate", "hi", "--model", "no-such-model"])
+    with pytest.raises(cli.UsageError):
+        cli.main(["generate", "hi", "--max-tokens", "0", "--debug"])
+
+
+def test_failures_while_running_are_one_line_with_exit_code_1(capsys, monkeypatch):
+    def fail(a):
+        raise RuntimeError("out of something\nsecond line")
+
+    monkeypatch.setattr(cli, "cmd_generate", fail)
+    rc, _, err = run(["generate", "hi"], capsys)
+    assert rc == 1 and err.strip() == ("forerun: error: RuntimeError: out of something | second line "
+                                       "(run with --debug for the traceback)")
+    with pytest.raises(RuntimeError):
+        cli.main(["generate", "hi", "--debug"])
+
+
+def test_the_installed_command_prints_no_traceback():
+    """As a user runs it: a real process, stderr one line, exit code 2, before any model loads."""
+    proc = subprocess.run([sys.executable, "-m", "forerun.cli", "generate", "hi", "--k", "x"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert [ln for ln in proc.stderr.splitlines() if ln.strip()] == [
+        "forerun: error: --k must be a non-negative integer or 'auto', got 'x'"]
+
+
+# ---------------------------------------------------------------- the default draft fits the target (issue 10: 9)
+
+
+def _checked(args):
+    a = cli.build_parser().parse_args(["generate", "hi", *args])
+    return cli._check_generate(a)
+
+
+def test_default_draft_is_ngram_for_a_model_without_a_known_draft(no_loading):
+    spec, _ = _checked(["--model", "smollm2-135m-instruct"])
+    assert spec.method == "ngram" and spec.adaptive
+
+
+def test_default_draft_for_the_default_model_is_its_known_draft(monkeypatch, no_loading):
+    pairs = []
+    monkeypatch.setattr(cli, "_check_pair", lambda m, d: pairs.append((m, d)))
+    spec, _ = _checked([])
+    assert spec.method == "draft" and spec.draft_model == "qwen2.5-coder-0.5b-instruct"
+    assert pairs == [("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")]  # checked before any load
+
+
+def test_incompatible_draft_is_refused_before_any_weights(capsys, no_loading, monkeypatch):
+    """The issue's reproduction: SmolLM2 target with the Qwen draft used to load the 0.5B model (40 s,
+    6.7 GB) and then fail; now the headers decide, nothing loads. Needs the pulled files (no download)."""
+    for name in ("smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"):
+        if not hub.is_cached(name):
+            pytest.skip(f"{name} not pulled")
+    monkeypatch.setattr(hub, "_verified_on_load", lambda *a: True)
+    rc, _, err = run(["generate", "hi", "--model", "smollm2-135m-instruct", "--draft", "qwen2.5-coder-0.5b-instruct"],
+                     capsys)
+    assert rc == 2 and "does not fit this target: their tokenizers differ" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- stats name the tree (issue 10: 11)
+
+
+def test_stats_label_names_the_tree_shape():
+    tree = SpecConfig(method="draft", draft_model="m", tree=(2, 2, 1))
+    assert cli.spec_label(tree) == "speculative (draft, tree 2x2x1 (10 nodes))"
+    assert "k=auto" not in cli.spec_label(tree)
+    assert cli.spec_label(SpecConfig(method="ngram", k=3)) == "speculative (ngram, k=3)"
+    assert cli.spec_label(SpecConfig(method="ngram", adaptive=True)) == "speculative (ngram, k=auto (adaptive, k_max 8))"
+    assert cli.spec_label(SpecConfig()) == "plain"
+
+
+# ---------------------------------------------------------------- subcommands with their own parsers
+
+
+def test_serve_is_dispatched_lazily(monkeypatch):
+    seen = []
+    fake = types.ModuleType("forerun.server.cli")
+    fake.main = lambda argv: seen.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "forerun.server.cli", fake)
+    assert cli.main(["serve", "smollm2-135m-instruct", "--port", "0"]) == 0
+    assert seen == [["smollm2-135m-instruct", "--port", "0"]]
+
+
+def test_models_verify_is_a_subcommand(monkeypatch):
+    seen = []
+    monkeypatch.setattr(hub, "main_verify", lambda argv: seen.append(argv) or 0)
+    assert cli.main(["models", "verify", "smollm2-135m-instruct"]) == 0
+    assert seen == [["smollm2-135m-instruct"]]
+
+
+def test_help_exits_0(capsys):
+    rc, out, _ = run(["generate", "--help"], capsys)
+    assert rc == 0 and "--draft" in out and "--debug" in out

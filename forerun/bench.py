@@ -40,7 +40,7 @@ def run_forerun(args, prompts) -> tuple[list[dict], dict]:
     t = time.perf_counter()
     target = load_model(args.model)
     from .config import SpecConfig
-    from .engine.llm import draft_dtype
+    from .engine.engine import draft_dtype
 
     ddtype = draft_dtype(SpecConfig(), torch.device("cpu"), torch.float32)
     draft = load_model(args.draft, dtype=ddtype) if "draft" in args.drafters else None

@@ -14,6 +14,8 @@ from .stats import RequestStats
 class FinishReason(str, Enum):
     STOP = "stop"  # a stop token or stop string
     LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # aborted by the caller (Engine.abort, a closed stream, a client that went away)
+    ERROR = "error"  # this request alone failed (Request.error says why); the others carry on
 
 
 @dataclass
@@ -33,6 +35,13 @@ class Request:
     finish_reason: FinishReason | None = None
     stats: RequestStats = field(default_factory=RequestStats)
     detokenizer: IncrementalDetokenizer | None = None  # keeps `text` up to date token by token
+    external_id: str = ""  # the caller's request id (Engine.add_request)
+    coupled: bool = False  # seeded sampling through the position-keyed Gumbel coupling (engine/sampler.py)
+    error: str | None = None  # why it finished with FinishReason.ERROR
+    num_preemptions: int = 0  # times its KV blocks were taken back (it re-prefills prompt + output)
+    arrival: float = 0.0  # time.monotonic() at add_request
+    sent_tokens: int = 0  # output tokens already reported in a delta
+    sent_text: int = 0  # characters of `text` already reported in a delta
 
     @property
     def all_tokens(self) -> list[int]:

@@ -430,7 +430,7 @@ def test_engine_overlapped_decoding_on_cuda_equals_rounds(dtype):
     sys.path.insert(0, os.path.dirname(__file__))
     from tiny import hf_model, sharpen, tiny_tokenizer
 
-    import forerun.engine.llm as llm_module
+    import forerun.engine.engine as llm_module
     from forerun.engine.llm import LLM
     from forerun.sampling_params import SamplingParams
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-import forerun.engine.llm as llm_module
+import forerun.engine.engine as llm_module
 from forerun.runtime.cuda_graph import GraphRunner
 from forerun.sampling_params import SamplingParams
 from tiny import hf_model, sharpen, tiny_llm
@@ -26,7 +26,7 @@ def make(overlap: bool, **kw):
 def freeze_costs(llm):
     """Adaptive k weighs acceptance against measured (wall-clock) costs; fixed costs make its choices, and so
     the coins drawn, depend on the tokens only, as the comparisons between runs here need."""
-    cost = llm.scheduler.cost
+    cost = llm.engine.k_policy.cost
     cost.record_target = cost.record_draft_step = lambda *args: None
     for tokens in (2, 5):
         cost.target_obs.append((tokens, 0.01 + 0.001 * tokens))

@@ -10,7 +10,7 @@ from forerun.config import SpecConfig
 from forerun.drafters.ngram import ngram_propose
 from forerun.runtime.runner import Chunk
 from forerun.engine.k_policy import AcceptanceEstimate, CostModel, choose_k
-from forerun.engine.spec_step import speculative_round
+from forerun.engine.round import RoundItem
 from forerun.sampling_params import SamplingParams
 from tiny import hf_model, ours_from_hf, sharpen, tiny_llm, tiny_tokenizer
 
@@ -52,12 +52,13 @@ def test_greedy_speculative_is_token_identical_to_plain(arch):
 
 
 def _manual_rounds(target_hf, spec, prompt, rounds, ks):
-    """Drive speculative_round directly and check the caches against a fresh prefill after every round."""
+    """Drive the engine's chain round directly and check the caches against a fresh prefill after every round."""
     llm = tiny_llm(target_hf, spec=spec)
     (req,) = llm._requests([prompt], GREEDY, False)
     llm.runner.kv.add_sequence(req.req_id)
     for i in range(rounds):
-        res = speculative_round(llm.runner, llm.drafter, [req], [ks[i % len(ks)]])
+        feed = req.num_tokens - llm.runner.kv.length(req.req_id)
+        res = llm.engine.round.run([RoundItem(req, feed, True, ks[i % len(ks)])])
         req.output_token_ids.extend(res.emitted[0])
         kv = llm.runner.kv
         committed = req.all_tokens[:-1]
@@ -275,8 +276,6 @@ def test_tree_greedy_identical_to_plain(tree):
 
 def test_tree_round_keeps_the_cache_exact():
     """After each tree round the target cache equals a fresh prefill of the committed tokens (path compaction)."""
-    from forerun.engine.tree_step import tree_round
-
     target = sharpen(hf_model("llama"), 3.0)
     other = sharpen(hf_model("llama"), 3.0)  # a noisy copy of the target: it agrees often, not always first
     with torch.no_grad():
@@ -287,7 +286,8 @@ def test_tree_round_keeps_the_cache_exact():
     llm.runner.kv.add_sequence(req.req_id)
     accepted = []
     for _ in range(8):
-        res = tree_round(llm.runner, llm.drafter, [req])
+        feed = req.num_tokens - llm.runner.kv.length(req.req_id)
+        res = llm.engine.round.run([RoundItem(req, feed, True, llm.spec.max_draft_tokens)])
         req.output_token_ids.extend(res.emitted[0])
         accepted.append(res.num_accepted[0])
         kv, committed = llm.runner.kv, req.all_tokens[:-1]

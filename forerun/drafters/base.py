@@ -46,6 +46,19 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, requests: list[Request], ks: list[int]) -> DraftProposal: ...
 
+    @property
+    def kv(self):
+        """The drafter's own KV pool (None: no cache, or it shares the target's). The scheduler counts its blocks."""
+        return None
+
+    def blocks_needed(self, request: Request, tokens: int) -> int:
+        """More blocks of its own pool the request needs to hold `tokens` tokens (0 without an own pool)."""
+        return 0
+
+    def feed(self, requests: list[Request], upto: list[int]) -> None:
+        """Let the cache hold at least the first upto[i] committed tokens of requests[i] (chunked prefill: the
+        round passes the target's prefill chunks on, so no long catch-up is left for the first draft)."""
+
     def rollback(self, request: Request, valid_len: int) -> None:
         """Forget every cached position >= valid_len (the committed prefix that the target also holds)."""
 

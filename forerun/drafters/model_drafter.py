@@ -14,8 +14,9 @@ import time
 
 import torch
 
-from ..runtime.runner import Chunk, ModelRunner
 from ..request import Request
+from ..runtime.runner import Chunk, ModelRunner
+from ..verify.coupling import coupled_scores, keys_for
 from ..verify.probs import SamplingTensors, logits_to_probs, sample_from_probs
 from .base import DraftProposal, Drafter
 
@@ -31,13 +32,47 @@ class ModelDrafter(Drafter):
         if not self.runner.kv.has(r.req_id):
             self.runner.kv.add_sequence(r.req_id)
 
+    @property
+    def kv(self):
+        return None if self.shares_target_cache else self.runner.kv
+
+    def blocks_needed(self, request: Request, tokens: int) -> int:
+        if self.shares_target_cache:
+            return 0
+        kv = self.runner.kv
+        have = len(kv.blocks(request.req_id)) if kv.has(request.req_id) else 0
+        return max(0, -(-tokens // kv.block_size) - have)
+
+    def feed(self, requests: list[Request], upto: list[int]) -> None:
+        """Chunked catch-up: forwards of at most the runner's token budget, no logits."""
+        if self.shares_target_cache:
+            return
+        kv, budget = self.runner.kv, self.runner.buffers.max_tokens
+        todo = []
+        for r, n in zip(requests, upto):
+            self._ensure(r)
+            if kv.length(r.req_id) < n:
+                todo.append((r, n))
+        while todo:
+            chunks, left, rest = [], budget, []
+            for r, n in todo:
+                have = kv.length(r.req_id)
+                take = min(n - have, left)
+                if take > 0 and len(chunks) < self.runner.buffers.max_seqs:
+                    chunks.append(Chunk(r.req_id, r.all_tokens[have: have + take], logits="none"))
+                    left -= take
+                if have + max(take, 0) < n:
+                    rest.append((r, n))
+            self.runner.forward(chunks, num_layers=self.num_layers)
+            todo = rest
+
     def propose(self, requests: list[Request], ks: list[int]) -> DraftProposal:
         kv = self.runner.kv
         tokens: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = [i for i, k in enumerate(ks) if k > 0]
-        for r in (requests[i] for i in active):
-            self._ensure(r)
+        # long catch-ups (a prompt the draft has not seen) first, in budget-sized forwards
+        self.feed([requests[i] for i in active], [requests[i].num_tokens - 1 for i in active])
         start_len = {requests[i].req_id: kv.length(requests[i].req_id) for i in active}
         step, step_times = 0, []
         while active:
@@ -53,7 +88,13 @@ class ModelDrafter(Drafter):
             q = logits_to_probs(out.logits, st.temperature, st.top_k, st.top_p, st.min_p)  # [A, V]
             u = torch.stack([torch.rand((), generator=r.generator) for r in group]).to(q.device)
             greedy = torch.tensor([r.params.temperature == 0 for r in group], device=q.device)
-            picked = torch.where(greedy, q.argmax(-1), sample_from_probs(q, u)).tolist()
+            picked = torch.where(greedy, q.argmax(-1), sample_from_probs(q, u))
+            for row, i in enumerate(active):  # coupled (seeded) requests: argmax of log q + g(seed, position)
+                r = requests[i]
+                if r.coupled:
+                    keys = keys_for(r.params.seed, r.num_tokens + len(tokens[i]), 1, q.device)
+                    picked[row] = coupled_scores(q[row: row + 1], keys).argmax(-1)[0]
+            picked = picked.tolist()
             # confidence: the draft's top probability (of softmax(logits) for greedy rows, whose q is one-hot)
             top = torch.where(greedy, torch.softmax(out.logits, -1).max(-1).values, q.max(-1).values).tolist() \
                 if self.confidence_threshold > 0 else [1.0] * len(group)

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..runtime.runner import Chunk, ModelRunner
 from ..request import Request
+from ..runtime.runner import Chunk, ModelRunner
+from ..verify.coupling import coupled_scores, keys_for
 from ..verify.probs import SamplingTensors, logits_to_probs, sample_from_probs
+from .base import TreeProposal
 from .model_drafter import ModelDrafter
 
 
@@ -62,19 +64,9 @@ class TreeShape:
         return out
 
 
-@dataclass(frozen=True)
-class TreeProposal:
-    """Per request: tokens [n] (node 0 = the root, the last committed token) and q [n, V] (row i: the draft
-    distribution node i's children were drawn from; zeros for leaves)."""
-
-    tokens: list[list[int]]
-    probs: list[torch.Tensor]
-    step_seconds: float | None = None
-
-
 class TreeDrafter(ModelDrafter):
     """A draft model with its own cache (rollback / release / cached_length as ModelDrafter's); the tree
-    round calls propose_tree, a chain round could still call propose."""
+    round calls propose_tree, a chain round could still call propose. Every request gets the same fixed shape."""
 
     name = "draft-tree"
 
@@ -87,9 +79,7 @@ class TreeDrafter(ModelDrafter):
         n = shape.num_nodes
         tokens = [[r.all_tokens[-1]] + [0] * (n - 1) for r in requests]
         probs: list[torch.Tensor | None] = [None] * len(requests)
-        for r in requests:
-            if not kv.has(r.req_id):
-                kv.add_sequence(r.req_id)
+        self.feed(requests, [r.num_tokens - 1 for r in requests])  # catch-up in budget-sized forwards
         root_pos = [r.num_tokens - 1 for r in requests]
         st = SamplingTensors.from_params([r.params for r in requests], self.runner.device)
         greedy = [r.params.temperature == 0 for r in requests]
@@ -112,7 +102,10 @@ class TreeDrafter(ModelDrafter):
                 if probs[i] is None:
                     probs[i] = torch.zeros(n, v, device=q.device)
                 qi = q[i * rows:(i + 1) * rows]  # [rows, V]
-                if greedy[i]:
+                if r.coupled:  # seeded: top-b of log q + g(seed, position of the children)
+                    keys = keys_for(r.params.seed, r.num_tokens + d, 1, q.device).expand(rows)
+                    picked = coupled_scores(qi, keys).topk(children, dim=-1).indices
+                elif greedy[i]:
                     picked = out.logits[i * rows:(i + 1) * rows].topk(children, dim=-1).indices  # distinct tokens
                 else:
                     u = torch.rand(rows, children, generator=r.generator).to(q.device)
@@ -121,4 +114,4 @@ class TreeDrafter(ModelDrafter):
                     probs[i][node] = qi[a]
                     for c in range(children):
                         tokens[i][shape.levels[d + 1][a * children + c]] = int(picked[a, c])
-        return TreeProposal(tokens, probs)
+        return TreeProposal(tokens, [list(shape.parents)] * len(requests), probs)

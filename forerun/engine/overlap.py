@@ -28,7 +28,7 @@ import torch
 from ..request import Request
 from ..verify import SamplingTensors, verify_chain
 from ..runtime.runner import ModelRunner
-from .spec_step import temperature_only
+from .sampler import temperature_only
 
 
 def overlap_applies(runner: ModelRunner, requests: list[Request], limit: int, rule: str) -> bool:
@@ -37,7 +37,7 @@ def overlap_applies(runner: ModelRunner, requests: list[Request], limit: int, ru
     gr, kv = runner.graphs, runner.kv
     if gr is None or not requests or gr.bucket(len(requests)) is None or rule != "auto":
         return False
-    if not temperature_only(requests):
+    if not temperature_only(requests) or any(r.coupled for r in requests):  # coupled: position-keyed noise
         return False
     return all(kv.length(r.req_id) == r.num_tokens - 1 and r.remaining >= 2 and r.num_tokens + 1 < limit
                for r in requests)
@@ -45,9 +45,11 @@ def overlap_applies(runner: ModelRunner, requests: list[Request], limit: int, ru
 
 def overlapped_decode(runner: ModelRunner, requests: list[Request], limit: int,
                       commit: Callable[[Request, list[int], None], int],
-                      max_steps: int | None = None) -> Generator[int, None, int]:
+                      max_steps: int | None = None, should_stop: Callable[[], bool] | None = None
+                      ) -> Generator[int, None, int]:
     """Decode steps for `requests` with one step in flight; yields tokens committed per step; stops when a
-    request has finished, another step would pass a request's limits, or max_steps steps have run, and returns
+    request has finished, another step would pass a request's limits, max_steps steps have run or should_stop()
+    says so (new arrivals, an abort), and returns
     the number of steps run (each committed for every request still unfinished). On return every unfinished
     request holds the round invariant (its cache has every committed token but the newest)."""
     gr, kv, dev = runner.graphs, runner.kv, runner.device
@@ -110,7 +112,8 @@ def overlapped_decode(runner: ModelRunner, requests: list[Request], limit: int,
     while True:
         ahead = 0 if pending is None else 1  # steps launched but not committed
         room = all(r.remaining - ahead >= 1 and r.num_tokens + ahead < limit for r in requests)
-        step = launch() if room and (max_steps is None or launched < max_steps) else None
+        go = room and (max_steps is None or launched < max_steps) and not (should_stop and should_stop())
+        step = launch() if go else None
         launched += step is not None
         if pending is not None:
             yield commit_step(pending, only_unfinished=False)

@@ -1,0 +1,310 @@
+"""EAGLE drafting: a one-layer head that drafts from the target's hidden states (chains and dynamic trees).
+
+State per request:
+  - the head's own paged KV cache (a ModelRunner over the head); row t pairs token x_{t+1} with the
+    target feature of position t (forerun.models.eagle_head), so with N + 1 committed tokens x_0..x_N
+    the rows 0..N-1 are everything committed can give: the newest token x_N pairs with f_{N-1};
+  - the target features the round handed over (`observe_target`) that the cache has not taken yet.
+
+A proposal first feeds the missing committed rows ("draft extend": SGLang's forward_draft_extend, folded
+into the first draft step), whose last row's output is the distribution of x_{N+1} and the feature for
+the next step; every further step feeds one drafted token with the head's own previous output as its
+feature. Afterwards the cache is cut back to rows 0..N-2: row N-1 (the root) is re-fed next time, so a
+proposal never depends on an output that was not kept, and the cache always holds committed rows only
+(the rollback invariant of every cache: rollback(n) keeps at most n rows).
+
+Trees (EAGLE-2 / SGLang): the root's children are the top-k tokens; each further step expands the
+`topk` nodes of the newest level with the best cumulative log-probability, each by its top-k children,
+for `steps` levels; the `num_nodes - 1` best nodes (ancestor-closed) are kept. Sampled requests draw
+children i.i.d. from the processed draft distribution (with replacement) instead, and are never pruned by
+their own values: how many children a node gets is fixed before they are drawn (top-`topk` frontier nodes
+by score, each `topk` children while the node budget lasts), which is what exact multi-draft verification
+(`verify_tree(rule="exact", draft_scheme="with_replacement")`) needs to stay lossless.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from ..config import CacheConfig
+from ..models.eagle_head import EagleHead, load_eagle_head
+from ..request import Request
+from ..runtime.runner import Chunk, ModelRunner
+from ..verify.probs import SamplingTensors, logits_to_probs, sample_from_probs
+from .base import DraftProposal, Drafter, TreeProposal
+
+
+class EagleDrafter(Drafter):
+    name = "eagle"
+
+    def __init__(self, target: ModelRunner, head: EagleHead | str | Path, *, cache: CacheConfig | None = None,
+                 dtype: torch.dtype | None = None, tree_topk: int = 4, tree_steps: int = 4, tree_nodes: int = 16,
+                 max_seqs: int = 256, max_batch_tokens: int = 8192) -> None:
+        """target: the target's runner (its model supplies embedding, final norm and, for EAGLE-1 heads,
+        the lm_head). head: a loaded EagleHead or a checkpoint folder. cache: the head's KV pool (default
+        sized like a 1-layer slice of the target's). Tree budget: tree_steps levels, tree_topk children per
+        expanded node and frontier width, tree_nodes nodes in all (root included)."""
+        if isinstance(head, (str, Path)):
+            head = load_eagle_head(head, target.model, dtype=dtype or target.dtype, device=target.device)
+        if tree_topk < 1 or tree_steps < 1 or tree_nodes < 2:
+            raise ValueError(f"EAGLE tree needs topk >= 1, steps >= 1, nodes >= 2 (got {tree_topk}, {tree_steps}, {tree_nodes})")
+        self.head = head.eval()
+        self.target = target
+        self.head_dtype = next(head.parameters()).dtype
+        cache = cache or CacheConfig(block_size=target.kv.block_size,
+                                     num_blocks=max(2, target.kv.num_blocks // 4) + 1)
+        self.cache = ModelRunner(head, cache, target.device, self.head_dtype, max_batch_tokens=max_batch_tokens,
+                                 max_seqs=max_seqs)
+        self.target_hidden_layers = tuple(head.eagle.aux_layers)
+        self.tree_topk, self.tree_steps, self.tree_nodes = tree_topk, tree_steps, tree_nodes
+        self._feats: dict[int, tuple[int, torch.Tensor]] = {}  # req -> (first position, [n, F] features)
+
+    # -- target features -------------------------------------------------------------------------------
+    def observe_target(self, requests: list[Request], states: list[dict[int, torch.Tensor] | None],
+                       starts: list[int]) -> None:
+        with torch.inference_mode():
+            for r, st, s in zip(requests, states, starts):
+                if not st:
+                    continue
+                f = self.head.target_feature(st).to(self.head_dtype)  # [n, F]
+                cur = self._feats.get(r.req_id)
+                if cur is not None and cur[0] <= s <= cur[0] + cur[1].shape[0]:
+                    f = torch.cat([cur[1][: s - cur[0]], f])
+                    s = cur[0]
+                self._feats[r.req_id] = (s, f)
+
+    def _feed_range(self, r: Request) -> tuple[int, int] | None:
+        """Rows [L, N) to feed before drafting (N = newest committed position), or None: features missing."""
+        kv = self.cache.kv
+        if not kv.has(r.req_id):
+            kv.add_sequence(r.req_id)
+        n = r.num_tokens - 1
+        lo = kv.length(r.req_id)
+        have = self._feats.get(r.req_id)
+        if n < 1 or lo >= n or have is None:
+            return None
+        s0, f = have
+        if s0 > lo or s0 + f.shape[0] < n:
+            return None
+        return lo, n
+
+    def _run(self, chunks: list[Chunk], feats: torch.Tensor, from_target: bool):
+        """One head forward over the chunks; returns (outputs [R, H], draft logits [R, Vd])."""
+        step = self.cache.prepare(chunks)
+        with torch.inference_mode():
+            out, logits = self.head(step.input_ids, feats.to(self.cache.device), step.positions, step.meta,
+                                    self.cache.kv, from_target, rows=step.logits_indices)
+        for seq_id, n_len in zip(step.seq_ids, step.new_lens):
+            self.cache.kv.set_length(seq_id, n_len)
+        return out, logits
+
+    def _extend(self, reqs: list[Request], ranges: list[tuple[int, int]]):
+        """Feed the committed rows each request misses; (root outputs [R, H], root draft logits [R, Vd])."""
+        chunks, feats = [], []
+        for r, (lo, n) in zip(reqs, ranges):
+            s0, f = self._feats[r.req_id]
+            chunks.append(Chunk(r.req_id, r.all_tokens[lo + 1:n + 1]))
+            feats.append(f[lo - s0:n - s0])
+        return self._run(chunks, torch.cat(feats), from_target=True)
+
+    def _settle(self, reqs: list[Request]) -> None:
+        """Cut the cache back to rows 0..N-2 and drop the features it no longer needs (kept: from N-1)."""
+        for r in reqs:
+            keep = r.num_tokens - 2
+            kv = self.cache.kv
+            if kv.length(r.req_id) > keep:
+                kv.truncate(r.req_id, max(keep, 0))
+            s0, f = self._feats[r.req_id]
+            cut = min(max(keep - s0, 0), f.shape[0])
+            self._feats[r.req_id] = (s0 + cut, f[cut:])
+
+    def _probs(self, reqs: list[Request], draft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(target-vocabulary logits [R, V], processed draft distributions [R, V]) for one row per request."""
+        full = self.head.to_target_vocab(draft_logits)
+        st = SamplingTensors.from_params([r.params for r in reqs], full.device)
+        return full, logits_to_probs(full, st.temperature, st.top_k, st.top_p, st.min_p)
+
+    # -- chains --------------------------------------------------------------------------------------------
+    def propose(self, requests: list[Request], ks: list[int]) -> DraftProposal:
+        tokens: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        active, ranges = [], []
+        for i, (r, k) in enumerate(zip(requests, ks)):
+            rng = self._feed_range(r) if k > 0 else None
+            if rng is not None:
+                active.append(i)
+                ranges.append(rng)
+        if not active:
+            return DraftProposal(tokens, [None] * len(requests))
+        group = [requests[i] for i in active]
+        out, logits = self._extend(group, ranges)
+        step_times = []
+        while True:
+            full, q = self._probs(group, logits)
+            greedy = torch.tensor([r.params.temperature == 0 for r in group], device=q.device)
+            u = torch.stack([torch.rand((), generator=r.generator) for r in group]).to(q.device)
+            picked = torch.where(greedy, full.argmax(-1), sample_from_probs(q, u)).tolist()
+            still = []
+            for row, i in enumerate(active):
+                tokens[i].append(picked[row])
+                probs[i].append(q[row])
+                if len(tokens[i]) < ks[i]:
+                    still.append(row)
+            if not still:
+                break
+            t = time.perf_counter()
+            active = [active[row] for row in still]
+            group = [requests[i] for i in active]
+            sel = torch.tensor(still, device=out.device)
+            out, logits = self._run([Chunk(requests[i].req_id, [tokens[i][-1]]) for i in active], out[sel],
+                                    from_target=False)
+            step_times.append(time.perf_counter() - t)
+        self._settle([requests[i] for i, _ in enumerate(requests) if tokens[i]])
+        return DraftProposal(tokens, [torch.stack(p) if p else None for p in probs],
+                             step_seconds=sum(step_times) / len(step_times) if step_times else None)
+
+    # -- trees ----------------------------------------------------------------------------------------------
+    def propose_tree(self, requests: list[Request]) -> TreeProposal:
+        v = self.head.vocab_size
+        ranges = [self._feed_range(r) for r in requests]
+        live = [i for i, rng in enumerate(ranges) if rng is not None]
+        trees = [_Tree(r.all_tokens[-1]) for r in requests]
+        t_steps = []
+        if live:
+            group = [requests[i] for i in live]
+            out, logits = self._extend(group, [ranges[i] for i in live])
+            self._grow(group, [trees[i] for i in live], [[0] for _ in live], out, logits)
+            for step in range(1, self.tree_steps):
+                t = time.perf_counter()
+                chunks, feats, sel_rows, owners = [], [], [], []
+                for i in live:
+                    tree, r = trees[i], requests[i]
+                    sel = tree.frontier(step, self.tree_topk, r.params.temperature > 0, self.tree_nodes)
+                    if not sel:
+                        continue
+                    nodes = tree.closure(sel)  # non-root ancestors-or-self, by depth: sel last
+                    root = r.num_tokens - 1
+                    chunks.append(Chunk(r.req_id, [tree.tok[j] for j in nodes],
+                                        positions=[root - 1 + tree.depth[j] for j in nodes],
+                                        tree_mask=tree.mask(nodes), logits=len(sel)))
+                    feats.append(torch.stack([tree.hidden[tree.parent[j]] for j in nodes]))
+                    owners.append(i)
+                    sel_rows.append(sel)
+                if not chunks:
+                    break
+                out, logits = self._run(chunks, torch.cat(feats), from_target=False)
+                for i in owners:  # the tree rows are scratch: back to the committed rows
+                    self.cache.kv.truncate(requests[i].req_id, requests[i].num_tokens - 1)
+                self._grow([requests[i] for i in owners], [trees[i] for i in owners], sel_rows, out, logits)
+                t_steps.append(time.perf_counter() - t)
+            self._settle(group)
+        toks, parents, probs = [], [], []
+        for r, tree in zip(requests, trees):
+            keep = tree.keep(self.tree_nodes) if r.params.temperature == 0 else list(range(len(tree.tok)))
+            index = {j: a for a, j in enumerate(keep)}
+            toks.append([tree.tok[j] for j in keep])
+            parents.append([index[tree.parent[j]] if tree.parent[j] >= 0 else -1 for j in keep])
+            rows = torch.zeros(len(keep), v)
+            if r.params.temperature > 0:
+                for a, j in enumerate(keep):
+                    if tree.q.get(j) is not None and any(tree.parent[c] == j for c in keep):
+                        rows[a] = tree.q[j].float().cpu()
+            probs.append(rows)
+        return TreeProposal(toks, parents, probs, step_seconds=sum(t_steps) / len(t_steps) if t_steps else None)
+
+    def _grow(self, reqs: list[Request], trees: list["_Tree"], expanded: list[list[int]], out: torch.Tensor,
+              draft_logits: torch.Tensor) -> None:
+        """Children of the expanded nodes (rows of out / logits in order): top-k (greedy) or i.i.d. draws."""
+        full = self.head.to_target_vocab(draft_logits)  # [rows, V]
+        row_req = [a for a, sel in enumerate(expanded) for _ in sel]
+        st = SamplingTensors.from_params([reqs[a].params for a in row_req], full.device)
+        q = logits_to_probs(full, st.temperature, st.top_k, st.top_p, st.min_p)
+        logp = full.log_softmax(-1)
+        k = min(self.tree_topk, full.shape[-1])
+        top = logp.topk(k, dim=-1)
+        row = 0
+        for a, (r, tree, sel) in enumerate(zip(reqs, trees, expanded)):
+            for node in sel:
+                tree.hidden[node] = out[row]
+                if r.params.temperature == 0:
+                    for tok, lp in zip(top.indices[row].tolist(), top.values[row].tolist()):
+                        tree.add(node, tok, tree.score[node] + lp)
+                else:
+                    m = min(k, self.tree_nodes - len(tree.tok))
+                    if m > 0:
+                        tree.q[node] = q[row]
+                        u = torch.rand(m, generator=r.generator).to(q.device)
+                        drawn = sample_from_probs(q[row].expand(m, -1), u)
+                        lq = q[row][drawn].clamp_min(1e-30).log()
+                        for tok, lp in zip(drawn.tolist(), lq.tolist()):
+                            tree.add(node, tok, tree.score[node] + lp)
+                row += 1
+
+    # -- cache bookkeeping -------------------------------------------------------------------------------
+    def rollback(self, request: Request, valid_len: int) -> None:
+        kv = self.cache.kv
+        if kv.has(request.req_id) and kv.length(request.req_id) > valid_len:
+            kv.truncate(request.req_id, valid_len)
+
+    def release(self, request: Request) -> None:
+        self.cache.kv.free(request.req_id)
+        self._feats.pop(request.req_id, None)
+
+    def cached_length(self, request: Request) -> int | None:
+        kv = self.cache.kv
+        return kv.length(request.req_id) if kv.has(request.req_id) else 0
+
+
+class _Tree:
+    """A request's growing draft tree: node 0 is the root (the newest committed token)."""
+
+    def __init__(self, root_token: int) -> None:
+        self.tok, self.parent, self.depth, self.score = [root_token], [-1], [0], [0.0]
+        self.hidden: dict[int, torch.Tensor] = {}  # node -> head output at its row (its children's feature)
+        self.q: dict[int, torch.Tensor] = {}  # node -> processed draft distribution its children were drawn from
+
+    def add(self, parent: int, token: int, score: float) -> None:
+        self.tok.append(token)
+        self.parent.append(parent)
+        self.depth.append(self.depth[parent] + 1)
+        self.score.append(score)
+
+    def frontier(self, depth: int, width: int, sampled: bool, budget: int) -> list[int]:
+        """The `width` best nodes at `depth` (by cumulative log-probability) to expand next. A sampled tree
+        stops expanding when its node budget is spent (a greedy one is pruned afterwards)."""
+        if sampled and len(self.tok) >= budget:
+            return []
+        level = [j for j, d in enumerate(self.depth) if d == depth]
+        return sorted(sorted(level, key=lambda j: -self.score[j])[:width])
+
+    def closure(self, sel: list[int]) -> list[int]:
+        nodes = set()
+        for j in sel:
+            while j > 0:
+                nodes.add(j)
+                j = self.parent[j]
+        return sorted(nodes, key=lambda j: (self.depth[j], j))
+
+    def mask(self, nodes: list[int]) -> torch.Tensor:
+        """[n, n] bool: row a sees b iff nodes[b] is nodes[a] or one of its ancestors."""
+        pos = {j: a for a, j in enumerate(nodes)}
+        m = torch.zeros(len(nodes), len(nodes), dtype=torch.bool)
+        for a, j in enumerate(nodes):
+            while j > 0:
+                m[a, pos[j]] = True
+                j = self.parent[j]
+        return m
+
+    def keep(self, budget: int) -> list[int]:
+        """SGLang's final selection: the budget - 1 best non-root nodes, ancestor-closed (a parent scores at
+        least its child's score and sorts first on ties), returned breadth first."""
+        order = sorted(range(1, len(self.tok)), key=lambda j: (-self.score[j], self.depth[j], j))
+        kept = {0}
+        for j in order:
+            if len(kept) >= budget:
+                break
+            if self.parent[j] in kept:
+                kept.add(j)
+        return sorted(kept, key=lambda j: (self.depth[j], j))

@@ -1,0 +1,452 @@
+"""Engine: the online engine. Requests join (`add_request`) and leave (`abort`, or finishing) while it runs;
+each `step()` is one scheduler decision and one round, and returns what every request gained.
+
+The path of a request: add_request (tokenize, validate) -> Scheduler.waiting -> admitted when its first
+chunk fits -> prefill chunks -> rounds (ChainRound / TreeRound: propose, one target forward, RoundSampler,
+roll back) -> _commit (stop tokens / strings, max_tokens, context) -> a RequestDelta -> finished: blocks freed.
+Plain decoding on CUDA graphs runs overlapped (engine/overlap.py) while nothing else needs the scheduler.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..config import CacheConfig, SpecConfig
+from ..detokenizer import IncrementalDetokenizer
+from ..drafters.base import Drafter
+from ..drafters.model_drafter import DraftModelDrafter, EarlyExitDrafter
+from ..drafters.ngram import NgramDrafter
+from ..drafters.tree_drafter import TreeDrafter
+from ..models.registry import load_model
+from ..request import FinishReason, Request
+from ..runtime.cuda_graph import enable_cuda_graphs
+from ..runtime.runner import ModelRunner
+from ..sampling_params import SamplingParams
+from ..stats import RequestStats
+from .k_policy import KPolicy
+from .overlap import overlap_applies, overlapped_decode
+from .round import ChainRound, RoundItem, RoundResult, TreeRound
+from .sampler import RoundSampler, is_coupled
+from .scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """What one request gained in one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text: str  # text delta; joined deltas == the final text (text that a stop string could still cut is held back)
+    logprobs: list[dict] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    error: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    stats: RequestStats  # cumulative
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int  # the target pool (block 0, the padding block, not counted)
+    kv_blocks_free: int
+    num_preemptions: int
+    spec_num_drafts: int  # rounds that drafted at least one token (vLLM's num_drafts)
+    spec_num_draft_tokens: int
+    spec_num_accepted_tokens: int
+    spec_accepted_per_pos: list[int]
+
+
+def draft_dtype(spec: SpecConfig, device: torch.device, target_dtype: torch.dtype) -> torch.dtype:
+    """The draft only proposes, so its precision cannot change the output: on a CPU with native bf16
+    (oneDNN packed weights) 'auto' halves its bytes; elsewhere it follows the target."""
+    if spec.draft_dtype != "auto":
+        return getattr(torch, spec.draft_dtype)
+    from ..models.cpu_linear import fast_cpu_bf16
+
+    return torch.bfloat16 if device.type == "cpu" and fast_cpu_bf16() else target_dtype
+
+
+def check_tokenizers_match(target_tok, draft_tok) -> None:
+    """Drafts are token ids: they mean the same text only if both vocabularies agree exactly."""
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if tv != dv:
+        diff = sorted(set(tv.items()) ^ set(dv.items()), key=lambda x: x[1])[:3]
+        raise ValueError(f"draft and target tokenizers differ ({len(tv)} vs {len(dv)} tokens; e.g. {diff}); "
+                         "a draft model must share the target's tokenizer")
+
+
+def stop_holdback(text: str, stops: tuple[str, ...]) -> int:
+    """Characters at the end of `text` that could still grow into a stop string (so must not be shown yet)."""
+    hold = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:n]):
+                hold = n
+                break
+    return hold
+
+
+class Engine:
+    """Not thread-safe by itself: one caller steps it (AsyncEngine's loop thread, or LLM under its lock)."""
+
+    def __init__(self, model: str | None = None, *, spec: SpecConfig | None = None, device: str | None = None,
+                 dtype: torch.dtype | None = None, cache: CacheConfig | None = None, max_num_seqs: int = 64,
+                 max_model_len: int | None = None, max_num_batched_tokens: int = 8192, seed: int = 0,
+                 check_invariants: bool = False, cuda_graphs: bool = True, overlap: bool = True,
+                 _loaded=None) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_model_len is not None and max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 tokens, got {max_model_len}")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.spec = spec or SpecConfig()
+        self.model_name = model or "<in-memory>"
+        target, self.tokenizer, _ = _loaded or load_model(model, self.device, self.dtype, max_model_len)
+        self.model = target
+        self.cache = cache or CacheConfig()
+        self.max_num_seqs, self.check_invariants, self.overlap = max_num_seqs, check_invariants, overlap
+        budget = max(max_num_batched_tokens, self.spec.max_draft_tokens + 2)
+        self.runner = ModelRunner(target, self.cache, self.device, self.dtype, max_seqs=max_num_seqs,
+                                  max_batch_tokens=budget)
+        self.drafter = self._make_drafter()
+        if cuda_graphs and self.device.type == "cuda":
+            for runner in {id(r): r for r in (self.runner, getattr(self.drafter, "runner", None)) if r}.values():
+                enable_cuda_graphs(runner, max_q_len=self.spec.max_draft_tokens + 1)
+        self.k_policy = KPolicy(self.spec)
+        tree = isinstance(self.drafter, TreeDrafter)
+        self.sampler = RoundSampler(self.spec.rule, self._verify_kwargs())
+        round_cls = TreeRound if tree else ChainRound
+        self.round = round_cls(self.runner, self.drafter, self.sampler, timing=self.spec.adaptive)
+        self.scheduler = Scheduler(self.runner.kv, self.drafter, max_num_seqs, budget, self.spec.max_draft_tokens, tree)
+        self.generator = torch.Generator().manual_seed(seed)
+        self._ids = itertools.count()
+        self.requests: dict[str, Request] = {}  # unfinished requests by external id
+        self._overlap = None  # (generator, requests) of an overlapped decoding session in progress
+        self._spec_totals = RequestStats()
+        self._spec_num_drafts = 0
+
+    @classmethod
+    def from_model(cls, model, tokenizer, **kw) -> "Engine":
+        """Wrap an already built model (tests, benchmarks)."""
+        return cls(None, _loaded=(model, tokenizer, None), **kw)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model.max_positions
+
+    def _make_drafter(self) -> Drafter | None:
+        s = self.spec
+        if s.method == "ngram":
+            return NgramDrafter(s.ngram_min, s.ngram_max)
+        if s.method == "early-exit":
+            return EarlyExitDrafter(self.runner, s.early_exit_layers, s.confidence_threshold)
+        if s.method == "draft":
+            ddtype = draft_dtype(s, self.device, self.dtype)
+            if isinstance(s.draft_model, tuple):  # (model, tokenizer) already built
+                dmodel, dtok = s.draft_model
+                ddtype = next(dmodel.parameters()).dtype
+            else:
+                dmodel, dtok, _ = load_model(s.draft_model, self.device, ddtype, self.model.max_positions)
+            check_tokenizers_match(self.tokenizer, dtok)
+            if dmodel.config.vocab_size != self.model.config.vocab_size:
+                raise ValueError(f"draft vocab size {dmodel.config.vocab_size} != target {self.model.config.vocab_size}")
+            runner = ModelRunner(dmodel, self.cache, self.device, ddtype, max_seqs=self.max_num_seqs,
+                                 max_batch_tokens=self.runner.buffers.max_tokens)
+            if s.tree is not None:
+                return TreeDrafter(runner, s.tree)
+            return DraftModelDrafter(runner, confidence_threshold=s.confidence_threshold)
+        return None
+
+    def _verify_kwargs(self) -> dict:
+        s = self.spec
+        if s.rule == "penalty":
+            return {"penalty": s.draft_prob_penalty}
+        if s.rule == "typical":
+            return {"typical_epsilon": s.typical_epsilon, "typical_delta": s.typical_delta}
+        return {}
+
+    # -- requests --------------------------------------------------------------------------------------
+    def make_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None, *,
+                     chat: bool = False) -> Request:
+        """Tokenize and validate one request (raises ValueError, naming it); does not queue it."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        rid = next(self._ids)
+        ext = str(request_id) if request_id is not None else f"req-{rid}"
+        if ext in self.requests:
+            raise ValueError(f"request id {ext!r} is already in use")
+        if isinstance(prompt, str):
+            text = prompt
+            if chat:
+                ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                         add_generation_prompt=True, tokenize=True)
+                ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+            else:
+                ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            text, ids = None, [int(t) for t in prompt]
+        else:
+            raise TypeError(f"request {ext}: a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError(f"request {ext}: empty prompt")
+        vocab = self.model.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"request {ext}: token id out of range [0, {vocab})")
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(f"request {ext}: prompt of {len(ids)} tokens is too long for the context of {limit} "
+                             "(it needs room for at least one new token)")
+        kv = self.runner.kv
+        need = min(len(ids) + params.max_tokens, limit) + self.spec.max_draft_tokens + 1
+        if need > kv.capacity_tokens:
+            raise ValueError(f"request {ext}: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) needs {need} tokens "
+                             f"of KV cache, the pool holds {kv.capacity_tokens}; lower max_tokens or raise the KV "
+                             "memory budget")
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops |= set(self.model.config.eos_token_ids)
+            if self.tokenizer.eos_token_id is not None:
+                stops.add(self.tokenizer.eos_token_id)
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (), generator=self.generator))
+        r = Request(rid, text, ids, params, torch.Generator().manual_seed(seed), frozenset(stops),
+                    detokenizer=IncrementalDetokenizer(self.tokenizer), external_id=ext, arrival=time.monotonic())
+        r.coupled = is_coupled(r, self.spec.rule)
+        return r
+
+    def enqueue(self, r: Request) -> str:
+        if r.external_id in self.requests:
+            raise ValueError(f"request id {r.external_id!r} is already in use")
+        self.requests[r.external_id] = r
+        self.scheduler.add(r)
+        return r.external_id
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None, *,
+                    chat: bool = False) -> str:
+        """Validate and queue a request (a string, or a list of token ids); returns its id."""
+        return self.enqueue(self.make_request(prompt, params, request_id, chat=chat))
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; its KV blocks (target and draft) go back at once (or, in an overlapped decoding
+        session, when that session ends at most two steps later). False if it is unknown or already finished."""
+        r = self.requests.get(str(request_id))
+        if r is None or r.finished:
+            return False
+        r.finish_reason = FinishReason.ABORT
+        if self._overlap is None or r not in self._overlap[1]:
+            self._finish(r)
+        return True
+
+    def _finish(self, r: Request) -> None:
+        self.scheduler.remove(r)
+        self.k_policy.forget(r.req_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self._overlap is not None
+
+    def stats(self) -> EngineStats:
+        kv, t = self.runner.kv, self._spec_totals
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), kv.num_blocks - 1,
+                           kv.num_free_blocks, self.scheduler.num_preemptions, self._spec_num_drafts, t.drafted,
+                           t.accepted, list(t.accepted_at))
+
+    # -- one step ---------------------------------------------------------------------------------------
+    def step(self) -> list["RequestDelta"]:
+        """One scheduler decision and one round (or one overlapped decoding step); returns the deltas."""
+        touched: list[Request] = []
+        if self._overlap is not None:
+            touched = self._overlap_step()
+        elif self.scheduler.has_unfinished():
+            touched = self._round_step()
+        deltas = [d for d in (self._delta(r) for r in touched) if d is not None]
+        for r in touched:
+            if r.finished and self.requests.get(r.external_id) is r and \
+                    (self._overlap is None or r not in self._overlap[1]):
+                del self.requests[r.external_id]
+        return deltas
+
+    def _k_for(self, reqs: list[Request]) -> list[int]:
+        """Drafts per request this round (0 = plain decoding), capped by the room each has left. Trees: the whole
+        tree (its node count) when it fits, else 0."""
+        limit = self.max_model_len
+        if isinstance(self.drafter, TreeDrafter):
+            n, depth = self.spec.max_draft_tokens, len(self.spec.tree)
+            return [n if r.remaining - 1 >= depth and limit - r.num_tokens >= n else 0 for r in reqs]
+        room = [max(0, min(r.remaining - 1, limit - r.num_tokens - 1)) for r in reqs]
+        return self.k_policy.ks([r.req_id for r in reqs], room)
+
+    def _round_step(self) -> list[Request]:
+        sched = self.scheduler
+        if self._try_overlap():
+            return self._overlap_step()
+        out = sched.schedule(self._k_for)
+        touched = []
+        for r, msg in out.failed:
+            r.finish_reason, r.error = FinishReason.ERROR, msg
+            self.k_policy.forget(r.req_id)
+            touched.append(r)
+        if not out.items:
+            return touched
+        items = out.items
+        res = self.round.run(items)
+        self._observe(res, items)
+        for i, it in enumerate(items):
+            r = it.request
+            if not it.final:
+                continue
+            if self.drafter is not None:
+                self.k_policy.observe(r.req_id, res.num_drafted[i], res.num_accepted[i])
+            r.stats.record(res.num_drafted[i], res.num_accepted[i], len(res.emitted[i]))
+            self._count_spec(res.num_drafted[i], res.num_accepted[i])
+            self._commit(r, res.emitted[i], res.logprobs[i])
+            touched.append(r)
+        if self.check_invariants:
+            self._check([it.request for it in items if it.final])
+        for it in items:
+            if it.request.finished:
+                self._finish(it.request)
+        return touched
+
+    def _count_spec(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self._spec_num_drafts += 1
+            self._spec_totals.record(drafted, accepted, 0)
+
+    def _observe(self, res: RoundResult, items: list[RoundItem]) -> None:
+        """Feed the cost model with decode/verify rounds only: a prefill's per-token cost is not a verify's."""
+        cost = self.k_policy.cost
+        if res.target_tokens == res.sampled_rows and res.sampled_rows:
+            cost.record_target(res.target_tokens, res.target_seconds)
+        if res.draft_step_seconds is not None:
+            cost.record_draft_step(res.draft_step_seconds)
+
+    # -- overlapped plain decoding (CUDA graphs) ---------------------------------------------------------
+    def _try_overlap(self) -> bool:
+        """Start an overlapped session when every running request is past its prefill, nothing waits, and the
+        draft-length policy gives k = 0 to all (no drafter, or adaptive k at 0 until its next probe)."""
+        sched = self.scheduler
+        if not self.overlap or sched.waiting or not sched.running or isinstance(self.drafter, TreeDrafter):
+            return False
+        running = list(sched.running)
+        limit = self.max_model_len
+        if not overlap_applies(self.runner, running, limit, self.spec.rule):
+            return False
+        if self.drafter is not None:
+            if not self.spec.adaptive or any(self._k_for(running)):
+                return False  # (the k policy counted this round; it runs as an ordinary round)
+        ids = [r.req_id for r in running]
+        steps = self.k_policy.rounds_before_probe(ids) if self.drafter is not None else None
+        gen = overlapped_decode(self.runner, running, limit, self._commit_overlapped, max_steps=steps,
+                                should_stop=lambda: bool(sched.waiting) or any(r.finished for r in running))
+        self._overlap = (gen, running)
+        return True
+
+    def _commit_overlapped(self, r: Request, tokens: list[int], logprobs) -> int:
+        if r.finished:  # aborted while its step was in flight
+            return 0
+        return self._commit(r, tokens, logprobs)
+
+    def _overlap_step(self) -> list[Request]:
+        gen, running = self._overlap
+        try:
+            next(gen)
+            return list(running)
+        except StopIteration as stop:
+            launched = stop.value or 0
+            self._overlap = None
+            if self.drafter is not None:
+                self.k_policy.skip_idle_rounds([r.req_id for r in running], max(0, launched - 1))
+            for r in running:
+                if r.finished:
+                    self._finish(r)
+            return list(running)
+
+    # -- commit -----------------------------------------------------------------------------------------
+    def _commit(self, r: Request, tokens: list[int], logprobs: list[dict] | None) -> int:
+        """Append tokens one by one; stop at a stop token, a stop string or max_tokens (the rest is dropped)."""
+        n = 0
+        for j, t in enumerate(tokens):
+            r.output_token_ids.append(t)
+            n += 1
+            if logprobs is not None and r.params.logprobs is not None:
+                r.logprobs.append(logprobs[j])
+            prev, matched = len(r.text), False
+            r.detokenizer.add(t)  # decodes a short window, not the whole output
+            r.text = r.detokenizer.text
+            if t in r.stop_token_ids:
+                r.finish_reason = FinishReason.STOP
+            for s in r.params.stop:
+                at = r.text.find(s, max(0, prev - len(s) + 1))
+                if at >= 0:
+                    r.text = r.text[:at]
+                    r.finish_reason = FinishReason.STOP
+                    matched = True
+                    break
+            if r.finish_reason is None and (len(r.output_token_ids) >= r.params.max_tokens
+                                            or r.num_tokens >= self.max_model_len):
+                r.finish_reason = FinishReason.LENGTH
+            if r.finished:
+                r.text = self._final_text(r, matched)
+                break
+        return n
+
+    def _final_text(self, r: Request, stopped_by_string: bool) -> str:
+        """The exact full decode (the incremental text can differ where a tokenizer rewrites earlier text, e.g.
+        byte-fallback bytes that turn out invalid), cut at the first stop string."""
+        full = r.detokenizer.final()
+        if stopped_by_string:
+            cuts = [at for at in (full.find(s) for s in r.params.stop) if at >= 0]
+            return full[: min(cuts)] if cuts else r.text
+        return full
+
+    def visible_text_end(self, r: Request) -> int:
+        """How much of r.text is final: all of it once finished; before that, all but a tail that could still
+        become a stop string."""
+        if r.finished:
+            return len(r.text)
+        return len(r.text) - stop_holdback(r.text, r.params.stop)
+
+    def _delta(self, r: Request) -> RequestDelta | None:
+        if r.sent_tokens < 0:  # already reported as finished
+            return None
+        new = r.output_token_ids[r.sent_tokens:]
+        end = self.visible_text_end(r)
+        text = r.text[r.sent_text: end] if end > r.sent_text else ""
+        if not new and not text and not r.finished:
+            return None
+        lps = r.logprobs[r.sent_tokens:] if r.params.logprobs is not None else None
+        r.sent_tokens = len(r.output_token_ids)
+        r.sent_text = max(r.sent_text, end)
+        d = RequestDelta(r.external_id, new, text, lps, r.finished, r.finish_reason.value if r.finished else None,
+                         r.error, len(r.prompt_token_ids), len(r.output_token_ids), r.stats)
+        if r.finished:
+            r.sent_tokens = -1  # nothing more will be reported
+        return d
+
+    def finish_abort_delta(self, r: Request) -> RequestDelta:
+        """The last delta of an aborted request (abort() does not go through step())."""
+        return RequestDelta(r.external_id, [], "", None, True, FinishReason.ABORT.value, None,
+                            len(r.prompt_token_ids), len(r.output_token_ids), r.stats)
+
+    def _check(self, requests: list[Request]) -> None:
+        """The rollback invariant: caches hold every committed token except the newest (past the prefill)."""
+        for r in requests:
+            if r.finished or not self.runner.kv.has(r.req_id):
+                continue
+            want = r.num_tokens - 1
+            got = self.runner.kv.length(r.req_id)
+            if got != want:
+                raise AssertionError(f"request {r.req_id}: target cache holds {got} tokens, expected {want}")
+            if self.drafter is not None:
+                d = self.drafter.cached_length(r)
+                if d is not None and d > want:
+                    raise AssertionError(f"request {r.req_id}: draft cache holds {d} tokens > committed {want}")

@@ -1,0 +1,243 @@
+"""One round over the scheduled requests: propose -> one target forward -> verify -> roll back.
+
+Two implementations of one interface, chosen when the engine is built: `ChainRound` (k drafts per request,
+k = 0 is plain decoding) and `TreeRound` (a draft tree per request, verified with a tree mask). A round may
+mix, in one ragged forward, prefill chunks of requests still reading their prompt (`RoundItem.final`
+False: no logits, nothing sampled), plain decode rows and verify rows (seed 000's layout allows it).
+
+Rollback invariant (seed 003): at the top of a round a request's target cache holds a prefix of its
+committed tokens; a final item feeds everything it misses (the newest token included) plus its drafts,
+and afterwards the cache is truncated to base + fed + accepted, i.e. every committed token except the
+newest. Draft caches are truncated to the same length or less; what they miss is fed on their next
+proposal. Sampling, coins, the coupling and the choice of verifier live in `engine/sampler.py`.
+"""
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from ..drafters.base import DraftProposal, Drafter
+from ..request import Request
+from ..runtime.runner import Chunk, ModelRunner
+from .sampler import RoundSampler, Verdict
+
+
+@dataclass(frozen=True)
+class RoundItem:
+    """What one request does this round (the scheduler's decision)."""
+
+    request: Request
+    feed: int  # committed tokens the target reads this round (>= 1), from its cached length on
+    final: bool  # `feed` reaches the newest committed token: sample the next one (and verify drafts)
+    k: int = 0  # drafts wanted (chain rounds; 0 = plain decoding); a tree round drafts its tree when k > 0
+
+
+@dataclass
+class RoundResult:
+    """Per item, in order; non-final items emit nothing."""
+
+    emitted: list[list[int]]
+    num_drafted: list[int]
+    num_accepted: list[int]
+    logprobs: list[list[dict] | None]
+    draft_step_seconds: float | None = None  # one draft step's measured time (None: not measured this round)
+    target_seconds: float = 0.0
+    target_tokens: int = 0
+    sampled_rows: int = 0  # rows that were decode / verify rows (the cost model ignores prefill-heavy rounds)
+    drafted_nodes: list[int] = field(default_factory=list)  # tree rounds: draft nodes per item (chain: = drafted)
+
+
+def _now(device: torch.device, sync: bool) -> float:
+    if sync and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+class Round(ABC):
+    def __init__(self, target: ModelRunner, drafter: Drafter | None, sampler: RoundSampler, timing: bool = False) -> None:
+        """timing: synchronise the device around the draft and target phases (adaptive k needs real times)."""
+        self.target, self.drafter, self.sampler, self.timing = target, drafter, sampler, timing
+
+    @abstractmethod
+    def run(self, items: list[RoundItem]) -> RoundResult: ...
+
+    # -- shared steps ------------------------------------------------------------------------------
+    def _feed_drafter(self, items: list[RoundItem]) -> None:
+        """Pass prefill chunks on to a drafter with its own cache (no long catch-up left for later)."""
+        if self.drafter is None:
+            return
+        pre = [it for it in items if not it.final]
+        if pre:
+            kv = self.target.kv
+            self.drafter.feed([it.request for it in pre], [kv.length(it.request.req_id) + it.feed for it in pre])
+
+    def _forward(self, chunks: list[Chunk]):
+        layers = self.drafter.target_hidden_layers if self.drafter is not None else ()
+        return self.target.forward(chunks, hidden_layers=layers)
+
+    def _observe(self, items: list[RoundItem], out, bases: list[int], committed_rows: list[list[int]]) -> None:
+        """Hand the target's hidden states of newly committed tokens to a feature-level drafter (EAGLE).
+        committed_rows[i]: flat forward rows of item i's newly committed tokens, in position order."""
+        if self.drafter is None or not self.drafter.target_hidden_layers:
+            return
+        states = []
+        for rows in committed_rows:
+            if not rows:
+                states.append(None)
+                continue
+            idx = torch.tensor(rows, device=self.target.device)
+            states.append({layer: h[idx] for layer, h in out.hidden_states.items()})
+        self.drafter.observe_target([it.request for it in items], states, bases)
+
+
+class ChainRound(Round):
+    def run(self, items: list[RoundItem]) -> RoundResult:
+        kv = self.target.kv
+        now = lambda: _now(self.target.device, self.timing)  # noqa: E731
+        # 1. Draft: up to k_i tokens for final items (prefill chunks get none; the drafter reads them along).
+        t0 = now()
+        self._feed_drafter(items)
+        want = [it.k if it.final else 0 for it in items]
+        finals = [i for i, it in enumerate(items) if it.final]
+        drafts: list[list[int]] = [[] for _ in items]
+        probs: list[torch.Tensor | None] = [None] * len(items)
+        step_s = None
+        if self.drafter is not None and any(want):
+            prop: DraftProposal = self.drafter.propose([items[i].request for i in finals], [want[i] for i in finals])
+            for j, i in enumerate(finals):
+                drafts[i], probs[i] = prop.tokens[j], prop.probs[j]
+            step_s = prop.step_seconds
+        t1 = now()
+
+        # 2. One target forward: the fed committed tokens + drafts; logits for the last k_i + 1 rows of final items.
+        bases = [kv.length(it.request.req_id) for it in items]
+        chunks, offsets, at = [], [], 0
+        for it, base, d in zip(items, bases, drafts):
+            toks = it.request.all_tokens[base: base + it.feed] + d
+            chunks.append(Chunk(it.request.req_id, toks, logits=len(d) + 1 if it.final else 0))
+            offsets.append(at)
+            at += len(toks)
+        out, starts = self._forward(chunks)
+        t2 = now()
+
+        # 3. Verify the final items (one entry for every rule).
+        verdict = Verdict([], [], [])
+        if finals:
+            verdict = self.sampler.chain(out.logits, [items[i].request for i in finals], [drafts[i] for i in finals],
+                                         [probs[i] for i in finals], [starts[i] for i in finals])
+        emitted: list[list[int]] = [[] for _ in items]
+        accepted, lps = [0] * len(items), [None] * len(items)
+        for j, i in enumerate(finals):
+            emitted[i], accepted[i], lps[i] = verdict.emitted[j], verdict.num_accepted[j], verdict.logprobs[j]
+
+        # 4. Roll back both caches to everything committed except the newest token.
+        committed_rows = []
+        for i, it in enumerate(items):
+            valid = bases[i] + it.feed + accepted[i]
+            if it.final:
+                kv.truncate(it.request.req_id, valid)
+                if self.drafter is not None:
+                    self.drafter.rollback(it.request, valid)
+            committed_rows.append(list(range(offsets[i], offsets[i] + it.feed + accepted[i])))
+        self._observe(items, out, bases, committed_rows)
+        if step_s is None and self.drafter is not None and any(drafts):  # drafters without steps: whole cost per token
+            step_s = (t1 - t0) / max(map(len, drafts))
+        nd = [len(d) for d in drafts]
+        return RoundResult(emitted, nd, accepted, lps, draft_step_seconds=step_s, target_seconds=t2 - t1,
+                           target_tokens=at, sampled_rows=sum(n + 1 for n, it in zip(nd, items) if it.final),
+                           drafted_nodes=nd)
+
+
+class TreeRound(Round):
+    """Target cache: the round writes [missing committed tokens before the root] + tree nodes; node j sits at
+    cache position root + j while its RoPE position is root + depth(j). The accepted path's keys were computed
+    at positions root + 1, root + 2, ... (depth = index on the path), so moving them there (`KVPool.move`) makes
+    the cache exactly what a chain would have written; then it is truncated to root + accepted + 1."""
+
+    def run(self, items: list[RoundItem]) -> RoundResult:
+        kv = self.target.kv
+        t0 = time.perf_counter()
+        self._feed_drafter(items)
+        trees = [i for i, it in enumerate(items) if it.final and it.k > 0]
+        prop = self.drafter.propose_tree([items[i].request for i in trees]) if trees else None
+        t1 = time.perf_counter()
+        tree_of = {i: j for j, i in enumerate(trees)}
+        bases = [kv.length(it.request.req_id) for it in items]
+        chunks, offsets, at = [], [], 0
+        for i, (it, base) in enumerate(zip(items, bases)):
+            r = it.request
+            toks = r.all_tokens[base: base + it.feed]
+            if i in tree_of:  # catch-up tokens causal; nodes see them and their ancestors
+                j = tree_of[i]
+                nodes, parents = prop.tokens[j], prop.parents[j]
+                catch = toks[:-1]  # the root (newest committed token) is node 0
+                c, n = len(catch), len(nodes)
+                depth = _depths(parents)
+                full = torch.zeros(c + n, c + n, dtype=torch.bool)
+                full[:c, :c] = torch.ones(c, c, dtype=torch.bool).tril()
+                full[c:, :c] = True
+                full[c:, c:] = _tree_mask(parents)
+                root = r.num_tokens - 1
+                chunks.append(Chunk(r.req_id, catch + nodes, positions=list(range(root - c, root)) + [root + d for d in depth],
+                                    tree_mask=full, logits=n))
+            else:
+                chunks.append(Chunk(r.req_id, toks, logits=1 if it.final else 0))
+            offsets.append(at)
+            at += len(chunks[-1].token_ids)
+        out, starts = self._forward(chunks)
+        t2 = time.perf_counter()
+
+        emitted: list[list[int]] = [[] for _ in items]
+        accepted, lps, nd = [0] * len(items), [None] * len(items), [0] * len(items)
+        committed_rows: list[list[int]] = [[] for _ in items]
+        if trees:
+            verdict, paths = self.sampler.tree(out.logits, [items[i].request for i in trees],
+                                               prop, [starts[i] for i in trees])
+            for j, i in enumerate(trees):
+                r, a, path = items[i].request, verdict.num_accepted[j], paths[j]
+                emitted[i], accepted[i], lps[i] = verdict.emitted[j], a, verdict.logprobs[j]
+                nd[i] = len(prop.tokens[j]) - 1
+                root = r.num_tokens - 1
+                kv.move(r.req_id, [root + n for n in path[1: a + 1]], [root + m for m in range(1, a + 1)])
+                kv.truncate(r.req_id, root + a + 1)
+                self.drafter.rollback(r, root + a + 1)
+                c = items[i].feed - 1
+                committed_rows[i] = list(range(offsets[i], offsets[i] + c + 1)) + [offsets[i] + c + n for n in path[1: a + 1]]
+        plain = [i for i, it in enumerate(items) if it.final and i not in tree_of]
+        if plain:  # final items without a tree (no room for one): plain decoding rows
+            verdict = self.sampler.chain(out.logits, [items[i].request for i in plain], [[] for _ in plain],
+                                         [None] * len(plain), [starts[i] for i in plain])
+            for j, i in enumerate(plain):
+                emitted[i], lps[i] = verdict.emitted[j], verdict.logprobs[j]
+        for i, it in enumerate(items):
+            if i not in tree_of:
+                committed_rows[i] = list(range(offsets[i], offsets[i] + it.feed))
+        self._observe(items, out, bases, committed_rows)
+        depth = [max(_depths(prop.parents[tree_of[i]])) if i in tree_of else 0 for i in range(len(items))]
+        steps = max(depth, default=0)
+        return RoundResult(emitted, depth, accepted, lps,
+                           draft_step_seconds=(t1 - t0) / steps if steps else None, target_seconds=t2 - t1,
+                           target_tokens=at, sampled_rows=sum(len(c.token_ids) for c, it in zip(chunks, items) if it.final),
+                           drafted_nodes=nd)
+
+
+def _depths(parents: list[int]) -> list[int]:
+    depth = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    return depth
+
+
+def _tree_mask(parents: list[int]) -> torch.Tensor:
+    """[n, n] bool: node i sees j iff j is i or an ancestor of i."""
+    n = len(parents)
+    out = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            out[i, j] = True
+            j = parents[j]
+    return out

@@ -1,0 +1,195 @@
+"""The one verifier entry of the engine: SamplingParams -> tensors, coins, the coupling, the rule, logprobs.
+
+Every round (chain or tree, k = 0 plain decoding included) ends here. What happens once per round:
+
+1. Per request: its sampling settings, and whether it is *coupled*: a seeded request sampled at
+   temperature > 0 under rule "auto" uses the position-keyed Gumbel coupling (forerun/verify/coupling.py),
+   so its output depends on (prompt, seed) only, never on k, the tree, its batch neighbours or preemption.
+   Its target rows are replaced by the perturbed scores log p + g and verified greedily.
+2. Coins: two per verify row from the request's own generator (unseeded sampled requests use them; every
+   request draws them so that a generator's stream does not depend on the others).
+3. The verifier: the fused CUDA kernel where it applies (rule auto, temperature only), else
+   `verify_chain` / `verify_tree` with the configured rule.
+4. Logprobs of the emitted tokens from the raw target logits (vLLM's default), chain and tree alike.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..drafters.base import TreeProposal
+from ..request import Request
+from ..verify import SamplingTensors, compute_logprobs, verify_chain, verify_tree
+from ..verify.coupling import coupled_scores, keys_for
+from ..verify.probs import logits_to_probs
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Per request: accepted drafts, emitted tokens (accepted drafts then the final token), logprob entries."""
+
+    num_accepted: list[int]
+    emitted: list[list[int]]
+    logprobs: list[list[dict] | None]
+
+
+def temperature_only(requests: list[Request]) -> bool:
+    """No top-k / top-p / min-p / logprobs: what the fused chain kernel (and overlapped decoding) covers."""
+    return not any(r.params.top_k or r.params.top_p < 1.0 or r.params.min_p > 0 or r.params.logprobs is not None
+                   for r in requests)
+
+
+def is_coupled(r: Request, rule: str) -> bool:
+    return r.params.seed is not None and r.params.temperature > 0 and rule == "auto"
+
+
+class RoundSampler:
+    def __init__(self, rule: str = "auto", verify_kwargs: dict | None = None) -> None:
+        self.rule, self.verify_kwargs = rule, dict(verify_kwargs or {})
+
+    # -- shared preparation ------------------------------------------------------------------------
+    def _prepare(self, logits: torch.Tensor, requests: list[Request], starts: list[int], rows: list[int]):
+        """Sampling tensors (coupled requests as greedy), coins [T, 2], and logits with coupled rows perturbed.
+        rows[i]: verify rows of request i (k_i + 1 for a chain, its node count for a tree)."""
+        device = logits.device
+        coupled = [is_coupled(r, self.rule) for r in requests]
+        params = [r.params for r in requests]
+        st = SamplingTensors.from_params(params, device)
+        coins = torch.cat([torch.rand(n, 2, generator=r.generator) for r, n in zip(requests, rows)]).to(device)
+        if any(coupled):
+            logits = logits.clone()
+            temps = st.temperature.clone()
+            for i, r in enumerate(requests):
+                if not coupled[i]:
+                    continue
+                sl = slice(starts[i], starts[i] + rows[i])
+                n = rows[i]
+                p = logits_to_probs(logits[sl], st.temperature[i].expand(n), st.top_k[i].expand(n),
+                                    st.top_p[i].expand(n), st.min_p[i].expand(n))
+                logits[sl] = self._keys_scores(p, r, n, device)
+                temps[i] = 0.0
+            st = SamplingTensors(temps, st.top_k, st.top_p, st.min_p)
+        return st, coins, logits, coupled
+
+    @staticmethod
+    def _keys_scores(p: torch.Tensor, r: Request, n: int, device) -> torch.Tensor:
+        return coupled_scores(p, keys_for(r.params.seed, r.num_tokens, n, device))
+
+    # -- chains --------------------------------------------------------------------------------------
+    def chain(self, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]],
+              draft_probs: list[torch.Tensor | None], starts: list[int]) -> Verdict:
+        """logits: [T, V] with request i's k_i + 1 rows at starts[i]; row j verifies drafts[i][j]."""
+        device = logits.device
+        rows = [len(d) + 1 for d in drafts]
+        logits, starts = _compact(logits, starts, rows)
+        raw = logits
+        st, coins, logits, coupled = self._prepare(logits, requests, starts, rows)
+        draft_ids = torch.tensor([t for d in drafts for t in d + [-1]], dtype=torch.int64, device=device)
+        ftp = torch.tensor(starts, dtype=torch.int64, device=device)
+        lens = torch.tensor(rows, dtype=torch.int64, device=device)
+        sampled = any(r.params.temperature > 0 and not c and d for r, c, d in zip(requests, coupled, drafts))
+        dense = sampled and any(q is not None for q, c in zip(draft_probs, coupled) if not c)
+        q = _dense_draft_probs(logits, drafts, draft_probs, starts) if sampled else None
+        if self._fused_ok(device, requests):
+            from ..kernels.chain_sample import chain_sample
+
+            res = chain_sample(logits, draft_ids, ftp, lens, st, coins, draft_probs=q if dense else None,
+                               max_seqlen=max(rows))
+        else:
+            res = verify_chain(logits, draft_ids, ftp, lens, st, coins, draft_probs=q, rule=self.rule,
+                               **self.verify_kwargs)
+        both = torch.cat([res.num_accepted.unsqueeze(1), res.output_token_ids], 1).tolist()  # one device sync
+        num_acc = [row[0] for row in both]
+        emitted = [row[1: a + 2] for row, a in zip(both, num_acc)]
+        lp_rows = [[s + j for j in range(len(e))] for s, e in zip(starts, emitted)]
+        return Verdict(num_acc, emitted, self._logprobs(raw, requests, emitted, lp_rows))
+
+    def _fused_ok(self, device: torch.device, requests: list[Request]) -> bool:
+        if device.type != "cuda" or self.rule != "auto" or self.verify_kwargs or not temperature_only(requests):
+            return False
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return False
+        return True
+
+    # -- trees ---------------------------------------------------------------------------------------
+    def tree(self, logits: torch.Tensor, requests: list[Request], prop: TreeProposal, starts: list[int]) -> tuple[Verdict, list[list[int]]]:
+        """logits: [T, V] with request i's n_i node rows at starts[i] (root first). Returns the verdict and,
+        per request, the accepted path (node indices, root first)."""
+        device = logits.device
+        rows = [len(t) for t in prop.tokens]
+        logits, starts = _compact(logits, starts, rows)
+        raw = logits
+        st, coins, logits, coupled = self._prepare(logits, requests, starts, rows)
+        res = verify_tree(
+            logits, torch.tensor([t for toks in prop.tokens for t in toks], device=device),
+            torch.tensor([p for ps in prop.parents for p in ps], device=device),
+            torch.tensor(starts, device=device), torch.tensor(rows, device=device), st, coins,
+            draft_probs=torch.cat([q.to(device) for q in prop.probs]), rule=self.rule if self.rule != "auto" else "auto",
+        )
+        num_acc = res.num_accepted.tolist()
+        nodes = res.accepted_nodes.tolist()
+        out_ids = res.output_token_ids.tolist()
+        emitted = [row[: a + 1] for row, a in zip(out_ids, num_acc)]
+        paths = [path[: a + 1] for path, a in zip(nodes, num_acc)]
+        lp_rows = [[s + n for n in path] for s, path in zip(starts, paths)]
+        return Verdict(num_acc, emitted, self._logprobs(raw, requests, emitted, lp_rows)), paths
+
+    # -- logprobs ------------------------------------------------------------------------------------
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, requests: list[Request], emitted: list[list[int]],
+                  rows: list[list[int]]) -> list[list[dict] | None]:
+        """Raw logprobs (log_softmax of the target logits) of each emitted token and the top-n, per request."""
+        want = [r.params.logprobs for r in requests]
+        out: list[list[dict] | None] = [None] * len(requests)
+        idx = [i for i, w in enumerate(want) if w is not None]
+        if not idx:
+            return out
+        flat_rows = [x for i in idx for x in rows[i]]
+        toks = [t for i in idx for t in emitted[i]]
+        n_top = max(want[i] for i in idx)
+        tok_lp, top_lp, top_ids = compute_logprobs(raw[torch.tensor(flat_rows, device=raw.device)],
+                                                   torch.tensor(toks, device=raw.device), n_top)
+        tok_lp = tok_lp.tolist()
+        top_lp = top_lp.tolist() if top_lp is not None else None
+        top_ids = top_ids.tolist() if top_ids is not None else None
+        at = 0
+        for i in idx:
+            entries = []
+            for t in emitted[i]:
+                e = {"token_id": t, "logprob": tok_lp[at]}
+                if top_ids is not None:
+                    e["top"] = dict(zip(top_ids[at][: want[i]], top_lp[at][: want[i]]))
+                entries.append(e)
+                at += 1
+            out[i] = entries
+        return out
+
+
+def _compact(logits: torch.Tensor, starts: list[int], rows: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """Only these requests' rows, contiguous: ([sum rows, V], new starts). A no-op when they already are."""
+    new, at = [], 0
+    for n in rows:
+        new.append(at)
+        at += n
+    if new == list(starts) and at == logits.shape[0]:
+        return logits, starts
+    idx = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, rows)]).to(logits.device)
+    return logits[idx], new
+
+
+def _dense_draft_probs(logits: torch.Tensor, drafts: list[list[int]], probs: list[torch.Tensor | None],
+                       starts: list[int]) -> torch.Tensor:
+    """[T, V] draft distribution per row (zeros on rows without a draft); None = a point mass on the token."""
+    out = torch.zeros_like(logits, dtype=torch.float32)
+    for d, q, s in zip(drafts, probs, starts):
+        if not d:
+            continue
+        rows = torch.arange(s, s + len(d), device=logits.device)
+        if q is None:
+            out[rows, torch.tensor(d, device=logits.device)] = 1.0
+        else:
+            out[rows] = q.to(logits.device)
+    return out

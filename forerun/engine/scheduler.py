@@ -1,0 +1,174 @@
+"""The request scheduler: which requests run this step, and what each one feeds.
+
+Waiting and running queues, first come first served. Each step:
+
+1. Running requests past their prefill decode or verify: 1 token + their drafts (k from the draft-length
+   policy, engine/k_policy.py, which is a separate concern).
+2. Running requests still reading their prompt get the next chunk of it under the step's token budget
+   (chunked prefill: a long prompt never stalls the others' decode and verify rows).
+3. Waiting requests are admitted in order while the batch has seats, the budget has tokens and the pools
+   have the blocks their first chunk needs *now* (not their lifetime worst case).
+4. If the pools cannot hold this step's tokens, the newest running request is preempted by recompute: its
+   blocks (target and draft) go back and it returns to the front of the waiting queue; when admitted again
+   it re-reads prompt + committed output and continues where it was, with the same output (greedy, and
+   seeded requests through the position-keyed coupling).
+A request that could never fit (alone, the pool cannot hold it) fails on its own; the others carry on.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..drafters.base import Drafter
+from ..kvcache.pool import KVPool
+from ..request import Request
+from .round import RoundItem
+
+
+@dataclass
+class SchedulerOutput:
+    items: list[RoundItem] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    failed: list[tuple[Request, str]] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, kv: KVPool, drafter: Drafter | None, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_draft_tokens: int, tree: bool = False) -> None:
+        """max_draft_tokens: most draft tokens one request feeds the target in a round; tree: k > 0 means a whole
+        tree of max_draft_tokens nodes."""
+        self.kv, self.drafter, self.tree = kv, drafter, tree
+        self.max_num_seqs, self.budget, self.max_draft = max_num_seqs, max_num_batched_tokens, max_draft_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- queues ----------------------------------------------------------------------------------------
+    def add(self, r: Request) -> None:
+        self.waiting.append(r)
+
+    def remove(self, r: Request) -> None:
+        """Take a request out (finished, aborted or failed) and give its blocks back at once."""
+        if r in self.running:
+            self.running.remove(r)
+        elif r in self.waiting:
+            self.waiting.remove(r)
+        self._free(r)
+
+    def _free(self, r: Request) -> None:
+        self.kv.free(r.req_id)
+        if self.drafter is not None:
+            self.drafter.release(r)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _missing(self, r: Request) -> int:
+        """Committed tokens the target cache lacks (1 in steady state: the newest)."""
+        return r.num_tokens - (self.kv.length(r.req_id) if self.kv.has(r.req_id) else 0)
+
+    # -- one step --------------------------------------------------------------------------------------
+    def schedule(self, k_for: Callable[[list[Request]], list[int]]) -> SchedulerOutput:
+        """k_for(requests) -> drafts per request (capped by room) for the requests that sample this step."""
+        out = SchedulerOutput()
+        while True:
+            items = self._plan(k_for)
+            need_t, need_d = self._blocks(items)
+            if need_t <= self.kv.num_free_blocks and need_d <= self._draft_free():
+                break
+            # not enough blocks for this step: preempt the newest running request (recompute later)
+            victim = self.running[-1] if self.running else None
+            if victim is None:
+                break
+            if len(self.running) == 1:  # alone and still too big: it can never run
+                out.failed.append((victim, f"request {victim.external_id or victim.req_id} needs more KV blocks than the "
+                                           f"pool has ({self.kv.num_blocks - 1} blocks of {self.kv.block_size} tokens); "
+                                           "raise the KV memory budget or lower max_tokens"))
+                self.remove(victim)
+                continue
+            self.running.pop()
+            self._free(victim)
+            victim.num_preemptions += 1
+            self.num_preemptions += 1
+            self.waiting.appendleft(victim)
+            out.preempted.append(victim)
+        out.items = items
+        if out.preempted:  # no admissions in a step that had to take blocks back
+            return out
+        # admit waiting requests with what is left of the budget and the pools
+        left = self.budget - sum(it.feed + it.k for it in items)
+        free_t = self.kv.num_free_blocks - self._blocks(items)[0]
+        while self.waiting and len(self.running) < self.max_num_seqs and left > 0:
+            r = self.waiting[0]
+            missing = r.num_tokens
+            feed = min(missing, left)
+            final = feed == missing
+            k = 0
+            if final and self.drafter is not None:
+                k = self._fit(k_for([r])[0], left - feed)
+            blocks = -(-(feed + k) // self.kv.block_size)
+            if blocks > free_t or (self.drafter is not None and self.drafter.kv is not None
+                                   and -(-(feed + k) // self.kv.block_size) > self._draft_free()):
+                if not self.running and not items:  # nothing runs and it cannot start: it never will
+                    self.waiting.popleft()
+                    out.failed.append((r, f"request {r.external_id or r.req_id}: prompt of {missing} tokens needs "
+                                          f"{blocks} KV blocks, the pool has {self.kv.num_free_blocks}; raise the KV "
+                                          "memory budget"))
+                    continue
+                break
+            self.waiting.popleft()
+            self.kv.add_sequence(r.req_id)
+            self.running.append(r)
+            items.append(RoundItem(r, feed, final, k))
+            left -= feed + k
+            free_t -= blocks
+        out.items = items
+        return out
+
+    def _plan(self, k_for) -> list[RoundItem]:
+        """Items for the running requests: decodes / verifies first, then prefill chunks, within the budget."""
+        left = self.budget
+        steady = [r for r in self.running if self._missing(r) == 1]
+        ks = k_for(steady) if steady else []
+        items: list[RoundItem] = []
+        for r, k in zip(steady, ks):
+            if left < 1:
+                break
+            k = self._fit(k, left - 1)
+            items.append(RoundItem(r, 1, True, k))
+            left -= 1 + k
+        for r in self.running:
+            missing = self._missing(r)
+            if missing == 1 or left <= 0:
+                continue
+            feed = min(missing, left)
+            final = feed == missing
+            k = self._fit(k_for([r])[0], left - feed) if final and self.drafter is not None else 0
+            items.append(RoundItem(r, feed, final, k))
+            left -= feed + k
+        return items
+
+    def _fit(self, k: int, room: int) -> int:
+        """Drafts that fit `room` tokens of the budget: a chain is cut, a tree is all or nothing."""
+        if self.tree:
+            return k if k <= room else 0
+        return max(0, min(k, room))
+
+    def _blocks(self, items: list[RoundItem]) -> tuple[int, int]:
+        """Blocks this step needs beyond what the requests hold: (target pool, draft pool)."""
+        bs, t, d = self.kv.block_size, 0, 0
+        dkv = self.drafter.kv if self.drafter is not None else None
+        for it in items:
+            r = it.request
+            base = self.kv.length(r.req_id) if self.kv.has(r.req_id) else 0
+            tokens = base + it.feed + (self.max_draft if self.tree and it.k else it.k)
+            have = len(self.kv.blocks(r.req_id)) if self.kv.has(r.req_id) else 0
+            t += max(0, -(-tokens // bs) - have)
+            if dkv is not None and (it.k or not it.final):
+                d += self.drafter.blocks_needed(r, base + it.feed + (self.max_draft if self.tree and it.k else it.k) + 1)
+        return t, d
+
+    def _draft_free(self) -> int:
+        dkv = self.drafter.kv if self.drafter is not None else None
+        return dkv.num_free_blocks if dkv is not None else 1 << 62

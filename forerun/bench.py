@@ -82,8 +82,9 @@ def run_transformers(args, prompts, plain_ids) -> list[dict]:
 
     def load(name):
         p = resolve_model(name)
-        tok = transformers.AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
-        model = transformers.AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32)
+        tok = transformers.AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name, trust_remote_code=False)
+        model = transformers.AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=torch.float32,
+                                                                  trust_remote_code=False)
         return model.eval(), tok
 
     t = time.perf_counter()

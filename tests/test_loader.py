@@ -549,6 +549,34 @@ def test_gguf_uses_its_own_tokenizer_not_the_folders(tmp_path):
     assert len(other) == 97 and other.encode("w5 w7", add_special_tokens=False) == [5, 7]
 
 
+def _byte_level_tokens() -> list[str]:
+    """GPT-2's byte -> unicode table: the 256 base tokens of a byte-level BPE."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for c in cs]
+
+
+def test_synthetic_gguf_tokenizer_wins_over_folder_files(tmp_path):
+    """Same as above without the real file: a tiny byte-level BPE embedded in a GGUF, next to a word-level
+    tokenizer.json / tokenizer_config.json of another model."""
+    tokens = _byte_level_tokens() + ["Ġt", "he", "Ġthe", "<|endoftext|>"]
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "qwen2", tiny_model("qwen2", vocab_size=len(tokens), tie_word_embeddings=True),
+               extra_kv={"add_tokenizer_model": "gpt2", "add_token_list": tokens,
+                         "add_token_merges": ["Ġ t", "h e", "Ġt he"], "add_tokenizer_pre": "qwen2"})
+    _word_tokenizer(97).save_pretrained(tmp_path)
+    tok = load_checkpoint(path).tokenizer()
+    assert len(tok) == len(tokens)
+    ids = tok.encode(" the cat", add_special_tokens=False)
+    assert ids == [tokens.index("Ġthe"), tokens.index("Ġ"), tokens.index("c"), tokens.index("a"), tokens.index("t")]
+    assert tok.decode(ids) == " the cat"
+
+
 def test_tokenizer_larger_than_the_embedding_is_refused(tmp_path):
     model = tiny_model("llama")  # vocab_size 256
     d = save(model, tmp_path / "m")

@@ -688,8 +688,16 @@ def test_incompatible_hf_draft_is_refused_before_its_weights(tmp_path, monkeypat
     compat.check_draft_compatible(target_tok, 256, str(d))
     with pytest.raises(ValueError, match="its vocabulary has 256 rows, the target's 512"):
         compat.check_draft_compatible(target_tok, 512, str(d))
+    compat.check_draft_compatible(_word_tokenizer(150), 256, str(d))  # the shared ids agree: fits
+    other = _word_tokenizer(200)
+    other.add_tokens(["zz"])  # id 200: the draft has no id 200, so still no disagreement
+    compat.check_draft_compatible(other, 256, str(d))
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    raw = Tokenizer(models.WordLevel({f"x{i}": i for i in range(200)}, unk_token="x0"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
     with pytest.raises(ValueError, match="their tokenizers differ"):
-        compat.check_draft_compatible(_word_tokenizer(150), 256, str(d))
+        compat.check_draft_compatible(transformers.PreTrainedTokenizerFast(tokenizer_object=raw), 256, str(d))
 
 
 def test_default_draft_fits_the_target():
@@ -716,3 +724,17 @@ def test_real_pairs_compat_without_loading(monkeypatch):
         check_draft_compatible(_Vocab(smol_tokens), smol_rows, QWEN_DRAFT)
     q_tokens, q_rows = read_gguf_vocab(paths["qwen2.5-coder-1.5b-instruct"])
     check_draft_compatible(_Vocab(q_tokens), q_rows, QWEN_DRAFT)
+
+
+def test_draft_with_extra_padding_tokens_still_fits(tmp_path, monkeypatch):
+    """A GGUF whose list pads the vocabulary with [PAD] tokens (as Qwen's does) fits a target tokenizer
+    that stops earlier, as long as the embedding sizes agree; one token that differs does not fit."""
+    from forerun.models import compat
+
+    monkeypatch.setattr(compat, "draft_metadata", lambda d: (_Vocab(tokens), 256))
+    tokens = [f"tok{i}" for i in range(250)] + [f"[PAD{i}]" for i in range(250, 256)]
+    path = tmp_path / "d.gguf"
+    write_gguf(path, "llama", tiny_model("llama"), extra_kv={"add_tokenizer_model": "gpt2", "add_token_list": tokens})
+    compat.check_draft_compatible(_Vocab(tokens[:250]), 256, str(path))
+    with pytest.raises(ValueError, match="their tokenizers differ"):
+        compat.check_draft_compatible(_Vocab(tokens[:249] + ["other"]), 256, str(path))

@@ -1,0 +1,123 @@
+"""`forerun serve MODEL [...]`: load the engine, serve the OpenAI API with uvicorn, shut down cleanly.
+
+SIGTERM / SIGINT: stop accepting (new connections refused, new requests on open connections 503), let
+in-flight requests run for --shutdown-timeout seconds, abort what is left (streams end with finish_reason
+"abort" and [DONE]), stop the engine loop, exit 0.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="forerun serve", description="OpenAI-compatible HTTP server (FastAPI + uvicorn)")
+    p.add_argument("model", help="model name (see `forerun models list`), .gguf file or HF checkpoint directory")
+    p.add_argument("--draft", default="none", help="MODEL | early-exit:N | ngram | none (default: none)")
+    p.add_argument("--k", default="auto", help="drafts per round, or 'auto' (adaptive)")
+    p.add_argument("--rule", default="auto", choices=["auto", "greedy", "rejection", "penalty", "typical"])
+    p.add_argument("--tree", default=None, help="tree drafting with the draft model: children per depth, e.g. 2,2,1")
+    p.add_argument("--confidence", type=float, default=0.0, help="stop a draft when its top probability is below this")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--served-model-name", action="append", default=None,
+                   help="model id(s) clients use (repeatable; default: MODEL as given)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch at most")
+    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests waiting beyond the running batch at most; more are answered 429")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--kv-cache-gb", type=float, default=2.0, help="target KV cache memory budget (GiB)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--default-max-tokens", type=int, default=1024,
+                   help="chat requests without max_completion_tokens get min(this, room left in the context)")
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="request body size limit (413 above)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests may still run after SIGTERM before they are aborted")
+    p.add_argument("--device", default=None)
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own seed")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    return p
+
+
+def _check(a) -> str | None:
+    if not 0 <= a.port <= 65535:
+        return f"--port must be in [0, 65535], got {a.port}"
+    for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_body_bytes", "default_max_tokens"):
+        if getattr(a, name) < 1:
+            return f"--{name.replace('_', '-')} must be >= 1"
+    if a.max_queue < 0:
+        return "--max-queue must be >= 0"
+    if a.max_model_len is not None and a.max_model_len < 2:
+        return "--max-model-len must be >= 2"
+    if not a.kv_cache_gb > 0:
+        return "--kv-cache-gb must be > 0"
+    if not a.shutdown_timeout >= 0:
+        return "--shutdown-timeout must be >= 0"
+    if a.api_key is not None and not a.api_key:
+        return "--api-key must not be empty"
+    return None
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    problem = _check(a)
+    if problem:
+        print(f"forerun serve: error: {problem}", file=sys.stderr)
+        return 2
+    import torch
+    import uvicorn
+
+    from ..config import CacheConfig, SpecConfig
+    from ..engine.engine import Engine
+    from .app import ServerConfig, build_app
+
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    t = time.perf_counter()
+    try:
+        spec = SpecConfig.from_flags(a.draft, a.k, a.confidence, a.rule, tree=a.tree)
+        cache = CacheConfig(block_size=a.block_size, memory_budget_bytes=int(a.kv_cache_gb * (1 << 30)))
+        engine = Engine(a.model, spec=spec, device=a.device, cache=cache, max_num_seqs=a.max_num_seqs,
+                        max_model_len=a.max_model_len, max_num_batched_tokens=a.max_num_batched_tokens, seed=a.seed)
+    except SystemExit as e:  # SpecConfig.from_flags's usage errors
+        print(f"forerun serve: error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, KeyError, OSError) as e:
+        print(f"forerun serve: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
+    print(f"[forerun] loaded {a.model} (+ {spec.method}) in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    config = ServerConfig(model_names=tuple(a.served_model_name or [a.model]), api_key=a.api_key,
+                          max_num_seqs=a.max_num_seqs, max_queue=a.max_queue, max_body_bytes=a.max_body_bytes,
+                          default_max_tokens=a.default_max_tokens, drain_seconds=a.shutdown_timeout)
+    app = build_app(engine, config=config)
+    srv = app.state.server
+    ucfg = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level, access_log=a.access_log,
+                          timeout_graceful_shutdown=a.shutdown_timeout + 5.0, lifespan="on")
+
+    class _Uvicorn(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if srv.loop is not None and not self.should_exit:
+                srv.loop.call_soon_threadsafe(srv.begin_drain)
+            super().handle_exit(sig, frame)
+
+    # uvicorn re-raises the signal it caught after restoring the handlers it found: make those no-ops, so a
+    # SIGTERM/SIGINT shutdown ends with `return 0` instead of the default action (killed by the signal).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        _Uvicorn(ucfg).run()
+    except SystemExit as e:  # uvicorn exits 1 when it cannot bind the port
+        return int(e.code or 0) if isinstance(e.code, int) else 1
+    return 0 if not srv.aeng.dead else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

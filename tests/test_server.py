@@ -638,3 +638,36 @@ def test_response_format_maps_to_structured_output():
     with pytest.raises(APIError) as e:
         plan_chat(req, tok, 64, None, structured=False)
     assert e.value.status == 400 and e.value.param == "response_format"
+
+
+def test_client_gone_while_request_is_being_added_is_aborted(tiny_engine):
+    """A client that hangs up while its request waits to enter the engine (the engine lock is held by a slow
+    step) must not leave that request running: it is aborted at its first delta."""
+    engine = tiny_engine()
+    step = engine.step
+
+    def slow_step():
+        time.sleep(0.2)
+        return step()
+
+    engine.step = slow_step
+    run = Running(build_app(engine, config=ServerConfig(model_names=("tiny",))))
+    try:
+        long = {"prompt": "t5 t6", "max_tokens": 300, "ignore_eos": True}
+
+        async def main():
+            async with httpx.AsyncClient(base_url=run.url, timeout=60) as ac:
+                async with ac.stream("POST", "/v1/completions", json=dict(long, stream=True)) as r:
+                    async for _ in r.aiter_lines():  # the engine is now busy with 0.2 s steps
+                        break
+                    for _ in range(3):  # each of these hangs up while its request waits for the engine lock
+                        with pytest.raises(httpx.TimeoutException):
+                            await ac.post("/v1/completions", json=long, timeout=0.05)
+                # leaving the stream hangs up the first client too
+
+        asyncio.run(main())
+        m = wait_idle(run.url, timeout=10)  # unaborted, the four would run for 300 x 0.2 s
+        assert m["forerun:kv_blocks_used"] == 0 and m["forerun:num_requests_running"] == 0, m
+        assert m["forerun:num_requests_waiting"] == 0
+    finally:
+        run.stop()

@@ -4,6 +4,10 @@ Each choice's `AsyncEngine.generate` iterator is driven by its own task (a pump)
 queue. Cancelling a pump cancels its iterator, which aborts the request in the engine at once (its KV blocks
 come back); `close()` does only that and is synchronous, so it still works from a `finally` under a
 cancelled scope (a client that went away mid-stream).
+
+A pump is cancelled only once its request has produced a delta: before that, `generate` may still be
+adding the request in a worker thread, and cancelling it there would leave the request running with
+nobody to abort it. A pump closed that early stops (and so aborts) at its first delta instead.
 """
 from __future__ import annotations
 
@@ -33,7 +37,9 @@ class Choice:
     stats: RequestStats = field(default_factory=RequestStats)
     logprobs: list[dict] = field(default_factory=list)
     first_token_at: float | None = None
+    started: bool = False  # its request has produced a delta (it is in the engine: cancelling aborts it)
     ended: bool = False  # no more items will come for it
+    stop: bool = False  # closed before it started: stop at the first delta
 
     @property
     def finished(self) -> bool:
@@ -54,10 +60,14 @@ class Run:
         self.closed = False
 
     async def _pump(self, c: Choice) -> None:
+        agen = self.aeng.generate(c.prompt_ids, c.params, request_id=c.request_id)
         try:
-            async for d in self.aeng.generate(c.prompt_ids, c.params, request_id=c.request_id):
+            async for d in agen:
+                c.started = True
                 if c.first_token_at is None and d.new_token_ids:  # stamped on arrival, not when read
                     c.first_token_at = time.perf_counter()
+                if c.stop:
+                    break  # the finally's aclose aborts the request
                 self.queue.put_nowait((c, d))
         except asyncio.CancelledError:
             raise
@@ -65,6 +75,8 @@ class Run:
             self.queue.put_nowait((c, e))
         else:
             self.queue.put_nowait((c, _END))
+        finally:
+            await agen.aclose()
 
     async def start(self) -> None:
         """Launch every choice and wait for each one's first item; raises the first error (ValueError for a
@@ -125,21 +137,28 @@ class Run:
             if not live:
                 return
 
+    def _halt(self, c: Choice, t: asyncio.Task) -> None:
+        if t.done():
+            return
+        if c.started:
+            t.cancel()
+        else:
+            c.stop = True
+
     def abort(self) -> None:
         """Abort every unfinished choice now (server shutdown); each ends with finish_reason 'abort'."""
         for c, t in zip(self.choices, self.pumps):
             if not c.finished and not c.ended:
-                t.cancel()
+                self._halt(c, t)
                 self.queue.put_nowait((c, _ABORTED))
 
     def close(self) -> None:
-        """Cancel whatever still runs (its engine requests are aborted); idempotent, synchronous."""
+        """Stop whatever still runs (its engine requests are aborted); idempotent, synchronous."""
         if self.closed:
             return
         self.closed = True
         for c, t in zip(self.choices, self.pumps):
-            if not t.done():
-                t.cancel()
+            self._halt(c, t)
             if not c.finished:
                 self._finish(c, "abort")
 

@@ -99,7 +99,7 @@ class Engine:
                  dtype: torch.dtype | None = None, cache: CacheConfig | None = None, max_num_seqs: int = 64,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 8192, seed: int = 0,
                  check_invariants: bool = False, cuda_graphs: bool = True, overlap: bool = True,
-                 _loaded=None) -> None:
+                 draft_cache: CacheConfig | None = None, _loaded=None) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if max_model_len is not None and max_model_len < 2:
@@ -113,6 +113,7 @@ class Engine:
         target, self.tokenizer, _ = _loaded or load_model(model, self.device, self.dtype, max_model_len)
         self.model = target
         self.cache = cache or CacheConfig()
+        self.draft_cache = draft_cache or self.cache  # a separate draft model's own pool
         self.max_num_seqs, self.check_invariants, self.overlap = max_num_seqs, check_invariants, overlap
         budget = max(max_num_batched_tokens, self.spec.max_draft_tokens + 2)
         self.runner = ModelRunner(target, self.cache, self.device, self.dtype, max_seqs=max_num_seqs,
@@ -159,7 +160,7 @@ class Engine:
             check_tokenizers_match(self.tokenizer, dtok)
             if dmodel.config.vocab_size != self.model.config.vocab_size:
                 raise ValueError(f"draft vocab size {dmodel.config.vocab_size} != target {self.model.config.vocab_size}")
-            runner = ModelRunner(dmodel, self.cache, self.device, ddtype, max_seqs=self.max_num_seqs,
+            runner = ModelRunner(dmodel, self.draft_cache, self.device, ddtype, max_seqs=self.max_num_seqs,
                                  max_batch_tokens=self.runner.buffers.max_tokens)
             if s.tree is not None:
                 return TreeDrafter(runner, s.tree)
@@ -221,7 +222,18 @@ class Engine:
         r = Request(rid, text, ids, params, torch.Generator().manual_seed(seed), frozenset(stops),
                     detokenizer=IncrementalDetokenizer(self.tokenizer), external_id=ext, arrival=time.monotonic())
         r.coupled = is_coupled(r, self.spec.rule)
+        if params.structured_output is not None:  # issue 14: the request's grammar matcher (forerun/structured.py)
+            r.grammar = self._grammar_compiler().new_state(params.structured_output)
         return r
+
+    def _grammar_compiler(self):
+        """issue 14: one xgrammar compiler per engine (tokenizer + the model's vocab size), built on first use."""
+        if getattr(self, "_grammars", None) is None:
+            from ..structured import GrammarCompiler
+
+            stops = set(self.model.config.eos_token_ids) | {self.tokenizer.eos_token_id} - {None}
+            self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size, stops)
+        return self._grammars
 
     def enqueue(self, r: Request) -> str:
         if r.external_id in self.requests:
@@ -338,6 +350,8 @@ class Engine:
             return False
         running = list(sched.running)
         limit = self.max_model_len
+        if any(getattr(r, "grammar", None) is not None for r in running):
+            return False  # issue 14: overlapped decoding samples without grammar masks
         if not overlap_applies(self.runner, running, limit, self.spec.rule):
             return False
         if self.drafter is not None:

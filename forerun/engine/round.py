@@ -22,7 +22,8 @@ import torch
 from ..drafters.base import DraftProposal, Drafter
 from ..request import Request
 from ..runtime.runner import Chunk, ModelRunner
-from .sampler import RoundSampler, Verdict
+from ..structured import commit_emitted, cut_drafts, grammar_of, mask_request_rows_  # issue 14
+from .sampler import RoundSampler, Verdict, _depths
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,11 @@ class ChainRound(Round):
             for j, i in enumerate(finals):
                 drafts[i], probs[i] = prop.tokens[j], prop.probs[j]
             step_s = prop.step_seconds
+        # issue 14 (structured output): cut grammar-rejected draft tails, mask rows for every verify row
+        gstates = [grammar_of(it.request) if it.final else None for it in items]
+        gmasks: list = [None] * len(items)
+        if any(s is not None for s in gstates):
+            drafts, probs, gmasks = cut_drafts(gstates, drafts, probs)
         t1 = now()
 
         # 2. One target forward: the fed committed tokens + drafts; logits for the last k_i + 1 rows of final items.
@@ -125,9 +131,12 @@ class ChainRound(Round):
 
         # 3. Verify the final items (one entry for every rule).
         verdict = Verdict([], [], [])
+        if any(m is not None for m in gmasks):  # issue 14: grammar-masked target logits (-inf) before any rule
+            mask_request_rows_(out.logits, [gmasks[i] for i in finals], [starts[i] for i in finals])
         if finals:
             verdict = self.sampler.chain(out.logits, [items[i].request for i in finals], [drafts[i] for i in finals],
                                          [probs[i] for i in finals], [starts[i] for i in finals])
+            commit_emitted([gstates[i] for i in finals], verdict.emitted)  # issue 14: matchers follow commits
         emitted: list[list[int]] = [[] for _ in items]
         accepted, lps = [0] * len(items), [None] * len(items)
         for j, i in enumerate(finals):
@@ -189,6 +198,13 @@ class TreeRound(Round):
             at += len(chunks[-1].token_ids)
         out, starts = self._forward(chunks)
         t2 = time.perf_counter()
+        # issue 14 (structured output): a mask per tree node / plain row, then the matchers follow the commits
+        gstates = {i: grammar_of(it.request) for i, it in enumerate(items) if it.final}
+        gstates = {i: s for i, s in gstates.items() if s is not None}
+        if gstates:
+            gm = [s.tree_masks(prop.tokens[tree_of[i]], prop.parents[tree_of[i]])[1] if i in tree_of
+                  else s.draft_masks([])[1] for i, s in gstates.items()]
+            mask_request_rows_(out.logits, gm, [starts[i] for i in gstates])
 
         emitted: list[list[int]] = [[] for _ in items]
         accepted, lps, nd = [0] * len(items), [None] * len(items), [0] * len(items)
@@ -212,6 +228,8 @@ class TreeRound(Round):
                                          [None] * len(plain), [starts[i] for i in plain])
             for j, i in enumerate(plain):
                 emitted[i], lps[i] = verdict.emitted[j], verdict.logprobs[j]
+        if gstates:  # issue 14
+            commit_emitted(list(gstates.values()), [emitted[i] for i in gstates])
         for i, it in enumerate(items):
             if i not in tree_of:
                 committed_rows[i] = list(range(offsets[i], offsets[i] + it.feed))
@@ -222,13 +240,6 @@ class TreeRound(Round):
                            draft_step_seconds=(t1 - t0) / steps if steps else None, target_seconds=t2 - t1,
                            target_tokens=at, sampled_rows=sum(len(c.token_ids) for c, it in zip(chunks, items) if it.final),
                            drafted_nodes=nd)
-
-
-def _depths(parents: list[int]) -> list[int]:
-    depth = []
-    for p in parents:
-        depth.append(0 if p < 0 else depth[p] + 1)
-    return depth
 
 
 def _tree_mask(parents: list[int]) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 from ..drafters.base import TreeProposal
 from ..request import Request
 from ..verify import SamplingTensors, compute_logprobs, verify_chain, verify_tree
-from ..verify.coupling import coupled_scores, keys_for
+from ..verify.coupling import coupled_scores, row_key
 from ..verify.probs import logits_to_probs
 
 
@@ -49,9 +49,11 @@ class RoundSampler:
         self.rule, self.verify_kwargs = rule, dict(verify_kwargs or {})
 
     # -- shared preparation ------------------------------------------------------------------------
-    def _prepare(self, logits: torch.Tensor, requests: list[Request], starts: list[int], rows: list[int]):
+    def _prepare(self, logits: torch.Tensor, requests: list[Request], starts: list[int], rows: list[int],
+                 depths: list[list[int]] | None = None):
         """Sampling tensors (coupled requests as greedy), coins [T, 2], and logits with coupled rows perturbed.
-        rows[i]: verify rows of request i (k_i + 1 for a chain, its node count for a tree)."""
+        rows[i]: verify rows of request i (k_i + 1 for a chain, its node count for a tree); depths[i][j]: how
+        far past the newest committed token row j samples (chain: j; tree: the node's depth)."""
         device = logits.device
         coupled = [is_coupled(r, self.rule) for r in requests]
         params = [r.params for r in requests]
@@ -67,14 +69,13 @@ class RoundSampler:
                 n = rows[i]
                 p = logits_to_probs(logits[sl], st.temperature[i].expand(n), st.top_k[i].expand(n),
                                     st.top_p[i].expand(n), st.min_p[i].expand(n))
-                logits[sl] = self._keys_scores(p, r, n, device)
+                offs = depths[i] if depths is not None else range(n)
+                keys = torch.tensor([row_key(r.params.seed, r.num_tokens + o) for o in offs], dtype=torch.int64,
+                                    device=device)
+                logits[sl] = coupled_scores(p, keys)
                 temps[i] = 0.0
             st = SamplingTensors(temps, st.top_k, st.top_p, st.min_p)
         return st, coins, logits, coupled
-
-    @staticmethod
-    def _keys_scores(p: torch.Tensor, r: Request, n: int, device) -> torch.Tensor:
-        return coupled_scores(p, keys_for(r.params.seed, r.num_tokens, n, device))
 
     # -- chains --------------------------------------------------------------------------------------
     def chain(self, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]],
@@ -88,7 +89,8 @@ class RoundSampler:
         draft_ids = torch.tensor([t for d in drafts for t in d + [-1]], dtype=torch.int64, device=device)
         ftp = torch.tensor(starts, dtype=torch.int64, device=device)
         lens = torch.tensor(rows, dtype=torch.int64, device=device)
-        sampled = any(r.params.temperature > 0 and not c and d for r, c, d in zip(requests, coupled, drafts))
+        # the verifier wants q whenever a sampled (uncoupled) row and any draft share the batch
+        sampled = any(r.params.temperature > 0 and not c for r, c in zip(requests, coupled)) and any(drafts)
         dense = sampled and any(q is not None for q, c in zip(draft_probs, coupled) if not c)
         q = _dense_draft_probs(logits, drafts, draft_probs, starts) if sampled else None
         if self._fused_ok(device, requests):
@@ -122,7 +124,7 @@ class RoundSampler:
         rows = [len(t) for t in prop.tokens]
         logits, starts = _compact(logits, starts, rows)
         raw = logits
-        st, coins, logits, coupled = self._prepare(logits, requests, starts, rows)
+        st, coins, logits, coupled = self._prepare(logits, requests, starts, rows, [_depths(p) for p in prop.parents])
         res = verify_tree(
             logits, torch.tensor([t for toks in prop.tokens for t in toks], device=device),
             torch.tensor([p for ps in prop.parents for p in ps], device=device),
@@ -166,6 +168,13 @@ class RoundSampler:
                 at += 1
             out[i] = entries
         return out
+
+
+def _depths(parents: list[int]) -> list[int]:
+    depth: list[int] = []
+    for p in parents:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    return depth
 
 
 def _compact(logits: torch.Tensor, starts: list[int], rows: list[int]) -> tuple[torch.Tensor, list[int]]:

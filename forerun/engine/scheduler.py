@@ -98,7 +98,8 @@ class Scheduler:
             return out
         # admit waiting requests with what is left of the budget and the pools
         left = self.budget - sum(it.feed + it.k for it in items)
-        free_t = self.kv.num_free_blocks - self._blocks(items)[0]
+        need_t, need_d = self._blocks(items)
+        free_t, free_d = self.kv.num_free_blocks - need_t, self._draft_free() - need_d
         while self.waiting and len(self.running) < self.max_num_seqs and left > 0:
             r = self.waiting[0]
             missing = r.num_tokens
@@ -107,9 +108,11 @@ class Scheduler:
             k = 0
             if final and self.drafter is not None:
                 k = self._fit(k_for([r])[0], left - feed)
-            blocks = -(-(feed + k) // self.kv.block_size)
-            if blocks > free_t or (self.drafter is not None and self.drafter.kv is not None
-                                   and -(-(feed + k) // self.kv.block_size) > self._draft_free()):
+            extra = self.max_draft if self.tree and k else k
+            blocks = -(-(feed + extra) // self.kv.block_size)
+            dkv = self.drafter.kv if self.drafter is not None else None
+            dblocks = -(-(feed + extra + 1) // dkv.block_size) if dkv is not None else 0
+            if blocks > free_t or dblocks > free_d:
                 if not self.running and not items:  # nothing runs and it cannot start: it never will
                     self.waiting.popleft()
                     out.failed.append((r, f"request {r.external_id or r.req_id}: prompt of {missing} tokens needs "
@@ -123,6 +126,7 @@ class Scheduler:
             items.append(RoundItem(r, feed, final, k))
             left -= feed + k
             free_t -= blocks
+            free_d -= dblocks
         out.items = items
         return out
 

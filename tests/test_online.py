@@ -1,0 +1,320 @@
+"""The online engine: requests joining and leaving mid-run, preemption, chunked prefill, aborts, threads,
+seeded outputs independent of k / trees / neighbours, and the async front."""
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as sstats
+
+from forerun.config import CacheConfig, SpecConfig
+from forerun.engine.async_engine import AsyncEngine
+from forerun.engine.engine import Engine, stop_holdback
+from forerun.engine.llm import LLM, RequestError
+from forerun.sampling_params import SamplingParams
+from forerun.verify.coupling import coupled_scores, keys_for
+from tiny import hf_model, ours_from_hf, sharpen, tiny_llm, tiny_tokenizer
+
+PROMPTS = [[5, 9, 13, 22, 40, 7], [3], list(range(10, 60, 3)), [70, 71, 72, 70, 71], [8, 8, 8], [1, 2, 3, 4]]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return sharpen(hf_model("llama"), 3.0)
+
+
+def draft_spec(draft_hf, **kw):
+    runner = ours_from_hf(draft_hf)
+    return SpecConfig(method="draft", draft_model=(runner.model, tiny_tokenizer(draft_hf.config.vocab_size)), **kw)
+
+
+def engine(hf, spec=None, **kw) -> Engine:
+    runner = ours_from_hf(hf)
+    kw.setdefault("cache", CacheConfig(block_size=4, num_blocks=2048))
+    return Engine.from_model(runner.model, tiny_tokenizer(hf.config.vocab_size), spec=spec, device="cpu",
+                             check_invariants=True, **kw)
+
+
+def run_all(eng: Engine, max_steps: int = 10_000) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not eng.has_unfinished():
+            break
+        for d in eng.step():
+            out.setdefault(d.request_id, []).extend(d.new_token_ids)
+    assert not eng.has_unfinished()
+    return out
+
+
+def alone(hf, prompt, params, spec=None) -> list[int]:
+    return tiny_llm(hf, spec=spec).generate([prompt], params)[0].token_ids
+
+
+def test_request_added_while_others_run_gives_its_alone_output(target):
+    spec = draft_spec(hf_model("llama", seed=7, num_hidden_layers=1), k=3)
+    eng = engine(target, spec)
+    want = {i: alone(target, p, GREEDY) for i, p in enumerate(PROMPTS)}
+    got: dict[str, list[int]] = {}
+    eng.add_request(PROMPTS[0], GREEDY, request_id="0")
+    eng.add_request(PROMPTS[1], GREEDY, request_id="1")
+    step = 0
+    while eng.has_unfinished() or step < 8:
+        if 2 + step // 2 < len(PROMPTS) and step % 2 == 1:  # one more joins every other step
+            i = 2 + step // 2
+            eng.add_request(PROMPTS[i], GREEDY, request_id=str(i))
+        for d in eng.step():
+            got.setdefault(d.request_id, []).extend(d.new_token_ids)
+        step += 1
+    assert {int(k): v for k, v in got.items()} == want
+    assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
+
+
+def test_abort_mid_generation_frees_every_block(target):
+    spec = draft_spec(hf_model("llama", seed=7, num_hidden_layers=1), k=3)
+    eng = engine(target, spec)
+    free0, dfree0 = eng.runner.kv.num_free_blocks, eng.drafter.kv.num_free_blocks
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), request_id=str(i))
+    for _ in range(3):
+        eng.step()
+    assert eng.runner.kv.num_free_blocks < free0
+    for i in range(len(PROMPTS)):
+        assert eng.abort(str(i))
+    assert not eng.abort("0")  # already gone
+    assert not eng.has_unfinished()
+    assert eng.runner.kv.num_free_blocks == free0 and eng.drafter.kv.num_free_blocks == dfree0
+
+
+@pytest.mark.parametrize("which", ["target", "draft"])
+def test_small_pool_completes_every_request_by_preemption(target, which):
+    """A pool too small for all requests at once (the target's, or a draft pool smaller than the target's)."""
+    spec = draft_spec(hf_model("llama", seed=7, num_hidden_layers=1), k=3)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    big = tiny_llm(target, spec=spec).generate(PROMPTS, params)
+    small = CacheConfig(block_size=4, num_blocks=24)  # ~92 tokens: one or two requests at a time
+    kw = {"cache": small} if which == "target" else {"draft_cache": small}
+    llm = tiny_llm(target, spec=spec, check_invariants=True, **kw)
+    outs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in big]
+    assert llm.engine.stats().num_preemptions > 0
+    assert llm.runner.kv.num_free_blocks == llm.runner.kv.num_blocks - 1
+
+
+def test_chunked_prefill_gives_the_same_output(target):
+    long_prompt = [(7 * i) % 90 + 2 for i in range(120)]
+    want = alone(target, long_prompt, GREEDY)
+    llm = tiny_llm(target, max_num_batched_tokens=16, check_invariants=True)
+    outs = llm.generate([long_prompt, PROMPTS[0]], GREEDY)
+    assert outs[0].token_ids == want
+    assert outs[1].token_ids == alone(target, PROMPTS[0], GREEDY)
+
+
+def test_a_request_that_can_never_fit_is_refused_before_anything_runs(target):
+    llm = tiny_llm(target, cache=CacheConfig(block_size=4, num_blocks=16))
+    with pytest.raises(ValueError, match="KV cache"):
+        llm.generate([PROMPTS[0], PROMPTS[1]], [GREEDY, SamplingParams(temperature=0, max_tokens=500)])
+    assert llm.runner.kv.num_free_blocks == llm.runner.kv.num_blocks - 1
+    assert llm.generate([PROMPTS[0]], GREEDY)[0].token_ids == alone(target, PROMPTS[0], GREEDY)
+
+
+def test_random_add_abort_step_sequences_never_leak(target):
+    """>= 1000 random operations over several engines: no block leaks, invariant checked every round."""
+    rng = random.Random(0)
+    ops = 0
+    for spec in (None, SpecConfig(method="ngram", k=3), draft_spec(hf_model("llama", seed=7, num_hidden_layers=1), k=2)):
+        eng = engine(target, spec, cache=CacheConfig(block_size=4, num_blocks=40), max_num_batched_tokens=24)
+        live, n = [], 0
+        free0 = eng.runner.kv.num_free_blocks
+        dfree0 = eng.drafter.kv.num_free_blocks if eng.drafter is not None and eng.drafter.kv is not None else None
+        for _ in range(400):
+            op = rng.random()
+            if op < 0.3:
+                p = [rng.randrange(2, 96) for _ in range(rng.randrange(1, 30))]
+                sp = SamplingParams(temperature=rng.choice([0.0, 0.9]), max_tokens=rng.randrange(1, 25),
+                                    seed=rng.choice([None, 5]), ignore_eos=True)
+                live.append(eng.add_request(p, sp))
+                n += 1
+            elif op < 0.4 and live:
+                eng.abort(live.pop(rng.randrange(len(live))))
+            else:
+                for d in eng.step():
+                    if d.finished and d.request_id in live:
+                        live.remove(d.request_id)
+            ops += 1
+        for rid in list(live):
+            eng.abort(rid)
+        assert not eng.has_unfinished()
+        assert eng.runner.kv.num_free_blocks == free0
+        if dfree0 is not None:
+            assert eng.drafter.kv.num_free_blocks == dfree0
+    assert ops >= 1000
+
+
+def test_seeded_sampling_does_not_depend_on_k_tree_or_neighbours(target):
+    draft = hf_model("llama", seed=7, num_hidden_layers=1)
+    params = SamplingParams(temperature=0.9, max_tokens=16, seed=1234, ignore_eos=True)
+    ref = alone(target, PROMPTS[2], params)
+    variants = {
+        "k0": None, "k2": draft_spec(draft, k=2), "k4": draft_spec(draft, k=4),
+        "auto": draft_spec(draft, adaptive=True, k_max=5), "tree": draft_spec(draft, tree=(2, 2)),
+        "self": draft_spec(target, k=4), "ngram": SpecConfig(method="ngram", k=3),
+    }
+    for name, spec in variants.items():
+        llm = tiny_llm(target, spec=spec)
+        neighbours = [SamplingParams(temperature=0.7, max_tokens=9, ignore_eos=True)] * 3
+        outs = llm.generate([PROMPTS[0], PROMPTS[2], PROMPTS[3], PROMPTS[4]], [neighbours[0], params] + neighbours[1:])
+        assert outs[1].token_ids == ref, name
+    # the self-draft proposes the target's own coupled tokens: everything accepted
+    llm = tiny_llm(target, spec=draft_spec(target, k=4))
+    o = llm.generate([PROMPTS[2]], params)[0]
+    assert o.stats.acceptance_rate == 1.0 and o.token_ids == ref
+
+
+def test_coupled_tokens_are_distributed_as_p_chi_square():
+    """Gumbel-max with position-keyed noise: over many seeds, argmax(log p + g) ~ p (and a power check)."""
+    torch.manual_seed(0)
+    v, n = 12, 60_000
+    p = torch.softmax(torch.randn(v, dtype=torch.float64) * 1.5, -1)
+    keys = torch.tensor([__import__("forerun.verify.coupling", fromlist=["row_key"]).row_key(s, 17) for s in range(n)])
+    toks = coupled_scores(p.float().expand(n, v), keys).argmax(-1).numpy()
+    counts = np.bincount(toks, minlength=v)
+    expect = p.numpy() / p.numpy().sum() * n
+    assert sstats.chisquare(counts, expect).pvalue > 1e-3
+    biased = p.clone()
+    biased[0] *= 1.05  # a 5% relative bias on one token is caught
+    biased /= biased.sum()
+    assert sstats.chisquare(counts, biased.numpy() / biased.numpy().sum() * n).pvalue < 1e-3
+    # positions are independent: tokens at positions 17 and 18 of the same seeds are uncorrelated
+    keys2 = torch.cat([keys_for(s, 18, 1) for s in range(4000)])
+    t2 = coupled_scores(p.float().expand(4000, v), keys2).argmax(-1).numpy()
+    table = np.zeros((v, v))
+    for a, b in zip(toks[:4000], t2):
+        table[a, b] += 1
+    nz = table[table.sum(1) > 0][:, table.sum(0) > 0]
+    assert sstats.chi2_contingency(nz + 1e-9)[1] > 1e-4
+
+
+def test_coupled_speculative_sampling_matches_plain_distribution(target):
+    """Coupled spec decoding (draft model) vs the target's own first-token distribution, chi-square."""
+    draft = hf_model("llama", seed=7, num_hidden_layers=1)
+    llm = tiny_llm(target, spec=draft_spec(draft, k=3), max_num_seqs=512)
+    n = 3000
+    prompt = [5, 9, 13]
+    outs = llm.generate([prompt] * n, [SamplingParams(temperature=1.0, max_tokens=2, seed=s, ignore_eos=True)
+                                       for s in range(n)])
+    runner = ours_from_hf(target)
+    from forerun.runtime.runner import Chunk
+
+    runner.kv.add_sequence(0)
+    out, _ = runner.forward([Chunk(0, prompt)])
+    p = torch.softmax(out.logits[0].double(), -1).numpy()
+    counts = np.bincount([o.token_ids[0] for o in outs], minlength=len(p))
+    keep = p * n >= 5
+    obs, exp = counts[keep], p[keep] * n
+    if (~keep).any():
+        obs, exp = np.append(obs, counts[~keep].sum()), np.append(exp, p[~keep].sum() * n)
+    exp = exp / exp.sum() * obs.sum()
+    assert sstats.chisquare(obs, exp).pvalue > 1e-3
+
+
+def test_threads_share_one_llm_and_get_their_own_outputs(target):
+    llm = tiny_llm(target, spec=SpecConfig(method="ngram", k=3))
+    want = {i: alone(target, p, GREEDY) for i, p in enumerate(PROMPTS[:4])}
+    for _ in range(20):
+        results, errors = {}, []
+
+        def work(t):
+            try:
+                order = [(t + j) % 4 for j in range(4)]
+                outs = llm.generate([PROMPTS[i] for i in order], GREEDY)
+                results[t] = {i: o.token_ids for i, o in zip(order, outs)}
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert not errors
+        assert all(results[t] == want for t in range(4))
+    assert llm.runner.kv.num_free_blocks == llm.runner.kv.num_blocks - 1
+
+
+def test_stream_never_shows_text_a_stop_string_cuts(target):
+    llm = tiny_llm(target)
+    full = llm.generate([PROMPTS[0]], GREEDY)[0].text
+    words = full.split(" ")
+    stop = " ".join(words[3:5]) + " XX"  # never matches, but its prefix does: must be held back and then shown
+    stop2 = " ".join(words[4:6])  # matches: cut
+    pieces = list(llm.stream(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=(stop, stop2))))
+    final = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=(stop, stop2)))[0].text
+    assert "".join(pieces) == final
+    assert stop_holdback("abc Par", ("Paris",)) == 3 and stop_holdback("abc", ("x",)) == 0
+
+
+def test_stream_closed_early_aborts_and_frees(target):
+    llm = tiny_llm(target)
+    s = llm.stream(PROMPTS[0], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    next(s)
+    outs = llm.generate([PROMPTS[1]], GREEDY)  # a stream held open while generate runs
+    assert outs[0].token_ids == alone(target, PROMPTS[1], GREEDY)
+    s.close()
+    assert llm.runner.kv.num_free_blocks == llm.runner.kv.num_blocks - 1
+
+
+def test_tree_logprobs_are_returned(target):
+    llm = tiny_llm(target, spec=draft_spec(hf_model("llama", seed=7, num_hidden_layers=1), tree=(2, 1)))
+    o = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True))[0]
+    plain = tiny_llm(target).generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True))[0]
+    assert len(o.logprobs) == len(o.token_ids) == 6
+    for a, b in zip(o.logprobs, plain.logprobs):
+        assert a["token_id"] == b["token_id"] and a["logprob"] == pytest.approx(b["logprob"], abs=1e-4)
+        assert list(a["top"]) == list(b["top"])
+
+
+def test_async_engine_streams_and_cancels(target):
+    eng = engine(target, SpecConfig(method="ngram", k=3))
+    free0 = eng.runner.kv.num_free_blocks
+
+    async def main():
+        aeng = AsyncEngine(eng)
+        await aeng.start()
+        got = []
+        async for d in aeng.generate(PROMPTS[0], GREEDY):
+            got.extend(d.new_token_ids)
+        agen = aeng.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        await agen.__anext__()
+        await agen.aclose()  # the client went away
+        for _ in range(200):
+            if eng.runner.kv.num_free_blocks == free0 and not eng.has_unfinished():
+                break
+            await asyncio.sleep(0.01)
+        with pytest.raises(ValueError):
+            async for _ in aeng.generate([], GREEDY):
+                pass
+        await aeng.shutdown()
+        return got
+
+    got = asyncio.run(main())
+    assert got == alone(target, PROMPTS[0], GREEDY)
+    assert eng.runner.kv.num_free_blocks == free0
+
+
+def test_a_request_failing_later_fails_alone(target):
+    """A draft pool too small for one long request: that request finishes with an error, the others complete."""
+    spec = draft_spec(hf_model("llama", seed=7, num_hidden_layers=1), k=2)
+    llm = tiny_llm(target, spec=spec, draft_cache=CacheConfig(block_size=4, num_blocks=8))
+    long_prompt = [(3 * i) % 90 + 2 for i in range(60)]
+    with pytest.raises(RequestError, match="KV blocks") as info:
+        llm.generate([PROMPTS[0], long_prompt, PROMPTS[3]], GREEDY)
+    outs = info.value.outputs
+    assert outs[1].finish_reason == "error"
+    assert outs[0].token_ids == alone(target, PROMPTS[0], GREEDY)
+    assert outs[2].token_ids == alone(target, PROMPTS[3], GREEDY)
+    assert llm.runner.kv.num_free_blocks == llm.runner.kv.num_blocks - 1

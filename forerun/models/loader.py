@@ -31,7 +31,7 @@ import torch
 
 from forerun.config import SUPPORTED_ARCHITECTURES, ModelConfig
 
-__all__ = ["Checkpoint", "load_checkpoint", "load_tokenizer", "check_tokenizer_fits", "expected_tensor_names",
+__all__ = ["Checkpoint", "GGUFQuantized", "load_checkpoint", "load_tokenizer", "check_tokenizer_fits", "expected_tensor_names",
            "SUPPORTED_GGUF_ARCHITECTURES"]
 
 # general.architecture values we read, and the transformers model_type each becomes.
@@ -101,6 +101,35 @@ def _layer_sort_key(name: str) -> tuple:
 
 
 @dataclass(frozen=True)
+class GGUFQuantized:
+    """A GGUF tensor still in its quantized blocks, for loaders that keep weights quantized
+    (forerun/models/quant.py). ``dequantize()`` gives exactly what ``Checkpoint.tensors()`` would."""
+
+    data: Any  # np.ndarray: the raw blocks (a view of the memory-mapped file)
+    type_name: str  # GGML type, e.g. "Q4_K"
+    shape: tuple  # HF order, e.g. (out_features, in_features)
+    unpermute_heads: int | None = None  # Llama-arch Q/K rows to un-permute with this many heads
+    where: str = ""  # for error messages
+
+    def dequantize(self) -> torch.Tensor:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        try:
+            w = dequantize(self.data, GGMLQuantizationType[self.type_name])
+        except NotImplementedError as e:
+            raise ValueError(f"{self.where} has GGML type {self.type_name}, which gguf cannot dequantize: {e}") from e
+        w = np.asarray(w, dtype=np.float32)
+        if w.shape != self.shape:
+            w = w.reshape(self.shape)
+        if self.unpermute_heads:
+            w = _unpermute_qk(w, self.unpermute_heads)
+        if not w.flags.writeable or not w.flags.c_contiguous:
+            w = np.array(w, dtype=np.float32, order="C")  # own the memory (F32 is a view of the mmap)
+        return torch.from_numpy(w)
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     """A checkpoint opened for loading. Cheap to create: tensors are read only when iterated."""
 
@@ -119,15 +148,20 @@ class Checkpoint:
         """Names ``tensors()`` yields, in the same order."""
         return list(self._index)
 
-    def tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, dtype: torch.dtype | None = None, keep_quantized: bool = False
+                ) -> Iterator[tuple[str, torch.Tensor | GGUFQuantized]]:
         """Yield (HF name, tensor) one at a time. GGUF tensors are float32 (dequantized);
-        safetensors keep their stored dtype. ``dtype`` converts each tensor as it is produced."""
+        safetensors keep their stored dtype. ``dtype`` converts each tensor as it is produced.
+        ``keep_quantized``: GGUF tensors of quantized types come as `GGUFQuantized` (raw blocks) instead."""
         if self.format == "gguf":
-            it = self._gguf_tensors()
+            it = self._gguf_tensors(keep_quantized)
         else:
             it = self._safetensors_tensors()
         for name, t in it:
-            yield name, (t.to(dtype) if dtype is not None and t.dtype != dtype else t)
+            if isinstance(t, GGUFQuantized):
+                yield name, t
+            else:
+                yield name, (t.to(dtype) if dtype is not None and t.dtype != dtype else t)
 
     def _safetensors_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         from safetensors import safe_open
@@ -141,29 +175,20 @@ class Checkpoint:
         finally:
             handles.clear()
 
-    def _gguf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from gguf.quants import dequantize
-
+    def _gguf_tensors(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | GGUFQuantized]]:
         reader = self._reader
         permute = self.hf_config["model_type"] in ("llama", "mistral") and self._cache.get("gguf_arch") == "llama"
         for name, idx in self._index.items():
             t = reader.tensors[idx]
-            try:
-                w = dequantize(t.data, t.tensor_type)
-            except NotImplementedError as e:
-                raise ValueError(
-                    f"{self.source}: tensor {t.name} has GGML type {t.tensor_type.name}, which gguf cannot dequantize: {e}"
-                ) from e
-            w = np.asarray(w, dtype=np.float32)
-            shape = tuple(int(d) for d in reversed(t.shape))  # GGUF stores dims in ggml (ne) order
-            if w.shape != shape:
-                w = w.reshape(shape)
+            heads = None
             if permute and (".attn_q." in t.name or ".attn_k." in t.name):
                 heads = self.config.num_heads if ".attn_q." in t.name else self.config.num_kv_heads
-                w = _unpermute_qk(w, heads)
-            if not w.flags.writeable or not w.flags.c_contiguous:
-                w = np.array(w, dtype=np.float32, order="C")  # own the memory (F32 is a view of the mmap)
-            yield name, torch.from_numpy(w)
+            shape = tuple(int(d) for d in reversed(t.shape))  # GGUF stores dims in ggml (ne) order
+            g = GGUFQuantized(t.data, t.tensor_type.name, shape, heads, f"{self.source}: tensor {t.name}")
+            if keep_quantized and len(shape) == 2 and t.tensor_type.name not in ("F32", "F16", "BF16", "F64"):
+                yield name, g
+            else:
+                yield name, g.dequantize()
 
     # ------------------------------------------------------------ tokenizer
 

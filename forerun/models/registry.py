@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from ..config import ModelConfig
 from .cpu_linear import pack_linears
 from .llama import LlamaForCausalLM
-from .loader import Checkpoint, load_checkpoint
+from .loader import Checkpoint, GGUFQuantized, load_checkpoint
+from .quant import available, make_quantized_linear, parse_quantize
 
 MODEL_CLASSES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
                  "qwen3": LlamaForCausalLM}
@@ -21,9 +23,15 @@ def model_class(cfg: ModelConfig):
 
 
 def build_model(ckpt: Checkpoint, device: torch.device | str, dtype: torch.dtype,
-                max_positions: int | None = None, pack_cpu: bool = True, progress: bool = True) -> LlamaForCausalLM:
+                max_positions: int | None = None, pack_cpu: bool = True, progress: bool = True,
+                quantize: str | None = "none") -> LlamaForCausalLM:
     """Instantiate without random init (meta device), then stream the checkpoint's tensors in.
-    On the CPU in fp32, linear weights are then packed for oneDNN (see cpu_linear.py)."""
+    On the CPU in fp32, linear weights are then packed for oneDNN (see cpu_linear.py).
+    ``quantize``: "none" (weights as ``dtype``), "int8" / "int4" (linear weights kept quantized, CPU; see
+    quant.py), or None / "auto" (GGUF files stay quantized as int8; safetensors as "none")."""
+    layout = parse_quantize(quantize, ckpt.format)
+    if layout != "none":
+        return build_quantized_model(ckpt, device, layout, max_positions, progress)
     cls = model_class(ckpt.config)
     with torch.device("meta"):
         model = cls(ckpt.config, max_positions=max_positions)
@@ -39,9 +47,93 @@ def build_model(ckpt: Checkpoint, device: torch.device | str, dtype: torch.dtype
 
 
 def load_model(path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-               max_positions: int | None = None, pack_cpu: bool = True):
-    """(model, tokenizer, checkpoint) from a checkpoint directory, a .gguf file or a known model name."""
+               max_positions: int | None = None, pack_cpu: bool = True, quantize: str | None = "none",
+               progress: bool = True):
+    """(model, tokenizer, checkpoint) from a checkpoint directory, a .gguf file or a known model name.
+    ``quantize``: see build_model ("none" keeps today's behaviour: GGUF dequantized to ``dtype``)."""
     from .hub import resolve_model
 
     ckpt = load_checkpoint(resolve_model(path))
-    return build_model(ckpt, device, dtype, max_positions, pack_cpu), ckpt.tokenizer(), ckpt
+    return (build_model(ckpt, device, dtype, max_positions, pack_cpu, progress=progress, quantize=quantize),
+            ckpt.tokenizer(), ckpt)
+
+
+def _linear_parts(model: LlamaForCausalLM) -> dict[str, list[str]]:
+    """Module path of every nn.Linear -> the HF weight names it is made of, in row order."""
+    out = {}
+    for path, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear):
+            continue
+        base, _, leaf = path.rpartition(".")
+        parts = model.FUSED.get(leaf)
+        out[path] = [f"{base}.{p}" for p in parts] if parts else [path]
+    return out
+
+
+@torch.no_grad()
+def build_quantized_model(ckpt: Checkpoint, device: torch.device | str, layout: str,
+                          max_positions: int | None = None, progress: bool = True) -> LlamaForCausalLM:
+    """Stream the checkpoint in with every linear layer built straight into its quantized module (quant.py),
+    so peak memory stays ~ the quantized model plus one fused fp32 matrix. Norms and the embedding stay fp32."""
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"quantize={layout!r} is implemented for the CPU only (got device {device})")
+    if not available(layout):
+        raise ValueError(f"quantize={layout!r} needs a torch CPU kernel this build lacks")
+    cfg = ckpt.config
+    cls = model_class(cfg)
+    with torch.device("meta"):
+        model = cls(cfg, max_positions=max_positions)
+    parts = _linear_parts(model)
+    biases = {p: model.get_submodule(p).bias is not None for p in parts}
+    owner = {}  # HF tensor name -> (module path, part index, "weight" | "bias")
+    for path, names in parts.items():
+        for i, n in enumerate(names):
+            owner[f"{n}.weight"] = (path, i, "weight")
+            if biases[path]:
+                owner[f"{n}.bias"] = (path, i, "bias")
+    tied = cfg.tie_word_embeddings
+    for path in parts:  # placeholders without parameters: nothing fp32 gets allocated for the linears
+        parent, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, nn.Identity())
+    model = model.to_empty(device="cpu").to(torch.float32)
+    model.reset_rope("cpu")
+    params = dict(model.named_parameters())
+    pending: dict[str, dict] = {p: {} for p in parts}
+    seen: set[str] = set()
+
+    def install(path: str) -> None:
+        got = pending.pop(path)
+        n = len(parts[path])
+        w = [got[(i, "weight")] for i in range(n)]
+        b = torch.cat([got[(i, "bias")] for i in range(n)]) if biases[path] else None
+        mod = make_quantized_linear(w, b, layout)
+        parent, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, mod)
+
+    it = tqdm(ckpt.tensors(keep_quantized=True), total=len(ckpt.tensor_names()), desc=f"loading {ckpt.source.name}",
+              unit="tensor", disable=not progress, leave=False)
+    for name, t in it:
+        if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+            continue
+        if name in owner:
+            path, i, kind = owner[name]
+            pending[path][(i, kind)] = t
+            if len(pending[path]) == len(parts[path]) * (2 if biases[path] else 1):
+                install(path)
+        elif name in params:
+            src = t.dequantize() if isinstance(t, GGUFQuantized) else t
+            dst = params[name]
+            if tuple(dst.shape) != tuple(src.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(src)
+            if tied and name == "model.embed_tokens.weight":  # the head is the (still quantized) embedding
+                pending["lm_head"][(0, "weight")] = t
+                install("lm_head")
+        else:
+            raise KeyError(f"checkpoint tensor {name!r} has no parameter in {cfg.arch} model")
+        seen.add(name)
+    missing = [p for p in pending] + [n for n in params if n not in seen]
+    if missing:
+        raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    model.quantization = layout
+    return model.eval()

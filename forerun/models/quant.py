@@ -1,0 +1,254 @@
+"""Quantized weights kept quantized in memory, and the linear modules that multiply them directly (CPU).
+
+Why: decode on the CPU is bound by the bytes of weights streamed per token. The fp32 path widens a Q4_K_M
+GGUF to 4 bytes per weight (the 1.5B target: ~6 GB per token); these layouts stream 1 byte (int8) or half a
+byte (int4) per weight. Two layouts, each with the fastest kernel torch has for it on x86 (measured in
+docs/quantization.md):
+
+* ``int8`` (default for GGUF files): per-output-channel symmetric int8 weights, activations quantized per
+  row to int8 at run time (W8A8), multiplied by oneDNN's u8 x s8 -> s32 kernel (AVX512-VNNI / AMX). The
+  integer accumulation is exact and the one float multiply per output does not depend on how many rows
+  are in the batch, so a row's result is identical whether it is computed alone (plain decode) or among
+  k + 1 verify rows: greedy speculative output equals greedy plain output. Its cost grows slowly with the
+  number of rows (the speculation premise). Lossy versus the GGUF's own dequantization: weights are
+  re-quantized per row (from the exact dequantized values), activations per row.
+* ``int4``: group-wise (32) asymmetric 4-bit weights, bf16 activations, torch's
+  ``_weight_int4pack_mm_for_cpu``. GGUF Q4_K / Q4_1 / Q4_0 blocks map onto it exactly (a Q4_K sub-block of
+  32 weights is ``d*sc * q - dmin*m``, q in 0..15); the only loss is the bf16 rounding of the group scale
+  and zero and of the activations. Other GGUF types (Q5_0, Q6_K, Q8_0) in a fused matrix that has a 4-bit
+  part are re-quantized to int4; matrices with no 4-bit part use ``int8``. Its cost grows ~linearly with
+  the rows (compute-bound unpacking), so it suits plain decoding more than verification. It is not
+  batch-invariant (a row's bf16 result depends on how many rows share the call), so greedy speculative
+  output can differ from plain output in near-ties, as llama.cpp's does.
+
+Fused matrices (qkv, gate_up) are quantized once over their concatenated rows.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+QUANTIZE_CHOICES = ("none", "int8", "int4")
+GROUP = 32  # int4 group size (a Q4_K sub-block, a Q4_0 / Q4_1 block)
+
+
+def parse_quantize(value: str | None, fmt: str) -> str:
+    """Resolve a user's ``quantize`` choice for a checkpoint of format ``fmt`` ("gguf" | "safetensors").
+    None / "auto": GGUF files stay quantized (int8); safetensors checkpoints load as stored ("none")."""
+    if value is None or value == "auto":
+        return "int8" if fmt == "gguf" else "none"
+    if value not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be one of auto, {', '.join(QUANTIZE_CHOICES)}; got {value!r}")
+    return value
+
+
+def available(layout: str) -> bool:
+    """Whether this torch build has the CPU kernel for a layout."""
+    try:
+        if layout == "int8":
+            return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")
+        if layout == "int4":
+            return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+    except (AttributeError, RuntimeError):
+        return False
+    return layout == "none"
+
+
+# ====================================================================== int8 (W8A8, oneDNN)
+
+
+def quantize_rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w: [N, K] float -> (q [N, K] int8 in -127..127, scale [N] float32) with w ~= q * scale[:, None]."""
+    w = w.float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [N]
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T + b with W as per-row int8 (oneDNN-packed) and x quantized per row at run time."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        # q: [N, K] int8, scale: [N] float32, bias: [N]
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.packed = torch.ops.onednn.qlinear_prepack(q.contiguous(), None)
+        self.register_buffer("w_scale", scale.float().contiguous(), persistent=False)
+        self.register_buffer("w_zero", torch.zeros(self.out_features, dtype=torch.int32), persistent=False)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
+        q, s = quantize_rows_int8(w)
+        return cls(q, s, bias)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.out_features * self.in_features + 4 * self.out_features
+
+    def dequantized(self) -> torch.Tensor:  # [N, K] float32 (tests)
+        eye = torch.eye(self.in_features)
+        q = torch.ops.onednn.qlinear_pointwise(
+            (eye * 127 + 128).to(torch.uint8), 1.0, 128, self.packed, self.w_scale, self.w_zero, None, 1.0, 0,
+            torch.float32, "none", [], "")  # [K, N] = 127 * W^T
+        return (q / 127.0).t().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        flat = x.reshape(-1, self.in_features).float()
+        s = flat.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30).div_(127.0)  # [R, 1] per-row scale
+        xq = torch.round(flat / s).add_(128).to(torch.uint8)  # symmetric int8 stored as u8 with zero point 128
+        y = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 128, self.packed, self.w_scale, self.w_zero, None, 1.0, 0,
+                                               torch.float32, "none", [], "")  # [R, N] = sum(q_x q_w) * w_scale
+        y = y.mul_(s)
+        if self.bias is not None:
+            y = y.add_(self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+# ====================================================================== int4 (group-wise, torch int4pack)
+
+
+def quantize_groups_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w: [N, K] float -> (q [N, K] uint8 0..15, scale [N, K/g], offset [N, K/g]) with
+    w ~= q * scale + offset per group (asymmetric min/max, like GGUF Q4_1)."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15.0).clamp_min(1e-12)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8).reshape(n, k)
+    return q, scale, lo
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T + b with W as group-wise asymmetric int4 (w = q * scale + offset per 32 weights), bf16 math."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bias: torch.Tensor | None = None,
+                 group: int = GROUP) -> None:
+        # q: [N, K] uint8 0..15, scale / offset: [N, K / group] float32, bias: [N]
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        if self.in_features % group:
+            raise ValueError(f"int4 needs in_features divisible by {group}, got {self.in_features}")
+        self.group = group
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+        # the kernel computes (q - 8) * scale + zero: zero = offset + 8 * scale
+        sz = torch.stack([scale.float().t(), (offset.float() + 8 * scale.float()).t()], dim=-1)  # [K/g, N, 2]
+        self.register_buffer("scales_zeros", sz.to(torch.bfloat16).contiguous(), persistent=False)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> "Int4Linear":
+        return cls(*quantize_groups_int4(w), bias=bias)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
+
+    def dequantized(self) -> torch.Tensor:  # [N, K] float32, as the kernel sees it (tests)
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group, self.scales_zeros).float().t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scales_zeros).float()
+        if self.bias is not None:
+            y = y.add_(self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+# ====================================================================== GGUF blocks -> int4 groups
+
+
+def gguf_int4_groups(data: np.ndarray, type_name: str, shape: tuple[int, int]
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Exact (q [N, K] uint8, scale [N, K/32] f32, offset [N, K/32] f32) of a 4-bit GGUF tensor, with
+    w = q * scale + offset, or None for types that are not 4-bit group-of-32 (Q5_0, Q6_K, Q8_0, ...).
+    ``data`` is the tensor's raw bytes as gguf's reader gives them; ``shape`` is (N, K) in HF order."""
+    n, k = shape
+    raw = np.asarray(data).view(np.uint8).reshape(n, -1)
+    if type_name == "Q4_K":  # 144-byte blocks of 256: d, dmin (f16), 12 bytes of 6-bit scales/mins, 128 qs
+        from gguf.quants import Q4_K
+
+        b = raw.reshape(-1, 144)
+        d = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # [B, 1]
+        dmin = b[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, m = Q4_K.get_scale_min(b[:, 4:16].copy())  # [B, 8] each
+        scale = d * sc.astype(np.float32)  # [B, 8]
+        offset = -(dmin * m.astype(np.float32))
+        qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        q = (qs & 0x0F).reshape(-1, 256)
+    elif type_name in ("Q4_0", "Q4_1"):  # 18 / 20-byte blocks of 32: d (, m) f16, 16 qs
+        size = 18 if type_name == "Q4_0" else 20
+        b = raw.reshape(-1, size)
+        scale = b[:, 0:2].copy().view(np.float16).astype(np.float32)  # [B, 1]
+        offset = (-8 * scale) if type_name == "Q4_0" else b[:, 2:4].copy().view(np.float16).astype(np.float32)
+        qs = b[:, size - 16:].reshape(-1, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)
+        q = (qs & 0x0F).reshape(-1, 32)
+    else:
+        return None
+    return (q.reshape(n, k).astype(np.uint8), np.ascontiguousarray(scale.reshape(n, k // GROUP), dtype=np.float32),
+            np.ascontiguousarray(offset.reshape(n, k // GROUP), dtype=np.float32))
+
+
+# ====================================================================== memory report
+
+
+def weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes held by quantized linears, by other parameters/buffers, and in total (deduplicated)."""
+    seen, quant, other = set(), 0, 0
+    for m in model.modules():
+        if isinstance(m, (Int8Linear, Int4Linear)):
+            quant += m.weight_bytes
+            for t in (m.bias,):
+                if t is not None:
+                    other += t.numel() * t.element_size()
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() in seen or t.device.type == "meta":
+            continue
+        seen.add(t.data_ptr())
+        other += t.numel() * t.element_size()
+    for m in model.modules():  # oneDNN-packed fp32/bf16 weights (PackedLinear) are not parameters
+        packed = getattr(m, "packed", None)
+        if packed is not None and not isinstance(m, (Int8Linear, Int4Linear)) and hasattr(packed, "numel"):
+            other += packed.numel() * packed.element_size()
+    return {"quantized_linear_bytes": quant, "other_bytes": other, "total_bytes": quant + other}
+
+
+# ====================================================================== building a layer from checkpoint parts
+
+
+def _as_float(t) -> torch.Tensor:
+    return t.dequantize() if hasattr(t, "dequantize") and not isinstance(t, torch.Tensor) else t.float()
+
+
+def _exact_int4(t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Exact int4 groups of a GGUF 4-bit tensor (rows un-permuted like its dequantization), else None."""
+    if isinstance(t, torch.Tensor) or not hasattr(t, "type_name"):
+        return None
+    got = gguf_int4_groups(t.data, t.type_name, tuple(t.shape))
+    if got is None:
+        return None
+    if t.unpermute_heads:
+        from .loader import _unpermute_qk
+
+        got = tuple(_unpermute_qk(a, t.unpermute_heads) for a in got)
+    return tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in got)
+
+
+def make_quantized_linear(parts: list, bias: torch.Tensor | None, layout: str) -> nn.Module:
+    """One quantized linear from the row blocks of a (possibly fused) matrix. ``parts``: torch tensors
+    [n_i, K] or GGUF blocks (loader.GGUFQuantized), concatenated in order; bias: [sum n_i] or None."""
+    if layout == "int4":
+        exact = [_exact_int4(p) for p in parts]
+        from_gguf = any(not isinstance(p, torch.Tensor) for p in parts)
+        k = parts[0].shape[1]
+        if k % GROUP == 0 and (any(e is not None for e in exact) or not from_gguf):
+            groups = [e if e is not None else quantize_groups_int4(_as_float(p)) for e, p in zip(exact, parts)]
+            q, s, o = (torch.cat([g[i] for g in groups]) for i in range(3))
+            return Int4Linear(q, s, o, bias)
+        # a GGUF matrix with no 4-bit part (Q6_K, Q8_0, ...): int8 keeps more of its precision
+    if layout in ("int4", "int8"):
+        w = torch.cat([_as_float(p) for p in parts]) if len(parts) > 1 else _as_float(parts[0])
+        return Int8Linear.from_float(w, bias)
+    raise ValueError(f"unknown quantized layout {layout!r}")

@@ -28,6 +28,7 @@ class ModelConfig:
     qk_norm: bool = False  # per-head RMSNorm on Q and K (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None  # every layer attends to the last `sliding_window` positions (issue 14)
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHITECTURES:
@@ -89,7 +90,35 @@ class ModelConfig:
             qk_norm=model_type == "qwen3",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            sliding_window=_hf_sliding_window(cfg, model_type),
         )
+
+
+def _hf_sliding_window(cfg: dict[str, Any], model_type: str) -> int | None:
+    """The window every layer uses (None: full attention), from Mistral's `sliding_window`, Qwen2/3's
+    `use_sliding_window` + `max_window_layers` (layer i is windowed iff i >= max_window_layers) or `layer_types`.
+    A model that mixes windowed and full layers is refused (issue 14: not supported)."""
+    window, layers = cfg.get("sliding_window"), cfg["num_hidden_layers"]
+    if model_type in ("qwen2", "qwen3"):
+        if not cfg.get("use_sliding_window", False):
+            return None
+        first = cfg.get("max_window_layers", layers)
+        windowed = [i >= first for i in range(layers)]
+    elif model_type == "mistral":
+        windowed = [window is not None] * layers
+    else:
+        windowed = [False] * layers
+    types = cfg.get("layer_types")
+    if types:
+        windowed = [t == "sliding_attention" for t in types]
+    if any(windowed) and not all(windowed):
+        raise ValueError(f"{model_type} config mixes sliding-window and full-attention layers "
+                         f"({sum(windowed)} of {layers} windowed): not supported")
+    if not any(windowed) or window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
+    return window
 
 
 @dataclass(frozen=True)

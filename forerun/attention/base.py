@@ -18,6 +18,7 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         meta: AttnMetadata,
         scale: float,
+        window: int | None = None,  # sliding window (ModelConfig.sliding_window); None: full attention
     ) -> torch.Tensor:  # [T, Hq, D]
         ...
 
@@ -25,5 +26,5 @@ class AttentionBackend(ABC):
 class ReferenceBackend(AttentionBackend):
     """Gather pages into a padded batch and call SDPA: works everywhere, the oracle for faster backends."""
 
-    def forward(self, q, k_cache, v_cache, meta, scale):
-        return paged_attention_reference(q, k_cache, v_cache, meta, scale)
+    def forward(self, q, k_cache, v_cache, meta, scale, window=None):
+        return paged_attention_reference(q, k_cache, v_cache, meta, scale, window)

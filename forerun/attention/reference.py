@@ -13,6 +13,7 @@ def paged_attention_reference(
     v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     meta: AttnMetadata,
     scale: float,
+    window: int | None = None,  # sliding window: a query sees keys at positions > its own - window (None: all)
 ) -> torch.Tensor:  # [T, Hq, D]
     num_seqs, block_size = meta.num_seqs, k_cache.shape[1]
     max_kv = meta.max_seq_len
@@ -35,11 +36,19 @@ def paged_attention_reference(
     kj = key_idx[None, None, :]  # [1, 1, S]
     if meta.tree_mask is None:
         mask = kj <= prefix + qi
+        if window is not None:  # cache index == position without a tree
+            mask = mask & (kj > prefix + qi - window)
     else:
         tree = torch.zeros(num_seqs, meta.max_query_len, meta.max_query_len, dtype=torch.bool, device=q.device)
         tree[row_seq, local] = meta.tree_mask[:, : meta.max_query_len]
         new_col = (kj - prefix).clamp(0, meta.max_query_len - 1).expand(num_seqs, meta.max_query_len, max_kv)
         mask = (kj < prefix) | torch.gather(tree, 2, new_col)
+        if window is not None:
+            # positions: a new token's is prefix + (new tokens it sees) - 1 (causal catch-up rows, then tree nodes
+            # that see the catch-up and their ancestors: prefix + c + depth); cached keys sit at their index
+            qpos = prefix + tree.sum(-1, keepdim=True) - 1  # [B, Q, 1]
+            kpos = torch.where(kj < prefix, kj, torch.gather(qpos.transpose(1, 2), 2, new_col[:, :1]))  # [B, 1, S]
+            mask = mask & (kpos > qpos - window)
     mask = mask & (kj < meta.seq_lens[:, None, None])
     mask = mask | (qi >= q_lens[:, None, None])  # padded query rows: see everything (discarded) to avoid NaN
 

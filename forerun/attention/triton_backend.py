@@ -24,6 +24,7 @@ from .metadata import AttnMetadata
 from .reference import paged_attention_reference
 
 _LOG2E = 1.4426950408889634
+_NO_WINDOW = 1 << 30  # "window" of full attention: every position is within it
 
 
 @triton.jit
@@ -32,6 +33,7 @@ def _paged_attention_kernel(
     PartAcc, PartM, PartL,  # [T, Hq, S, D] f32, [T, Hq, S] f32, [T, Hq, S] f32 (used when SPLIT)
     QStart, SeqLens, BlockTables, Tree,  # [B+1] i64, [B] i64, [B, W] i64, [T, Tw] u8
     qk_scale,  # softmax scale * log2(e)
+    window,  # sliding window: keys at positions > query position - window (full attention: 2**30)
     num_heads, num_q_tiles, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
@@ -69,9 +71,12 @@ def _paged_attention_kernel(
         kv_end = seq_len
     else:
         kv_end = tl.minimum(seq_len, prefix + tl.minimum(q_len, q_lo + BLOCK_Q))
+    # sliding window: the tile's first query (position prefix + q_lo) sees nothing before prefix + q_lo - window + 1
+    kv_start = tl.maximum(prefix + q_lo - window + 1, 0)
+    t_first = kv_start // BLOCK_N
     n_tiles = tl.cdiv(kv_end, BLOCK_N)
-    per_split = tl.cdiv(n_tiles, num_splits)
-    t_lo = split * per_split
+    per_split = tl.cdiv(n_tiles - t_first, num_splits)
+    t_lo = t_first + split * per_split
     t_hi = tl.minimum(t_lo + per_split, n_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -92,7 +97,8 @@ def _paged_attention_kernel(
             tree = tl.load(Tree + tok[:, None] * stride_tree + j[None, :], mask=row_ok[:, None] & new[None, :], other=0)
             visible = ((offs_n < prefix) & n_ok)[None, :] | (tree != 0)
         else:
-            visible = (offs_n[None, :] <= (prefix + qi)[:, None]) & n_ok[None, :]
+            visible = (offs_n[None, :] <= (prefix + qi)[:, None]) & (offs_n[None, :] > (prefix + qi - window)[:, None]) \
+                & n_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -161,9 +167,12 @@ class TritonPagedAttention(AttentionBackend):
         v_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         meta: AttnMetadata,
         scale: float,
+        window: int | None = None,  # sliding window; tree masks with a window are refused (positions unknown here)
     ) -> torch.Tensor:  # [T, Hq, D]
+        if window is not None and meta.tree_mask is not None:
+            raise ValueError("tree drafting is not supported with a sliding-window model on the Triton backend")
         if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            return paged_attention_reference(q, k_cache, v_cache, meta, scale)
+            return paged_attention_reference(q, k_cache, v_cache, meta, scale, window)
         num_tokens, num_heads, head_dim = q.shape
         page, num_kv = k_cache.shape[1], k_cache.shape[2]
         group = num_heads // num_kv
@@ -193,7 +202,7 @@ class TritonPagedAttention(AttentionBackend):
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, part_acc, part_m, part_l,
             meta.query_start_loc, meta.seq_lens, tables, tree_arg,
-            scale * _LOG2E, num_heads, q_tiles, splits,
+            scale * _LOG2E, window or _NO_WINDOW, num_heads, q_tiles, splits,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

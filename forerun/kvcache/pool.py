@@ -21,6 +21,7 @@ class SeqBlocks:
 
     blocks: list[int] = field(default_factory=list)
     length: int = 0
+    dropped: int = 0  # sliding window: blocks[:dropped] were given back (their entries are the padding block 0)
 
 
 class KVPool:
@@ -38,6 +39,7 @@ class KVPool:
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, 0, -1))  # block 0 is kept as the padding block
         self._seqs: dict[int, SeqBlocks] = {}
+        self.window = model.sliding_window  # None, or blocks wholly outside the window are given back (truncate)
 
     # -- allocator -------------------------------------------------------------------------------
     @property
@@ -93,12 +95,30 @@ class KVPool:
         seq = self._seqs[seq_id]
         if not 0 <= length <= seq.length:
             raise ValueError(f"cannot truncate sequence {seq_id} of length {seq.length} to {length}")
+        if seq.dropped and length < seq.dropped * self.block_size + self.window - 1:  # a query at `length` needs them
+            raise ValueError(f"cannot truncate sequence {seq_id} to {length}: its keys before position "
+                             f"{seq.dropped * self.block_size} left the sliding window and were freed")
         seq.length = length
+        if self.window is not None:
+            self._drop_outside_window(seq)
+
+    def _drop_outside_window(self, seq: SeqBlocks) -> None:
+        """Sliding-window models: truncate receives the committed length (every later query sits at a position
+        >= length, and no rollback goes below it), and a query at position i reads keys > i - window only, so
+        blocks wholly before length - window are never read again: they go back to the pool, and their table
+        entries become the padding block 0 (masked by the window in attention). This is the paged form of
+        seed 000's ring of window + largest-draft slots: the draft's slots are simply the blocks past `length`,
+        kept until verification has decided, because blocks are only given back here, after the rollback."""
+        dead = min(max(0, seq.length - self.window) // self.block_size, len(seq.blocks))
+        for i in range(seq.dropped, dead):
+            self._free.append(seq.blocks[i])
+            seq.blocks[i] = 0
+        seq.dropped = max(seq.dropped, dead)
 
     def free(self, seq_id: int) -> None:
         seq = self._seqs.pop(seq_id, None)
         if seq is not None:
-            self._free.extend(reversed(seq.blocks))
+            self._free.extend(reversed(seq.blocks[seq.dropped:]))  # dropped entries are the padding block
 
     def block_table(self, seq_ids: list[int], width: int | None = None) -> torch.Tensor:
         """[B, width] int64 block tables, padded with block 0."""

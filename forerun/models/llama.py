@@ -48,7 +48,8 @@ class Attention(nn.Module):
         norms = (self.q_norm, self.k_norm) if cfg.qk_norm else (None, None)
         q = ops.qkv_to_cache(qkv, positions, rope, *norms, self.layer, meta, kv,
                              cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)  # [T, Hq, D]; k, v now in the cache
-        out = backend.forward(q, kv.k[self.layer], kv.v[self.layer], meta, self.scale)  # [T, Hq, D]
+        out = backend.forward(q, kv.k[self.layer], kv.v[self.layer], meta, self.scale,
+                              window=cfg.sliding_window)  # [T, Hq, D]
         return ops.linear(out.reshape(t, -1), self.o_proj)
 
 

@@ -179,11 +179,12 @@ def apply_bitmask_(logits: Tensor, bitmask: Tensor, rows: Tensor | None = None) 
     (rows None: M == N, one mask per row; else rows [M] long: the logits rows the masks apply to)."""
     vocab = logits.shape[1]
     allowed = unpack(bitmask.to(logits.device, non_blocking=True), vocab)  # [M, V]
-    if rows is None:
-        logits.masked_fill_(~allowed, float("-inf"))
-    else:
-        rows = rows.to(logits.device)
-        logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(~allowed, float("-inf")))
+    with torch.inference_mode(logits.is_inference()):  # the model's logits may be inference tensors
+        if rows is None:
+            logits.masked_fill_(~allowed, float("-inf"))
+        else:
+            rows = rows.to(logits.device)
+            logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(~allowed, float("-inf")))
     return logits
 
 

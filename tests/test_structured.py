@@ -337,3 +337,78 @@ def test_round_hooks_mask_rows_commit_and_tree_nodes(comp):
     assert torch.equal(unpack(m[0], V), reference_allowed(comp, [0, 2]))
     assert torch.equal(unpack(m[1], V), reference_allowed(comp, [3, 1]))
     assert st.num_rejected_drafts == 0
+
+
+# -- real model (SmolLM2-135M-Instruct), every drafter ------------------------------------------------------
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "hobbies": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 16}, "maxItems": 3},
+        "employed": {"type": "boolean"},
+    },
+    "required": ["name", "age", "hobbies", "employed"],
+    "additionalProperties": False,
+}
+JSON_PROMPTS = ["Describe a fictional person as JSON.", "Give me a JSON record for a retired teacher.",
+                "A JSON profile of a young programmer:"]
+SPECS = {
+    "ngram": dict(method="ngram", k=4),
+    "early-exit": dict(method="early-exit", early_exit_layers=10, k=3),
+    "draft": dict(method="draft", k=4),
+    "tree": dict(method="draft", tree=(2, 2)),
+}
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from forerun.models.registry import load_model
+
+    return load_model("smollm2-135m-instruct")
+
+
+def _llm(smol, name):
+    from forerun.config import CacheConfig, SpecConfig
+    from forerun.engine.llm import LLM
+
+    model, tok, _ = smol
+    small = dict(device="cpu", check_invariants=True, cache=CacheConfig(num_blocks=128))  # 2048 tokens, ~50 MB
+    if name == "plain":
+        return LLM.from_model(model, tok, **small)
+    kw = dict(SPECS[name])
+    if kw["method"] == "draft":
+        kw["draft_model"] = (model, tok)  # the model drafting for itself: its own cache, the drafter's code path
+    return LLM.from_model(model, tok, spec=SpecConfig(**kw), **small)
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(smol):
+    sp = SamplingParams(temperature=0, max_tokens=120, structured_output=StructuredOutput(json_schema=SCHEMA))
+    return _llm(smol, "plain").generate(JSON_PROMPTS, sp, chat=True)
+
+
+@pytest.mark.slow
+def test_smollm2_plain_constrained_outputs_validate(plain_greedy):
+    import jsonschema
+
+    for o in plain_greedy:
+        assert o.finish_reason == "stop", o.text
+        jsonschema.validate(json.loads(o.text), SCHEMA)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SPECS))
+def test_smollm2_constrained_speculation_greedy_equals_plain_and_sampled_validates(smol, plain_greedy, name):
+    import jsonschema
+
+    llm = _llm(smol, name)
+    so = StructuredOutput(json_schema=SCHEMA)
+    outs = llm.generate(JSON_PROMPTS, SamplingParams(temperature=0, max_tokens=120, structured_output=so), chat=True)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain_greedy]
+    sampled = llm.generate(JSON_PROMPTS, SamplingParams(temperature=0.8, max_tokens=120, seed=7, structured_output=so),
+                           chat=True)
+    for o in outs + sampled:
+        assert o.finish_reason == "stop", o.text
+        jsonschema.validate(json.loads(o.text), SCHEMA)
+    assert llm.aggregate_stats(outs + sampled).drafted > 0

@@ -16,6 +16,7 @@ import torch
 
 from ..request import Request
 from ..runtime.runner import Chunk, ModelRunner
+from ..structured import apply_grammar_to_draft_logits, grammar_of  # issue 14
 from ..verify.coupling import coupled_scores, keys_for
 from ..verify.probs import SamplingTensors, logits_to_probs, sample_from_probs
 from .base import DraftProposal, Drafter
@@ -85,6 +86,9 @@ class ModelDrafter(Drafter):
             out, _ = self.runner.forward(chunks, num_layers=self.num_layers)
             group = [requests[i] for i in active]
             st = SamplingTensors.from_params([r.params for r in group], out.logits.device)
+            gst = [grammar_of(r) for r in group]
+            if any(s is not None for s in gst):  # issue 14: draft from the grammar-masked q (same support as p)
+                apply_grammar_to_draft_logits(out.logits, gst)
             q = logits_to_probs(out.logits, st.temperature, st.top_k, st.top_p, st.min_p)  # [A, V]
             u = torch.stack([torch.rand((), generator=r.generator) for r in group]).to(q.device)
             greedy = torch.tensor([r.params.temperature == 0 for r in group], device=q.device)
@@ -102,6 +106,8 @@ class ModelDrafter(Drafter):
             for row, i in enumerate(active):
                 if top[row] < self.confidence_threshold:
                     continue  # DSpark: low confidence ends this request's draft here
+                if gst[row] is not None and not gst[row].draft_accept(picked[row]):
+                    continue  # issue 14: the grammar has ended (only a stop token was left)
                 tokens[i].append(picked[row])
                 probs[i].append(q[row])
                 if len(tokens[i]) < ks[i]:
@@ -109,6 +115,9 @@ class ModelDrafter(Drafter):
             if all(len(c.token_ids) == 1 for c in chunks):  # a pure draft step (no catch-up feeding)
                 step_times.append(time.perf_counter() - t_step)  # .tolist() above has synchronised
             active, step = still, step + 1
+        for r in requests:  # issue 14: grammar matchers back at the committed tokens
+            if grammar_of(r) is not None:
+                grammar_of(r).draft_end()
         if self.shares_target_cache:  # early exit wrote into the target's cache: give the positions back
             for rid, n in start_len.items():
                 kv.truncate(rid, n)

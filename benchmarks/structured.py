@@ -1,0 +1,186 @@
+"""Constrained (JSON schema) vs unconstrained speculative decoding: per-token time, acceptance, validity.
+
+For every speculation setting the same prompts run twice, without and with a JSON schema; the cost of
+structured output is the per-token time ratio constrained / unconstrained (goal: <= 1.10). The outputs differ
+in content, so per-token time (wall time / tokens generated) is the compared quantity, in one process and one
+run; each measurement is the best of `--repeat` runs (the machine is shared). Grammar CPU time (mask filling,
+draft cutting, commits) is measured separately by timing forerun.structured's hooks.
+
+    python benchmarks/structured.py [--model smollm2-135m-instruct] [--draft qwen2.5-coder-0.5b-instruct]
+        [--prompts 8] [--max-tokens 96] [--repeat 2] [--out benchmarks/results/structured_cpu.json]
+
+Prints a table, writes the JSON and a PNG plot next to it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import torch  # noqa: E402
+
+import forerun.structured as structured  # noqa: E402
+from forerun.config import SpecConfig  # noqa: E402
+from forerun.engine.llm import LLM  # noqa: E402
+from forerun.models.registry import load_model  # noqa: E402
+from forerun.sampling_params import SamplingParams  # noqa: E402
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 32},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "maxLength": 32},
+        "hobbies": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 24}, "maxItems": 4},
+        "employed": {"type": "boolean"},
+    },
+    "required": ["name", "age", "city", "hobbies", "employed"],
+    "additionalProperties": False,
+}
+TOPICS = ["a retired teacher", "a young programmer", "a fictional pirate", "a chess champion", "a baker in Paris",
+          "an astronaut", "a marathon runner", "a jazz musician", "a botanist", "a detective", "a farmer",
+          "a video game character"]
+
+
+class GrammarTimer:
+    """Accumulates the wall time spent in forerun.structured's engine hooks (wraps them in place)."""
+
+    NAMES = ("draft_masks", "draft_mask", "draft_accept", "draft_end", "commit", "tree_masks")
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._orig = {}
+
+    def __enter__(self):
+        cls = structured.GrammarState
+        for n in self.NAMES:
+            f = getattr(cls, n)
+            self._orig[n] = f
+
+            def wrapped(*a, _f=f, **k):
+                t = time.perf_counter()
+                try:
+                    return _f(*a, **k)
+                finally:
+                    self.seconds += time.perf_counter() - t
+            setattr(cls, n, wrapped)
+        f = structured.apply_bitmask_
+        self._orig["apply"] = f
+
+        def apply(*a, **k):
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                self.seconds += time.perf_counter() - t
+        structured.apply_bitmask_ = apply
+        return self
+
+    def __exit__(self, *exc):
+        for n in self.NAMES:
+            setattr(structured.GrammarState, n, self._orig[n])
+        structured.apply_bitmask_ = self._orig["apply"]
+
+
+def run(llm: LLM, prompts: list[str], sp: SamplingParams, repeat: int) -> dict:
+    best = None
+    for _ in range(repeat):
+        with GrammarTimer() as gt:
+            t = time.perf_counter()
+            outs = llm.generate(prompts, sp, chat=True)
+            wall = time.perf_counter() - t
+        tokens = sum(len(o.token_ids) for o in outs)
+        cur = dict(wall_s=wall, tokens=tokens, ms_per_token=1e3 * wall / tokens, grammar_s=gt.seconds, outs=outs)
+        if best is None or cur["ms_per_token"] < best["ms_per_token"]:
+            best = cur
+    outs = best.pop("outs")
+    st = LLM.aggregate_stats(outs)
+    best.update(acceptance=round(st.acceptance_rate, 4), mean_accepted=round(st.mean_accepted_length, 3),
+                tokens_per_call=round(st.tokens_per_target_call, 3))
+    if sp.structured_output is not None:
+        import jsonschema
+
+        ok = 0
+        for o in outs:
+            try:
+                jsonschema.validate(json.loads(o.text), SCHEMA)
+                ok += 1
+            except Exception:  # noqa: BLE001 - count invalid outputs, whatever the failure
+                pass
+        best["valid_json"] = f"{ok}/{len(outs)}"
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--draft", default=None, help="a draft model sharing the tokenizer (adds a 'draft' row)")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "structured_cpu.json"))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    model, tok, _ = load_model(args.model)
+    settings = {"plain": None, "ngram k=4": SpecConfig(method="ngram", k=4),
+                "early-exit k=3": SpecConfig(method="early-exit", early_exit_layers=max(1, model.config.num_layers // 3),
+                                             k=3)}
+    if args.draft:
+        dmodel, dtok, _ = load_model(args.draft)
+        settings["draft k=4"] = SpecConfig(method="draft", draft_model=(dmodel, dtok), k=4)
+    prompts = [f"Describe {TOPICS[i % len(TOPICS)]} as a JSON object with name, age, city, hobbies and employed."
+               for i in range(args.prompts)]
+    free = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=1)
+    so = structured.StructuredOutput(json_schema=SCHEMA)
+    constrained = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=1, structured_output=so)
+    rows = []
+    for name, spec in settings.items():
+        llm = LLM.from_model(model, tok, device="cpu", spec=spec) if spec else LLM.from_model(model, tok, device="cpu")
+        llm.generate(prompts[:2], constrained, chat=True)  # warm up (grammar compile, oneDNN)
+        u = run(llm, prompts, free, args.repeat)
+        c = run(llm, prompts, constrained, args.repeat)
+        rows.append(dict(setting=name, unconstrained=u, constrained=c,
+                         overhead=round(c["ms_per_token"] / u["ms_per_token"], 4),
+                         grammar_ms_per_token=round(1e3 * c["grammar_s"] / c["tokens"], 4)))
+    plain_c = rows[0]["constrained"]["ms_per_token"]
+    print(f"{'setting':<16} {'free ms/tok':>11} {'json ms/tok':>11} {'json/free':>9} {'grammar ms/tok':>14} "
+          f"{'accept free':>11} {'accept json':>11} {'speedup json':>12} {'valid':>6}")
+    for r in rows:
+        u, c = r["unconstrained"], r["constrained"]
+        print(f"{r['setting']:<16} {u['ms_per_token']:>11.2f} {c['ms_per_token']:>11.2f} {r['overhead']:>9.3f} "
+              f"{r['grammar_ms_per_token']:>14.3f} {u['acceptance']:>11.3f} {c['acceptance']:>11.3f} "
+              f"{plain_c / c['ms_per_token']:>12.2f} {c['valid_json']:>6}")
+    meta = dict(model=args.model, draft=args.draft, prompts=args.prompts, max_tokens=args.max_tokens,
+                temperature=args.temperature, repeat=args.repeat, device="cpu", threads=torch.get_num_threads(),
+                date=time.strftime("%Y-%m-%d %H:%M"), schema=SCHEMA)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    json.dump(dict(meta=meta, rows=rows), open(args.out, "w"), indent=1)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        x = range(len(rows))
+        ax.bar([i - 0.2 for i in x], [r["unconstrained"]["ms_per_token"] for r in rows], 0.4, label="unconstrained")
+        ax.bar([i + 0.2 for i in x], [r["constrained"]["ms_per_token"] for r in rows], 0.4, label="JSON schema")
+        ax.set_xticks(list(x), [r["setting"] for r in rows])
+        ax.set_ylabel("ms per token")
+        ax.set_title(f"{args.model}, CPU, {args.prompts} prompts, T={args.temperature}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.out.replace(".json", ".png"), dpi=100)
+    except ImportError:
+        print("matplotlib not installed: no plot")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,371 @@
+"""`forerun train-eagle`: train an EAGLE head for a target model, on this machine's CPU or a GPU.
+
+    forerun train-eagle --target qwen2.5-coder-1.5b-instruct --out ~/.cache/forerun/eagle/qwen1.5b \
+        --train-tokens 30000 --minutes 30
+
+1. Features (forerun.eagle.data): the target runs teacher-forced over an offline corpus (Python sources of
+   the installed interpreter and site-packages, mostly shaped as chat turns) and the outputs of the head's
+   feature layers and of the last layer are cached under --data (default OUT/data), resumable.
+2. Head: EAGLE-3 by default (fc over three target layers, reduced draft vocabulary of the most frequent
+   training tokens, draft lm_head and norm initialised from the target's), or EAGLE-1 (--version 1).
+3. Loss: cross-entropy against the target's next-token distribution (lm_head(norm(last layer)) restricted
+   to the draft vocabulary), over `--ttt` unrolled training-time-test steps (EAGLE-3: step s feeds the head's
+   own step s-1 outputs and attends to the committed rows plus its own chain, weights 0.8^s), plus, for
+   EAGLE-1, a smooth-L1 regression of the next feature.
+4. Every --eval-every steps: held-out acceptance, estimated teacher-forced on held-out files: per start,
+   chains of k drafts are compared with the target's argmax; `acc_len` = 1 + mean accepted drafts over the
+   starts where the held-out text follows the target's greedy choice along the chain (so that teacher
+   forcing feeds what drafting would), `acc_len_all` counts a corpus deviation as a rejection (a lower bound).
+5. Checkpoints in the published EAGLE-3 (SpecForge) / EAGLE-1 layouts under OUT (config.json +
+   model.safetensors), plus OUT/train_state.pt to resume (--resume).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from ..models.eagle_head import EagleConfig, EagleHead, load_eagle_head, save_eagle_head
+from . import data as D
+
+
+def choose_draft_vocab(counts: torch.Tensor, size: int, must: tuple[int, ...] = ()) -> torch.Tensor:
+    """The `size` most frequent training tokens (ties and unseen slots: lowest ids, which BPE vocabularies
+    give to their most common merges), sorted; `must` tokens (EOS) always included. [size] long."""
+    v = counts.numel()
+    size = min(size, v)
+    score = counts.double() + (1.0 - torch.arange(v, dtype=torch.float64) / v) * 0.5  # tie-break: low ids first
+    for t in must:
+        if 0 <= t < v:
+            score[t] = float("inf")
+    return score.topk(size).indices.sort().values
+
+
+def init_head(target, cfg: EagleConfig, draft_ids: torch.Tensor | None, seed: int = 0) -> EagleHead:
+    """Small random layer; fc reads the highest feature layer as identity (EAGLE-3) so the head starts from
+    the target's own representation; draft norm / lm_head copied from the target's."""
+    torch.manual_seed(seed)
+    head = EagleHead(cfg, target)
+    h = cfg.layer.hidden_size
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0, 0.02)
+        if cfg.version == 3:
+            head.fc.weight[:, -h:] += torch.eye(h)
+            head.norm.weight.copy_(target.model.norm.weight)
+            w = _lm_head_weight(target)
+            head.set_draft_vocab(draft_ids - torch.arange(draft_ids.numel()))
+            head.lm_head.weight.copy_(w[draft_ids])
+        else:
+            head.fc.weight[:, h:] += torch.eye(h)
+    return head
+
+
+def _lm_head_weight(target) -> torch.Tensor:
+    w = getattr(target.lm_head, "weight", None)
+    if w is None and target.config.tie_word_embeddings:
+        w = target.model.embed_tokens.weight
+    if w is None:
+        raise ValueError("the target's lm_head is packed (inference only): load it with pack_cpu=False")
+    return w.detach()
+
+
+class Teacher:
+    """The target's next-token logits from its stored last-layer states (no target forward needed)."""
+
+    def __init__(self, target, head: EagleHead) -> None:
+        self.norm = target.model.norm
+        w = _lm_head_weight(target).float()
+        self.full = w
+        self.draft = w[head.draft_to_target.cpu()].contiguous()  # [Vd, H]
+        self.last = target.config.num_layers - 1
+
+    @torch.no_grad()
+    def draft_logits(self, last: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, Vd]
+        return self.norm(last.float()) @ self.draft.T
+
+    @torch.no_grad()
+    def argmax(self, last: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T] target ids (full vocabulary)
+        x = self.norm(last.float())
+        return torch.cat([(x[i:i + 256] @ self.full.T).argmax(-1) for i in range(0, x.shape[0], 256)])
+
+
+def unrolled_outputs(head: EagleHead, seq: dict, steps: int, crop: tuple[int, int] | None = None):
+    """Head outputs of `steps` training-time-test steps over one sequence: list of [T-1, H] (row t = token
+    x_{t+1} with feature f_t). Step s row t continues the chain that left the committed rows at t - s."""
+    toks = seq["tokens"]
+    a, b = crop or (0, toks.numel())
+    ids = toks[a + 1:b].unsqueeze(0)  # [1, T'] x_{t+1}
+    feats = head.target_feature({k: v[a:b - 1].float() for k, v in seq["feats"].items()}).unsqueeze(0)
+    t = ids.shape[1]
+    cache: list = []
+    outs = []
+    x_feats, from_target = feats, True
+    for s in range(steps):
+        mask = _ttt_mask(t, s)
+        out = head.forward_dense(ids, x_feats, from_target, cache=cache, mask=mask)
+        outs.append(out[0])
+        # next step's feature at row t = this step's output at row t - 1
+        x_feats = torch.cat([out[:, :1] * 0, out[:, :-1]], dim=1)
+        from_target = False
+    return outs
+
+
+def _ttt_mask(t: int, s: int) -> torch.Tensor:
+    """[t, t * (s + 1)] bool: step s row r sees committed rows <= r - s, and row r - s + j of step j."""
+    r = torch.arange(t)
+    blocks = [r[None, :] <= (r[:, None] - s)]
+    for j in range(1, s + 1):
+        blocks.append(r[None, :] == (r[:, None] - s + j))
+    return torch.cat(blocks, dim=1)
+
+
+def sequence_loss(head: EagleHead, teacher: Teacher, seq: dict, steps: int, max_len: int,
+                  gen: torch.Generator, feat_weight: float = 0.0) -> tuple[torch.Tensor, int]:
+    """Mean over rows and steps (weights 0.8^s) of CE(target next-token distribution, head)."""
+    n = seq["tokens"].numel()
+    a = int(torch.randint(0, max(1, n - max_len) + 1, (1,), generator=gen)) if n > max_len else 0
+    b = min(n, a + max_len)
+    outs = unrolled_outputs(head, seq, steps, (a, b))
+    last = seq["feats"][teacher.last][a:b]
+    target_p = teacher.draft_logits(last[1:]).softmax(-1)  # row t: distribution of x_{t+2} = target at t+1
+    total, weight = 0.0, 0.0
+    for s, out in enumerate(outs):
+        rows = slice(s, out.shape[0] - 0)  # rows r >= s have a chain of s steps from committed rows
+        logp = head.logits(out[rows]).log_softmax(-1)
+        ce = -(target_p[rows] * logp).sum(-1).mean()
+        w = 0.8 ** s
+        total = total + w * ce
+        weight += w
+        if feat_weight and s == 0 and head.eagle.version == 1:  # EAGLE-1: the output regresses the next feature
+            tgt = head.target_feature({teacher.last: last[1:].float()})  # row t regresses f_{t+1}
+            total = total + feat_weight * F.smooth_l1_loss(out, tgt)
+    return total / weight, b - a
+
+
+@torch.no_grad()
+def heldout_acceptance(head: EagleHead, teacher: Teacher, seqs: list[dict], k: int = 4) -> dict:
+    """Teacher-forced estimate of chain acceptance with k drafts (see the module docstring)."""
+    acc_on, n_on, acc_all, n_all = 0, 0, 0, 0
+    step_hits = torch.zeros(k)
+    step_tries = torch.zeros(k)
+    for seq in seqs:
+        n = seq["tokens"].numel()
+        if n < k + 4:
+            continue
+        outs = unrolled_outputs(head, seq, k)
+        if "_argmax" not in seq:
+            seq["_argmax"] = teacher.argmax(seq["feats"][teacher.last])  # [n] the target's choice after p
+        tgt = seq["_argmax"]
+        toks = seq["tokens"]
+        draft = torch.stack([head.draft_to_target[head.logits(o).argmax(-1)] for o in outs])  # [k, n-1]
+        starts = n - k - 2
+        if starts <= 0:
+            continue
+        t = torch.arange(starts)
+        correct = torch.stack([draft[s, t + s] == tgt[t + s + 1] for s in range(k)])  # [k, starts]
+        fed_ok = torch.stack([torch.ones_like(t, dtype=torch.bool)] +
+                             [toks[t + s + 1] == tgt[t + s] for s in range(1, k)])
+        run = torch.cumprod(correct.long(), 0)  # accepted-so-far indicator per step
+        run_all = torch.cumprod((correct & fed_ok).long(), 0)
+        on_policy = fed_ok.all(0)
+        acc_on += int(run[:, on_policy].sum())
+        n_on += int(on_policy.sum())
+        acc_all += int(run_all.sum())
+        n_all += starts
+        prev = torch.cat([torch.ones_like(run[:1]), run[:-1]]).bool() & fed_ok
+        step_hits += (correct & prev).sum(1).float()
+        step_tries += prev.sum(1).float()
+    return {"acc_len": 1 + acc_on / max(n_on, 1), "acc_len_all": 1 + acc_all / max(n_all, 1),
+            "step_acc": [round(float(x), 3) for x in step_hits / step_tries.clamp_min(1)],
+            "on_policy_starts": n_on}
+
+
+def train(head: EagleHead, teacher: Teacher, train_seqs: list[dict], held: list[dict], *, steps: int,
+          minutes: float | None, ttt: int, lr: float, max_len: int, accum: int, eval_every: int, eval_k: int,
+          out: Path | None, save_every: int, state: dict | None = None, progress: bool = True,
+          train_lm_head: bool = False, log=print) -> dict:
+    """AdamW with warmup then cosine decay; returns the last evaluation (and the history under 'history')."""
+    if not train_lm_head and head.lm_head is not None:
+        head.lm_head.weight.requires_grad_(False)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    step0 = 0
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+        step0 = state["step"]
+    warm = max(1, min(50, steps // 10))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min(1.0, (i + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i / steps, 1.0)))))
+    for _ in range(step0):
+        sched.step()
+    gen = torch.Generator().manual_seed(1234 + step0)
+    order = torch.randperm(len(train_seqs), generator=gen).tolist()
+    pos = (step0 * accum) % len(order)
+    history = list(state.get("history", [])) if state else []
+    if not history:
+        head.eval()
+        ev = heldout_acceptance(head, teacher, held, eval_k)
+        ev.update(step=step0, tokens=0, seconds=0.0)
+        history.append(ev)
+        log(f"[train-eagle] step {step0}: held-out {json.dumps(ev)}")
+    tokens = history[-1].get("tokens", 0)
+    seconds0 = history[-1].get("seconds", 0.0)
+    t_start = time.perf_counter()
+    bar = tqdm(total=steps, initial=step0, desc="train-eagle", unit="step", disable=not progress)
+    step = step0
+    feat_w = 1.0 if head.eagle.version == 1 else 0.0
+    while step < steps:
+        if minutes is not None and (time.perf_counter() - t_start) / 60 + seconds0 / 60 >= minutes:
+            break
+        head.train()
+        opt.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for _ in range(accum):
+            seq = train_seqs[order[pos]]
+            pos = (pos + 1) % len(order)
+            loss, n = sequence_loss(head, teacher, seq, ttt, max_len, gen, feat_weight=feat_w)
+            (loss / accum).backward()
+            loss_sum += float(loss) / accum
+            tokens += n
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss_sum:.3f}")
+        last = step == steps
+        if step % eval_every == 0 or last:
+            head.eval()
+            ev = heldout_acceptance(head, teacher, held, eval_k)
+            ev.update(step=step, loss=round(loss_sum, 4), tokens=tokens,
+                      seconds=round(seconds0 + time.perf_counter() - t_start, 1))
+            history.append(ev)
+            log(f"[train-eagle] step {step}: held-out {json.dumps(ev)}")
+        if out is not None and (step % save_every == 0 or last):
+            _save(head, opt, step, history, out)
+    bar.close()
+    head.eval()
+    if history[-1]["step"] != step:
+        ev = heldout_acceptance(head, teacher, held, eval_k)
+        ev.update(step=step, tokens=tokens, seconds=round(seconds0 + time.perf_counter() - t_start, 1))
+        history.append(ev)
+        log(f"[train-eagle] step {step}: held-out {json.dumps(ev)}")
+    if out is not None:
+        _save(head, opt, step, history, out)
+    result = dict(history[-1])
+    result["history"] = history
+    return result
+
+
+def _save(head: EagleHead, opt, step: int, history: list, out: Path) -> None:
+    save_eagle_head(head, out, extra_config={"forerun_training": {"step": step, "last_eval": history[-1]}})
+    tmp = out / "train_state.tmp"
+    torch.save({"optimizer": opt.state_dict(), "step": step, "history": history}, tmp)
+    tmp.replace(out / "train_state.pt")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="forerun train-eagle", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True, help="target model: known name, GGUF file or HF folder")
+    p.add_argument("--out", required=True, help="folder for the head (config.json + model.safetensors)")
+    p.add_argument("--data", default=None, help="feature cache folder (default OUT/data); reused and resumed")
+    p.add_argument("--version", type=int, choices=(1, 3), default=3, help="EAGLE-3 (default) or EAGLE-1/2 head")
+    p.add_argument("--train-tokens", type=int, default=30000, help="target tokens of training features")
+    p.add_argument("--heldout-tokens", type=int, default=3000, help="target tokens of held-out features")
+    p.add_argument("--seq-len", type=int, default=384, help="longest corpus sample (tokens)")
+    p.add_argument("--draft-vocab", type=int, default=32000, help="EAGLE-3 draft vocabulary size")
+    p.add_argument("--intermediate", type=int, default=None, help="head MLP width (default: the target's)")
+    p.add_argument("--steps", type=int, default=1000, help="optimizer steps (upper bound)")
+    p.add_argument("--minutes", type=float, default=None, help="stop training after this many minutes")
+    p.add_argument("--ttt", type=int, default=3, help="training-time-test unrolled steps")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--accum", type=int, default=4, help="sequences per optimizer step")
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-k", type=int, default=4, help="drafts per chain in the held-out acceptance")
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--resume", action="store_true", help="continue from OUT's head and train_state.pt")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    for name in ("train_tokens", "heldout_tokens", "seq_len", "draft_vocab", "steps", "ttt", "accum",
+                 "eval_every", "eval_k", "save_every"):
+        if getattr(a, name) < 1:
+            print(f"forerun train-eagle: error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from ..models.registry import load_model
+
+    out = Path(a.out).expanduser()
+    data_dir = Path(a.data).expanduser() if a.data else out / "data"
+    t0 = time.perf_counter()
+    try:
+        # packed (fast) linears only where training never needs a plain weight: an EAGLE-3 head trains against
+        # its own lm_head and the teacher reads the tied embedding
+        from ..models.loader import load_checkpoint
+        from ..models.hub import resolve_model
+
+        tied = load_checkpoint(resolve_model(a.target)).config.tie_word_embeddings
+        target, tok, _ = load_model(a.target, "cpu", torch.float32, pack_cpu=a.version == 3 and tied)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        print(f"forerun train-eagle: error: {e}", file=sys.stderr)
+        return 2
+    target.requires_grad_(False)
+    cfg = EagleConfig.for_target(target.config, version=a.version, intermediate_size=a.intermediate)
+    layers = D.feature_layers(target.config.num_layers, cfg.aux_layers)
+    t_feat = time.perf_counter()
+    n_train = D.extract(target, tok, data_dir, layers, "train", a.train_tokens, max_len=a.seq_len, seed=a.seed,
+                        progress=not a.quiet)
+    n_held = D.extract(target, tok, data_dir, layers, "heldout", a.heldout_tokens, max_len=a.seq_len, seed=a.seed,
+                       progress=not a.quiet)
+    feat_s = time.perf_counter() - t_feat
+    print(f"[train-eagle] features: {n_train} train + {n_held} held-out tokens in {data_dir} ({feat_s:.0f}s)",
+          file=sys.stderr)
+    state = None
+    if a.resume and (out / "train_state.pt").exists():
+        head = load_eagle_head(out, target, dtype=torch.float32)
+        state = torch.load(out / "train_state.pt", weights_only=True)
+    else:
+        draft_ids = None
+        if a.version == 3:
+            counts = D.token_counts(data_dir, target.config.vocab_size)
+            draft_ids = choose_draft_vocab(counts, a.draft_vocab, tuple(target.config.eos_token_ids))
+            cfg = EagleConfig.for_target(target.config, version=3, draft_vocab_size=draft_ids.numel(),
+                                         intermediate_size=a.intermediate)
+        head = init_head(target, cfg, draft_ids, a.seed)
+    teacher = Teacher(target, head)
+    train_seqs, held = D.load_split(data_dir, "train"), D.load_split(data_dir, "heldout")
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    res = train(head, teacher, train_seqs, held, steps=a.steps, minutes=a.minutes, ttt=a.ttt, lr=a.lr,
+                max_len=a.seq_len, accum=a.accum, eval_every=a.eval_every, eval_k=a.eval_k, out=out,
+                save_every=a.save_every, state=state, progress=not a.quiet, log=log)
+    summary = {"out": str(out), "target": a.target, "version": a.version, "train_tokens": n_train,
+               "heldout_tokens": n_held, "feature_seconds": round(feat_s, 1),
+               "train_seconds": res["seconds"], "total_seconds": round(time.perf_counter() - t0, 1),
+               "steps": res["step"], "acc_len": round(res["acc_len"], 3), "acc_len_all": round(res["acc_len_all"], 3),
+               "untrained_acc_len": round(res["history"][0]["acc_len"], 3), "step_acc": res["step_acc"]}
+    (out / "training_summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

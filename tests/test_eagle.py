@@ -347,13 +347,16 @@ def plain_greedy(target: ModelRunner, prompt: list[int], n: int) -> list[int]:
     return toks
 
 
-@pytest.mark.parametrize("version,tree", [(1, False), (3, False), (1, True), (3, True)])
-def test_greedy_is_lossless_tiny(version, tree):
+@pytest.mark.parametrize("version,tree,eager", [(1, False, 64), (3, False, 64), (1, True, 64), (3, True, 64),
+                                                (3, False, 1), (1, True, 2)])
+def test_greedy_is_lossless_tiny(version, tree, eager):
+    """eager: observe_target feeds the head at once when this many rows are pending (prefill chunks)."""
     hf = hf_model("qwen2")
     target = ours_from_hf(hf, num_blocks=512)
     head = random_head(target.model, version, draft_vocab=50 if version == 3 else None)
     drafter = EagleDrafter(target, head, cache=CacheConfig(block_size=4, num_blocks=512), tree_topk=3,
                            tree_steps=3, tree_nodes=8)
+    drafter.eager_rows = eager
     prompts = [[5, 6, 7, 8, 9], [11, 3, 90, 2, 2, 2, 40, 41], [60, 61]]
     reqs = [_request(i, p) for i, p in enumerate(prompts)]
     run_rounds(target, drafter, reqs, 24, k=3, tree=tree)

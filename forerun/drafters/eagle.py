@@ -58,6 +58,7 @@ class EagleDrafter(Drafter):
         self.cache = ModelRunner(head, cache, target.device, self.head_dtype, max_batch_tokens=max_batch_tokens,
                                  max_seqs=max_seqs)
         self.target_hidden_layers = tuple(head.eagle.aux_layers)
+        self.eager_rows = 64  # observe_target feeds at once when this many rows are pending
         self.tree_topk, self.tree_steps, self.tree_nodes = tree_topk, tree_steps, tree_nodes
         self._feats: dict[int, tuple[int, torch.Tensor]] = {}  # req -> (first position, [n, F] features)
 
@@ -74,6 +75,38 @@ class EagleDrafter(Drafter):
                     f = torch.cat([cur[1][: s - cur[0]], f])
                     s = cur[0]
                 self._feats[r.req_id] = (s, f)
+            # long stretches (prefill chunks) go into the cache now, so their features need not be kept
+            long = [r for r in requests if self._pending(r) >= self.eager_rows]
+            if long:
+                self._feed_rows(long)
+
+    def _pending(self, r: Request) -> int:
+        """Rows whose feature and token are both known but that the cache lacks."""
+        have = self._feats.get(r.req_id)
+        kv = self.cache.kv
+        if have is None:
+            return 0
+        lo = kv.length(r.req_id) if kv.has(r.req_id) else 0
+        hi = min(have[0] + have[1].shape[0], r.num_tokens - 1)
+        return hi - lo if have[0] <= lo else 0
+
+    def _feed_rows(self, reqs: list[Request]) -> None:
+        """Feed every complete row but the newest (kept for the next proposal's first step), no logits."""
+        chunks, feats = [], []
+        for r in reqs:
+            kv = self.cache.kv
+            if not kv.has(r.req_id):
+                kv.add_sequence(r.req_id)
+            s0, f = self._feats[r.req_id]
+            lo = kv.length(r.req_id)
+            hi = min(s0 + f.shape[0], r.num_tokens - 1) - 1
+            if hi <= lo:
+                continue
+            chunks.append(Chunk(r.req_id, r.all_tokens[lo + 1:hi + 1], logits="none"))
+            feats.append(f[lo - s0:hi - s0])
+            self._feats[r.req_id] = (hi, f[hi - s0:])
+        if chunks:
+            self._run(chunks, torch.cat(feats), from_target=True)
 
     def _feed_range(self, r: Request) -> tuple[int, int] | None:
         """Rows [L, N) to feed before drafting (N = newest committed position), or None: features missing."""
@@ -243,6 +276,16 @@ class EagleDrafter(Drafter):
                 row += 1
 
     # -- cache bookkeeping -------------------------------------------------------------------------------
+    @property
+    def kv(self):
+        return self.cache.kv
+
+    def blocks_needed(self, request: Request, tokens: int) -> int:
+        """Blocks for `tokens` rows plus the scratch rows of a tree (at most topk x steps beyond them)."""
+        kv = self.cache.kv
+        have = len(kv.blocks(request.req_id)) if kv.has(request.req_id) else 0
+        return max(0, -(-(tokens + self.tree_topk * self.tree_steps) // kv.block_size) - have)
+
     def rollback(self, request: Request, valid_len: int) -> None:
         kv = self.cache.kv
         if kv.has(request.req_id) and kv.length(request.req_id) > valid_len:

@@ -282,7 +282,8 @@ async def _parse(request: Request, model_cls):
 def build_app(engine, aeng: AsyncEngine | None = None, config: ServerConfig | None = None) -> FastAPI:
     """The ASGI app serving `engine` (an Engine; its AsyncEngine is made here unless given). The lifespan
     starts the engine loop and shuts it down (aborting what still runs)."""
-    config = config or ServerConfig(model_names=(getattr(engine, "model_name", None) or "forerun",))
+    config = config or ServerConfig(model_names=(getattr(engine, "model_name", None) or "forerun",),
+                                    max_num_seqs=getattr(engine, "max_num_seqs", 64))
     srv = Server(engine, aeng, config)
 
     @contextlib.asynccontextmanager

@@ -39,6 +39,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may still run after SIGTERM before they are aborted")
     p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="target weights and activations (auto: float32 on the CPU, bfloat16 on CUDA)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own seed")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -85,7 +87,8 @@ def main(argv=None) -> int:
     try:
         spec = SpecConfig.from_flags(a.draft, a.k, a.confidence, a.rule, tree=a.tree)
         cache = CacheConfig(block_size=a.block_size, memory_budget_bytes=int(a.kv_cache_gb * (1 << 30)))
-        engine = Engine(a.model, spec=spec, device=a.device, cache=cache, max_num_seqs=a.max_num_seqs,
+        dtype = None if a.dtype == "auto" else getattr(torch, a.dtype)
+        engine = Engine(a.model, spec=spec, device=a.device, dtype=dtype, cache=cache, max_num_seqs=a.max_num_seqs,
                         max_model_len=a.max_model_len, max_num_batched_tokens=a.max_num_batched_tokens, seed=a.seed)
     except SystemExit as e:  # SpecConfig.from_flags's usage errors
         print(f"forerun serve: error: {e}", file=sys.stderr)

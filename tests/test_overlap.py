@@ -160,10 +160,10 @@ def test_probe_schedule_unchanged_when_a_request_stops_mid_session(monkeypatch):
     drafting_rounds: dict[int, list[int]] = {}  # id(stats) -> indices of the rounds that drafted
     record = RequestStats.record
 
-    def spy(self, drafted, accepted, emitted):
+    def spy(self, drafted, accepted, emitted, nodes=None):
         if drafted:
             drafting_rounds.setdefault(id(self), []).append(self.rounds)
-        record(self, drafted, accepted, emitted)
+        record(self, drafted, accepted, emitted, nodes)
 
     monkeypatch.setattr(RequestStats, "record", spy)
 

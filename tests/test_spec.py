@@ -223,6 +223,24 @@ def test_probes_back_off_while_rejected_and_reset_when_accepted():
     assert probe_gaps(1, accept=False)[0] <= 16
 
 
+def test_adaptive_k_learns_from_empty_proposals():
+    """An n-gram drafter that finds nothing when asked for k drafts counts as rejected: k falls to 0."""
+    from forerun.engine.k_policy import KPolicy
+
+    pol = KPolicy(SpecConfig(method="ngram", adaptive=True, k_max=4))
+    for tokens in (2, 5):
+        pol.cost.record_target(tokens, 0.01 + 0.002 * tokens)
+    pol.cost.record_draft_step(0.0001)
+    assert pol.ks([3], [100]) != [0]
+    for _ in range(30):
+        (k,) = pol.ks([3], [100])
+        pol.observe(3, 0, 0, wanted=k)  # asked, proposed nothing
+    assert pol.ks([3], [100]) == [0]
+    before = pol.estimates[3].rate(0)
+    pol.observe(3, 0, 0, wanted=0)  # k = 0 asked nothing: no evidence
+    assert pol.estimates[3].rate(0) == before
+
+
 def test_mismatched_tokenizers_raise():
     target = hf_model("llama")
     other = hf_model("llama", vocab_size=99)
@@ -271,7 +289,7 @@ def test_tree_greedy_identical_to_plain(tree):
         outs = llm.generate(PROMPTS, GREEDY)
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
         if draft is target:  # the draft's top-1 path is the target's greedy path: every level accepted
-            assert llm.aggregate_stats(outs).acceptance_rate > 0.8
+            assert llm.aggregate_stats(outs).position_acceptance_rate > 0.8
 
 
 def test_tree_round_keeps_the_cache_exact():

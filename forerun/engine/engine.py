@@ -14,7 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import CacheConfig, SpecConfig
+from ..config import CacheConfig, EngineConfig, SpecConfig
+from ..inputs import normalize_prompt
+from ..kvcache.sizing import default_cache_config, describe_pool
+from ..models.compat import check_draft_compatible
 from ..detokenizer import IncrementalDetokenizer
 from ..drafters.base import Drafter
 from ..drafters.model_drafter import DraftModelDrafter, EarlyExitDrafter
@@ -100,20 +103,25 @@ class Engine:
                  max_model_len: int | None = None, max_num_batched_tokens: int = 8192, seed: int = 0,
                  check_invariants: bool = False, cuda_graphs: bool = True, overlap: bool = True,
                  draft_cache: CacheConfig | None = None, _loaded=None) -> None:
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if max_model_len is not None and max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2 tokens, got {max_model_len}")
-        if max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        EngineConfig(max_num_seqs, max_model_len, max_num_batched_tokens)  # validated: a bad value is named here
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.spec = spec or SpecConfig()
         self.model_name = model or "<in-memory>"
         target, self.tokenizer, _ = _loaded or load_model(model, self.device, self.dtype, max_model_len)
         self.model = target
-        self.cache = cache or CacheConfig()
+        self._draft_loaded = self._load_draft()  # before any pool: an incompatible draft is refused first
+        dmodel = self._draft_loaded[0] if self._draft_loaded else None
+        ddtype = next(dmodel.parameters()).dtype if dmodel is not None else None
+        self.cache = cache or default_cache_config(
+            target.config, self.dtype, self.device, max_num_seqs=max_num_seqs, max_model_len=target.max_positions,
+            draft=dmodel.config if dmodel is not None else None, draft_dtype=ddtype,
+            max_draft_tokens=self.spec.max_draft_tokens,
+            weight_bytes=sum(p.numel() * p.element_size() for p in target.parameters()))
         self.draft_cache = draft_cache or self.cache  # a separate draft model's own pool
+        self.pool_description = describe_pool(self.cache, target.config, self.dtype,
+                                              draft=dmodel.config if dmodel is not None else None,
+                                              draft_dtype=ddtype, device=self.device)
         self.max_num_seqs, self.check_invariants, self.overlap = max_num_seqs, check_invariants, overlap
         budget = max(max_num_batched_tokens, self.spec.max_draft_tokens + 2)
         self.runner = ModelRunner(target, self.cache, self.device, self.dtype, max_seqs=max_num_seqs,
@@ -132,6 +140,7 @@ class Engine:
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}  # unfinished requests by external id
         self._overlap = None  # (generator, requests) of an overlapped decoding session in progress
+        self._ks_cache: dict[int, int] | None = None
         self._spec_totals = RequestStats()
         self._spec_num_drafts = 0
 
@@ -144,6 +153,23 @@ class Engine:
     def max_model_len(self) -> int:
         return self.model.max_positions
 
+    def _load_draft(self):
+        """(model, tokenizer) of a separate draft model, checked against the target: its tokenizer and
+        vocabulary are compared from metadata BEFORE its weights load, then once more in full."""
+        s = self.spec
+        if s.method != "draft":
+            return None
+        if isinstance(s.draft_model, tuple):  # (model, tokenizer) already built
+            dmodel, dtok = s.draft_model
+        else:
+            check_draft_compatible(self.tokenizer, self.model.config.vocab_size, s.draft_model)
+            ddtype = draft_dtype(s, self.device, self.dtype)
+            dmodel, dtok, _ = load_model(s.draft_model, self.device, ddtype, self.model.max_positions)
+        check_tokenizers_match(self.tokenizer, dtok)
+        if dmodel.config.vocab_size != self.model.config.vocab_size:
+            raise ValueError(f"draft vocab size {dmodel.config.vocab_size} != target {self.model.config.vocab_size}")
+        return dmodel, dtok
+
     def _make_drafter(self) -> Drafter | None:
         s = self.spec
         if s.method == "ngram":
@@ -151,15 +177,8 @@ class Engine:
         if s.method == "early-exit":
             return EarlyExitDrafter(self.runner, s.early_exit_layers, s.confidence_threshold)
         if s.method == "draft":
-            ddtype = draft_dtype(s, self.device, self.dtype)
-            if isinstance(s.draft_model, tuple):  # (model, tokenizer) already built
-                dmodel, dtok = s.draft_model
-                ddtype = next(dmodel.parameters()).dtype
-            else:
-                dmodel, dtok, _ = load_model(s.draft_model, self.device, ddtype, self.model.max_positions)
-            check_tokenizers_match(self.tokenizer, dtok)
-            if dmodel.config.vocab_size != self.model.config.vocab_size:
-                raise ValueError(f"draft vocab size {dmodel.config.vocab_size} != target {self.model.config.vocab_size}")
+            dmodel, _ = self._draft_loaded
+            ddtype = next(dmodel.parameters()).dtype
             runner = ModelRunner(dmodel, self.draft_cache, self.device, ddtype, max_seqs=self.max_num_seqs,
                                  max_batch_tokens=self.runner.buffers.max_tokens)
             if s.tree is not None:
@@ -186,6 +205,7 @@ class Engine:
         ext = str(request_id) if request_id is not None else f"req-{rid}"
         if ext in self.requests:
             raise ValueError(f"request id {ext!r} is already in use")
+        prompt = normalize_prompt(prompt)
         if isinstance(prompt, str):
             text = prompt
             if chat:
@@ -268,8 +288,8 @@ class Engine:
     def stats(self) -> EngineStats:
         kv, t = self.runner.kv, self._spec_totals
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), kv.num_blocks - 1,
-                           kv.num_free_blocks, self.scheduler.num_preemptions, self._spec_num_drafts, t.drafted,
-                           t.accepted, list(t.accepted_at))
+                           kv.num_free_blocks, self.scheduler.num_preemptions, self._spec_num_drafts,
+                           t.drafted_nodes, t.accepted, list(t.accepted_at))
 
     # -- one step ---------------------------------------------------------------------------------------
     def step(self) -> list["RequestDelta"]:
@@ -289,6 +309,10 @@ class Engine:
     def _k_for(self, reqs: list[Request]) -> list[int]:
         """Drafts per request this round (0 = plain decoding), capped by the room each has left. Trees: the whole
         tree (its node count) when it fits, else 0."""
+        if self._ks_cache is not None:  # decided already this step (by _try_overlap): asking again would
+            cache, self._ks_cache = self._ks_cache, None  # count the round twice and lose a due probe
+            if all(r.req_id in cache for r in reqs):
+                return [cache[r.req_id] for r in reqs]
         limit = self.max_model_len
         if isinstance(self.drafter, TreeDrafter):
             n, depth = self.spec.max_draft_tokens, len(self.spec.tree)
@@ -301,6 +325,7 @@ class Engine:
         if self._try_overlap():
             return self._overlap_step()
         out = sched.schedule(self._k_for)
+        self._ks_cache = None
         touched = []
         for r, msg in out.failed:
             r.finish_reason, r.error = FinishReason.ERROR, msg
@@ -316,9 +341,9 @@ class Engine:
             if not it.final:
                 continue
             if self.drafter is not None:
-                self.k_policy.observe(r.req_id, res.num_drafted[i], res.num_accepted[i])
-            r.stats.record(res.num_drafted[i], res.num_accepted[i], len(res.emitted[i]))
-            self._count_spec(res.num_drafted[i], res.num_accepted[i])
+                self.k_policy.observe(r.req_id, res.num_drafted[i], res.num_accepted[i], wanted=it.k)
+            r.stats.record(res.num_drafted[i], res.num_accepted[i], len(res.emitted[i]), res.drafted_nodes[i])
+            self._count_spec(res.num_drafted[i], res.num_accepted[i], res.drafted_nodes[i])
             self._commit(r, res.emitted[i], res.logprobs[i])
             touched.append(r)
         if self.check_invariants:
@@ -328,10 +353,10 @@ class Engine:
                 self._finish(it.request)
         return touched
 
-    def _count_spec(self, drafted: int, accepted: int) -> None:
+    def _count_spec(self, drafted: int, accepted: int, nodes: int) -> None:
         if drafted:
             self._spec_num_drafts += 1
-            self._spec_totals.record(drafted, accepted, 0)
+            self._spec_totals.record(drafted, accepted, 0, nodes)
 
     def _observe(self, res: RoundResult, items: list[RoundItem]) -> None:
         """Feed the cost model with decode/verify rounds only: a prefill's per-token cost is not a verify's."""
@@ -355,8 +380,12 @@ class Engine:
         if not overlap_applies(self.runner, running, limit, self.spec.rule):
             return False
         if self.drafter is not None:
-            if not self.spec.adaptive or any(self._k_for(running)):
-                return False  # (the k policy counted this round; it runs as an ordinary round)
+            if not self.spec.adaptive:
+                return False
+            ks = self._k_for(running)
+            if any(ks):  # the k policy counted this round: the scheduler reuses its answer
+                self._ks_cache = {r.req_id: k for r, k in zip(running, ks)}
+                return False
         ids = [r.req_id for r in running]
         steps = self.k_policy.rounds_before_probe(ids) if self.drafter is not None else None
         gen = overlapped_decode(self.runner, running, limit, self._commit_overlapped, max_steps=steps,

@@ -166,14 +166,20 @@ class KPolicy:
             self.estimates[req_id] = AcceptanceEstimate(prior=self.overall.alpha, priors=priors)
         return self.estimates[req_id]
 
-    def observe(self, req_id: int, drafted: int, accepted: int) -> None:
+    def observe(self, req_id: int, drafted: int, accepted: int, wanted: int | None = None) -> None:
+        """drafted / accepted: this round's drafts; wanted: the k asked for. A drafter that proposed nothing
+        when asked (n-gram without a match) counts as a rejected first draft: a drafter that rarely has
+        anything to say is worth as little as one that is always wrong, and k should fall to 0 (where plain
+        decoding runs overlapped) until a probe finds it useful again."""
         if self.spec.adaptive:
+            if drafted == 0 and wanted:
+                drafted, accepted = 1, 0
             self._estimate(req_id).update(drafted, accepted)
             self.overall.update(drafted, accepted)
             if req_id in self.probing:  # a rejected probe waits twice as long for the next one
                 self.probing.discard(req_id)
                 interval = self.probe_every.get(req_id, self.PROBE_EVERY)
-                if drafted:  # (a drafter with nothing to propose tested nothing)
+                if drafted:
                     self.probe_every[req_id] = self.PROBE_EVERY if accepted else min(2 * interval, self.PROBE_MAX)
 
     def forget(self, req_id: int) -> None:

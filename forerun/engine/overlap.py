@@ -8,8 +8,9 @@ and cache slots are computed inside the CUDA graph from the context lengths and 
 work of step n hides behind the device work of step n+1 (seed 000's zero-overhead scheduling).
 
 Exactness: a launched step never changes what is committed. Each step draws the same two coins per request
-from the request's own generator as a non-overlapped round with k = 0 (`speculative_round`), and samples
-with the same rule, so outputs equal the non-overlapped ones for the same seeds. When a request finishes
+from the request's own generator as a non-overlapped round with k = 0 (engine/sampler.py), and samples with
+the same rule (seeded requests: the same position-keyed coupling), so outputs equal the non-overlapped ones
+for the same seeds. When a request finishes
 (stop token or string, found only after its step was committed), the step already in flight is still
 committed for the others; the finished request's extra token is dropped and its cache is freed. A step is
 launched only if every request still needs a token after the pending one (max_tokens, context length), so
@@ -27,6 +28,8 @@ import torch
 
 from ..request import Request
 from ..verify import SamplingTensors, verify_chain
+from ..verify.coupling import coupled_scores, row_key
+from ..verify.probs import logits_to_probs
 from ..runtime.runner import ModelRunner
 from .sampler import temperature_only
 
@@ -37,7 +40,7 @@ def overlap_applies(runner: ModelRunner, requests: list[Request], limit: int, ru
     gr, kv = runner.graphs, runner.kv
     if gr is None or not requests or gr.bucket(len(requests)) is None or rule != "auto":
         return False
-    if not temperature_only(requests) or any(r.coupled for r in requests):  # coupled: position-keyed noise
+    if not temperature_only(requests):
         return False
     return all(kv.length(r.req_id) == r.num_tokens - 1 and r.remaining >= 2 and r.num_tokens + 1 < limit
                for r in requests)
@@ -60,7 +63,8 @@ def overlapped_decode(runner: ModelRunner, requests: list[Request], limit: int,
     table = kv.block_table([r.req_id for r in requests])
     runner.buffers.block_tables[:b].zero_()
     runner.buffers.block_tables[:b, : table.shape[1]].copy_(table)  # row i = requests[i] (run_uniform's rows)
-    temps = [r.params.temperature for r in requests]
+    coupled = [i for i, r in enumerate(requests) if r.coupled]  # seeded: greedy on log p + g(seed, position)
+    temps = [0.0 if r.coupled else r.params.temperature for r in requests]
     sampling = SamplingTensors(torch.tensor(temps, device=dev), torch.zeros(b, dtype=torch.int64, device=dev),
                                torch.ones(b, device=dev), torch.zeros(b, device=dev))
     no_draft = torch.full((b,), -1, dtype=torch.int64, device=dev)
@@ -69,8 +73,11 @@ def overlapped_decode(runner: ModelRunner, requests: list[Request], limit: int,
 
     def launch() -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Reserve a slot per request, replay the step, sample, feed the tokens back; start the token copy."""
+        keys = []
         for i, r in enumerate(requests):
             n = kv.length(r.req_id)
+            if r.coupled:  # the token sampled now sits at index n + 1 of the sequence
+                keys.append(row_key(r.params.seed, n + 1))
             before = len(kv.blocks(r.req_id))
             kv.reserve(r.req_id, n + 1)
             for j, blk in enumerate(kv.blocks(r.req_id)[before:], start=before):
@@ -79,6 +86,12 @@ def overlapped_decode(runner: ModelRunner, requests: list[Request], limit: int,
         coins = torch.cat([torch.rand(1, 2, generator=r.generator) for r in requests])  # as speculative_round
         coins = coins.pin_memory().to(dev, non_blocking=True) if cuda else coins
         logits = gr.run_uniform(ids, ctx, 1)  # [B, V]
+        if coupled:  # (the graph's static output is not overwritten)
+            logits = logits.clone()
+            rows = torch.tensor(coupled, device=dev)
+            t = torch.tensor([requests[i].params.temperature for i in coupled], device=dev)
+            p = logits_to_probs(logits[rows], t, torch.zeros_like(rows), torch.ones_like(t), torch.zeros_like(t))
+            logits[rows] = coupled_scores(p, torch.tensor(keys, dtype=torch.int64, device=dev))
         if cuda:  # the fused Triton sampler; the CPU (tests) samples with the reference verifier
             from ..kernels.chain_sample import chain_sample
 

@@ -1,0 +1,330 @@
+"""The online engine under load: requests arrive while others run (closed loop at a fixed concurrency, and
+Poisson arrivals at a sweep of rates); throughput, TTFT and time per output token (p50 / p99) for plain
+decoding, fixed k and adaptive k; plus a 4k-token prompt arriving mid-run (chunked prefill keeps the running
+requests' p99 time per token within 2x their median).
+
+  GPU (H200): python benchmarks/online.py --gpu      random Qwen3-8B-shape target, 0.6B-shape draft,
+      synthetic acceptance 0.6 / 0.8 / 0.9 and a useless draft; concurrency 1..64.
+  CPU:        python benchmarks/online.py --cpu      the real Qwen2.5-Coder 1.5B + 0.5B pair, greedy, low load.
+
+Synthetic acceptance (GPU): the draft model runs for real (its cost is real), then its tokens are replaced by
+the target's own greedy continuation (computed beforehand, per prompt), each position kept with probability a
+and the chain cut at the first miss (a = 0: a useless draft). The engine, scheduler and verifier are the real
+ones. Prints a table; writes benchmarks/results/online_{gpu,cpu}.json and a PNG.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from forerun.config import CacheConfig, SpecConfig  # noqa: E402
+from forerun.drafters.base import DraftProposal  # noqa: E402
+from forerun.drafters.model_drafter import DraftModelDrafter  # noqa: E402
+from forerun.engine.engine import Engine  # noqa: E402
+from forerun.sampling_params import SamplingParams  # noqa: E402
+
+
+class SyntheticDrafter(DraftModelDrafter):
+    """The draft model's real cost, the acceptance we ask for: tokens come from the target's known greedy
+    continuation of the prompt, kept with probability `a` each (the first miss cuts the chain)."""
+
+    name = "synthetic"
+
+    def __init__(self, runner, reference: dict[tuple, list[int]], a: float, seed: int = 0) -> None:
+        super().__init__(runner)
+        self.reference, self.a, self.rng = reference, a, random.Random(seed)
+
+    def propose(self, requests, ks) -> DraftProposal:
+        real = super().propose(requests, ks)
+        tokens = []
+        for r, k, d in zip(requests, ks, real.tokens):
+            ref = self.reference.get(tuple(r.prompt_token_ids), [])
+            out, at = [], len(r.output_token_ids)
+            for j in range(len(d)):
+                if at + j < len(ref) and self.rng.random() < self.a:
+                    out.append(ref[at + j])
+                else:  # a miss: the draft model's own token if it differs, else any other token
+                    t = d[j] if at + j >= len(ref) or d[j] != ref[at + j] else (ref[at + j] + 1) % 1000
+                    out.append(t)
+                    break
+            tokens.append(out)
+        return DraftProposal(tokens, [None] * len(requests), step_seconds=real.step_seconds)
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def drive(eng: Engine, prompts: list[list[int]], new_tokens: int, *, concurrency: int | None = None,
+          rate: float | None = None, seed: int = 0, late: tuple[float, list[int]] | None = None) -> dict:
+    """Run the engine until every request is done. Closed loop (`concurrency` outstanding at all times) or
+    Poisson arrivals at `rate` requests/s. late: (time, prompt) of one extra request arriving mid-run."""
+    rng = random.Random(seed)
+    sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    queue = list(prompts)
+    arrivals, t_next = [], 0.0
+    if rate is not None:
+        for _ in queue:
+            t_next += rng.expovariate(rate)
+            arrivals.append(t_next)
+    info: dict[str, dict] = {}
+    st0 = eng.stats()
+    t0 = time.perf_counter()
+    outstanding = 0
+    late_id = None
+
+    def add(prompt, now):
+        nonlocal outstanding
+        rid = eng.add_request(prompt, sp)
+        info[rid] = {"arrive": now, "times": []}
+        outstanding += 1
+        return rid
+
+    while queue or eng.has_unfinished() or (late is not None and late_id is None):
+        now = time.perf_counter() - t0
+        if rate is None:
+            while queue and outstanding < concurrency:
+                add(queue.pop(0), now)
+        else:
+            while queue and arrivals[len(prompts) - len(queue)] <= now:
+                add(queue.pop(0), now)
+        if late is not None and late_id is None and now >= late[0]:
+            late_id = add(late[1], now)
+        if not eng.has_unfinished():
+            time.sleep(0.0005)
+            continue
+        for d in eng.step():
+            t = time.perf_counter() - t0
+            info[d.request_id]["times"].extend([t] * len(d.new_token_ids))
+            if d.finished:
+                outstanding -= 1
+    end = time.perf_counter() - t0
+    ttft, tpot, gaps = [], [], []
+    for rid, v in info.items():
+        ts = v["times"]
+        if not ts:
+            continue
+        ttft.append(ts[0] - v["arrive"])
+        if len(ts) > 1:
+            tpot.append((ts[-1] - ts[0]) / (len(ts) - 1))
+        if rid != late_id:
+            gaps.extend(b - a for a, b in zip(ts, ts[1:]) if b > a)  # time between steps that gave tokens
+    tokens = sum(len(v["times"]) for v in info.values())
+    st = eng.stats()
+    drafted = st.spec_num_draft_tokens - st0.spec_num_draft_tokens
+    accepted = st.spec_num_accepted_tokens - st0.spec_num_accepted_tokens
+    res = dict(requests=len(info), tokens=tokens, seconds=end, tok_s=tokens / end,
+               ttft_p50=percentile(ttft, 50), ttft_p99=percentile(ttft, 99),
+               tpot_p50=percentile(tpot, 50), tpot_p99=percentile(tpot, 99),
+               acceptance=round(accepted / drafted, 4) if drafted else None, drafted=drafted,
+               preemptions=st.num_preemptions - st0.num_preemptions)
+    if late is not None:
+        res.update(step_gap_p50=percentile(gaps, 50), step_gap_p99=percentile(gaps, 99))
+    return res
+
+
+def run_grid(make_engine, prompts_for, new_tokens: int, concurrencies, configs, log) -> list[dict]:
+    rows = []
+    for name, spec_kw in configs:
+        eng = make_engine(spec_kw)
+        drive(eng, prompts_for(1), 8, concurrency=1)  # warm-up (graphs captured on first use)
+        for c in concurrencies:
+            drive(eng, prompts_for(c), 8, concurrency=c)
+            r = drive(eng, prompts_for(2 * c), new_tokens, concurrency=c)
+            r.update(config=name, concurrency=c)
+            rows.append(r)
+            log(f"{name:>26} c={c:<3} {r['tok_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50'] * 1e3:7.1f} ms  "
+                f"TPOT p50/p99 {r['tpot_p50'] * 1e3:6.2f}/{r['tpot_p99'] * 1e3:6.2f} ms  acc {r['acceptance']}")
+        del eng
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return rows
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    plain = {r["concurrency"]: r["tok_s"] for r in rows if r["config"] == "plain"}
+    out = []
+    for r in rows:
+        if r["config"] != "plain" and r["concurrency"] in plain:
+            out.append(dict(config=r["config"], concurrency=r["concurrency"], vs_plain=r["tok_s"] / plain[r["concurrency"]]))
+    return out
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name in dict.fromkeys(r["config"] for r in rows):
+        rs = [r for r in rows if r["config"] == name]
+        ax[0].plot([r["concurrency"] for r in rs], [r["tok_s"] for r in rs], marker="o", label=name)
+        ax[1].plot([r["concurrency"] for r in rs], [r["tpot_p50"] * 1e3 for r in rs], marker="o", label=name)
+    for a, yl in zip(ax, ("throughput (tok/s)", "TPOT p50 (ms)")):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("concurrency")
+        a.set_ylabel(yl)
+        a.grid(alpha=0.3)
+    ax[0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def gpu_main(args) -> dict:
+    sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+    from gpu import BF16, QWEN3_06B, QWEN3_8B, _NoTextTokenizer, build_model
+
+    T0 = time.perf_counter()
+
+    def log(m):
+        print(f"[{time.perf_counter() - T0:6.1f}s] {m}", flush=True)
+
+    torch.manual_seed(0)
+    target = build_model(QWEN3_8B, None, seed=0)
+    draft = build_model(QWEN3_06B, None, seed=3)
+    tok = _NoTextTokenizer()
+    cache = CacheConfig(block_size=16, num_blocks=args.blocks)
+    prompt_len, new = 128, args.new_tokens
+    pool = [torch.randint(0, 151936, (prompt_len,)).tolist() for _ in range(128)]
+    log("models built; computing the target's greedy continuations (the synthetic drafts' reference)")
+    ref_eng = Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64)
+    reference = {}
+    for i in range(0, len(pool), 64):
+        ids = [ref_eng.add_request(p, SamplingParams(temperature=0, max_tokens=new + 8, ignore_eos=True)) for p in pool[i:i + 64]]
+        outs = {}
+        while ref_eng.has_unfinished():
+            for d in ref_eng.step():
+                outs.setdefault(d.request_id, []).extend(d.new_token_ids)
+        for p, rid in zip(pool[i:i + 64], ids):
+            reference[tuple(p)] = outs[rid]
+    del ref_eng
+    log("reference done")
+
+    def make(spec_kw):
+        if spec_kw is None:
+            return Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64)
+        a, kw = spec_kw
+        eng = Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64,
+                                spec=SpecConfig(method="draft", draft_model=(draft, tok), **kw))
+        syn = SyntheticDrafter(eng.drafter.runner, reference, a)
+        eng.drafter = syn
+        eng.round.drafter = syn
+        eng.scheduler.drafter = syn
+        return eng
+
+    rng = random.Random(1)
+    configs = [("plain", None)]
+    for a in args.acceptance:
+        label = "useless draft" if a == 0 else f"a={a}"
+        configs += [(f"k=4, {label}", (a, dict(k=4))), (f"adaptive, {label}", (a, dict(adaptive=True, k_max=8)))]
+    rows = run_grid(make, lambda n: rng.sample(pool, min(n, len(pool))), new, args.concurrency, configs, log)
+    # chunked prefill: a 4k prompt arrives while 4 requests decode
+    late = []
+    for budget in (512, 8192):
+        eng = Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64,
+                                max_num_batched_tokens=budget)
+        drive(eng, pool[:4], 8, concurrency=4)
+        long_prompt = torch.randint(0, 151936, (4096,)).tolist()
+        r = drive(eng, pool[:4], 192, concurrency=4, late=(0.15, long_prompt))
+        r.update(max_num_batched_tokens=budget, p99_over_p50=r["step_gap_p99"] / r["step_gap_p50"])
+        late.append(r)
+        log(f"4k prompt mid-run, budget {budget}: running requests' step gap p50 {r['step_gap_p50'] * 1e3:.2f} ms, "
+            f"p99 {r['step_gap_p99'] * 1e3:.2f} ms ({r['p99_over_p50']:.2f}x)")
+        del eng
+    return dict(rows=rows, ratios=ratios(rows), long_prompt=late, prompt_len=prompt_len, new_tokens=new)
+
+
+def cpu_main(args) -> dict:
+    from forerun.models.registry import load_model
+
+    torch.set_num_threads(args.threads)
+    from forerun.bench_prompts import CODE_PROMPTS
+
+    T0 = time.perf_counter()
+
+    def log(m):
+        print(f"[{time.perf_counter() - T0:6.1f}s] {m}", flush=True)
+
+    target, tok, _ = load_model("qwen2.5-coder-1.5b-instruct")
+    from forerun.engine.engine import draft_dtype
+
+    draft, dtok, _ = load_model("qwen2.5-coder-0.5b-instruct", dtype=draft_dtype(SpecConfig(), torch.device("cpu"), torch.float32))
+    log("models loaded")
+    prompts = []
+    for p in CODE_PROMPTS:
+        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+
+    def make(spec_kw):
+        spec = SpecConfig() if spec_kw is None else SpecConfig(method="draft", draft_model=(draft, dtok), **spec_kw)
+        return Engine.from_model(target, tok, device="cpu", spec=spec, max_num_seqs=8)
+
+    it = iter(range(10_000))
+    configs = [("plain", None), ("k=4", dict(k=4)), ("adaptive", dict(adaptive=True, k_max=8))]
+    rows = run_grid(make, lambda n: [prompts[next(it) % len(prompts)] for _ in range(n)], args.new_tokens,
+                    args.concurrency, configs, log)
+    poisson = []
+    for name, kw in configs:
+        eng = make(kw)
+        r = drive(eng, prompts[: args.poisson_requests], args.new_tokens, rate=args.rate, seed=3)
+        r.update(config=name, rate=args.rate)
+        poisson.append(r)
+        log(f"Poisson {args.rate}/s {name}: {r['tok_s']:.2f} tok/s TTFT p50 {r['ttft_p50']:.2f} s TPOT p50 {r['tpot_p50'] * 1e3:.0f} ms")
+    return dict(rows=rows, ratios=ratios(rows), poisson=poisson, new_tokens=args.new_tokens)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    g = ap.add_mutually_exclusive_group(required=True)
+    g.add_argument("--gpu", action="store_true")
+    g.add_argument("--cpu", action="store_true")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=None)
+    ap.add_argument("--acceptance", type=float, nargs="+", default=[0.6, 0.8, 0.9, 0.0])
+    ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--blocks", type=int, default=40_000)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rate", type=float, default=0.05)
+    ap.add_argument("--poisson-requests", type=int, default=4)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.gpu:
+        args.concurrency = args.concurrency or [1, 2, 4, 8, 16, 32, 64]
+        args.new_tokens = args.new_tokens or 96
+        res = gpu_main(args)
+        name = "online_gpu"
+        res["device"] = torch.cuda.get_device_name()
+    else:
+        args.concurrency = args.concurrency or [1, 2]
+        args.new_tokens = args.new_tokens or 32
+        res = cpu_main(args)
+        name = "online_cpu"
+        res["device"] = "cpu"
+        res["load_average"] = os.getloadavg()
+    res["date"] = datetime.datetime.now().isoformat(timespec="seconds")
+    out_dir = args.out or os.path.join(REPO, "benchmarks", "results")
+    os.makedirs(out_dir, exist_ok=True)
+    json.dump(res, open(os.path.join(out_dir, f"{name}.json"), "w"), indent=1)
+    plot(res["rows"], os.path.join(out_dir, f"{name}.png"), f"forerun online engine ({res['device']})")
+    print("\nspeculation / plain throughput:")
+    for r in res["ratios"]:
+        print(f"  {r['config']:>26} c={r['concurrency']:<3} {r['vs_plain']:.3f}x")
+    print(f"wrote {out_dir}/{name}.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -124,6 +124,8 @@ def _check_generate(a):
             raise UsageError(f"unknown draft model {draft!r}; known models: {', '.join(hub.known_models())} "
                              "(or early-exit:N, ngram, none)")
         _check_pair(a.model, draft)
+    if spec.method == "eagle" and not os.path.isdir(os.path.expanduser(spec.eagle_head)):
+        raise UsageError(f"--draft eagle:DIR: no such folder {spec.eagle_head!r} (train one with forerun train-eagle)")
     return spec, params
 
 
@@ -237,7 +239,8 @@ def build_parser() -> ArgumentParser:
         mp.add_argument("rest", nargs=argparse.REMAINDER)
 
     for name, text in (("bench", "CPU benchmark: plain vs speculative vs transformers assisted generation"),
-                       ("serve", "OpenAI-compatible HTTP server")):
+                       ("serve", "OpenAI-compatible HTTP server"),
+                       ("train-eagle", "train an EAGLE draft head for a target model (offline corpus)")):
         b = sub.add_parser(name, help=text, add_help=False)
         b.add_argument("rest", nargs=argparse.REMAINDER)
     return p
@@ -255,6 +258,10 @@ def _dispatch(argv: list[str]) -> int:
         except ImportError as e:
             raise UsageError(f"forerun serve is not available: {e}") from None
         return serve_main(argv[1:])
+    if argv[:1] == ["train-eagle"]:
+        from .eagle.train import main as train_main
+
+        return train_main(argv[1:])
     if argv[:1] == ["models"] and argv[1:2] in (["pull"], ["list"], ["verify"]):
         from .models import hub
 

@@ -138,7 +138,7 @@ class CacheConfig:
             raise ValueError("num_blocks must be positive")
 
 
-SPEC_METHODS = ("none", "draft", "early-exit", "ngram")
+SPEC_METHODS = ("none", "draft", "early-exit", "ngram", "eagle")
 VERIFY_RULES = ("auto", "greedy", "rejection", "penalty", "typical")
 
 
@@ -164,12 +164,20 @@ class SpecConfig:
     typical_delta: float = 0.3  # Medusa's posterior_alpha
     draft_dtype: str = "auto"  # auto: bfloat16 on CPUs with native bf16 (a draft only proposes), else the target's
     tree: tuple[int, ...] | None = None  # method 'draft' only: children per node at each depth, e.g. (2, 2, 1)
+    eagle_head: str | None = None  # method 'eagle': a head's folder (EAGLE / SpecForge layout; forerun train-eagle)
+    eagle_tree: tuple[int, int, int] | None = None  # method 'eagle': dynamic tree (top-k, steps, nodes); None = chain
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"unknown speculation method {self.method!r}; choose from {SPEC_METHODS}")
         if self.method == "draft" and not self.draft_model:
             raise ValueError("method 'draft' needs draft_model")
+        if self.method == "eagle" and not self.eagle_head:
+            raise ValueError("method 'eagle' needs eagle_head (a head's folder)")
+        if self.eagle_tree is not None:
+            object.__setattr__(self, "eagle_tree", tuple(int(x) for x in self.eagle_tree))
+            if self.method != "eagle" or len(self.eagle_tree) != 3 or min(self.eagle_tree) < 1 or self.eagle_tree[2] < 2:
+                raise ValueError("eagle_tree needs method 'eagle' and (top-k >= 1, steps >= 1, nodes >= 2)")
         if self.method == "early-exit" and self.early_exit_layers < 1:
             raise ValueError("method 'early-exit' needs early_exit_layers >= 1")
         if self.k < 0 or self.k_max < 0 or (self.adaptive and self.k_max < 1):
@@ -193,11 +201,18 @@ class SpecConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.method != "none" and (self.adaptive or self.k > 0 or self.tree is not None)
+        return self.method != "none" and (self.adaptive or self.k > 0 or self.is_tree)
+
+    @property
+    def is_tree(self) -> bool:
+        """A round drafts a whole tree (draft-model tree or EAGLE dynamic tree) instead of a chain."""
+        return self.tree is not None or self.eagle_tree is not None
 
     @property
     def max_draft_tokens(self) -> int:
         """Most draft tokens one request feeds the target in a round (chain: k_max or k; tree: its nodes)."""
+        if self.eagle_tree is not None:
+            return self.eagle_tree[2] - 1
         if self.tree is not None:
             nodes, width = 0, 1
             for b in self.tree:
@@ -247,6 +262,13 @@ class SpecConfig:
             if confidence is not None:
                 raise ValueError("--confidence does nothing with --draft ngram (n-gram drafts have no probabilities)")
             return cls(method="ngram", ngram_max=ngram_max, **common)
+        if draft.startswith("eagle:"):
+            head = draft.partition(":")[2]
+            if not head:
+                raise ValueError("--draft eagle:DIR needs the head's folder, e.g. eagle:~/.cache/forerun/eagle/qwen1.5b")
+            if tree is not None:
+                return cls(method="eagle", eagle_head=head, eagle_tree=parse_eagle_tree(tree), **common)
+            return cls(method="eagle", eagle_head=head, **common)
         if draft.startswith("early-exit"):
             _, _, n = draft.partition(":")
             if not n.isdigit() or int(n) < 1:
@@ -270,6 +292,16 @@ def parse_tree(text: str) -> tuple[int, ...]:
         raise ValueError(f"--tree must be comma-separated positive integers (children per depth), e.g. 2,2,1; "
                          f"got {text!r}")
     return tuple(int(x) for x in parts)
+
+
+def parse_eagle_tree(text: str) -> tuple[int, int, int]:
+    """EAGLE's --tree: 'TOPK,STEPS,NODES', e.g. 4,4,16 (or 'dynamic' for that default)."""
+    if str(text).strip() == "dynamic":
+        return (4, 4, 16)
+    parts = parse_tree(text)
+    if len(parts) != 3 or parts[2] < 2:
+        raise ValueError(f"--tree with --draft eagle: is TOPK,STEPS,NODES (e.g. 4,4,16) or 'dynamic'; got {text!r}")
+    return parts  # type: ignore[return-value]
 
 
 def tree_label(tree: tuple[int, ...]) -> str:

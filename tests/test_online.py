@@ -318,3 +318,34 @@ def test_a_request_failing_later_fails_alone(target):
     assert outs[0].token_ids == alone(target, PROMPTS[0], GREEDY)
     assert outs[2].token_ids == alone(target, PROMPTS[3], GREEDY)
     assert llm.runner.kv.num_free_blocks == llm.runner.kv.num_blocks - 1
+
+
+@pytest.mark.parametrize("tree", [None, (3, 3, 8)])
+def test_eagle_through_the_engine_is_lossless(tmp_path, tree):
+    """SpecConfig(method='eagle') end to end (a random EAGLE-1 head saved in the published layout and loaded by
+    the engine): greedy output equals plain decoding, chain and dynamic tree, with requests joining mid-run."""
+    from forerun.models.eagle_head import EagleConfig, EagleHead, save_eagle_head
+
+    hf = hf_model("qwen2")
+    runner = ours_from_hf(hf)
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(runner.model.config, version=1), runner.model)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.05)
+    path = save_eagle_head(head, tmp_path / "head")
+    spec = SpecConfig(method="eagle", eagle_head=str(path), k=3, eagle_tree=tree)
+    want = [alone(hf, p, GREEDY) for p in PROMPTS[:4]]
+    eng = engine(hf, spec)
+    got: dict[str, list[int]] = {}
+    eng.add_request(PROMPTS[0], GREEDY, request_id="0")
+    for i in range(1, 4):
+        for d in eng.step():
+            got.setdefault(d.request_id, []).extend(d.new_token_ids)
+        eng.add_request(PROMPTS[i], GREEDY, request_id=str(i))
+    for k, v in run_all(eng).items():
+        got.setdefault(k, []).extend(v)
+    assert [got[str(i)] for i in range(4)] == want
+    assert eng.stats().spec_num_draft_tokens > 0
+    assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1

@@ -9,6 +9,7 @@ Plain decoding on CUDA graphs runs overlapped (engine/overlap.py) while nothing 
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from dataclasses import dataclass
 
@@ -131,7 +132,7 @@ class Engine:
             for runner in {id(r): r for r in (self.runner, getattr(self.drafter, "runner", None)) if r}.values():
                 enable_cuda_graphs(runner, max_q_len=self.spec.max_draft_tokens + 1)
         self.k_policy = KPolicy(self.spec)
-        tree = isinstance(self.drafter, TreeDrafter)
+        tree = self.spec.is_tree
         self.sampler = RoundSampler(self.spec.rule, self._verify_kwargs())
         round_cls = TreeRound if tree else ChainRound
         self.round = round_cls(self.runner, self.drafter, self.sampler, timing=self.spec.adaptive)
@@ -176,6 +177,13 @@ class Engine:
             return NgramDrafter(s.ngram_min, s.ngram_max)
         if s.method == "early-exit":
             return EarlyExitDrafter(self.runner, s.early_exit_layers, s.confidence_threshold)
+        if s.method == "eagle":
+            from ..drafters.eagle import EagleDrafter
+
+            tk, steps, nodes = s.eagle_tree or (4, 4, 16)
+            return EagleDrafter(self.runner, os.path.expanduser(s.eagle_head), cache=self.draft_cache if self.draft_cache is not self.cache else None,
+                                tree_topk=tk, tree_steps=steps, tree_nodes=nodes, max_seqs=self.max_num_seqs,
+                                max_batch_tokens=self.runner.buffers.max_tokens)
         if s.method == "draft":
             dmodel, _ = self._draft_loaded
             ddtype = next(dmodel.parameters()).dtype
@@ -314,8 +322,9 @@ class Engine:
             if all(r.req_id in cache for r in reqs):
                 return [cache[r.req_id] for r in reqs]
         limit = self.max_model_len
-        if isinstance(self.drafter, TreeDrafter):
-            n, depth = self.spec.max_draft_tokens, len(self.spec.tree)
+        if self.spec.is_tree:
+            n = self.spec.max_draft_tokens
+            depth = len(self.spec.tree) if self.spec.tree is not None else self.spec.eagle_tree[1]
             return [n if r.remaining - 1 >= depth and limit - r.num_tokens >= n else 0 for r in reqs]
         room = [max(0, min(r.remaining - 1, limit - r.num_tokens - 1)) for r in reqs]
         return self.k_policy.ks([r.req_id for r in reqs], room)
@@ -371,7 +380,7 @@ class Engine:
         """Start an overlapped session when every running request is past its prefill, nothing waits, and the
         draft-length policy gives k = 0 to all (no drafter, or adaptive k at 0 until its next probe)."""
         sched = self.scheduler
-        if not self.overlap or sched.waiting or not sched.running or isinstance(self.drafter, TreeDrafter):
+        if not self.overlap or sched.waiting or not sched.running or self.spec.is_tree:
             return False
         running = list(sched.running)
         limit = self.max_model_len

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..drafters.base import DraftProposal, Drafter
+from ..drafters.base import DraftProposal, Drafter, TreeProposal
 from ..request import Request
 from ..runtime.runner import Chunk, ModelRunner
 from ..structured import commit_emitted, cut_drafts, grammar_of, mask_request_rows_  # issue 14
@@ -173,7 +173,8 @@ class TreeRound(Round):
         trees = [i for i, it in enumerate(items) if it.final and it.k > 0]
         prop = self.drafter.propose_tree([items[i].request for i in trees]) if trees else None
         t1 = time.perf_counter()
-        tree_of = {i: j for j, i in enumerate(trees)}
+        # a tree of the root alone (the drafter had nothing to add) is a plain decoding row
+        tree_of = {i: j for j, i in enumerate(trees) if len(prop.tokens[j]) > 1}
         bases = [kv.length(it.request.req_id) for it in items]
         chunks, offsets, at = [], [], 0
         for i, (it, base) in enumerate(zip(items, bases)):
@@ -209,13 +210,16 @@ class TreeRound(Round):
         emitted: list[list[int]] = [[] for _ in items]
         accepted, lps, nd = [0] * len(items), [None] * len(items), [0] * len(items)
         committed_rows: list[list[int]] = [[] for _ in items]
-        if trees:
-            verdict, paths = self.sampler.tree(out.logits, [items[i].request for i in trees],
-                                               prop, [starts[i] for i in trees])
-            for j, i in enumerate(trees):
+        kept = list(tree_of)
+        if kept:
+            sub = TreeProposal([prop.tokens[tree_of[i]] for i in kept], [prop.parents[tree_of[i]] for i in kept],
+                               [prop.probs[tree_of[i]] for i in kept])
+            verdict, paths = self.sampler.tree(out.logits, [items[i].request for i in kept], sub,
+                                               [starts[i] for i in kept])
+            for j, i in enumerate(kept):
                 r, a, path = items[i].request, verdict.num_accepted[j], paths[j]
                 emitted[i], accepted[i], lps[i] = verdict.emitted[j], a, verdict.logprobs[j]
-                nd[i] = len(prop.tokens[j]) - 1
+                nd[i] = len(sub.tokens[j]) - 1
                 root = r.num_tokens - 1
                 kv.move(r.req_id, [root + n for n in path[1: a + 1]], [root + m for m in range(1, a + 1)])
                 kv.truncate(r.req_id, root + a + 1)
@@ -228,6 +232,8 @@ class TreeRound(Round):
                                          [None] * len(plain), [starts[i] for i in plain])
             for j, i in enumerate(plain):
                 emitted[i], lps[i] = verdict.emitted[j], verdict.logprobs[j]
+                if self.drafter is not None:
+                    self.drafter.rollback(items[i].request, bases[i] + items[i].feed)
         if gstates:  # issue 14
             commit_emitted(list(gstates.values()), [emitted[i] for i in gstates])
         for i, it in enumerate(items):

@@ -160,8 +160,8 @@ def check_draft_compatible(target_tokenizer, target_vocab_size: int, draft: str)
     A GGUF draft is judged from its header's token list (< 1 s); only when that list nearly matches but
     not exactly is the real tokenizer built (tens of seconds for 150k tokens). Non-model drafters
     ("ngram", "none", "early-exit:N") always fit. An unknown name or a missing path is a ValueError too."""
-    if not draft or draft in ("ngram", "none") or str(draft).startswith("early-exit"):
-        return
+    if not draft or draft in ("ngram", "none") or str(draft).startswith(("early-exit", "eagle:")):
+        return  # (an EAGLE head drafts with the target's own vocabulary or its d2t map)
     tv = target_tokenizer.get_vocab()
     try:
         fast = _gguf_tokens(draft)

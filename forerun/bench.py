@@ -1,6 +1,11 @@
 """`forerun bench`: plain vs speculative decoding on the CPU with real GGUF models, and transformers'
 assisted generation on the same weights as the peer, in one run. Writes JSON and a PNG plot.
 
+``--quantize`` picks how forerun holds the GGUF weights (auto: kept quantized as int8; none: widened to
+fp32). ``--llamacpp`` adds llama.cpp peer rows (plain ``llama-completion`` and ``llama-speculative`` with the
+same draft, prompts, chat template, threads and token budget), measured in the same run; the binaries come
+from ``python benchmarks/llamacpp.py build`` (a benchmark-only build, never a runtime dependency).
+
 Every configuration decodes the same prompts one at a time (batch 1, greedy), so tok/s are comparable
 side by side, and every greedy speculative output is checked token-identical to plain decoding.
 """
@@ -38,12 +43,12 @@ def run_forerun(args, prompts) -> tuple[list[dict], dict]:
     from .sampling_params import SamplingParams
 
     t = time.perf_counter()
-    target = load_model(args.model)
+    target = load_model(args.model, quantize=args.quantize)
     from .config import SpecConfig
     from .engine.engine import draft_dtype
 
     ddtype = draft_dtype(SpecConfig(), torch.device("cpu"), torch.float32)
-    draft = load_model(args.draft, dtype=ddtype) if "draft" in args.drafters else None
+    draft = load_model(args.draft, dtype=ddtype, quantize=args.quantize) if "draft" in args.drafters else None
     print(f"[bench] loaded forerun models in {time.perf_counter() - t:.0f}s", file=sys.stderr)
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     rows, plain_ids = [], None
@@ -69,9 +74,93 @@ def run_forerun(args, prompts) -> tuple[list[dict], dict]:
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
         _save(args, rows)
+    plain_text = [target[1].decode(x, skip_special_tokens=True) for x in plain_ids]
     del target, draft
     gc.collect()
-    return rows, {"plain_ids": plain_ids}
+    return rows, {"plain_ids": plain_ids, "plain_text": plain_text}
+
+
+# ---------------------------------------------------------------------- llama.cpp peer
+
+
+def llamacpp_bin_dir() -> Path:
+    import os
+
+    base = Path(os.environ.get("FORERUN_LLAMACPP_DIR", Path.home() / ".cache" / "forerun" / "llamacpp"))
+    d = base / "build" / "bin"
+    if not (d / "llama-completion").exists() or not (d / "llama-speculative").exists():
+        raise SystemExit(f"forerun bench: llama.cpp is not built in {d}; run `python benchmarks/llamacpp.py build`")
+    return d
+
+
+def _ms(pattern: str, text: str) -> float:
+    import re
+
+    m = re.search(pattern, text)
+    if not m:
+        raise RuntimeError(f"llama.cpp output lacks {pattern!r}:\n{text[-2000:]}")
+    return float(m.group(1))
+
+
+def run_llamacpp(args, prompts, plain_text) -> list[dict]:
+    """llama.cpp plain (llama-completion) and speculative (llama-speculative, same draft GGUF) on the same
+    chat-templated prompts, greedy, same threads and max tokens. Time = prompt processing + decoding as
+    llama.cpp reports it (model loading excluded, as forerun's rows exclude it)."""
+    import re
+    import subprocess
+    import tempfile
+
+    from .models.hub import resolve_model
+    from .models.loader import load_checkpoint
+
+    bdir = llamacpp_bin_dir()
+    target, draft = str(resolve_model(args.model)), str(resolve_model(args.draft))
+    tok = load_checkpoint(target).tokenizer()
+    threads = str(args.threads or torch.get_num_threads())
+    common = ["-n", str(args.max_tokens), "--temp", "0", "--top-k", "1", "-s", "0", "-c", "4096", "-t", threads,
+              "-tb", threads]
+    configs = [("llama.cpp plain", [str(bdir / "llama-completion"), "-m", target, "-no-cnv", "--no-display-prompt",
+                                    "--simple-io", "--no-warmup", *common]),
+               ("llama.cpp speculative", [str(bdir / "llama-speculative"), "-m", target, "-md", draft, "-td", threads,
+                                          "-tbd", threads, "--spec-draft-n-max", str(args.llamacpp_draft_max), *common])]
+    rows = []
+    for label, cmd in configs:
+        tokens, seconds, drafted, accepted, same = 0, 0.0, 0, 0, 0
+        for i, p in enumerate(tqdm(prompts, desc=label, file=sys.stderr)):
+            text = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+            with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+                f.write(text)
+            out = subprocess.run([*cmd, "-f", f.name], capture_output=True, text=True, timeout=900)
+            Path(f.name).unlink()
+            log = out.stdout + out.stderr
+            if out.returncode:
+                raise RuntimeError(f"{label} failed ({out.returncode}):\n{log[-3000:]}")
+            if "speculative" in label:
+                n = int(_ms(r"decoded\s+(\d+) tokens", log))
+                sec = _ms(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", log) + _ms(r"decoded\s+\d+ tokens in\s+([\d.]+) seconds", log)
+                drafted += int(_ms(r"n_drafted\s*=\s*(\d+)", log))
+                accepted += int(_ms(r"n_accept\s*=\s*(\d+)", log))
+            else:
+                runs = int(_ms(r"\beval time =\s*[\d.]+ ms /\s*(\d+) runs", log))
+                n = runs + 1  # the first new token comes out of the prompt pass
+                sec = (_ms(r"prompt eval time =\s*([\d.]+) ms", log) + _ms(r"\beval time =\s*([\d.]+) ms", log)) / 1e3
+            tokens += n
+            seconds += sec
+            gen = out.stdout
+            marker = "<|im_start|>assistant"  # llama-speculative echoes the prompt before the new text
+            if "speculative" in label and marker in gen:
+                gen = gen[gen.rindex(marker) + len(marker):]
+            if plain_text is not None and i < len(plain_text):
+                a, b = gen.strip(), plain_text[i].strip()
+                same += int(a[: len(b)] == b[: len(a)] and min(len(a), len(b)) > 0)
+        row = {"engine": "llama.cpp", "config": label, "tokens": tokens, "seconds": round(seconds, 2),
+               "tok_per_s": round(tokens / seconds, 3), "identical_to_plain": None,
+               "text_matches_forerun_plain": f"{same}/{len(prompts)}", "cmd": " ".join(cmd)}
+        if drafted:
+            row["acceptance_rate"] = round(accepted / drafted, 3)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr)
+    return rows
 
 
 def run_transformers(args, prompts, plain_ids) -> list[dict]:
@@ -116,15 +205,24 @@ def _save(args, rows) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     plain = next((r["tok_per_s"] for r in rows if r["config"] == "plain"), None)
     assisted = next((r["tok_per_s"] for r in rows if r["config"] == "transformers assisted"), None)
+    lcpp = next((r["tok_per_s"] for r in rows if r["config"] == "llama.cpp plain"), None)
+    lcpp_spec = next((r["tok_per_s"] for r in rows if r["config"] == "llama.cpp speculative"), None)
     for r in rows:
         if plain:
             r["speedup_vs_plain"] = round(r["tok_per_s"] / plain, 3)
         if assisted:
             r["ratio_vs_transformers_assisted"] = round(r["tok_per_s"] / assisted, 3)
+        if lcpp:
+            r["ratio_vs_llamacpp_plain"] = round(r["tok_per_s"] / lcpp, 3)
+        if lcpp_spec:
+            r["ratio_vs_llamacpp_speculative"] = round(r["tok_per_s"] / lcpp_spec, 3)
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": platform.machine(),
             "cpu_threads": torch.get_num_threads(), "torch": torch.__version__, "model": args.model,
             "draft": args.draft, "early_exit_layers": args.early_exit_layers, "prompts": args.num_prompts,
-            "max_tokens": args.max_tokens, "dtype": "float32", "batch": 1, "temperature": 0}
+            "max_tokens": args.max_tokens, "quantize": args.quantize, "batch": 1, "temperature": 0,
+            "loadavg": [round(x, 2) for x in __import__("os").getloadavg()]}
+    if getattr(args, "llamacpp", False):
+        meta["llamacpp_bin"] = str(llamacpp_bin_dir())
     out.write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
 
 
@@ -138,7 +236,7 @@ def plot(json_path: Path, png_path: Path) -> None:
     rows = data["results"]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 5))
     labels = [r["config"] for r in rows]
-    colors = ["tab:gray" if r["engine"] == "transformers" else "tab:blue" for r in rows]
+    colors = [{"transformers": "tab:gray", "llama.cpp": "tab:orange"}.get(r["engine"], "tab:blue") for r in rows]
     a1.barh(labels, [r["tok_per_s"] for r in rows], color=colors)
     a1.set_xlabel("tokens / s (batch 1, greedy, CPU)")
     a1.invert_yaxis()
@@ -167,19 +265,29 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--no-transformers", action="store_true")
+    ap.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
+                    help="forerun weights: auto = GGUF kept quantized (int8); none = widened to fp32")
+    ap.add_argument("--llamacpp", action="store_true", help="add llama.cpp plain and speculative peer rows")
+    ap.add_argument("--llamacpp-draft-max", type=int, default=4, help="llama-speculative --spec-draft-n-max")
     ap.add_argument("--out", default="benchmarks/results/cpu_pair.json")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = list(CODE_PROMPTS[: args.num_prompts])
+    if args.llamacpp:
+        llamacpp_bin_dir()  # fail before the long forerun part
     rows, info = run_forerun(args, prompts)
+    if args.llamacpp:
+        rows += run_llamacpp(args, prompts, info["plain_text"])
+        _save(args, rows)
     if not args.no_transformers:
         rows += run_transformers(args, prompts, info["plain_ids"])
     _save(args, rows)
     plot(Path(args.out), Path(args.out).with_suffix(".png"))
-    print(f"\n{'config':28s} {'tok/s':>8s} {'speedup':>8s} {'accept':>7s} {'acc.len':>8s} {'identical':>9s}")
+    print(f"\n{'config':28s} {'tok/s':>8s} {'speedup':>8s} {'vs l.cpp':>8s} {'accept':>7s} {'acc.len':>8s} {'identical':>9s}")
     for r in rows:
         print(f"{r['config']:28s} {r['tok_per_s']:8.2f} {r.get('speedup_vs_plain', 0):8.2f} "
-              f"{r.get('acceptance_rate', 0):7.3f} {r.get('mean_accepted_length', 0):8.2f} {str(r['identical_to_plain']):>9s}")
+              f"{r.get('ratio_vs_llamacpp_plain', 0):8.2f} {r.get('acceptance_rate', 0):7.3f} "
+              f"{r.get('mean_accepted_length', 0):8.2f} {str(r.get('identical_to_plain')):>9s}")
     print(f"wrote {args.out} and {Path(args.out).with_suffix('.png')}")
     return 0

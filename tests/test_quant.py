@@ -170,3 +170,35 @@ def test_smollm2_quantized_vs_fp32(layout, max_kl):
     llm = LLM.from_model(model, tok, device="cpu", spec=SpecConfig(method="ngram", k=4))
     outs = llm.generate(prompts, sp, chat=True)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+
+
+def test_triton_q4_q8_kernels_match_dequantized_matmul_in_interpreter():
+    """forerun/kernels/quant_gemm.py run by Triton's CPU interpreter (fp16: the interpreter has no bf16 dot):
+    both inner products, 1..16 rows, against x @ dequantized(W)^T. Timing lives in benchmarks/quant_gemm.py."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from forerun.kernels.quant_gemm import *
+torch.manual_seed(0)
+w = torch.randn(40, 512)
+qw, s, z = quantize_int4(w.half())
+assert torch.equal(pack_int4(unpack_int4(qw)), qw)
+wd4 = dequantize_int4(qw, s, z)
+assert (wd4 - w).abs().max() <= (w.amax() - w.amin()) / 15
+q, s8 = quantize_int8(w.half())
+wd8 = dequantize_int8(q, s8)
+for m in (1, 3, 16):
+    x = torch.randn(m, 512).half()
+    for dot in (False, True):
+        for y, ref in ((q4_linear(x, qw, s, z, use_dot=dot), x.float() @ wd4.t()),
+                       (q8_linear(x, q, s8, use_dot=dot), x.float() @ wd8.t())):
+            err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+            assert err < 2e-3, (m, dot, err)
+print("ok")
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]

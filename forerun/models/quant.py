@@ -8,9 +8,11 @@ docs/quantization.md):
 * ``int8`` (default for GGUF files): per-output-channel symmetric int8 weights, activations quantized per
   row to int8 at run time (W8A8), multiplied by oneDNN's u8 x s8 -> s32 kernel (AVX512-VNNI / AMX). The
   integer accumulation is exact and the one float multiply per output does not depend on how many rows
-  are in the batch, so a row's result is identical whether it is computed alone (plain decode) or among
-  k + 1 verify rows: greedy speculative output equals greedy plain output. Its cost grows slowly with the
-  number of rows (the speculation premise). Lossy versus the GGUF's own dequantization: weights are
+  are in the batch, so a row's result is bit-identical whether it is computed alone (plain decode) or among
+  k + 1 verify rows (tests/test_quant.py). The rest of the forward is only as batch-invariant as the
+  attention backend (the CPU SDPA reference differs in the last bits between 1 and k + 1 query rows), so
+  greedy spec == plain holds except at near-ties. Its cost grows slowly with the number of rows (the
+  speculation premise). Lossy versus the GGUF's own dequantization: weights are
   re-quantized per row (from the exact dequantized values), activations per row.
 * ``int4``: group-wise (32) asymmetric 4-bit weights, bf16 activations, torch's
   ``_weight_int4pack_mm_for_cpu``. GGUF Q4_K / Q4_1 / Q4_0 blocks map onto it exactly (a Q4_K sub-block of
@@ -59,10 +61,16 @@ def available(layout: str) -> bool:
 
 
 def quantize_rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w: [N, K] float -> (q [N, K] int8 in -127..127, scale [N] float32) with w ~= q * scale[:, None]."""
-    w = w.float()
-    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [N]
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    """w: [N, K] float -> (q [N, K] int8 in -127..127, scale [N] float32) with w ~= q * scale[:, None].
+    Done in row chunks so a 150k-row head needs no full-size float temporaries (peak memory at load)."""
+    n = w.shape[0]
+    q = torch.empty(w.shape, dtype=torch.int8)
+    scale = torch.empty(n, dtype=torch.float32)
+    for i in range(0, n, 8192):
+        c = w[i:i + 8192].float()
+        s = c.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [rows]
+        q[i:i + 8192] = torch.round(c / s[:, None]).clamp_(-127, 127)
+        scale[i:i + 8192] = s
     return q, scale
 
 

@@ -136,4 +136,18 @@ def build_quantized_model(ckpt: Checkpoint, device: torch.device | str, layout: 
     if missing:
         raise KeyError(f"checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
     model.quantization = layout
+    _release_freed_memory()
     return model.eval()
+
+
+def _release_freed_memory() -> None:
+    """Hand the float temporaries of loading back to the OS (glibc keeps freed heap otherwise, so RSS would
+    stay at the load peak)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

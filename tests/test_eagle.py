@@ -516,7 +516,8 @@ def test_greedy_is_lossless_real_smollm2(smollm, tree):
 def test_training_raises_heldout_acceptance_smollm2(smollm, tmp_path):
     """A short run of the recipe (features over the offline corpus, EAGLE-3 head, training-time test) must
     lift the held-out acceptance clearly above the untrained head's. Measured on the 2-core machine under load
-    (see docs/eagle.md): untrained acc_len ~1.03, after 150 steps ~1.2+; asserted: +0.08."""
+    (see docs/eagle.md): untrained acc_len 1.024, after 150 steps 1.566 (step accuracies 0.31, 0.50, 0.32);
+    asserted: +0.25, under half the measured gain."""
     from forerun.eagle import data as D
     from forerun.eagle import train as T
 
@@ -534,7 +535,7 @@ def test_training_raises_heldout_acceptance_smollm2(smollm, tmp_path):
                   save_every=150, progress=False, log=lambda s: None)
     before, after = res["history"][0]["acc_len"], res["acc_len"]
     print(f"held-out acc_len {before:.3f} -> {after:.3f}; step accuracy {res['step_acc']}")
-    assert after >= before + 0.08
+    assert after >= before + 0.25
     # the checkpoint it wrote loads and drafts the same tokens
     again = load_eagle_head(tmp_path / "head", model)
     seq = D.load_split(tmp_path, "heldout")[0]

@@ -238,7 +238,7 @@ def train(head: EagleHead, teacher: Teacher, train_seqs: list[dict], held: list[
             pos = (pos + 1) % len(order)
             loss, n = sequence_loss(head, teacher, seq, ttt, max_len, gen, feat_weight=feat_w)
             (loss / accum).backward()
-            loss_sum += float(loss) / accum
+            loss_sum += loss.detach().item() / accum
             tokens += n
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -296,6 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-k", type=int, default=4, help="drafts per chain in the held-out acceptance")
     p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--train-lm-head", action="store_true", help="also train the draft lm_head (default: frozen)")
     p.add_argument("--resume", action="store_true", help="continue from OUT's head and train_state.pt")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--seed", type=int, default=0)
@@ -356,7 +357,7 @@ def main(argv=None) -> int:
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     res = train(head, teacher, train_seqs, held, steps=a.steps, minutes=a.minutes, ttt=a.ttt, lr=a.lr,
                 max_len=a.seq_len, accum=a.accum, eval_every=a.eval_every, eval_k=a.eval_k, out=out,
-                save_every=a.save_every, state=state, progress=not a.quiet, log=log)
+                save_every=a.save_every, state=state, progress=not a.quiet, log=log, train_lm_head=a.train_lm_head)
     summary = {"out": str(out), "target": a.target, "version": a.version, "train_tokens": n_train,
                "heldout_tokens": n_held, "feature_seconds": round(feat_s, 1),
                "train_seconds": res["seconds"], "total_seconds": round(time.perf_counter() - t0, 1),

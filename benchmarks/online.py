@@ -147,11 +147,21 @@ def run_grid(make_engine, prompts_for, new_tokens: int, concurrencies, configs, 
             r = drive(eng, prompts_for(2 * c), new_tokens, concurrency=c)
             r.update(config=name, concurrency=c)
             rows.append(r)
+            if os.environ.get("ONLINE_PARTIAL"):  # survive a time limit: what is measured so far
+                json.dump(rows, open(os.environ["ONLINE_PARTIAL"], "w"), indent=1)
             log(f"{name:>26} c={c:<3} {r['tok_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50'] * 1e3:7.1f} ms  "
                 f"TPOT p50/p99 {r['tpot_p50'] * 1e3:6.2f}/{r['tpot_p99'] * 1e3:6.2f} ms  acc {r['acceptance']}")
         del eng
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        free_memory()
     return rows
+
+
+def free_memory() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -213,6 +223,7 @@ def gpu_main(args) -> dict:
         for p, rid in zip(pool[i:i + 64], ids):
             reference[tuple(p)] = outs[rid]
     del ref_eng
+    free_memory()
     log("reference done")
 
     def make(spec_kw):
@@ -246,6 +257,7 @@ def gpu_main(args) -> dict:
         log(f"4k prompt mid-run, budget {budget}: running requests' step gap p50 {r['step_gap_p50'] * 1e3:.2f} ms, "
             f"p99 {r['step_gap_p99'] * 1e3:.2f} ms ({r['p99_over_p50']:.2f}x)")
         del eng
+        free_memory()
     return dict(rows=rows, ratios=ratios(rows), long_prompt=late, prompt_len=prompt_len, new_tokens=new)
 
 
@@ -296,7 +308,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=None)
     ap.add_argument("--acceptance", type=float, nargs="+", default=[0.6, 0.8, 0.9, 0.0])
     ap.add_argument("--new-tokens", type=int, default=None)
-    ap.add_argument("--blocks", type=int, default=40_000)
+    ap.add_argument("--blocks", type=int, default=4_000)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rate", type=float, default=0.05)
     ap.add_argument("--poisson-requests", type=int, default=4)

@@ -258,7 +258,8 @@ def main(argv=None) -> int:
     res = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "max_tokens": args.max_tokens,
            "temperature": args.temperature, "concurrency": args.concurrency, "requests_per_level": args.requests,
            "poisson_rate": args.poisson_rate, "poisson_requests": args.poisson_requests, "cpus": os.cpu_count(),
-           "runs": {}}
+           "server_args": args.server_arg, "threads": args.threads, "runs": {}}
+    out = os.path.join(REPO, "benchmarks", "results", f"{args.name}.json")
     if args.url:
         model = args.model or httpx.get(args.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         res["model"] = model
@@ -279,6 +280,8 @@ def main(argv=None) -> int:
                 run_code = stop(proc)
             run["exit_code_after_sigterm"] = run_code
             res["runs"][name] = run
+            with open(out, "w") as f:  # after each server, so a run cut short keeps what it measured
+                json.dump(res, f, indent=1)
             print(f"{name}: exit code after SIGTERM {run_code}", flush=True)
         plain, spec = list(res["runs"].values())
         if args.temperature == 0:
@@ -302,7 +305,6 @@ def main(argv=None) -> int:
                   f"{1e3 * (lv['tpot_p99_s'] or 0):7.0f}ms {acc:>7s}")
     if "identical_outputs" in res:
         print(f"identical greedy outputs plain vs spec: {res['identical_outputs']}")
-    out = os.path.join(REPO, "benchmarks", "results", f"{args.name}.json")
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
     plot(res, out[:-5] + ".png")

@@ -126,6 +126,9 @@ class KPolicy:
         self.idle_rounds: dict[int, int] = {}  # rounds since the request last drafted (adaptive k = 0)
         self.probe_every: dict[int, int] = {}  # per request: idle rounds before the next probe (backs off)
         self.probing: set[int] = set()  # requests whose current round is a probe
+        # where a new request starts its probe interval: the last probe outcome of any request (a useless
+        # drafter stays backed off for short requests too, instead of each paying its early probes again)
+        self.default_probe_every = self.PROBE_EVERY
 
     PROBE_EVERY = 16  # with k = 0 chosen this many rounds in a row, draft one token to re-measure acceptance
     PROBE_MAX = 256  # a probe that is rejected doubles the interval up to this; an accepted one resets it
@@ -143,7 +146,7 @@ class KPolicy:
             warm = len(self.cost.target_obs) >= 2
             k = choose_k(est, min(self.spec.k_max, r), n, self.cost) if warm else min(self.spec.k, r)
             idle = self.idle_rounds.get(rid, 0) + 1 if k == 0 else 0
-            if idle >= self.probe_every.get(rid, self.PROBE_EVERY) and r > 0:
+            if idle >= self.probe_every.setdefault(rid, self.default_probe_every) and r > 0:
                 k, idle = 1, 0
                 self.probing.add(rid)
             self.idle_rounds[rid] = idle
@@ -153,7 +156,8 @@ class KPolicy:
     def rounds_before_probe(self, req_ids: list[int]) -> int:
         """After ks() gave k = 0 to all of these requests: how many more k = 0 rounds, this one included, run
         before one of them probes (the engine runs those rounds overlapped, without asking again)."""
-        return max(1, min(self.probe_every.get(rid, self.PROBE_EVERY) - self.idle_rounds.get(rid, 0) for rid in req_ids))
+        return max(1, min(self.probe_every.get(rid, self.default_probe_every) - self.idle_rounds.get(rid, 0)
+                          for rid in req_ids))
 
     def skip_idle_rounds(self, req_ids: list[int], rounds: int) -> None:
         """Count `rounds` more k = 0 rounds (run without calling ks())."""
@@ -178,9 +182,10 @@ class KPolicy:
             self.overall.update(drafted, accepted)
             if req_id in self.probing:  # a rejected probe waits twice as long for the next one
                 self.probing.discard(req_id)
-                interval = self.probe_every.get(req_id, self.PROBE_EVERY)
+                interval = self.probe_every.get(req_id, self.default_probe_every)
                 if drafted:
                     self.probe_every[req_id] = self.PROBE_EVERY if accepted else min(2 * interval, self.PROBE_MAX)
+                    self.default_probe_every = self.probe_every[req_id]
 
     def forget(self, req_id: int) -> None:
         self.estimates.pop(req_id, None)

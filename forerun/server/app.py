@@ -160,7 +160,8 @@ class Server:
         self.aeng = aeng or AsyncEngine(engine)
         self.tokenizer = engine.tokenizer
         self.max_model_len = int(engine.max_model_len)
-        self.structured = bool(getattr(engine, "supports_structured_output", False))  # response_format honoured
+        # response_format needs an engine that applies SamplingParams.structured_output (forerun/structured.py)
+        self.structured = bool(getattr(engine, "supports_structured_output", True))
         self.token_text = TokenText(self.tokenizer)
         self.metrics = ServerMetrics(self.aeng.stats, config.model_names[0])
         self.inflight = 0  # engine requests (choices) admitted and not yet closed

@@ -48,7 +48,8 @@ def _unsupported(name: str, why: str = "is not supported by forerun") -> APIErro
 
 def _structured_output(rf: ResponseFormat | None, supported: bool):
     """response_format -> SamplingParams.structured_output (forerun/structured.py). `supported`: the engine
-    applies it (Engine.supports_structured_output); otherwise a 400, never an unconstrained answer."""
+    applies it (an engine may say it does not: `supports_structured_output = False`); otherwise a 400, never
+    an unconstrained answer."""
     if rf is None or rf.type == "text":
         if rf is not None and rf.json_schema is not None:
             raise bad_request("response_format.json_schema is only allowed with type 'json_schema'", "response_format")

@@ -146,8 +146,9 @@ def free_port() -> int:
 def launch(model: str, draft: str, k: str, threads: int, extra: list[str], log_path: str,
            timeout: float = 900.0) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "forerun.server.cli", model, "--draft", draft, "--k", k, "--port", str(port),
-           "--max-num-seqs", "16", "--log-level", "warning", *(["--threads", str(threads)] if threads else []), *extra]
+    cmd = [sys.executable, "-m", "forerun.server.cli", model, "--draft", draft, "--port", str(port),
+           "--max-num-seqs", "16", "--log-level", "warning", *(["--k", k] if draft != "none" else []),
+           *(["--threads", str(threads)] if threads else []), *extra]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

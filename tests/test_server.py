@@ -675,3 +675,21 @@ def test_client_gone_while_request_is_being_added_is_aborted(tiny_engine):
         assert m["forerun:num_requests_waiting"] == 0
     finally:
         run.stop()
+
+
+def test_cli_refuses_flags_that_would_do_nothing(capsys):
+    assert serve_main(["x", "--draft", "none", "--k", "4"]) == 2
+    assert "--k does nothing" in capsys.readouterr().err
+
+
+def test_server_refuses_sampling_its_spec_would_ignore(tiny_engine):
+    """rule 'greedy' would decode a sampled request greedily: the server answers 400 instead."""
+    engine = tiny_engine(spec=SpecConfig(method="ngram", k=2, rule="greedy"))
+    run = Running(build_app(engine, config=ServerConfig(model_names=("tiny",))))
+    try:
+        r = httpx.post(run.url + "/v1/completions", json={"prompt": "t5", "max_tokens": 2, "temperature": 0.7})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
+        r = httpx.post(run.url + "/v1/completions", json={"prompt": "t5", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200, r.text
+    finally:
+        run.stop()

@@ -209,6 +209,12 @@ class Server:
 
     # -- one request -------------------------------------------------------------------------------------
     async def serve(self, request: Request, plan: Plan, fmt, arrival: float, request_id: str) -> Response:
+        check = getattr(getattr(self.engine, "spec", None), "check_sampling", None)
+        for params in plan.params if check is not None else ():
+            try:  # e.g. rule 'greedy' would decode a sampled request greedily: refused, not ignored
+                check(params)
+            except ValueError as e:
+                raise APIError(400, str(e).splitlines()[0], "temperature", "unsupported_by_server_config") from None
         self.admit(len(plan.params))
         run = Run(self.aeng, plan.prompts, plan.params, plan.n, request_id, arrival, self._on_finish)
         self.runs.add(run)

@@ -17,10 +17,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="forerun serve", description="OpenAI-compatible HTTP server (FastAPI + uvicorn)")
     p.add_argument("model", help="model name (see `forerun models list`), .gguf file or HF checkpoint directory")
     p.add_argument("--draft", default="none", help="MODEL | early-exit:N | ngram | none (default: none)")
-    p.add_argument("--k", default="auto", help="drafts per round, or 'auto' (adaptive)")
-    p.add_argument("--rule", default="auto", choices=["auto", "greedy", "rejection", "penalty", "typical"])
+    p.add_argument("--k", default=None, help="drafts per round, or 'auto' (adaptive; the default with a drafter)")
+    p.add_argument("--rule", default=None, choices=["auto", "greedy", "rejection", "penalty", "typical"])
     p.add_argument("--tree", default=None, help="tree drafting with the draft model: children per depth, e.g. 2,2,1")
-    p.add_argument("--confidence", type=float, default=0.0, help="stop a draft when its top probability is below this")
+    p.add_argument("--confidence", type=float, default=None, help="stop a draft when its top probability is below this")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
@@ -64,6 +64,8 @@ def _check(a) -> str | None:
         return "--shutdown-timeout must be >= 0"
     if a.api_key is not None and not a.api_key:
         return "--api-key must not be empty"
+    if a.draft in (None, "none") and a.k is not None:
+        return "--k does nothing with --draft none (no speculation)"
     return None
 
 
@@ -90,9 +92,6 @@ def main(argv=None) -> int:
         dtype = None if a.dtype == "auto" else getattr(torch, a.dtype)
         engine = Engine(a.model, spec=spec, device=a.device, dtype=dtype, cache=cache, max_num_seqs=a.max_num_seqs,
                         max_model_len=a.max_model_len, max_num_batched_tokens=a.max_num_batched_tokens, seed=a.seed)
-    except SystemExit as e:  # SpecConfig.from_flags's usage errors
-        print(f"forerun serve: error: {e}", file=sys.stderr)
-        return 2
     except (ValueError, FileNotFoundError, KeyError, OSError) as e:
         print(f"forerun serve: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2

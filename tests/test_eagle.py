@@ -238,7 +238,7 @@ def run_rounds(target: ModelRunner, drafter: EagleDrafter, requests: list[Reques
     truncate caches -> hand the committed tokens' states to the drafter. Returns acceptance stats."""
     kv = target.kv
     layers = drafter.target_hidden_layers
-    stats = {"rounds": 0, "accepted": 0, "drafted": 0}
+    stats = {"rounds": 0, "accepted": 0, "drafted": 0, "request_rounds": 0}
     for r in requests:
         kv.add_sequence(r.req_id)
     live = list(requests)
@@ -326,6 +326,7 @@ def run_rounds(target: ModelRunner, drafter: EagleDrafter, requests: list[Reques
             drafter.rollback(r, kv.length(r.req_id))
             assert drafter.cached_length(r) <= kv.length(r.req_id)
         stats["rounds"] += 1
+        stats["request_rounds"] += len(live)
         done = [r for r in live if len(r.output_token_ids) >= new_tokens]
         for r in done:
             r.output_token_ids[:] = r.output_token_ids[:new_tokens]

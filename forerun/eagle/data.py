@@ -143,8 +143,9 @@ def extract(model, tok, out_dir: str | Path, layers: tuple[int, ...], split: str
     stored = sum(int(torch.load(s, weights_only=True)["offsets"][-1]) for s in shards)
     if stored >= max_tokens:
         return stored
-    runner = ModelRunner(model, CacheConfig(block_size=16, num_blocks=max_len // 16 + 4), "cpu",
-                         model.model.embed_tokens.weight.dtype, max_batch_tokens=max_len, max_seqs=1)
+    weight = model.model.embed_tokens.weight
+    runner = ModelRunner(model, CacheConfig(block_size=16, num_blocks=max_len // 16 + 4), weight.device,
+                         weight.dtype, max_batch_tokens=max_len, max_seqs=1)
     stream = corpus_samples(split == "heldout", heldout_fraction, seed)
     buf_tok, buf_feat, offsets, n_samples, index = [], {i: [] for i in layers}, [0], 0, 0
     bar = tqdm(total=max_tokens, initial=stored, desc=f"target features ({split})", unit="tok", disable=not progress)
@@ -163,7 +164,7 @@ def extract(model, tok, out_dir: str | Path, layers: tuple[int, ...], split: str
             runner.kv.free(0)
         buf_tok.append(torch.tensor(ids, dtype=torch.int32))
         for i in layers:
-            buf_feat[i].append(out.hidden_states[i].to(torch.bfloat16))
+            buf_feat[i].append(out.hidden_states[i].to("cpu", torch.bfloat16))
         offsets.append(offsets[-1] + len(ids))
         bar.update(len(ids))
         stored += len(ids)

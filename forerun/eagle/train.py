@@ -89,7 +89,7 @@ class Teacher:
         self.norm = target.model.norm
         w = _lm_head_weight(target).float()
         self.full = w
-        self.draft = w[head.draft_to_target.cpu()].contiguous()  # [Vd, H]
+        self.draft = w[head.draft_to_target.to(w.device)].contiguous()  # [Vd, H]
         self.last = target.config.num_layers - 1
 
     @torch.no_grad()
@@ -102,9 +102,17 @@ class Teacher:
         return torch.cat([(x[i:i + 256] @ self.full.T).argmax(-1) for i in range(0, x.shape[0], 256)])
 
 
+def _on(seq: dict, device: torch.device) -> dict:
+    """The sequence's tensors on the training device (a no-op on the CPU)."""
+    if device.type == "cpu":
+        return seq
+    return {"tokens": seq["tokens"].to(device), "feats": {k: v.to(device) for k, v in seq["feats"].items()}}
+
+
 def unrolled_outputs(head: EagleHead, seq: dict, steps: int, crop: tuple[int, int] | None = None):
     """Head outputs of `steps` training-time-test steps over one sequence: list of [T-1, H] (row t = token
     x_{t+1} with feature f_t). Step s row t continues the chain that left the committed rows at t - s."""
+    seq = _on(seq, head.fc.weight.device)
     toks = seq["tokens"]
     a, b = crop or (0, toks.numel())
     ids = toks[a + 1:b].unsqueeze(0)  # [1, T'] x_{t+1}
@@ -139,7 +147,7 @@ def sequence_loss(head: EagleHead, teacher: Teacher, seq: dict, steps: int, max_
     a = int(torch.randint(0, max(1, n - max_len) + 1, (1,), generator=gen)) if n > max_len else 0
     b = min(n, a + max_len)
     outs = unrolled_outputs(head, seq, steps, (a, b))
-    last = seq["feats"][teacher.last][a:b]
+    last = seq["feats"][teacher.last][a:b].to(head.fc.weight.device)
     target_p = teacher.draft_logits(last[1:]).softmax(-1)  # row t: distribution of x_{t+2} = target at t+1
     total, weight = 0.0, 0.0
     for s, out in enumerate(outs):
@@ -166,15 +174,16 @@ def heldout_acceptance(head: EagleHead, teacher: Teacher, seqs: list[dict], k: i
         if n < k + 4:
             continue
         outs = unrolled_outputs(head, seq, k)
+        dev = head.fc.weight.device
         if "_argmax" not in seq:
-            seq["_argmax"] = teacher.argmax(seq["feats"][teacher.last])  # [n] the target's choice after p
+            seq["_argmax"] = teacher.argmax(seq["feats"][teacher.last].to(dev))  # [n] the target's choice after p
         tgt = seq["_argmax"]
-        toks = seq["tokens"]
+        toks = seq["tokens"].to(dev)
         draft = torch.stack([head.draft_to_target[head.logits(o).argmax(-1)] for o in outs])  # [k, n-1]
         starts = n - k - 2
         if starts <= 0:
             continue
-        t = torch.arange(starts)
+        t = torch.arange(starts, device=dev)
         correct = torch.stack([draft[s, t + s] == tgt[t + s + 1] for s in range(k)])  # [k, starts]
         fed_ok = torch.stack([torch.ones_like(t, dtype=torch.bool)] +
                              [toks[t + s + 1] == tgt[t + s] for s in range(1, k)])
@@ -186,8 +195,8 @@ def heldout_acceptance(head: EagleHead, teacher: Teacher, seqs: list[dict], k: i
         acc_all += int(run_all.sum())
         n_all += starts
         prev = torch.cat([torch.ones_like(run[:1]), run[:-1]]).bool() & fed_ok
-        step_hits += (correct & prev).sum(1).float()
-        step_tries += prev.sum(1).float()
+        step_hits += (correct & prev).sum(1).float().cpu()
+        step_tries += prev.sum(1).float().cpu()
     return {"acc_len": 1 + acc_on / max(n_on, 1), "acc_len_all": 1 + acc_all / max(n_all, 1),
             "step_acc": [round(float(x), 3) for x in step_hits / step_tries.clamp_min(1)],
             "on_policy_starts": n_on}
@@ -299,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-lm-head", action="store_true", help="also train the draft lm_head (default: frozen)")
     p.add_argument("--resume", action="store_true", help="continue from OUT's head and train_state.pt")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
@@ -325,7 +335,8 @@ def main(argv=None) -> int:
         from ..models.hub import resolve_model
 
         tied = load_checkpoint(resolve_model(a.target)).config.tie_word_embeddings
-        target, tok, _ = load_model(a.target, "cpu", torch.float32, pack_cpu=a.version == 3 and tied)
+        device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        target, tok, _ = load_model(a.target, device, torch.float32, pack_cpu=a.version == 3 and tied)
     except (FileNotFoundError, ValueError, KeyError) as e:
         print(f"forerun train-eagle: error: {e}", file=sys.stderr)
         return 2
@@ -342,7 +353,7 @@ def main(argv=None) -> int:
           file=sys.stderr)
     state = None
     if a.resume and (out / "train_state.pt").exists():
-        head = load_eagle_head(out, target, dtype=torch.float32)
+        head = load_eagle_head(out, target, dtype=torch.float32, device=device)
         state = torch.load(out / "train_state.pt", weights_only=True)
     else:
         draft_ids = None
@@ -351,7 +362,7 @@ def main(argv=None) -> int:
             draft_ids = choose_draft_vocab(counts, a.draft_vocab, tuple(target.config.eos_token_ids))
             cfg = EagleConfig.for_target(target.config, version=3, draft_vocab_size=draft_ids.numel(),
                                          intermediate_size=a.intermediate)
-        head = init_head(target, cfg, draft_ids, a.seed)
+        head = init_head(target, cfg, draft_ids, a.seed).to(device)
     teacher = Teacher(target, head)
     train_seqs, held = D.load_split(data_dir, "train"), D.load_split(data_dir, "heldout")
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731

@@ -224,6 +224,21 @@ def gpu_main(args) -> dict:
         return eng
 
     rng = random.Random(1)
+    if args.profile:  # where a speculative round's time goes: k = 4, synthetic a = 0.9, one request
+        from torch.profiler import ProfilerActivity, profile
+
+        eng = make((0.9, dict(k=4)))
+        drive(eng, pool[:2], 64, concurrency=1)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            r = drive(eng, pool[2:3], 64, concurrency=1)
+            torch.cuda.synchronize()
+        log(f"profiled run: TPOT p50 {r['tpot_p50'] * 1e3:.2f} ms, acc {r['acceptance']}")
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=45, max_name_column_width=70))
+        gr = eng.runner.graphs
+        print("target graph replays", gr.replays, "eager steps", gr.eager_steps)
+        dg = eng.drafter.runner.graphs
+        print("draft graph replays", dg.replays, "eager steps", dg.eager_steps)
+        return dict(rows=[], ratios=[], long_prompt=[])
     configs = [("plain", None)]
     for a in args.acceptance:
         label = "useless draft" if a == 0 else f"a={a}"
@@ -300,6 +315,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=0.05)
     ap.add_argument("--poisson-requests", type=int, default=4)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", action="store_true", help="GPU: profile one speculative run instead")
     args = ap.parse_args()
     if args.gpu:
         args.concurrency = args.concurrency or [1, 2, 4, 8, 16, 32, 64]

@@ -349,3 +349,27 @@ def test_eagle_through_the_engine_is_lossless(tmp_path, tree):
     assert [got[str(i)] for i in range(4)] == want
     assert eng.stats().spec_num_draft_tokens > 0
     assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
+
+
+def test_async_add_cancelled_while_waiting_is_undone(target):
+    """A caller that leaves while its add waits for the engine lock: the request must not run to the end."""
+    eng = engine(target)
+    free0 = eng.runner.kv.num_free_blocks
+
+    async def main():
+        aeng = AsyncEngine(eng)
+        await aeng.start()
+        aeng._lock.acquire()  # the loop thread is busy: the add waits
+        task = asyncio.ensure_future(aeng.add(PROMPTS[0], SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        aeng._lock.release()
+        for _ in range(300):
+            await asyncio.sleep(0.01)
+            if not eng.has_unfinished() and not eng.requests:
+                break
+        await aeng.shutdown()
+
+    asyncio.run(main())
+    assert not eng.requests and eng.runner.kv.num_free_blocks == free0

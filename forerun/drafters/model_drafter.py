@@ -85,23 +85,37 @@ class ModelDrafter(Drafter):
                 chunks.append(Chunk(r.req_id, feed))
             out, _ = self.runner.forward(chunks, num_layers=self.num_layers)
             group = [requests[i] for i in active]
-            st = SamplingTensors.from_params([r.params for r in group], out.logits.device)
+            logits = out.logits  # [A, V]
             gst = [grammar_of(r) for r in group]
             if any(s is not None for s in gst):  # issue 14: draft from the grammar-masked q (same support as p)
-                apply_grammar_to_draft_logits(out.logits, gst)
-            q = logits_to_probs(out.logits, st.temperature, st.top_k, st.top_p, st.min_p)  # [A, V]
-            u = torch.stack([torch.rand((), generator=r.generator) for r in group]).to(q.device)
-            greedy = torch.tensor([r.params.temperature == 0 for r in group], device=q.device)
-            picked = torch.where(greedy, q.argmax(-1), sample_from_probs(q, u))
-            for row, i in enumerate(active):  # coupled (seeded) requests: argmax of log q + g(seed, position)
-                r = requests[i]
-                if r.coupled:
-                    keys = keys_for(r.params.seed, r.num_tokens + len(tokens[i]), 1, q.device)
-                    picked[row] = coupled_scores(q[row: row + 1], keys).argmax(-1)[0]
+                apply_grammar_to_draft_logits(logits, gst)
+            # greedy rows need only the argmax (no probabilities, no host round trips); sampled rows the full
+            # transform (their q goes to the verifier); coupled rows argmax(log q + g(seed, position))
+            picked = logits.argmax(-1)
+            soft = [row for row, r in enumerate(group) if r.params.temperature > 0]
+            q = None
+            if soft:
+                st = SamplingTensors.from_params([group[row].params for row in soft], logits.device)
+                q = logits_to_probs(logits[soft], st.temperature, st.top_k, st.top_p, st.min_p)  # [S, V]
+                sampled = [j for j, row in enumerate(soft) if not group[row].coupled]
+                if sampled:
+                    u = torch.stack([torch.rand((), generator=group[soft[j]].generator) for j in sampled]).to(q.device)
+                    picked[[soft[j] for j in sampled]] = sample_from_probs(q[sampled], u)
+                for j, row in enumerate(soft):
+                    r = group[row]
+                    if r.coupled:
+                        keys = keys_for(r.params.seed, r.num_tokens + len(tokens[active[row]]), 1, q.device)
+                        picked[row] = coupled_scores(q[j: j + 1], keys).argmax(-1)[0]
+            q_of = {row: j for j, row in enumerate(soft)}
             picked = picked.tolist()
-            # confidence: the draft's top probability (of softmax(logits) for greedy rows, whose q is one-hot)
-            top = torch.where(greedy, torch.softmax(out.logits, -1).max(-1).values, q.max(-1).values).tolist() \
-                if self.confidence_threshold > 0 else [1.0] * len(group)
+            # confidence: the draft's top probability (of softmax(logits) for greedy rows)
+            if self.confidence_threshold > 0:
+                top = torch.softmax(logits.float(), -1).max(-1).values
+                if q is not None:
+                    top[soft] = q.max(-1).values
+                top = top.tolist()
+            else:
+                top = [1.0] * len(group)
             still = []
             for row, i in enumerate(active):
                 if top[row] < self.confidence_threshold:
@@ -109,7 +123,8 @@ class ModelDrafter(Drafter):
                 if gst[row] is not None and not gst[row].draft_accept(picked[row]):
                     continue  # issue 14: the grammar has ended (only a stop token was left)
                 tokens[i].append(picked[row])
-                probs[i].append(q[row])
+                if row in q_of:
+                    probs[i].append(q[q_of[row]])
                 if len(tokens[i]) < ks[i]:
                     still.append(i)
             if all(len(c.token_ids) == 1 for c in chunks):  # a pure draft step (no catch-up feeding)
@@ -121,6 +136,7 @@ class ModelDrafter(Drafter):
         if self.shares_target_cache:  # early exit wrote into the target's cache: give the positions back
             for rid, n in start_len.items():
                 kv.truncate(rid, n)
+        # greedy requests: None (a point mass on each token, all a greedy verifier needs)
         return DraftProposal(tokens, [torch.stack(p) if p else None for p in probs],
                              step_seconds=sum(step_times) / len(step_times) if step_times else None)
 

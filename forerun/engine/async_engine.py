@@ -108,7 +108,18 @@ class AsyncEngine:
         """Validate and queue (ValueError / TypeError for a bad request); returns its id and delta queue."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        rid = await loop.run_in_executor(None, self._add_and_register, prompt, params, request_id, chat, loop, q)
+        fut = loop.run_in_executor(None, self._add_and_register, prompt, params, request_id, chat, loop, q)
+        try:
+            rid = await asyncio.shield(fut)
+        except asyncio.CancelledError:  # the caller left while the add was waiting: undo it when it lands
+            def undo(f) -> None:
+                if not f.cancelled() and f.exception() is None:
+                    self._queues.pop(f.result(), None)
+                    self._aborts.append(f.result())
+                    self._wake.set()
+
+            fut.add_done_callback(undo)
+            raise
         self._wake.set()
         return rid, q
 

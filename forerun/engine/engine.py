@@ -284,6 +284,7 @@ class Engine:
         r.finish_reason = FinishReason.ABORT
         if self._overlap is None or r not in self._overlap[1]:
             self._finish(r)
+            del self.requests[r.external_id]
         return True
 
     def _finish(self, r: Request) -> None:

@@ -1,10 +1,12 @@
 """Constrained (JSON schema) vs unconstrained speculative decoding: per-token time, acceptance, validity.
 
-For every speculation setting the same prompts run twice, without and with a JSON schema; the cost of
-structured output is the per-token time ratio constrained / unconstrained (goal: <= 1.10). The outputs differ
-in content, so per-token time (wall time / tokens generated) is the compared quantity, in one process and one
-run; each measurement is the best of `--repeat` runs (the machine is shared). Grammar CPU time (mask filling,
-draft cutting, commits) is measured separately by timing forerun.structured's hooks.
+For every speculation setting the same prompts run with a JSON schema, then without one but with each
+request's max_tokens set to the length of its constrained output (ignore_eos), so that both runs generate
+the same number of tokens per request over the same prompts (same prefills, same batch shapes as requests
+finish). The cost of structured output is the per-token time ratio constrained / unconstrained (goal:
+<= 1.10), in one process; constrained and unconstrained runs alternate `--repeat` times and each keeps its
+best (the machine is shared). Grammar host time (mask filling, applying, draft cutting, commits) is measured
+separately by timing forerun.structured's hooks.
 
     python benchmarks/structured.py [--model smollm2-135m-instruct] [--draft qwen2.5-coder-0.5b-instruct]
         [--prompts 8] [--max-tokens 96] [--repeat 2] [--out benchmarks/results/structured_cpu.json]
@@ -25,7 +27,7 @@ sys.path.insert(0, REPO)
 import torch  # noqa: E402
 
 import forerun.structured as structured  # noqa: E402
-from forerun.config import SpecConfig  # noqa: E402
+from forerun.config import CacheConfig, SpecConfig  # noqa: E402
 from forerun.engine.llm import LLM  # noqa: E402
 from forerun.models.registry import load_model  # noqa: E402
 from forerun.sampling_params import SamplingParams  # noqa: E402
@@ -87,33 +89,47 @@ class GrammarTimer:
         structured.apply_bitmask_ = self._orig["apply"]
 
 
-def run(llm: LLM, prompts: list[str], sp: SamplingParams, repeat: int) -> dict:
-    best = None
-    for _ in range(repeat):
-        with GrammarTimer() as gt:
-            t = time.perf_counter()
-            outs = llm.generate(prompts, sp, chat=True)
-            wall = time.perf_counter() - t
-        tokens = sum(len(o.token_ids) for o in outs)
-        cur = dict(wall_s=wall, tokens=tokens, ms_per_token=1e3 * wall / tokens, grammar_s=gt.seconds, outs=outs)
-        if best is None or cur["ms_per_token"] < best["ms_per_token"]:
-            best = cur
-    outs = best.pop("outs")
+def timed(llm: LLM, prompts: list[str], sp) -> dict:
+    with GrammarTimer() as gt:
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp, chat=True)
+        wall = time.perf_counter() - t
+    tokens = sum(len(o.token_ids) for o in outs)
     st = LLM.aggregate_stats(outs)
-    best.update(acceptance=round(st.acceptance_rate, 4), mean_accepted=round(st.mean_accepted_length, 3),
-                tokens_per_call=round(st.tokens_per_target_call, 3))
-    if sp.structured_output is not None:
-        import jsonschema
+    return dict(wall_s=round(wall, 3), tokens=tokens, ms_per_token=round(1e3 * wall / tokens, 3),
+                grammar_s=round(gt.seconds, 3), acceptance=round(st.acceptance_rate, 4),
+                mean_accepted=round(st.mean_accepted_length, 3), tokens_per_call=round(st.tokens_per_target_call, 3),
+                outs=outs)
 
-        ok = 0
-        for o in outs:
-            try:
-                jsonschema.validate(json.loads(o.text), SCHEMA)
-                ok += 1
-            except Exception:  # noqa: BLE001 - count invalid outputs, whatever the failure
-                pass
-        best["valid_json"] = f"{ok}/{len(outs)}"
-    return best
+
+def valid(outs) -> str:
+    import jsonschema
+
+    ok = 0
+    for o in outs:
+        try:
+            jsonschema.validate(json.loads(o.text), SCHEMA)
+            ok += 1
+        except Exception:  # noqa: BLE001 - count invalid outputs, whatever the failure
+            pass
+    return f"{ok}/{len(outs)}"
+
+
+def run_pair(llm: LLM, prompts: list[str], constrained: SamplingParams, repeat: int) -> tuple[dict, dict]:
+    """(constrained, unconstrained-with-matched-lengths), alternating, best of `repeat` each."""
+    best_c = best_u = None
+    for _ in range(repeat):
+        c = timed(llm, prompts, constrained)
+        lengths = [len(o.token_ids) for o in c["outs"]]
+        free = [SamplingParams(temperature=constrained.temperature, max_tokens=n, seed=constrained.seed, ignore_eos=True)
+                for n in lengths]
+        u = timed(llm, prompts, free)
+        assert [len(o.token_ids) for o in u["outs"]] == lengths
+        c["valid_json"] = valid(c["outs"])
+        best_c = c if best_c is None or c["ms_per_token"] < best_c["ms_per_token"] else best_c
+        best_u = u if best_u is None or u["ms_per_token"] < best_u["ms_per_token"] else best_u
+    best_c.pop("outs"), best_u.pop("outs")
+    return best_c, best_u
 
 
 def main() -> None:
@@ -124,27 +140,28 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--early-exit", action="store_true", help="add an early-exit row (a third of the layers)")
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "structured_cpu.json"))
     args = ap.parse_args()
     torch.manual_seed(0)
     model, tok, _ = load_model(args.model)
-    settings = {"plain": None, "ngram k=4": SpecConfig(method="ngram", k=4),
-                "early-exit k=3": SpecConfig(method="early-exit", early_exit_layers=max(1, model.config.num_layers // 3),
-                                             k=3)}
+    settings = {"plain": None, "ngram k=4": SpecConfig(method="ngram", k=4)}
+    if args.early_exit:
+        settings["early-exit k=3"] = SpecConfig(method="early-exit", early_exit_layers=model.config.num_layers // 3, k=3)
     if args.draft:
         dmodel, dtok, _ = load_model(args.draft)
         settings["draft k=4"] = SpecConfig(method="draft", draft_model=(dmodel, dtok), k=4)
     prompts = [f"Describe {TOPICS[i % len(TOPICS)]} as a JSON object with name, age, city, hobbies and employed."
                for i in range(args.prompts)]
-    free = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=1)
     so = structured.StructuredOutput(json_schema=SCHEMA)
     constrained = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=1, structured_output=so)
     rows = []
     for name, spec in settings.items():
-        llm = LLM.from_model(model, tok, device="cpu", spec=spec) if spec else LLM.from_model(model, tok, device="cpu")
+        cache = CacheConfig(num_blocks=64 * args.prompts)  # 1024 tokens per request, not the 2 GiB default
+        llm = LLM.from_model(model, tok, device="cpu", spec=spec, cache=cache) if spec else \
+            LLM.from_model(model, tok, device="cpu", cache=cache)
         llm.generate(prompts[:2], constrained, chat=True)  # warm up (grammar compile, oneDNN)
-        u = run(llm, prompts, free, args.repeat)
-        c = run(llm, prompts, constrained, args.repeat)
+        c, u = run_pair(llm, prompts, constrained, args.repeat)
         rows.append(dict(setting=name, unconstrained=u, constrained=c,
                          overhead=round(c["ms_per_token"] / u["ms_per_token"], 4),
                          grammar_ms_per_token=round(1e3 * c["grammar_s"] / c["tokens"], 4)))

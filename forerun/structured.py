@@ -57,8 +57,8 @@ class StructuredOutput:
     """What the output must match; exactly one of the five is set. Validated on creation (the grammar is
     parsed, no tokenizer needed), so a bad spec fails with a one-line ValueError when SamplingParams is built.
 
-    json_schema: a JSON schema (dict or JSON text), stored canonical (sorted keys) so equal schemas share a
-      compiled grammar. json_object: any JSON object. regex: xgrammar's regex dialect (ECMAScript-like).
+    json_schema: a JSON schema (dict or JSON text), stored as compact JSON text (hashable; the key order is kept,
+      since xgrammar emits the properties in the schema's order). json_object: any JSON object. regex: xgrammar's regex dialect (ECMAScript-like).
     grammar: EBNF in xgrammar's (GBNF-style) syntax with a `root` rule. choice: one of these strings exactly.
     any_whitespace: JSON may put arbitrary whitespace between tokens (default: compact separators, which small
       models follow far more reliably: free whitespace lets them loop on newlines until max_tokens).
@@ -85,7 +85,7 @@ class StructuredOutput:
                     raise ValueError(f"json_schema is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"json_schema must be a JSON object (or true/false), got {type(schema).__name__}")
-            object.__setattr__(self, "json_schema", json.dumps(schema, sort_keys=True))
+            object.__setattr__(self, "json_schema", json.dumps(schema))  # key order kept: it is the output's order
         if self.json_object is not True and self.json_object is not False:
             raise ValueError(f"json_object must be True or False, got {self.json_object!r}")
         for name in ("regex", "grammar"):
@@ -176,10 +176,24 @@ def unpack(bitmask: Tensor, vocab_size: int) -> Tensor:
 
 def apply_bitmask_(logits: Tensor, bitmask: Tensor, rows: Tensor | None = None) -> Tensor:
     """Set disallowed tokens to -inf in place. logits: [N, V] float; bitmask: [M, words] int32 packed
-    (rows None: M == N, one mask per row; else rows [M] long: the logits rows the masks apply to)."""
+    (rows None: M == N, one mask per row; else rows [M] long: the logits rows the masks apply to).
+    xgrammar's kernel (CPU for float32, CUDA / Triton on the GPU) where it applies: it reads the packed words
+    directly, about 40x faster on the CPU than unpacking to a bool mask in torch (measured, 6 x 49152 rows)."""
     vocab = logits.shape[1]
-    allowed = unpack(bitmask.to(logits.device, non_blocking=True), vocab)  # [M, V]
     with torch.inference_mode(logits.is_inference()):  # the model's logits may be inference tensors
+        if logits.is_cuda or logits.dtype == torch.float32:
+            try:
+                import xgrammar as xgr
+
+                if rows is not None:  # one row per logits row, all allowed where no mask applies
+                    full = torch.full((logits.shape[0], bitmask.shape[1]), ALL_ALLOWED, dtype=torch.int32)
+                    full.index_copy_(0, rows.cpu(), bitmask.cpu())  # (index_put is ~3000x slower on CPU here)
+                    bitmask = full
+                xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), vocab_size=vocab)
+                return logits
+            except (ImportError, RuntimeError, ValueError, TypeError):
+                pass  # the portable path below
+        allowed = unpack(bitmask.to(logits.device, non_blocking=True), vocab)  # [M, V]
         if rows is None:
             logits.masked_fill_(~allowed, float("-inf"))
         else:

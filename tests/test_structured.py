@@ -65,10 +65,15 @@ def test_sampling_params_takes_a_spec_and_refuses_other_things():
         SamplingParams(structured_output={"regex": "a"})
 
 
-def test_equal_schemas_share_a_key_and_response_format_maps():
+def test_equal_schemas_share_a_key_property_order_is_kept_and_response_format_maps(comp):
     a = StructuredOutput(json_schema={"type": "object", "properties": {"x": {"type": "integer"}}})
-    b = StructuredOutput(json_schema='{"properties": {"x": {"type": "integer"}}, "type": "object"}')
+    b = StructuredOutput(json_schema='{"type": "object",  "properties": {"x": {"type": "integer"}}}')
     assert a.key == b.key and hash(a.key)
+    # properties come out in the schema's order (a sorted canonical form would reorder them)
+    two = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}, "required": ["b", "a"],
+           "additionalProperties": False}
+    g = str(__import__("forerun.structured", fromlist=["_grammar"])._grammar(StructuredOutput(json_schema=two)))
+    assert g.index('"\\"b\\""') < g.index('"\\"a\\""')
     rf = StructuredOutput.from_response_format({"type": "json_schema", "json_schema": {"schema": {"type": "object"}}})
     assert rf.kind == "json_schema"
     assert StructuredOutput.from_response_format({"type": "json_object"}).kind == "json_object"

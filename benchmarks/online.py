@@ -143,8 +143,8 @@ def run_grid(make_engine, prompts_for, new_tokens: int, concurrencies, configs, 
         eng = make_engine(spec_kw)
         drive(eng, prompts_for(1), 8, concurrency=1)  # warm-up (graphs captured on first use)
         for c in concurrencies:
-            drive(eng, prompts_for(c), 8, concurrency=c)
-            r = drive(eng, prompts_for(2 * c), new_tokens, concurrency=c)
+            drive(eng, prompts_for(2 * c), new_tokens, concurrency=c)  # the same workload once: every graph captured
+            r = drive(eng, prompts_for(3 * c), new_tokens, concurrency=c)
             r.update(config=name, concurrency=c)
             rows.append(r)
             if os.environ.get("ONLINE_PARTIAL"):  # survive a time limit: what is measured so far

@@ -328,7 +328,13 @@ class Engine:
             depth = len(self.spec.tree) if self.spec.tree is not None else self.spec.eagle_tree[1]
             return [n if r.remaining - 1 >= depth and limit - r.num_tokens >= n else 0 for r in reqs]
         room = [max(0, min(r.remaining - 1, limit - r.num_tokens - 1)) for r in reqs]
-        return self.k_policy.ks([r.req_id for r in reqs], room)
+        ks = self.k_policy.ks([r.req_id for r in reqs], room)
+        if self.runner.graphs is not None and len(set(ks)) > 1:
+            # CUDA graphs replay uniform steps only: a ragged verify batch (k differing per request) would run
+            # eagerly, several times slower; so the batch drafts one k (the policy's mean), capped by room
+            common = round(sum(ks) / len(ks))
+            ks = [min(common, r) for r in room]
+        return ks
 
     def _round_step(self) -> list[Request]:
         sched = self.scheduler

@@ -176,7 +176,8 @@ def cmd_generate(a) -> int:
     llm = LLM(a.model, spec=spec, device=a.device)
     note = f" [{a.draft_note}]" if getattr(a, "draft_note", None) and spec.method != "none" else ""
     what = spec.draft_model if spec.method == "draft" else spec.method
-    print(f"[forerun] loaded {a.model} (+ {what}{note}) in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    print(f"[forerun] loaded {a.model} (+ {what}{note}) in {time.perf_counter() - t:.1f}s; {llm.engine.pool_description}",
+          file=sys.stderr)
     chat = not a.raw
     if a.compare_plain and spec.enabled:
         plain = LLM.from_model(llm.model, llm.tokenizer, device=a.device)

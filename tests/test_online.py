@@ -373,3 +373,23 @@ def test_async_add_cancelled_while_waiting_is_undone(target):
 
     asyncio.run(main())
     assert not eng.requests and eng.runner.kv.num_free_blocks == free0
+
+
+@pytest.mark.parametrize("kw,name", [(dict(max_num_seqs=0), "max_num_seqs"), (dict(max_model_len=-5), "max_model_len"),
+                                     (dict(max_num_batched_tokens=0), "max_num_batched_tokens")])
+def test_engine_limits_are_named(target, kw, name):
+    runner = ours_from_hf(target)
+    with pytest.raises(ValueError, match=name):
+        Engine.from_model(runner.model, tiny_tokenizer(), device="cpu", **kw)
+
+
+def test_prompt_longer_than_the_step_budget_is_prefilled_in_chunks(target):
+    """An almost context-long prompt with a small step budget: chunked, not refused as 'too many tokens'."""
+    llm = tiny_llm(target, max_num_batched_tokens=64)
+    prompt = [(5 * i) % 90 + 2 for i in range(500)]  # the tiny model has 512 positions
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert out.token_ids == alone(target, prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    with pytest.raises(ValueError, match="context"):
+        llm.generate([[3] * 512], GREEDY)
+    with pytest.raises(ValueError, match="string or a list of token ids|prompt"):
+        llm.generate([b"bytes"], GREEDY)

@@ -95,7 +95,8 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError, KeyError, OSError) as e:
         print(f"forerun serve: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2
-    print(f"[forerun] loaded {a.model} (+ {spec.method}) in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    print(f"[forerun] loaded {a.model} (+ {spec.method}) in {time.perf_counter() - t:.1f}s; {engine.pool_description}",
+          file=sys.stderr)
     config = ServerConfig(model_names=tuple(a.served_model_name or [a.model]), api_key=a.api_key,
                           max_num_seqs=a.max_num_seqs, max_queue=a.max_queue, max_body_bytes=a.max_body_bytes,
                           default_max_tokens=a.default_max_tokens, drain_seconds=a.shutdown_timeout)

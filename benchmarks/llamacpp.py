@@ -77,8 +77,8 @@ def version() -> str:
     if d is None:
         return "not built"
     out = subprocess.run([str(d / "llama-completion"), "--version"], capture_output=True, text=True)
-    m = re.search(r"version: (\S+) \((\w+)\)", out.stdout + out.stderr)
-    return f"b{m.group(1)} ({m.group(2)})" if m else "unknown"
+    m = re.search(r"version: (\S+) \(build (\d+), commit (\w+)\)", out.stdout + out.stderr)
+    return f"{m.group(1)} commit {m.group(3)}" if m else "unknown"
 
 
 if __name__ == "__main__":

@@ -340,6 +340,7 @@ class Engine:
         sched = self.scheduler
         if self._try_overlap():
             return self._overlap_step()
+        t_start = time.perf_counter()
         out = sched.schedule(self._k_for)
         self._ks_cache = None
         touched = []
@@ -362,6 +363,12 @@ class Engine:
             self._count_spec(res.num_drafted[i], res.num_accepted[i], res.drafted_nodes[i])
             self._commit(r, res.emitted[i], res.logprobs[i])
             touched.append(r)
+        if self.spec.adaptive and self.overlap and self.runner.graphs is not None and any(res.num_drafted) \
+                and res.target_tokens == res.sampled_rows:
+            # (timed rounds synchronise the device, so these are real) what a speculative round costs beyond
+            # its kernels: plain decoding on CUDA graphs runs overlapped and does not pay it, so the k policy
+            # must weigh it (on the CPU both pay it alike: nothing recorded)
+            self.k_policy.cost.record_spec_overhead(time.perf_counter() - t_start - res.target_seconds - res.draft_seconds)
         if self.check_invariants:
             self._check([it.request for it in items if it.final])
         for it in items:

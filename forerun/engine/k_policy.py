@@ -77,6 +77,7 @@ class CostModel:
 
     target_obs: deque = field(default_factory=lambda: deque(maxlen=64))
     draft_obs: deque = field(default_factory=lambda: deque(maxlen=64))
+    overhead_obs: deque = field(default_factory=lambda: deque(maxlen=64))
 
     def record_target(self, tokens: int, seconds: float) -> None:
         self.target_obs.append((tokens, seconds))
@@ -100,6 +101,15 @@ class CostModel:
     def draft_step_time(self) -> float:
         return sum(self.draft_obs) / len(self.draft_obs) if self.draft_obs else 0.0
 
+    def record_spec_overhead(self, seconds: float) -> None:
+        """A speculative round's wall time beyond its target forward and draft steps (host work: verification
+        inputs, the host read of the verdict, rollback, commit). Plain decoding hides its own host work by
+        overlapping steps (engine/overlap.py), so only rounds with drafts pay this."""
+        self.overhead_obs.append(max(0.0, seconds))
+
+    def spec_overhead(self) -> float:
+        return sum(self.overhead_obs) / len(self.overhead_obs) if self.overhead_obs else 0.0
+
 
 def choose_k(acceptance: "float | AcceptanceEstimate", k_max: int, batch_size: int, cost: CostModel) -> int:
     """The k in 0..k_max with the most expected tokens per second, the round being shared by batch_size
@@ -108,9 +118,9 @@ def choose_k(acceptance: "float | AcceptanceEstimate", k_max: int, batch_size: i
     expected = acceptance.expected_tokens if isinstance(acceptance, AcceptanceEstimate) else \
         (lambda k: expected_tokens_per_round(acceptance, k))
     best_k, best = 0, 0.0
-    t_draft = cost.draft_step_time()
+    t_draft, extra = cost.draft_step_time(), cost.spec_overhead()
     for k in range(k_max + 1):
-        seconds = cost.target_time(batch_size * (k + 1)) + k * t_draft
+        seconds = cost.target_time(batch_size * (k + 1)) + k * t_draft + (extra if k else 0.0)
         rate = expected(k) / seconds
         if rate > best * 1.0001:
             best_k, best = k, rate

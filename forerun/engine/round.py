@@ -46,6 +46,7 @@ class RoundResult:
     logprobs: list[list[dict] | None]
     draft_step_seconds: float | None = None  # one draft step's measured time (None: not measured this round)
     target_seconds: float = 0.0
+    draft_seconds: float = 0.0  # the whole drafting phase (catch-up included)
     target_tokens: int = 0
     sampled_rows: int = 0  # rows that were decode / verify rows (the cost model ignores prefill-heavy rounds)
     drafted_nodes: list[int] = field(default_factory=list)  # tree rounds: draft nodes per item (chain: = drafted)
@@ -156,7 +157,7 @@ class ChainRound(Round):
             step_s = (t1 - t0) / max(map(len, drafts))
         nd = [len(d) for d in drafts]
         return RoundResult(emitted, nd, accepted, lps, draft_step_seconds=step_s, target_seconds=t2 - t1,
-                           target_tokens=at, sampled_rows=sum(n + 1 for n, it in zip(nd, items) if it.final),
+                           draft_seconds=t1 - t0, target_tokens=at, sampled_rows=sum(n + 1 for n, it in zip(nd, items) if it.final),
                            drafted_nodes=nd)
 
 
@@ -244,7 +245,7 @@ class TreeRound(Round):
         steps = max(depth, default=0)
         return RoundResult(emitted, depth, accepted, lps,
                            draft_step_seconds=(t1 - t0) / steps if steps else None, target_seconds=t2 - t1,
-                           target_tokens=at, sampled_rows=sum(len(c.token_ids) for c, it in zip(chunks, items) if it.final),
+                           draft_seconds=t1 - t0, target_tokens=at, sampled_rows=sum(len(c.token_ids) for c, it in zip(chunks, items) if it.final),
                            drafted_nodes=nd)
 
 

@@ -40,13 +40,15 @@ def main() -> None:
     torch.set_num_threads(2)
     n_prompts, new, draws = int(os.environ.get("PROMPTS", 6)), 48, int(os.environ.get("DRAWS", 100))
     t0 = time.perf_counter()
-    target, tok, _ = load_model("qwen2.5-coder-1.5b-instruct")
-    draft, _, _ = load_model("qwen2.5-coder-0.5b-instruct")
+    quant = os.environ.get("QUANTIZE", "int8")  # int8 keeps the pair in ~3.5 GB; p and q stay real model outputs
+    target, tok, _ = load_model("qwen2.5-coder-1.5b-instruct", quantize=quant)
+    draft, _, _ = load_model("qwen2.5-coder-0.5b-instruct", quantize=quant)
+    res_quant = quant
     from forerun.engine.llm import LLM
     from forerun.sampling_params import SamplingParams
 
     llm = LLM.from_model(target, tok, device="cpu")
-    res = {"temperatures": {}, "date": datetime.datetime.now().isoformat(timespec="seconds"), "draws": draws,
+    res = {"quantize": res_quant, "temperatures": {}, "date": datetime.datetime.now().isoformat(timespec="seconds"), "draws": draws,
            "prompts": n_prompts, "new_tokens": new}
     seqs = []
     for p in CODE_PROMPTS[:n_prompts]:

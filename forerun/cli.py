@@ -173,7 +173,7 @@ def cmd_generate(a) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     t = time.perf_counter()
-    llm = LLM(a.model, spec=spec, device=a.device)
+    llm = LLM(a.model, spec=spec, device=a.device, quantize=a.quantize)
     note = f" [{a.draft_note}]" if getattr(a, "draft_note", None) and spec.method != "none" else ""
     what = spec.draft_model if spec.method == "draft" else spec.method
     print(f"[forerun] loaded {a.model} (+ {what}{note}) in {time.perf_counter() - t:.1f}s; {llm.engine.pool_description}",
@@ -230,6 +230,8 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--progress", action="store_true")
     g.add_argument("--device", default=None)
     g.add_argument("--threads", type=int, default=0)
+    g.add_argument("--quantize", default="none", choices=["none", "int8", "int4", "auto"],
+                   help="keep weights quantized on the CPU (int8: VNNI; int4: GGUF Q4 blocks exactly); auto = int8 for GGUF")
     g.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show Python tracebacks on errors")
 
     m = sub.add_parser("models", help="pull, list or verify the known real models")

@@ -393,3 +393,16 @@ def test_prompt_longer_than_the_step_budget_is_prefilled_in_chunks(target):
         llm.generate([[3] * 512], GREEDY)
     with pytest.raises(ValueError, match="string or a list of token ids|prompt"):
         llm.generate([b"bytes"], GREEDY)
+
+
+def test_quantize_reaches_the_loaded_model(tmp_path):
+    """LLM(..., quantize='int8') on a checkpoint directory keeps the linears quantized (forerun/models/quant.py)."""
+    from forerun.models.quant import Int8Linear
+
+    hf = hf_model("qwen2")
+    hf.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), quantize="int8", device="cpu", cache=CacheConfig(block_size=4, num_blocks=256))
+    assert any(isinstance(m, Int8Linear) for m in llm.model.modules())
+    out = llm.generate([PROMPTS[0]], GREEDY)[0]
+    assert len(out.token_ids) == GREEDY.max_tokens

@@ -103,13 +103,17 @@ class Engine:
                  dtype: torch.dtype | None = None, cache: CacheConfig | None = None, max_num_seqs: int = 64,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 8192, seed: int = 0,
                  check_invariants: bool = False, cuda_graphs: bool = True, overlap: bool = True,
-                 draft_cache: CacheConfig | None = None, _loaded=None) -> None:
+                 draft_cache: CacheConfig | None = None, quantize: str = "none", _loaded=None) -> None:
+        """quantize: weights of models loaded by name / path: "none" (float), "int8" / "int4" (kept quantized,
+        CPU; GGUF Q4 blocks exactly as int4), "auto" (int8 for GGUF files). See docs/quantization.md."""
+        self.quantize = quantize
         EngineConfig(max_num_seqs, max_model_len, max_num_batched_tokens)  # validated: a bad value is named here
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.spec = spec or SpecConfig()
         self.model_name = model or "<in-memory>"
-        target, self.tokenizer, _ = _loaded or load_model(model, self.device, self.dtype, max_model_len)
+        target, self.tokenizer, _ = _loaded or load_model(model, self.device, self.dtype, max_model_len,
+                                                          quantize=quantize)
         self.model = target
         self._draft_loaded = self._load_draft()  # before any pool: an incompatible draft is refused first
         dmodel = self._draft_loaded[0] if self._draft_loaded else None
@@ -165,7 +169,8 @@ class Engine:
         else:
             check_draft_compatible(self.tokenizer, self.model.config.vocab_size, s.draft_model)
             ddtype = draft_dtype(s, self.device, self.dtype)
-            dmodel, dtok, _ = load_model(s.draft_model, self.device, ddtype, self.model.max_positions)
+            dmodel, dtok, _ = load_model(s.draft_model, self.device, ddtype, self.model.max_positions,
+                                         quantize=self.quantize)
         check_tokenizers_match(self.tokenizer, dtok)
         if dmodel.config.vocab_size != self.model.config.vocab_size:
             raise ValueError(f"draft vocab size {dmodel.config.vocab_size} != target {self.model.config.vocab_size}")

@@ -42,6 +42,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="target weights and activations (auto: float32 on the CPU, bfloat16 on CUDA)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4", "auto"],
+                   help="keep weights quantized on the CPU (docs/quantization.md)")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own seed")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -91,7 +93,8 @@ def main(argv=None) -> int:
         cache = CacheConfig(block_size=a.block_size, memory_budget_bytes=int(a.kv_cache_gb * (1 << 30)))
         dtype = None if a.dtype == "auto" else getattr(torch, a.dtype)
         engine = Engine(a.model, spec=spec, device=a.device, dtype=dtype, cache=cache, max_num_seqs=a.max_num_seqs,
-                        max_model_len=a.max_model_len, max_num_batched_tokens=a.max_num_batched_tokens, seed=a.seed)
+                        max_model_len=a.max_model_len, max_num_batched_tokens=a.max_num_batched_tokens, seed=a.seed,
+                        quantize=a.quantize)
     except (ValueError, FileNotFoundError, KeyError, OSError) as e:
         print(f"forerun serve: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2

@@ -24,8 +24,17 @@ from forerun.bench_prompts import CODE_PROMPTS  # noqa: E402
 from forerun.models.registry import load_model  # noqa: E402
 from forerun.runtime.runner import Chunk, ModelRunner  # noqa: E402
 from forerun.config import CacheConfig  # noqa: E402
-from forerun.verify.coupling import gumbel_noise, row_key  # noqa: E402
+from forerun.verify.coupling import _mix32, _mul32, row_key  # noqa: E402
 from forerun.verify.probs import logits_to_probs  # noqa: E402
+
+
+def gumbel_at(keys: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The engine's Gumbel noise (forerun.verify.coupling.gumbel_noise) at the given token ids only:
+    keys [N], tokens [N, M] -> [N, M]."""
+    h = _mix32(keys.unsqueeze(1) ^ _mul32(tokens, 0x2C1B3C6D))
+    h = _mix32(h ^ 0x68E31DA4)
+    u = (h.to(torch.float64) + 0.5) * (1.0 / 4294967296.0)
+    return (-torch.log(-torch.log(u))).to(torch.float32)
 
 
 def logits_over(model, ids: list[int]) -> torch.Tensor:
@@ -71,12 +80,22 @@ def main() -> None:
     logp = {T: logits_to_probs(P, torch.full((n,), T), z, o, zf).log() for T in temps}
     logq = {T: logits_to_probs(Q, torch.full((n,), T), z, o, zf).log() for T in temps}
     agree = {T: torch.zeros(n) for T in temps}
+    # The winner of argmax(log p + g) lies, but for a vanishing chance, among the likely tokens: the noise is
+    # evaluated (with the engine's own hash, forerun.verify.coupling) on the union of both top-CAND lists only,
+    # and the smallest top-CAND mass of p is reported (1 - it bounds the chance a winner lies outside).
+    cand = int(os.environ.get("CAND", 512))
+    idx = {T: torch.cat([logp[T].topk(cand, -1).indices, logq[T].topk(cand, -1).indices], -1) for T in temps}
     for s in range(draws):  # the engine's noise for seed s: one draw serves every temperature
-        g = gumbel_noise(torch.tensor([row_key(s, 1000 + i) for i in range(n)]), P.shape[1])
+        keys = torch.tensor([row_key(s, 1000 + i) for i in range(n)])
         for T in temps:
-            agree[T] += ((logp[T] + g).argmax(-1) == (logq[T] + g).argmax(-1)).float()
+            g = gumbel_at(keys, idx[T])  # [N, 2 * cand]
+            wp = idx[T].gather(1, (logp[T].gather(1, idx[T]) + g).argmax(-1, keepdim=True))
+            wq = idx[T].gather(1, (logq[T].gather(1, idx[T]) + g).argmax(-1, keepdim=True))
+            agree[T] += (wp == wq).squeeze(1).float()
     print(f"[{time.perf_counter() - t0:.0f}s] {draws} noise draws done", flush=True)
     for temp in temps:
+        mass_p = logp[temp].exp().gather(1, logp[temp].topk(cand, -1).indices).sum(-1)
+        res.setdefault("candidate_mass_p_min", {})[str(temp)] = float(mass_p.min())
         rejection = torch.minimum(logp[temp].exp(), logq[temp].exp()).sum(-1)  # [N]
         coupling = agree[temp] / draws
         row = dict(positions=P.shape[0], rejection=float(rejection.mean()), coupling=float(coupling.mean()),

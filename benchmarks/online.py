@@ -19,7 +19,6 @@ import datetime
 import json
 import os
 import random
-import statistics
 import sys
 import time
 

@@ -106,7 +106,6 @@ def run_llamacpp(args, prompts, plain_text) -> list[dict]:
     """llama.cpp plain (llama-completion) and speculative (llama-speculative, same draft GGUF) on the same
     chat-templated prompts, greedy, same threads and max tokens. Time = prompt processing + decoding as
     llama.cpp reports it (model loading excluded, as forerun's rows exclude it)."""
-    import re
     import subprocess
     import tempfile
 

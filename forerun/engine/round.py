@@ -22,6 +22,7 @@ import torch
 from ..drafters.base import DraftProposal, Drafter, TreeProposal
 from ..request import Request
 from ..runtime.runner import Chunk, ModelRunner
+from ..verify import tree_attention_mask
 from ..structured import commit_emitted, cut_drafts, grammar_of, mask_request_rows_  # issue 14
 from .sampler import RoundSampler, Verdict, _depths
 
@@ -250,12 +251,6 @@ class TreeRound(Round):
 
 
 def _tree_mask(parents: list[int]) -> torch.Tensor:
-    """[n, n] bool: node i sees j iff j is i or an ancestor of i."""
+    """[n, n] bool: node i sees j iff j is i or an ancestor of i (forerun.verify's tree_attention_mask)."""
     n = len(parents)
-    out = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            out[i, j] = True
-            j = parents[j]
-    return out
+    return tree_attention_mask(torch.tensor(parents), torch.tensor([0]), torch.tensor([n]), n)

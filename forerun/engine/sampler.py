@@ -20,7 +20,7 @@ import torch
 
 from ..drafters.base import TreeProposal
 from ..request import Request
-from ..verify import SamplingTensors, compute_logprobs, verify_chain, verify_tree
+from ..verify import SamplingTensors, compute_logprobs, tree_positions, verify_chain, verify_tree
 from ..verify.coupling import coupled_scores, row_key
 from ..verify.probs import logits_to_probs
 
@@ -171,10 +171,9 @@ class RoundSampler:
 
 
 def _depths(parents: list[int]) -> list[int]:
-    depth: list[int] = []
-    for p in parents:
-        depth.append(0 if p < 0 else depth[p] + 1)
-    return depth
+    """Depth of each node of one tree (root 0): forerun.verify's tree_positions."""
+    n = len(parents)
+    return tree_positions(torch.tensor(parents), torch.tensor([0]), torch.tensor([n]), n).tolist()
 
 
 def _compact(logits: torch.Tensor, starts: list[int], rows: list[int]) -> tuple[torch.Tensor, list[int]]:

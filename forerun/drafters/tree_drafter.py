@@ -20,6 +20,7 @@ import torch
 from ..request import Request
 from ..runtime.runner import Chunk, ModelRunner
 from ..verify.coupling import coupled_scores, keys_for
+from ..verify.layout import tree_attention_mask
 from ..verify.probs import SamplingTensors, logits_to_probs, sample_from_probs
 from .base import TreeProposal
 from .model_drafter import ModelDrafter
@@ -55,13 +56,7 @@ class TreeShape:
     def mask(self, upto: int | None = None) -> torch.Tensor:
         """[m, m] bool over the first m nodes: node i sees j iff j is i or an ancestor of i."""
         m = self.num_nodes if upto is None else upto
-        out = torch.zeros(m, m, dtype=torch.bool)
-        for i in range(m):
-            j = i
-            while j >= 0:
-                out[i, j] = True
-                j = self.parents[j]
-        return out
+        return tree_attention_mask(torch.tensor(self.parents[:m]), torch.tensor([0]), torch.tensor([m]), m)
 
 
 class TreeDrafter(ModelDrafter):

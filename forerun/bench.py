@@ -26,15 +26,71 @@ from tqdm.auto import tqdm
 from .bench_prompts import CODE_PROMPTS
 
 
-def _configs(args) -> list[tuple[str, str, str]]:
-    """(label, draft spec, k) for forerun runs."""
-    out = [("plain", "none", "0")]
+DEFAULT_EAGLE_HEAD = "~/.cache/forerun/eagle/qwen1.5b"
+
+
+def _configs(args) -> list[tuple[str, str, str, str | None]]:
+    """(label, draft spec, k, EAGLE tree or None) for forerun runs."""
+    out = [("plain", "none", "0", None)]
     ks = args.ks.split(",")
     for drafter in args.drafters.split(","):
+        if drafter == "eagle":
+            out += _eagle_configs(args)
+            continue
         name = {"draft": args.draft, "early-exit": f"early-exit:{args.early_exit_layers}", "ngram": "ngram"}[drafter]
         for k in ks:
-            out.append((f"{drafter} k={k}", name, k))
+            out.append((f"{drafter} k={k}", name, k, None))
     return out
+
+
+def _eagle_configs(args) -> list[tuple[str, str, str, str | None]]:
+    """EAGLE rows: a chain per --eagle-ks and a dynamic tree per --eagle-trees (TOPK,STEPS,NODES;...), all with
+    the head in --eagle-head; none (and a message saying why) when that folder holds no head."""
+    head = eagle_head_dir(args)
+    if head is None:
+        return []
+    spec = f"eagle:{head}"
+    out = [(f"eagle k={k}", spec, k, None) for k in filter(None, args.eagle_ks.split(","))]
+    for tree in filter(None, args.eagle_trees.split(";")):
+        from .config import parse_eagle_tree
+
+        shape = parse_eagle_tree(tree)
+        out.append((f"eagle tree {','.join(map(str, shape))}", spec, "auto", ",".join(map(str, shape))))
+    return out
+
+
+def eagle_head_dir(args) -> Path | None:
+    """The EAGLE head folder of --eagle-head, or None (with a message) when it holds no head."""
+    d = Path(args.eagle_head).expanduser()
+    if not (d / "config.json").exists() or not any(d.glob("*.safetensors")) and not any(d.glob("pytorch_model*.bin")):
+        print(f"[bench] skipping the EAGLE rows: no EAGLE head in {d} (train one with `forerun train-eagle --target "
+              f"{args.model} --out {d}`, or point --eagle-head at a head's folder)", file=sys.stderr)
+        return None
+    return d
+
+
+def eagle_head_info(head_dir: Path) -> dict:
+    """What the bench records about a head: its folder, family, draft vocabulary and, for heads trained by
+    `forerun train-eagle`, the training wall time, data size and held-out acceptance (training_summary.json)."""
+    info: dict = {"dir": str(head_dir)}
+    try:
+        cfg = json.loads((head_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return info
+    info["draft_vocab_size"] = cfg.get("draft_vocab_size")
+    info["intermediate_size"] = cfg.get("intermediate_size")
+    summary = head_dir / "training_summary.json"
+    if summary.exists():
+        s = json.loads(summary.read_text())
+        keys = ("target", "version", "train_tokens", "heldout_tokens", "feature_seconds", "feature_seconds_note",
+                "train_seconds", "total_seconds", "wall_seconds", "steps", "sequence_tokens", "acc_len",
+                "acc_len_all", "untrained_acc_len", "step_acc", "sessions")
+        info["training"] = {k: s[k] for k in keys if k in s}
+    elif "forerun_training" in cfg:
+        info["training"] = cfg["forerun_training"]
+    else:
+        info["training"] = None  # not trained by forerun train-eagle (a published head): nothing recorded
+    return info
 
 
 def run_forerun(args, prompts) -> tuple[list[dict], dict]:
@@ -52,8 +108,9 @@ def run_forerun(args, prompts) -> tuple[list[dict], dict]:
     print(f"[bench] loaded forerun models in {time.perf_counter() - t:.0f}s", file=sys.stderr)
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     rows, plain_ids = [], None
-    for label, dname, k in _configs(args):
-        spec = SpecConfig.from_flags(dname, k, 0.0, "auto")
+    for label, dname, k, tree in _configs(args):
+        spec = SpecConfig.from_flags(dname, k, None if dname.startswith("eagle:") else 0.0,
+                                     None if tree else "auto", tree=tree)
         if spec.method == "draft":
             from dataclasses import replace
             spec = replace(spec, draft_model=(draft[0], draft[1]))
@@ -71,6 +128,10 @@ def run_forerun(args, prompts) -> tuple[list[dict], dict]:
         tokens = sum(map(len, ids))
         row = {"engine": "forerun", "config": label, "tokens": tokens, "seconds": round(seconds, 2),
                "tok_per_s": round(tokens / seconds, 3), "identical_to_plain": ids == plain_ids, **agg.as_dict()}
+        if spec.method == "eagle":
+            row["eagle_head"] = spec.eagle_head
+            if tree:
+                row["eagle_tree"] = {"topk": spec.eagle_tree[0], "steps": spec.eagle_tree[1], "nodes": spec.eagle_tree[2]}
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
         _save(args, rows)
@@ -222,6 +283,15 @@ def _save(args, rows) -> None:
             "loadavg": [round(x, 2) for x in __import__("os").getloadavg()]}
     if getattr(args, "llamacpp", False):
         meta["llamacpp_bin"] = str(llamacpp_bin_dir())
+    if any(r.get("eagle_head") for r in rows):
+        meta["eagle_head"] = eagle_head_info(Path(next(r["eagle_head"] for r in rows if r.get("eagle_head"))))
+        plain_tps = next((r["tok_per_s"] for r in rows if r["config"] == "plain"), None)
+        best_draft = max((r["tok_per_s"] for r in rows if r["config"].startswith("draft ")), default=None)
+        if best_draft:
+            for r in rows:
+                if r.get("eagle_head"):
+                    r["ratio_vs_best_draft_model"] = round(r["tok_per_s"] / best_draft, 3)
+        meta["plain_tok_per_s"] = plain_tps
     out.write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
 
 
@@ -236,10 +306,15 @@ def plot(json_path: Path, png_path: Path) -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 5))
     labels = [r["config"] for r in rows]
     colors = [{"transformers": "tab:gray", "llama.cpp": "tab:orange"}.get(r["engine"], "tab:blue") for r in rows]
-    a1.barh(labels, [r["tok_per_s"] for r in rows], color=colors)
     a1.set_xlabel("tokens / s (batch 1, greedy, CPU)")
     a1.invert_yaxis()
-    a1.set_title(f"{data['meta']['model']} (+ {data['meta']['draft']})")
+    title = f"{data['meta']['model']} (+ {data['meta']['draft']})"
+    tr = (data["meta"].get("eagle_head") or {}).get("training")
+    if tr and "train_tokens" in tr:
+        title += f"\nEAGLE head: {tr['train_tokens']} training tokens, {tr.get('train_seconds', 0) / 60:.0f} min training"
+    a1.set_title(title, fontsize=9)
+    colors = ["tab:green" if r.get("eagle_head") else c for r, c in zip(rows, colors)]
+    a1.barh(labels, [r["tok_per_s"] for r in rows], color=colors)
     for r in rows:
         if r.get("per_position_acceptance"):
             a2.plot(range(1, len(r["per_position_acceptance"]) + 1), r["per_position_acceptance"], marker="o",
@@ -257,7 +332,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="forerun bench", description=__doc__)
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--drafters", default="draft,early-exit,ngram")
+    ap.add_argument("--drafters", default="draft,early-exit,ngram",
+                    help="comma list of draft, early-exit, ngram, eagle (eagle: rows with the head in --eagle-head)")
     ap.add_argument("--early-exit-layers", type=int, default=8)
     ap.add_argument("--ks", default="2,4,6,auto")
     ap.add_argument("--num-prompts", type=int, default=20)
@@ -268,6 +344,11 @@ def main(argv=None) -> int:
                     help="forerun weights: auto = GGUF kept quantized (int8); none = widened to fp32")
     ap.add_argument("--llamacpp", action="store_true", help="add llama.cpp plain and speculative peer rows")
     ap.add_argument("--llamacpp-draft-max", type=int, default=4, help="llama-speculative --spec-draft-n-max")
+    ap.add_argument("--eagle-head", default=DEFAULT_EAGLE_HEAD,
+                    help="EAGLE head folder for the eagle rows (forerun train-eagle output or a published head)")
+    ap.add_argument("--eagle-ks", default="4,auto", help="EAGLE chain rows: comma list of k (or auto)")
+    ap.add_argument("--eagle-trees", default="4,4,16",
+                    help="EAGLE dynamic-tree rows: ';'-separated TOPK,STEPS,NODES shapes ('' for none)")
     ap.add_argument("--out", default="benchmarks/results/cpu_pair.json")
     args = ap.parse_args(argv)
     if args.threads:
@@ -283,10 +364,15 @@ def main(argv=None) -> int:
         rows += run_transformers(args, prompts, info["plain_ids"])
     _save(args, rows)
     plot(Path(args.out), Path(args.out).with_suffix(".png"))
-    print(f"\n{'config':28s} {'tok/s':>8s} {'speedup':>8s} {'vs l.cpp':>8s} {'accept':>7s} {'acc.len':>8s} {'identical':>9s}")
+    print(f"\n{'config':28s} {'tok/s':>8s} {'speedup':>8s} {'vs l.cpp':>8s} {'accept':>7s} {'acc.len':>8s} "
+          f"{'tok/round':>9s} {'identical':>9s}")
     for r in rows:
         print(f"{r['config']:28s} {r['tok_per_s']:8.2f} {r.get('speedup_vs_plain', 0):8.2f} "
               f"{r.get('ratio_vs_llamacpp_plain', 0):8.2f} {r.get('acceptance_rate', 0):7.3f} "
-              f"{r.get('mean_accepted_length', 0):8.2f} {str(r.get('identical_to_plain')):>9s}")
+              f"{r.get('mean_accepted_length', 0):8.2f} {r.get('tokens_per_target_call', 0):9.2f} "
+              f"{str(r.get('identical_to_plain')):>9s}")
+    tr = (json.loads(Path(args.out).read_text())["meta"].get("eagle_head") or {}).get("training")
+    if tr:
+        print(f"EAGLE head: {json.dumps(tr)}")
     print(f"wrote {args.out} and {Path(args.out).with_suffix('.png')}")
     return 0

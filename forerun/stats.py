@@ -26,6 +26,10 @@ class RequestStats:
     drafted_at: list[int] = field(default_factory=list)  # per draft position i: rounds that drafted a token at i
     accepted_at: list[int] = field(default_factory=list)  # per draft position i: rounds that accepted it
     drafted_nodes: int = 0  # draft tokens the target verified (chain: = drafted; tree: every node of the tree)
+    # structured output (issue 14): drafted tokens the request's grammar rejected. Chain: the tail cut from the
+    # first rejected token on, never verified (not in drafted / drafted_nodes). Tree: nodes whose token or an
+    # ancestor's the grammar rejects; they stay in the verified tree (in drafted_nodes) with p = 0, never accepted.
+    grammar_rejected: int = 0
 
     def record(self, num_drafted: int, num_accepted: int, num_emitted: int, drafted_nodes: int | None = None) -> None:
         """One round of this request. num_drafted: draft positions (chain k, tree depth); num_accepted: drafts
@@ -53,6 +57,7 @@ class RequestStats:
         self.drafted_nodes += other.drafted_nodes
         self.accepted += other.accepted
         self.emitted += other.emitted
+        self.grammar_rejected += other.grammar_rejected
         for i in range(len(other.drafted_at)):
             if i >= len(self.drafted_at):
                 self.drafted_at.append(0)
@@ -87,7 +92,7 @@ class RequestStats:
     def as_dict(self) -> dict:
         return {
             "rounds": self.rounds, "drafted": self.drafted, "drafted_nodes": self.drafted_nodes,
-            "accepted": self.accepted, "emitted": self.emitted,
+            "accepted": self.accepted, "emitted": self.emitted, "grammar_rejected": self.grammar_rejected,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "position_acceptance_rate": round(self.position_acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),

@@ -12,7 +12,8 @@ in tests/test_structured.py). Greedy rows take the argmax of masked logits: cons
 
 A drafted token the grammar rejects (a point-mass drafter such as n-gram proposes it without a mask) cuts the
 draft before it: with p(x) = 0 the verifier would reject x with probability 1 and resample from p itself, so
-cutting changes no distribution, it only saves the rows. Cut tokens are counted (`num_rejected_drafts`).
+cutting changes no distribution, it only saves the rows. Cut tokens are counted (`num_rejected_drafts`, and
+in the request's speculation stats as `grammar_rejected`: `grammar_of` links the state to `request.stats`).
 The matcher advances only by committed tokens (`commit`). Trees are walked depth first with one-token rollback
 (`tree_masks`).
 
@@ -245,8 +246,9 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return cg
 
-    def new_state(self, spec: StructuredOutput) -> "GrammarState":
-        return GrammarState(self.compile(spec), self.vocab_size)
+    def new_state(self, spec: StructuredOutput, stats=None) -> "GrammarState":
+        """A matcher for one request; stats: its RequestStats (grammar_rejected counted there), or None."""
+        return GrammarState(self.compile(spec), self.vocab_size, stats)
 
 
 class GrammarState:
@@ -254,7 +256,7 @@ class GrammarState:
     (`draft_mask` / `draft_accept` / `draft_end`) advances it tentatively and remembers the mask rows it filled
     so that `draft_masks` on the same tokens does not fill them twice."""
 
-    def __init__(self, compiled, vocab_size: int) -> None:
+    def __init__(self, compiled, vocab_size: int, stats=None) -> None:
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled)
@@ -268,6 +270,7 @@ class GrammarState:
             self._stop_row.fill_(ALL_ALLOWED)
         self.num_committed = 0
         self.num_rejected_drafts = 0  # drafted tokens cut because the grammar rejects them (or an earlier one)
+        self.stats = stats  # the request's RequestStats (set by grammar_of): grammar_rejected follows the cuts
         self._pending = 0  # tokens accepted beyond the committed ones (draft session)
         self._in_session = False
         self._cache_tokens: list[int] = []  # draft tokens of the last session
@@ -304,6 +307,12 @@ class GrammarState:
         if self.matcher.is_terminated() or not 0 <= token < self.vocab_size:
             return False
         return self.matcher.accept_token(int(token))
+
+    def _count_rejected(self, n: int) -> None:
+        if n:
+            self.num_rejected_drafts += n
+            if self.stats is not None:
+                self.stats.grammar_rejected += n
 
     def _rollback_pending(self) -> None:
         if self._pending:
@@ -363,7 +372,7 @@ class GrammarState:
                 break
             self._pending += 1
         self._rollback_pending()
-        self.num_rejected_drafts += len(draft) - valid
+        self._count_rejected(len(draft) - valid)
         return valid, rows[: valid + 1]
 
     # -- committing ----------------------------------------------------------------------------------
@@ -414,15 +423,21 @@ class GrammarState:
                 self._fill(masks[child])
                 stack.append((child, 0))
         if count:
-            self.num_rejected_drafts += int(n - 1 - int(valid[1:].sum()))
+            self._count_rejected(int(n - 1 - int(valid[1:].sum())))
         return valid, masks
 
 
 # -- engine-facing helpers ------------------------------------------------------------------------------
 def grammar_of(request) -> GrammarState | None:
     """The request's grammar state (the engine sets `request.grammar` when SamplingParams asks for structured
-    output), or None."""
-    return getattr(request, "grammar", None)
+    output), or None. Links the state to the request's stats, so the draft tokens it cuts (`cut_drafts`,
+    `tree_masks`) are counted in `request.stats.grammar_rejected`."""
+    state = getattr(request, "grammar", None)
+    if state is not None:
+        stats = getattr(request, "stats", None)
+        if stats is not None and state.stats is not stats:
+            state.stats = stats
+    return state
 
 
 def apply_grammar_to_draft_logits(logits: Tensor, states: Sequence[GrammarState | None]) -> Tensor:
@@ -438,7 +453,8 @@ def apply_grammar_to_draft_logits(logits: Tensor, states: Sequence[GrammarState 
 def cut_drafts(states: Sequence[GrammarState | None], drafts: Sequence[list[int]],
                probs: Sequence[Tensor | None]) -> tuple[list[list[int]], list[Tensor | None], list[Tensor | None]]:
     """Round hook, before the target forward: per request, drop the draft from its first grammar-rejected token
-    on. Returns (drafts, probs cut to match, mask rows [len(draft) + 1, words] or None when unconstrained)."""
+    on (the dropped tokens are counted in the state's num_rejected_drafts and, once `grammar_of` has linked it,
+    in the request's stats.grammar_rejected). Returns (drafts, probs cut to match, mask rows [len(draft) + 1, words] or None when unconstrained)."""
     out_d, out_p, out_m = [], [], []
     for s, d, q in zip(states, drafts, probs):
         if s is None:

@@ -417,3 +417,79 @@ def test_smollm2_constrained_speculation_greedy_equals_plain_and_sampled_validat
         assert o.finish_reason == "stop", o.text
         jsonschema.validate(json.loads(o.text), SCHEMA)
     assert llm.aggregate_stats(outs + sampled).drafted > 0
+
+
+# -- grammar-rejected drafts in the speculation stats ----------------------------------------------------------
+def test_cut_and_tree_rejections_are_counted_in_the_linked_request_stats(comp):
+    from types import SimpleNamespace
+
+    from forerun.stats import RequestStats, aggregate
+    from forerun.structured import grammar_of, tree_node_masks
+
+    req = SimpleNamespace(grammar=comp.new_state(SPEC), stats=RequestStats())
+    free = SimpleNamespace(stats=RequestStats())
+    st = grammar_of(req)
+    assert st is req.grammar and st.stats is req.stats and grammar_of(free) is None
+    cut_drafts([st, None], [[0, 5, 1, 2], [5, 5]], [None, None])  # 'a' ok, 'ca' rejected: 3 cut
+    assert req.stats.grammar_rejected == 3 == st.num_rejected_drafts
+    cut_drafts([st], [[0, 4, 2]], [None])  # all accepted: nothing more
+    assert req.stats.grammar_rejected == 3
+    tokens, parents = [99, 0, 1, 5, 2], [-1, 0, 0, 0, 1]  # 'a', 'a'+'c' valid; 'b' and 'ca' rejected at the root
+    tree_node_masks(st, tokens, parents, [4])  # the tree drafter's hook counts nothing
+    assert req.stats.grammar_rejected == 3
+    st.tree_masks(tokens, parents)
+    assert req.stats.grammar_rejected == 5
+    d = req.stats.as_dict()
+    assert d["grammar_rejected"] == 5 and free.stats.as_dict()["grammar_rejected"] == 0
+    assert aggregate([req.stats, free.stats, req.stats]).grammar_rejected == 10
+
+
+@pytest.fixture(scope="module")
+def tiny_choice_world():
+    """A tiny random model over words t0..t96 (t1 = EOS); the prompt repeats t5..t9, so an n-gram drafter keeps
+    proposing t8 t9 after t5 t6 t7, which the choice grammar 't5t6t7' (then EOS only) rejects."""
+    from tiny import hf_model
+
+    return hf_model("llama", seed=3), "t5 t6 t7 t8 t9 t5 t6 t7 t8 t9 t5 t6 t7 t8 t9 t2 t9"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_engine_reports_grammar_rejected_drafts_of_constrained_requests_only(tiny_choice_world, temperature):
+    from tiny import tiny_llm
+
+    from forerun.config import SpecConfig
+
+    hf, prompt = tiny_choice_world
+    llm = tiny_llm(hf, spec=SpecConfig(method="ngram", k=4), check_invariants=True)
+    so = StructuredOutput(choice=["t5t6t7"])
+    con = SamplingParams(temperature=temperature, seed=1, max_tokens=8, structured_output=so)
+    free = SamplingParams(temperature=temperature, seed=1, max_tokens=8)
+    c, u = llm.generate([prompt, prompt], [con, free])
+    assert c.token_ids[:3] == [5, 6, 7] and c.finish_reason == "stop", c.token_ids
+    # after 't9' then 't5': the n-gram proposes t6 t7 t8 t9; the grammar cuts t8 t9 (and anything after t7)
+    assert c.stats.grammar_rejected >= 2, c.stats.as_dict()
+    assert c.stats.as_dict()["grammar_rejected"] == c.stats.grammar_rejected
+    assert u.stats.grammar_rejected == 0 and u.stats.drafted > 0
+    assert llm.aggregate_stats([c, u]).grammar_rejected == c.stats.grammar_rejected
+
+
+@pytest.mark.slow
+def test_smollm2_ngram_drafts_against_a_choice_grammar_are_counted_as_grammar_rejected(smol):
+    """The prompt repeats 'the answer is 42.'; the grammar allows 'the answer is 7' only, so once the output
+    reads 'the answer is' the n-gram drafter proposes ' 4' '2' '.' ..., which the grammar cuts. The unconstrained
+    request (same prompt, same drafter) has nothing cut."""
+    from forerun.config import CacheConfig, SpecConfig
+    from forerun.engine.llm import LLM
+
+    model, tok, _ = smol
+    llm = LLM.from_model(model, tok, device="cpu", check_invariants=True, cache=CacheConfig(num_blocks=64),
+                         spec=SpecConfig(method="ngram", k=4))
+    prompt = "Repeat: the answer is 42. the answer is 42. the answer is 42. the answer is 42.\nthe answer is"
+    so = StructuredOutput(choice=["the answer is 7"])
+    for temperature in (0.0, 0.8):
+        c, u = llm.generate([prompt, prompt], [
+            SamplingParams(temperature=temperature, seed=3, max_tokens=16, structured_output=so),
+            SamplingParams(temperature=temperature, seed=3, max_tokens=16)], chat=False)
+        assert c.text == "the answer is 7" and c.finish_reason == "stop", c.text
+        assert c.stats.grammar_rejected > 0, c.stats.as_dict()
+        assert u.stats.grammar_rejected == 0 and u.stats.drafted > 0, u.stats.as_dict()

@@ -23,6 +23,7 @@ by score, each `topk` children while the node budget lasts), which is what exact
 """
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from ..request import Request
 from ..runtime.runner import Chunk, ModelRunner
 from ..verify.probs import SamplingTensors, logits_to_probs, sample_from_probs
 from .base import DraftProposal, Drafter, TreeProposal
+from .eagle_budget import TreeBudget, TreeBudgetPolicy
 
 
 class EagleDrafter(Drafter):
@@ -41,11 +43,14 @@ class EagleDrafter(Drafter):
 
     def __init__(self, target: ModelRunner, head: EagleHead | str | Path, *, cache: CacheConfig | None = None,
                  dtype: torch.dtype | None = None, tree_topk: int = 4, tree_steps: int = 4, tree_nodes: int = 16,
-                 max_seqs: int = 256, max_batch_tokens: int = 8192) -> None:
+                 max_seqs: int = 256, max_batch_tokens: int = 8192, adaptive_budget: bool = False,
+                 target_cost=None) -> None:
         """target: the target's runner (its model supplies embedding, final norm and, for EAGLE-1 heads,
         the lm_head). head: a loaded EagleHead or a checkpoint folder. cache: the head's KV pool (default
         sized like a 1-layer slice of the target's). Tree budget: tree_steps levels, tree_topk children per
-        expanded node and frontier width, tree_nodes nodes in all (root included)."""
+        expanded node and frontier width, tree_nodes nodes in all (root included): fixed, or with
+        adaptive_budget (or a target_cost: anything with target_time(tokens), the engine's CostModel) the
+        maximum of a per-round budget chosen from the batch size and measured costs (forerun/drafters/eagle_budget.py)."""
         if isinstance(head, (str, Path)):
             head = load_eagle_head(head, target.model, dtype=dtype or target.dtype, device=target.device)
         if tree_topk < 1 or tree_steps < 1 or tree_nodes < 2:
@@ -60,11 +65,32 @@ class EagleDrafter(Drafter):
         self.target_hidden_layers = tuple(head.eagle.aux_layers)
         self.eager_rows = 64  # observe_target feeds at once when this many rows are pending
         self.tree_topk, self.tree_steps, self.tree_nodes = tree_topk, tree_steps, tree_nodes
+        self.budget: TreeBudgetPolicy | None = None
+        if adaptive_budget or target_cost is not None:
+            self.use_target_cost(target_cost)
+        self._outcome: dict[int, tuple[int, float]] = {}  # req -> (num_tokens when drafted, the tree's V)
+        self._proposed: tuple[float, dict[int, int]] | None = None  # (perf_counter, req -> tree rows) for timing
         self._feats: dict[int, tuple[int, torch.Tensor]] = {}  # req -> (first position, [n, F] features)
+
+    def use_target_cost(self, cost=None) -> TreeBudgetPolicy:
+        """Turn on the per-round tree budget (the configured tree is its maximum). cost: the target's measured
+        forward cost (anything with target_time(tokens): the engine's k_policy.cost); None: measured here,
+        from a proposal's end to the round's target states."""
+        if self.budget is None:
+            self.budget = TreeBudgetPolicy(TreeBudget(self.tree_topk, self.tree_steps, self.tree_nodes), cost)
+        elif cost is not None:
+            self.budget.target_cost = cost
+        return self.budget
 
     # -- target features -------------------------------------------------------------------------------
     def observe_target(self, requests: list[Request], states: list[dict[int, torch.Tensor] | None],
                        starts: list[int]) -> None:
+        if self._proposed is not None and self.budget is not None and self.budget.target_cost is None:
+            t, rows = self._proposed  # the round's target forward (+ verification) since the proposal
+            tokens = sum(rows.get(r.req_id) or (next(iter(st.values())).shape[0] if st else 1)
+                         for r, st in zip(requests, states))
+            self.budget.record_target(tokens, time.perf_counter() - t)
+        self._proposed = None
         with torch.inference_mode():
             for r, st, s in zip(requests, states, starts):
                 if not st:
@@ -205,16 +231,22 @@ class EagleDrafter(Drafter):
         live = [i for i, rng in enumerate(ranges) if rng is not None]
         trees = [_Tree(r.all_tokens[-1]) for r in requests]
         t_steps = []
-        if live:
+        shape = self.budget.choose(len(live)) if self.budget is not None and live else \
+            TreeBudget(self.tree_topk, self.tree_steps, self.tree_nodes)
+        topk, n_steps, n_nodes = shape.topk, shape.steps, shape.nodes
+        if live and shape.drafts:
             group = [requests[i] for i in live]
+            t = time.perf_counter()
             out, logits = self._extend(group, [ranges[i] for i in live])
-            self._grow(group, [trees[i] for i in live], [[0] for _ in live], out, logits)
-            for step in range(1, self.tree_steps):
+            self._grow(group, [trees[i] for i in live], [[0] for _ in live], out, logits, topk, n_nodes)
+            if self.budget is not None:
+                self.budget.record_head_step(sum(n - lo for lo, n in (ranges[i] for i in live)), time.perf_counter() - t)
+            for step in range(1, n_steps):
                 t = time.perf_counter()
                 chunks, feats, sel_rows, owners = [], [], [], []
                 for i in live:
                     tree, r = trees[i], requests[i]
-                    sel = tree.frontier(step, self.tree_topk, r.params.temperature > 0, self.tree_nodes)
+                    sel = tree.frontier(step, topk, r.params.temperature > 0, n_nodes)
                     if not sel:
                         continue
                     nodes = tree.closure(sel)  # non-root ancestors-or-self, by depth: sel last
@@ -230,12 +262,21 @@ class EagleDrafter(Drafter):
                 out, logits = self._run(chunks, torch.cat(feats), from_target=False)
                 for i in owners:  # the tree rows are scratch: back to the committed rows
                     self.cache.kv.truncate(requests[i].req_id, requests[i].num_tokens - 1)
-                self._grow([requests[i] for i in owners], [trees[i] for i in owners], sel_rows, out, logits)
+                self._grow([requests[i] for i in owners], [trees[i] for i in owners], sel_rows, out, logits, topk,
+                           n_nodes)
                 t_steps.append(time.perf_counter() - t)
+                if self.budget is not None:
+                    self.budget.record_head_step(sum(len(c.token_ids) for c in chunks), t_steps[-1])
             self._settle(group)
         toks, parents, probs = [], [], []
+        sampled_values = 0
         for r, tree in zip(requests, trees):
-            keep = tree.keep(self.tree_nodes) if r.params.temperature == 0 else list(range(len(tree.tok)))
+            keep = tree.keep(n_nodes) if r.params.temperature == 0 else list(range(len(tree.tok)))
+            if self.budget is not None and r.params.temperature == 0 and len(keep) > 1:
+                self._outcome[r.req_id] = (r.num_tokens, sum(math.exp(tree.score[j]) for j in keep[1:]))
+                if sampled_values < self.budget.sample_trees:  # V of every sub-shape of this tree
+                    self.budget.record_values(self.budget.tree_values(tree.parent, tree.depth, tree.score, tree.rank))
+                    sampled_values += 1
             index = {j: a for a, j in enumerate(keep)}
             toks.append([tree.tok[j] for j in keep])
             parents.append([index[tree.parent[j]] if tree.parent[j] >= 0 else -1 for j in keep])
@@ -245,17 +286,20 @@ class EagleDrafter(Drafter):
                     if tree.q.get(j) is not None and any(tree.parent[c] == j for c in keep):
                         rows[a] = tree.q[j].float().cpu()
             probs.append(rows)
+        if self.budget is not None:
+            self._proposed = (time.perf_counter(), {r.req_id: len(t) for r, t in zip(requests, toks)})
         return TreeProposal(toks, parents, probs, step_seconds=sum(t_steps) / len(t_steps) if t_steps else None)
 
     def _grow(self, reqs: list[Request], trees: list["_Tree"], expanded: list[list[int]], out: torch.Tensor,
-              draft_logits: torch.Tensor) -> None:
-        """Children of the expanded nodes (rows of out / logits in order): top-k (greedy) or i.i.d. draws."""
+              draft_logits: torch.Tensor, topk: int, budget: int) -> None:
+        """Children of the expanded nodes (rows of out / logits in order): top-k (greedy) or i.i.d. draws;
+        topk children per node, budget nodes in all (sampled trees)."""
         full = self.head.to_target_vocab(draft_logits)  # [rows, V]
         row_req = [a for a, sel in enumerate(expanded) for _ in sel]
         st = SamplingTensors.from_params([reqs[a].params for a in row_req], full.device)
         q = logits_to_probs(full, st.temperature, st.top_k, st.top_p, st.min_p)
         logp = full.log_softmax(-1)
-        k = min(self.tree_topk, full.shape[-1])
+        k = min(topk, full.shape[-1])
         top = logp.topk(k, dim=-1)
         row = 0
         for a, (r, tree, sel) in enumerate(zip(reqs, trees, expanded)):
@@ -265,7 +309,7 @@ class EagleDrafter(Drafter):
                     for tok, lp in zip(top.indices[row].tolist(), top.values[row].tolist()):
                         tree.add(node, tok, tree.score[node] + lp)
                 else:
-                    m = min(k, self.tree_nodes - len(tree.tok))
+                    m = min(k, budget - len(tree.tok))
                     if m > 0:
                         tree.q[node] = q[row]
                         u = torch.rand(m, generator=r.generator).to(q.device)
@@ -287,6 +331,9 @@ class EagleDrafter(Drafter):
         return max(0, -(-(tokens + self.tree_topk * self.tree_steps) // kv.block_size) - have)
 
     def rollback(self, request: Request, valid_len: int) -> None:
+        drafted = self._outcome.pop(request.req_id, None)
+        if drafted is not None and self.budget is not None:  # a verified tree: valid_len = root + accepted + 1
+            self.budget.record_outcome(drafted[1], max(0, valid_len - drafted[0]))
         kv = self.cache.kv
         if kv.has(request.req_id) and kv.length(request.req_id) > valid_len:
             kv.truncate(request.req_id, valid_len)
@@ -294,6 +341,7 @@ class EagleDrafter(Drafter):
     def release(self, request: Request) -> None:
         self.cache.kv.free(request.req_id)
         self._feats.pop(request.req_id, None)
+        self._outcome.pop(request.req_id, None)
 
     def cached_length(self, request: Request) -> int | None:
         kv = self.cache.kv
@@ -305,6 +353,8 @@ class _Tree:
 
     def __init__(self, root_token: int) -> None:
         self.tok, self.parent, self.depth, self.score = [root_token], [-1], [0], [0.0]
+        self.rank = [0]  # a node's index among its parent's children (greedy: its top-k rank)
+        self._nchild: dict[int, int] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # node -> head output at its row (its children's feature)
         self.q: dict[int, torch.Tensor] = {}  # node -> processed draft distribution its children were drawn from
 
@@ -313,6 +363,8 @@ class _Tree:
         self.parent.append(parent)
         self.depth.append(self.depth[parent] + 1)
         self.score.append(score)
+        self.rank.append(self._nchild.get(parent, 0))
+        self._nchild[parent] = self.rank[-1] + 1
 
     def frontier(self, depth: int, width: int, sampled: bool, budget: int) -> list[int]:
         """The `width` best nodes at `depth` (by cumulative log-probability) to expand next. A sampled tree

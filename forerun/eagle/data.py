@@ -123,9 +123,12 @@ def feature_layers(num_layers: int, head_layers: tuple[int, ...]) -> tuple[int, 
 
 def extract(model, tok, out_dir: str | Path, layers: tuple[int, ...], split: str, max_tokens: int,
             max_len: int = 512, min_len: int = 24, shard_tokens: int = 16384, seed: int = 0,
-            heldout_fraction: float = 0.05, progress: bool = True) -> int:
+            heldout_fraction: float = 0.05, progress: bool = True, deadline: float | None = None) -> int:
     """Teacher-forced hidden states of `layers` for corpus samples of one split, until `max_tokens` tokens are
-    on disk under out_dir/split/. Returns the tokens stored. Resumable (shards already written are kept)."""
+    on disk under out_dir/split/ (or time.time() passes `deadline`: what was extracted is written). Returns
+    the tokens stored. Resumable (shards already written are kept). The extraction wall time is added up
+    across runs in out_dir/split/stats.json (`split_stats`)."""
+    import time
     from ..config import CacheConfig
     from ..runtime.runner import Chunk, ModelRunner
 
@@ -143,6 +146,7 @@ def extract(model, tok, out_dir: str | Path, layers: tuple[int, ...], split: str
     stored = sum(int(torch.load(s, weights_only=True)["offsets"][-1]) for s in shards)
     if stored >= max_tokens:
         return stored
+    t_start = time.perf_counter()
     weight = model.model.embed_tokens.weight
     runner = ModelRunner(model, CacheConfig(block_size=16, num_blocks=max_len // 16 + 4), weight.device,
                          weight.dtype, max_batch_tokens=max_len, max_seqs=1)
@@ -168,17 +172,28 @@ def extract(model, tok, out_dir: str | Path, layers: tuple[int, ...], split: str
         offsets.append(offsets[-1] + len(ids))
         bar.update(len(ids))
         stored += len(ids)
-        if offsets[-1] >= shard_tokens or stored >= max_tokens:
+        late = deadline is not None and time.time() >= deadline
+        if offsets[-1] >= shard_tokens or stored >= max_tokens or late:
             _write_shard(d, len(shards), buf_tok, buf_feat, offsets, n_samples)
             shards.append(None)
             buf_tok, buf_feat, offsets, n_samples = [], {i: [] for i in layers}, [0], 0
-            if stored >= max_tokens:
+            if stored >= max_tokens or late:
                 break
     else:
         if len(offsets) > 1:
             _write_shard(d, len(shards), buf_tok, buf_feat, offsets, n_samples)
     bar.close()
+    st = split_stats(out_dir, split)
+    st["seconds"] = round(st.get("seconds", 0.0) + time.perf_counter() - t_start, 1)
+    st["tokens"] = stored
+    (d / "stats.json").write_text(json.dumps(st))
     return stored
+
+
+def split_stats(out_dir: str | Path, split: str) -> dict:
+    """{'seconds': extraction wall time summed over runs, 'tokens': tokens on disk, optional 'note'} ({} if none)."""
+    f = Path(out_dir) / split / "stats.json"
+    return json.loads(f.read_text()) if f.exists() else {}
 
 
 def _write_shard(d: Path, i: int, toks, feats, offsets, n_samples) -> None:

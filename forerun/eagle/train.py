@@ -205,8 +205,9 @@ def heldout_acceptance(head: EagleHead, teacher: Teacher, seqs: list[dict], k: i
 def train(head: EagleHead, teacher: Teacher, train_seqs: list[dict], held: list[dict], *, steps: int,
           minutes: float | None, ttt: int, lr: float, max_len: int, accum: int, eval_every: int, eval_k: int,
           out: Path | None, save_every: int, state: dict | None = None, progress: bool = True,
-          train_lm_head: bool = False, log=print) -> dict:
-    """AdamW with warmup then cosine decay; returns the last evaluation (and the history under 'history')."""
+          train_lm_head: bool = False, log=print, deadline: float | None = None) -> dict:
+    """AdamW with warmup then cosine decay; returns the last evaluation (and the history under 'history').
+    minutes: training time summed over resumed runs; deadline: a time.time() at which this run stops."""
     if not train_lm_head and head.lm_head is not None:
         head.lm_head.weight.requires_grad_(False)
     params = [p for p in head.parameters() if p.requires_grad]
@@ -238,6 +239,8 @@ def train(head: EagleHead, teacher: Teacher, train_seqs: list[dict], held: list[
     feat_w = 1.0 if head.eagle.version == 1 else 0.0
     while step < steps:
         if minutes is not None and (time.perf_counter() - t_start) / 60 + seconds0 / 60 >= minutes:
+            break
+        if deadline is not None and time.time() >= deadline:
             break
         head.train()
         opt.zero_grad(set_to_none=True)
@@ -286,6 +289,39 @@ def _save(head: EagleHead, opt, step: int, history: list, out: Path) -> None:
     tmp.replace(out / "train_state.pt")
 
 
+def training_summary(out: Path, data_dir: Path, a, n_train: int, n_held: int, feat_s: float, res: dict,
+                     wall_s: float, step0: int = 0) -> dict:
+    """OUT/training_summary.json: what the head cost, summed over every run that built it (--resume runs
+    append a session): data size, feature extraction time (data_dir/*/stats.json), training time (the
+    history's clock), wall time, steps, sequence tokens seen, held-out acceptance."""
+    prev = {}
+    if a.resume and (out / "training_summary.json").exists():
+        try:
+            prev = json.loads((out / "training_summary.json").read_text())
+        except ValueError:
+            prev = {}
+    sessions = list(prev.get("sessions", []))
+    if prev and not sessions:  # written before sessions were recorded: keep what it said as the first one
+        sessions.append({k: prev[k] for k in ("train_seconds", "total_seconds", "steps", "acc_len") if k in prev})
+    sessions.append({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "steps": [step0, res["step"]],
+                     "feature_seconds": round(feat_s, 1), "wall_seconds": round(wall_s, 1),
+                     "acc_len": round(res["acc_len"], 3)})
+    stats = [D.split_stats(data_dir, sp) for sp in ("train", "heldout")]
+    summary = {"out": str(out), "target": a.target, "version": a.version, "train_tokens": n_train,
+               "heldout_tokens": n_held,
+               "feature_seconds": round(sum(s.get("seconds", 0.0) for s in stats), 1),
+               "train_seconds": res["seconds"],
+               "wall_seconds": round(sum(s.get("wall_seconds", s.get("total_seconds", 0.0)) for s in sessions), 1),
+               "steps": res["step"], "sequence_tokens": res.get("tokens"),
+               "acc_len": round(res["acc_len"], 3), "acc_len_all": round(res["acc_len_all"], 3),
+               "untrained_acc_len": round(res["history"][0]["acc_len"], 3), "step_acc": res["step_acc"],
+               "sessions": sessions}
+    notes = [s["note"] for s in stats if s.get("note")]
+    if notes:
+        summary["feature_seconds_note"] = "; ".join(notes)
+    return summary
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="forerun train-eagle", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="target model: known name, GGUF file or HF folder")
@@ -298,7 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", type=int, default=32000, help="EAGLE-3 draft vocabulary size")
     p.add_argument("--intermediate", type=int, default=None, help="head MLP width (default: the target's)")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps (upper bound)")
-    p.add_argument("--minutes", type=float, default=None, help="stop training after this many minutes")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="stop training after this many minutes of training (summed over --resume runs)")
+    p.add_argument("--wall-minutes", type=float, default=None,
+                   help="this run's wall-time bound, feature extraction included (extraction stops at 60%% of it)")
     p.add_argument("--ttt", type=int, default=3, help="training-time-test unrolled steps")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--accum", type=int, default=4, help="sequences per optimizer step")
@@ -328,6 +367,9 @@ def main(argv=None) -> int:
     out = Path(a.out).expanduser()
     data_dir = Path(a.data).expanduser() if a.data else out / "data"
     t0 = time.perf_counter()
+    wall0 = time.time()
+    deadline = wall0 + 60 * a.wall_minutes if a.wall_minutes else None
+    feat_deadline = wall0 + 36 * a.wall_minutes if a.wall_minutes else None
     try:
         # packed (fast) linears only where training never needs a plain weight: an EAGLE-3 head trains against
         # its own lm_head and the teacher reads the tied embedding
@@ -344,10 +386,10 @@ def main(argv=None) -> int:
     cfg = EagleConfig.for_target(target.config, version=a.version, intermediate_size=a.intermediate)
     layers = D.feature_layers(target.config.num_layers, cfg.aux_layers)
     t_feat = time.perf_counter()
-    n_train = D.extract(target, tok, data_dir, layers, "train", a.train_tokens, max_len=a.seq_len, seed=a.seed,
-                        progress=not a.quiet)
     n_held = D.extract(target, tok, data_dir, layers, "heldout", a.heldout_tokens, max_len=a.seq_len, seed=a.seed,
-                       progress=not a.quiet)
+                       progress=not a.quiet, deadline=feat_deadline)
+    n_train = D.extract(target, tok, data_dir, layers, "train", a.train_tokens, max_len=a.seq_len, seed=a.seed,
+                        progress=not a.quiet, deadline=feat_deadline)
     feat_s = time.perf_counter() - t_feat
     print(f"[train-eagle] features: {n_train} train + {n_held} held-out tokens in {data_dir} ({feat_s:.0f}s)",
           file=sys.stderr)
@@ -368,12 +410,10 @@ def main(argv=None) -> int:
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     res = train(head, teacher, train_seqs, held, steps=a.steps, minutes=a.minutes, ttt=a.ttt, lr=a.lr,
                 max_len=a.seq_len, accum=a.accum, eval_every=a.eval_every, eval_k=a.eval_k, out=out,
-                save_every=a.save_every, state=state, progress=not a.quiet, log=log, train_lm_head=a.train_lm_head)
-    summary = {"out": str(out), "target": a.target, "version": a.version, "train_tokens": n_train,
-               "heldout_tokens": n_held, "feature_seconds": round(feat_s, 1),
-               "train_seconds": res["seconds"], "total_seconds": round(time.perf_counter() - t0, 1),
-               "steps": res["step"], "acc_len": round(res["acc_len"], 3), "acc_len_all": round(res["acc_len_all"], 3),
-               "untrained_acc_len": round(res["history"][0]["acc_len"], 3), "step_acc": res["step_acc"]}
+                save_every=a.save_every, state=state, progress=not a.quiet, log=log, train_lm_head=a.train_lm_head,
+                deadline=deadline)
+    summary = training_summary(out, data_dir, a, n_train, n_held, feat_s, res, time.perf_counter() - t0,
+                               step0=state["step"] if state else 0)
     (out / "training_summary.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary))
     return 0

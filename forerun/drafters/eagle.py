@@ -280,11 +280,13 @@ class EagleDrafter(Drafter):
             index = {j: a for a, j in enumerate(keep)}
             toks.append([tree.tok[j] for j in keep])
             parents.append([index[tree.parent[j]] if tree.parent[j] >= 0 else -1 for j in keep])
-            rows = torch.zeros(len(keep), v)
             if r.params.temperature > 0:
+                rows = torch.zeros(len(keep), v, device=self.cache.device)
                 for a, j in enumerate(keep):
                     if tree.q.get(j) is not None and any(tree.parent[c] == j for c in keep):
-                        rows[a] = tree.q[j].float().cpu()
+                        rows[a] = tree.q[j].float()
+            else:  # never read (greedy verification): one zero row, broadcast, on the device
+                rows = torch.zeros(1, v, device=self.cache.device).expand(len(keep), v)
             probs.append(rows)
         if self.budget is not None:
             self._proposed = (time.perf_counter(), {r.req_id: len(t) for r, t in zip(requests, toks)})
@@ -294,19 +296,27 @@ class EagleDrafter(Drafter):
               draft_logits: torch.Tensor, topk: int, budget: int) -> None:
         """Children of the expanded nodes (rows of out / logits in order): top-k (greedy) or i.i.d. draws;
         topk children per node, budget nodes in all (sampled trees)."""
-        full = self.head.to_target_vocab(draft_logits)  # [rows, V]
         row_req = [a for a, sel in enumerate(expanded) for _ in sel]
-        st = SamplingTensors.from_params([reqs[a].params for a in row_req], full.device)
-        q = logits_to_probs(full, st.temperature, st.top_k, st.top_p, st.min_p)
-        logp = full.log_softmax(-1)
-        k = min(topk, full.shape[-1])
-        top = logp.topk(k, dim=-1)
+        k = min(topk, self.head.draft_vocab_size)
+        q = None
+        if all(reqs[a].params.temperature == 0 for a in row_req):
+            # greedy rows only: top-k over the draft vocabulary (the target's other tokens are -inf), no
+            # target-vocabulary tensors
+            top = draft_logits.float().log_softmax(-1).topk(k, dim=-1)
+            ids = self.head.draft_to_target[top.indices]
+        else:
+            full = self.head.to_target_vocab(draft_logits)  # [rows, V]
+            st = SamplingTensors.from_params([reqs[a].params for a in row_req], full.device)
+            q = logits_to_probs(full, st.temperature, st.top_k, st.top_p, st.min_p)
+            top = full.log_softmax(-1).topk(k, dim=-1)
+            ids = top.indices
+        top_ids, top_lp = ids.tolist(), top.values.tolist()  # one host read for every row
         row = 0
         for a, (r, tree, sel) in enumerate(zip(reqs, trees, expanded)):
             for node in sel:
                 tree.hidden[node] = out[row]
                 if r.params.temperature == 0:
-                    for tok, lp in zip(top.indices[row].tolist(), top.values[row].tolist()):
+                    for tok, lp in zip(top_ids[row], top_lp[row]):
                         tree.add(node, tok, tree.score[node] + lp)
                 else:
                     m = min(k, budget - len(tree.tok))

@@ -1,0 +1,598 @@
+#!/usr/bin/env python
+"""EAGLE on one CUDA GPU (written for an H200): the head's step cost against the target's decode step, and
+dynamic-tree drafting throughput against its ideal, with random weights and synthetic acceptance.
+
+    python benchmarks/eagle_gpu.py          # from the repo root; ~2-4 minutes on an H200
+    python benchmarks/eagle_gpu.py --tiny   # tiny shapes (runs on the CPU too): checks every code path
+
+Target: random bf16 weights at Qwen3-8B shape (36 layers, hidden 4096), built on the GPU, with forerun's
+CUDA graphs (Triton paged attention, fused layer ops) for its decode / verify steps, as the engine runs it.
+Head: a random EAGLE-3 head (one decoder layer, fc over three target layers, a 32k draft vocabulary) run by
+`EagleDrafter` exactly as in serving (draft extend, dynamic tree, rollback).
+
+Synthetic acceptance (the head is random, so its drafts never match): at every node the target's next token
+is the node's child of top-k rank r with probability q_r (q_0 = a; rank r catches a share a * rho^r of what
+the ranks before it missed), mutually exclusive, else none. A round draws the accepted path from the tree the
+drafter really built (the real target forward and the real tree verification kernel run; their verdict is
+replaced by the drawn path), so tok/s measures the machinery at a known acceptance, not a head's quality.
+
+Ideal (what "dynamic trees >= 95% of their ideal" is measured against): B requests x expected tokens per round
+of the trees drafted (1 + sum over nodes of the product of q along their path: exact under the synthetic
+model) / the round's device cost = the target forward over the B x nodes verify rows (graph replay, timed
+alone) + the head's draft extend + its (steps - 1) tree steps (each timed alone at its row count). So the
+ideal is the kernels with no host work between them; measured / ideal = how much of a round the host part
+(tree building, masks, verification, bookkeeping) costs. `fraction_realized` uses the tokens per round the
+run actually drew instead of the expectation (the same at many rounds; less noisy at few).
+
+The random head's logits are replaced by ones whose top-k probabilities are q (`calibrate_head`), so the
+dynamic tree keeps what a head as confident as it is right would keep; the head's forward still runs in full.
+
+Also: the head step cost per batch size vs the target decode step, and the draft budget
+(forerun/drafters/eagle_budget.py) that the measured costs give per batch size.
+
+Writes benchmarks/results/eagle_h200.json (or --out) and prints a table last.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from forerun.config import CacheConfig, ModelConfig  # noqa: E402
+from forerun.drafters.eagle import EagleDrafter, _Tree  # noqa: E402
+from forerun.drafters.eagle_budget import TreeBudget, TreeBudgetPolicy  # noqa: E402
+from forerun.models.eagle_head import EagleConfig, EagleHead  # noqa: E402
+from forerun.models.layers import RotaryEmbedding  # noqa: E402
+from forerun.models.llama import LlamaForCausalLM  # noqa: E402
+from forerun.request import Request  # noqa: E402
+from forerun.runtime.runner import Chunk, ModelRunner  # noqa: E402
+from forerun.sampling_params import SamplingParams  # noqa: E402
+from forerun.verify import SamplingTensors, verify_tree  # noqa: E402
+
+QWEN3_8B = dict(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+                num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=True, rope_theta=1e6,
+                max_position_embeddings=40960, tie_word_embeddings=False)
+TINY = dict(arch="qwen3", vocab_size=2048, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
+            num_kv_heads=2, head_dim=32, qk_norm=True, rope_theta=1e6, max_position_embeddings=4096,
+            tie_word_embeddings=False)
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+# -- models ----------------------------------------------------------------------------------------------
+def build_target(shape: dict, device: torch.device, dtype: torch.dtype, seed: int) -> LlamaForCausalLM:
+    """Random weights made on the device (std 0.02, norms ~1), rotary tables rebuilt there."""
+    cfg = ModelConfig(**shape)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to(dtype).to_empty(device=device).eval()
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.05, generator=gen)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    if hasattr(model, "reset_rope"):
+        model.reset_rope(device)
+    else:
+        model.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict, model.max_positions).to(device)
+    return model
+
+
+def build_head(target: LlamaForCausalLM, draft_vocab: int, device: torch.device, dtype: torch.dtype,
+               seed: int) -> EagleHead:
+    """A random one-layer EAGLE-3 head over a random draft vocabulary of `draft_vocab` target tokens."""
+    cfg = EagleConfig.for_target(target.config, version=3, draft_vocab_size=draft_vocab)
+    with torch.device(device):
+        head = EagleHead(cfg, target)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    ids = torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(seed))[:draft_vocab]
+    head.set_draft_vocab(ids.sort().values - torch.arange(draft_vocab))
+    return head.to(device=device, dtype=dtype).eval()
+
+
+def calibrate_head(head: EagleHead, q: list[float], seed: int) -> None:
+    """Make the random head's confidence its synthetic acceptance: every row's draft distribution puts q_r on
+    k random tokens (ranks 0..k-1) and spreads the rest thinly, so the dynamic tree keeps the nodes a head
+    calibrated like the synthetic target would keep (with a raw random head every child is ~1/Vd, and the
+    trees come out shallow and wide). The head's own forward still runs in full; only its logits are replaced."""
+    forward = head.forward
+    k = len(q)
+    gen = torch.Generator(device=head.fc.weight.device).manual_seed(seed)
+
+    def calibrated(*a, **kw):
+        out, logits = forward(*a, **kw)
+        rows, vd = logits.shape
+        rest = max(1.0 - sum(q), 1e-6) / max(vd - k, 1)
+        fake = torch.full((rows, vd), math.log(rest), device=logits.device, dtype=torch.float32)
+        ids = torch.rand(rows, vd, device=logits.device, generator=gen).topk(k, dim=-1).indices
+        fake.scatter_(1, ids, torch.tensor([math.log(max(x, 1e-12)) for x in q], device=logits.device).expand(rows, k))
+        return out, fake.to(logits.dtype)
+
+    head.forward = calibrated
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def device_ms(fn, device: torch.device, inner: int, outer: int = 5, warmup: int = 2, after=None) -> float:
+    """Median over `outer` timings of `inner` back-to-back calls, per call (ms): CUDA events on a GPU, the wall
+    clock on the CPU. after(): host bookkeeping between calls (not timed on the CPU; cheap on the GPU)."""
+    for _ in range(warmup):
+        fn()
+        if after:
+            after()
+    times = []
+    for _ in range(outer):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                fn()
+                if after:
+                    after()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / inner)
+        else:
+            total = 0.0
+            for _ in range(inner):
+                t = time.perf_counter()
+                fn()
+                total += time.perf_counter() - t
+                if after:
+                    after()
+            times.append(1e3 * total / inner)
+    return float(np.median(times))
+
+
+# -- synthetic acceptance ----------------------------------------------------------------------------------
+def rank_probs(a: float, rho: float, k: int) -> list[float]:
+    """q_r: probability that the target's token is a node's child of top-k rank r (exclusive)."""
+    q, left = [], 1.0
+    for r in range(k):
+        p = left * a * rho ** r
+        q.append(p)
+        left -= p
+    return q
+
+
+def children_of(parents: list[int]) -> dict[int, list[int]]:
+    ch: dict[int, list[int]] = {}
+    for j, p in enumerate(parents):
+        if p >= 0:
+            ch.setdefault(p, []).append(j)  # breadth-first, parents first: siblings in top-k rank order
+    return ch
+
+
+def expected_tokens(parents: list[int], q: list[float]) -> float:
+    """1 + sum over non-root nodes of the probability that the whole path to the node is accepted."""
+    ch = children_of(parents)
+    reach = {0: 1.0}
+    total = 1.0
+    for j in range(len(parents)):
+        for r, c in enumerate(ch.get(j, ())):
+            reach[c] = reach[j] * (q[r] if r < len(q) else 0.0)
+            total += reach[c]
+    return total
+
+
+def draw_path(parents: list[int], q: list[float], rng: np.random.Generator) -> list[int]:
+    ch = children_of(parents)
+    path, node = [0], 0
+    while True:
+        kids = ch.get(node, [])
+        u, acc, nxt = rng.random(), 0.0, None
+        for r, c in enumerate(kids):
+            acc += q[r] if r < len(q) else 0.0
+            if u < acc:
+                nxt = c
+                break
+        if nxt is None:
+            return path
+        path.append(nxt)
+        node = nxt
+
+
+# -- requests and rounds -------------------------------------------------------------------------------
+def make_requests(n: int, context: int, vocab: int, seed: int, first_id: int) -> list[Request]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        prompt = torch.randint(0, vocab, (context,), generator=g).tolist()
+        out.append(Request(first_id + i, None, prompt, SamplingParams(temperature=0, max_tokens=1 << 20),
+                           torch.Generator().manual_seed(i), frozenset()))
+    return out
+
+
+def prefill(runner: ModelRunner, drafter: EagleDrafter | None, reqs: list[Request], max_tokens: int) -> None:
+    """Prompts into the target's cache (and the head's: its features), then one token each, greedy."""
+    layers = drafter.target_hidden_layers if drafter is not None else ()
+    for r in reqs:
+        runner.kv.add_sequence(r.req_id)
+    group: list[Request] = []
+
+    def flush():
+        if not group:
+            return
+        chunks = [Chunk(r.req_id, r.all_tokens, logits=1) for r in group]
+        out, starts = runner.forward(chunks, hidden_layers=layers)
+        nxt = out.logits.argmax(-1).tolist()
+        states, at = [], 0
+        for r, s in zip(group, starts):
+            n = r.num_tokens
+            states.append({l: h[at: at + n] for l, h in out.hidden_states.items()} if layers else None)
+            at += n
+        toks = [nxt[s] for s in starts]
+        if drafter is not None:
+            drafter.observe_target(group, states, [0] * len(group))
+        for r, t in zip(group, toks):
+            r.output_token_ids.append(t)
+        group.clear()
+
+    for r in reqs:
+        if group and (len(group) + 1) * r.num_tokens > max_tokens:
+            flush()
+        group.append(r)
+    flush()
+
+
+def tree_round(runner: ModelRunner, drafter: EagleDrafter, reqs: list[Request], q: list[float],
+               rng: np.random.Generator) -> tuple[int, float]:
+    """One round as the engine's TreeRound runs it (propose_tree -> one target forward with the tree masks and
+    the head's feature layers -> tree verification -> move / truncate -> target states to the drafter), with
+    the drawn path instead of the verdict. Returns (tokens committed, expected tokens of the trees)."""
+    kv = runner.kv
+    device = runner.device
+    prop = drafter.propose_tree(reqs)
+    chunks, bases, expect = [], [], 0.0
+    for r, toks, par in zip(reqs, prop.tokens, prop.parents):
+        base = kv.length(r.req_id)
+        bases.append(base)
+        catch = r.all_tokens[base:-1]
+        c, n, root = len(catch), len(toks), r.num_tokens - 1
+        depth = [0] * n
+        anc = torch.zeros(n, n, dtype=torch.bool)
+        for j in range(n):
+            depth[j] = 0 if par[j] < 0 else depth[par[j]] + 1
+            a = j
+            while a >= 0:
+                anc[j, a] = True
+                a = par[a]
+        full = torch.zeros(c + n, c + n, dtype=torch.bool)
+        full[:c, :c] = torch.ones(c, c, dtype=torch.bool).tril()
+        full[c:, :c] = True
+        full[c:, c:] = anc
+        chunks.append(Chunk(r.req_id, catch + toks, positions=list(range(root - c, root)) + [root + d for d in depth],
+                            tree_mask=full if n > 1 or c else None, logits=n))
+        expect += expected_tokens(par, q)
+    out, starts = runner.forward(chunks, hidden_layers=drafter.target_hidden_layers)
+    flat_tok = torch.tensor([t for toks in prop.tokens for t in toks], device=device)
+    flat_par = torch.tensor([p for par in prop.parents for p in par], device=device)
+    # the real verification (its verdict is then replaced by the drawn path)
+    res = verify_tree(out.logits, flat_tok, flat_par, torch.tensor(starts, device=device),
+                      torch.tensor([len(t) for t in prop.tokens], device=device),
+                      SamplingTensors.from_params([r.params for r in reqs], device),
+                      torch.rand(flat_tok.numel(), 2, device=device),
+                      draft_probs=torch.cat([p.to(device) for p in prop.probs]), rule="auto")
+    bonus = res.output_token_ids[:, 0].tolist()  # one host read, as the engine's verdict
+    states, committed = [], 0
+    hs = out.hidden_states
+    for i, (r, toks, par) in enumerate(zip(reqs, prop.tokens, prop.parents)):
+        path = draw_path(par, q, rng)
+        a = len(path) - 1
+        root = r.num_tokens - 1
+        c = len(chunks[i].token_ids) - len(toks)
+        kv.move(r.req_id, [root + j for j in path[1:]], [root + m for m in range(1, a + 1)])
+        kv.truncate(r.req_id, root + a + 1)
+        drafter.rollback(r, root + a + 1)
+        rows = list(range(starts[i] - c, starts[i])) + [starts[i] + j for j in path]
+        states.append(rows)
+        r.output_token_ids.extend([toks[j] for j in path[1:]] + [max(bonus[i], 0)])
+        committed += a + 1
+    flat_rows = torch.tensor([x for rows in states for x in rows], device=device)
+    sel = {l: h[flat_rows] for l, h in hs.items()}
+    per, at = [], 0
+    for rows in states:
+        per.append({l: h[at: at + len(rows)] for l, h in sel.items()})
+        at += len(rows)
+    drafter.observe_target(reqs, per, bases)
+    return committed, expect
+
+
+def plain_round(runner: ModelRunner, reqs: list[Request]) -> int:
+    out, starts = runner.forward([Chunk(r.req_id, [r.all_tokens[-1]], logits=1) for r in reqs])
+    for r, t in zip(reqs, out.logits.argmax(-1).tolist()):
+        r.output_token_ids.append(t)
+    return len(reqs)
+
+
+def release(runner: ModelRunner, drafter: EagleDrafter | None, reqs: list[Request]) -> None:
+    for r in reqs:
+        if drafter is not None:
+            drafter.release(r)
+        runner.kv.free(r.req_id)
+
+
+# -- isolated device costs ---------------------------------------------------------------------------------
+def target_verify_ms(runner: ModelRunner, reqs: list[Request], nodes: int, layers, inner: int) -> float:
+    """The target forward over `nodes` rows per request (a chain-shaped tree mask when nodes > 1), timed alone:
+    prepared once, replayed (graphs on CUDA), the cache lengths put back between calls."""
+    kv = runner.kv
+    chunks = []
+    for r in reqs:
+        n0 = kv.length(r.req_id)
+        mask = torch.ones(nodes, nodes, dtype=torch.bool).tril() if nodes > 1 else None
+        chunks.append(Chunk(r.req_id, [r.all_tokens[-1]] * nodes, positions=list(range(n0, n0 + nodes)),
+                            tree_mask=mask, logits=nodes))
+    lens = {r.req_id: kv.length(r.req_id) for r in reqs}
+    step = runner.prepare(chunks)
+    executor = runner.graphs if runner.graphs is not None else runner
+
+    def put_back():
+        for sid, n in lens.items():
+            kv.set_length(sid, n)
+
+    ms = device_ms(lambda: executor.execute(step, None, layers), runner.device, inner, after=put_back)
+    for sid, n in lens.items():
+        kv.truncate(sid, n)
+    return ms
+
+
+def head_step_ms(drafter: EagleDrafter, reqs: list[Request], rows: int, inner: int, from_target: bool = False) -> float:
+    """One head forward over `rows` rows per request (tree step: the head's own outputs as features; the draft
+    extend: from_target), timed alone."""
+    cache = drafter.cache
+    kv = cache.kv
+    lens = {}
+    chunks = []
+    for r in reqs:
+        if not kv.has(r.req_id):
+            kv.add_sequence(r.req_id)
+        lens[r.req_id] = kv.length(r.req_id)
+        n0 = lens[r.req_id]
+        mask = torch.ones(rows, rows, dtype=torch.bool).tril() if rows > 1 else None
+        chunks.append(Chunk(r.req_id, [r.all_tokens[-1]] * rows, positions=list(range(n0, n0 + rows)),
+                            tree_mask=mask, logits=rows))
+    step = cache.prepare(chunks)
+    head = drafter.head
+    width = head.eagle.feature_size if from_target else head.config.hidden_size
+    feats = torch.randn(step.input_ids.shape[0], width, device=cache.device, dtype=drafter.head_dtype) * 0.1
+
+    def call():
+        with torch.inference_mode():
+            head(step.input_ids, feats, step.positions, step.meta, kv, from_target, rows=step.logits_indices)
+
+    ms = device_ms(call, cache.device, inner)
+    for sid, n in lens.items():
+        kv.truncate(sid, n)
+    return ms
+
+
+# -- main ----------------------------------------------------------------------------------------------------
+def parse_trees(text: str) -> list[TreeBudget]:
+    return [TreeBudget(*map(int, t.split(","))) for t in text.split(";") if t.strip()]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes and few rounds (any device): a smoke run")
+    ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "eagle_h200.json"))
+    ap.add_argument("--batches", default=None, help="comma list (default 1,4,16,64; --tiny 1,3)")
+    ap.add_argument("--trees", default=None,
+                    help="';'-separated TOPK,STEPS,NODES (default 4,4,16;4,3,8;1,4,5; the last is a chain)")
+    ap.add_argument("--accept", type=float, default=0.8, help="synthetic top-1 acceptance a")
+    ap.add_argument("--rho", type=float, default=0.5, help="rank r catches a * rho^r of what ranks < r missed")
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds per configuration (default 60)")
+    ap.add_argument("--context", type=int, default=None, help="prompt tokens per request (default 256)")
+    ap.add_argument("--draft-vocab", type=int, default=None, help="head draft vocabulary (default 32000)")
+    ap.add_argument("--no-graphs", action="store_true", help="the target eager (no CUDA graphs)")
+    args = ap.parse_args()
+    tiny = args.tiny
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if not cuda and not tiny:
+        raise SystemExit("eagle_gpu.py needs a CUDA GPU (or --tiny for a smoke run on the CPU)")
+    batches = [int(x) for x in (args.batches or ("1,3" if tiny else "1,4,16,64")).split(",")]
+    trees = parse_trees(args.trees or ("3,3,8;1,3,4" if tiny else "4,4,16;4,3,8;1,4,5"))
+    rounds = args.rounds or (4 if tiny else 60)
+    warm = 2 if tiny else 5
+    context = args.context or (48 if tiny else 256)
+    draft_vocab = args.draft_vocab or (512 if tiny else 32000)
+    inner = 3 if tiny else 20
+    q = rank_probs(args.accept, args.rho, max(t.topk for t in trees))
+    torch.manual_seed(0)
+    res: dict = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), torch=torch.__version__,
+                     device=torch.cuda.get_device_name(0) if cuda else "cpu", tiny=tiny, context=context,
+                     accept=args.accept, rho=args.rho, rank_probs=[round(x, 4) for x in q], rounds=rounds,
+                     batches=batches, draft_vocab=draft_vocab)
+    log(f"{res['device']}  torch {torch.__version__}  synthetic q_r = {[round(x, 3) for x in q]}")
+
+    shape = TINY if tiny else QWEN3_8B
+    target = build_target(shape, device, dtype, seed=1)
+    head = build_head(target, draft_vocab, device, dtype, seed=2)
+    calibrate_head(head, q, seed=3)
+    max_b, max_nodes = max(batches), max(t.nodes for t in trees)
+    per_seq = context + (rounds + warm + 4) * (max(t.steps for t in trees) + 1) + 2 * max_nodes + 64
+    max_tokens = max(4096 if not tiny else 512, max_b * max_nodes, max_b * 8)
+    runner = ModelRunner(target, CacheConfig(block_size=16, num_blocks=max_b * (-(-per_seq // 16) + 2) + 64), device,
+                         dtype, max_batch_tokens=max_tokens, max_seqs=max_b)
+    if cuda and not args.no_graphs:
+        from forerun.runtime.cuda_graph import enable_cuda_graphs
+
+        enable_cuda_graphs(runner, max_q_len=max_nodes, batch_sizes=tuple(sorted(set(batches))))
+    drafter = EagleDrafter(runner, head, cache=CacheConfig(block_size=16, num_blocks=max_b * (-(-per_seq // 16) + 2) + 64),
+                           max_seqs=max_b, max_batch_tokens=max_tokens)
+    layers = drafter.target_hidden_layers
+    res["target"] = dict(layers=target.config.num_layers, hidden=target.config.hidden_size,
+                         params_B=round(sum(p.numel() for p in target.parameters()) / 1e9, 3))
+    res["head"] = dict(params_M=round(sum(p.numel() for p in head.parameters()) / 1e6, 1), aux_layers=list(layers),
+                       draft_vocab=draft_vocab)
+    log(f"target {res['target']}, head {res['head']}, graphs {runner.graphs is not None}")
+
+    next_id = 0
+    rows_out, costs, head_costs = [], {}, []
+    for b in batches:
+        # plain decoding (the baseline) and the target's isolated costs at this batch
+        reqs = make_requests(b, context, shape["vocab_size"], seed=b, first_id=next_id)
+        next_id += b
+        prefill(runner, None, reqs, max_tokens)
+        for _ in range(warm):
+            plain_round(runner, reqs)
+        sync(device)
+        t = time.perf_counter()
+        toks = sum(plain_round(runner, reqs) for _ in range(rounds))
+        sync(device)
+        plain_s = time.perf_counter() - t
+        tv = {n: target_verify_ms(runner, reqs, n, layers, inner) for n in sorted({1} | {t.nodes for t in trees})}
+        release(runner, None, reqs)
+        costs[b] = {"plain_step_ms": 1e3 * plain_s / rounds, "plain_tok_s": toks / plain_s,
+                    "target_forward_ms": tv}
+        log(f"b={b}: plain {toks / plain_s:.1f} tok/s ({1e3 * plain_s / rounds:.2f} ms/step), target forward "
+            + " ".join(f"{n}:{ms:.2f}" for n, ms in tv.items()) + " ms (rows per request: ms)")
+
+        # the head's step cost, timed alone, against the target's decode step
+        reqs = make_requests(b, context, shape["vocab_size"], seed=100 + b, first_id=next_id)
+        next_id += b
+        prefill(runner, drafter, reqs, max_tokens)
+        hc = {"batch": b, "target_decode_ms": tv[1],
+              "extend_2rows_ms": head_step_ms(drafter, reqs, 2, inner, from_target=True)}
+        for rows in sorted({1} | {t.topk for t in trees} | {t.topk * 2 for t in trees if t.topk > 1}):
+            hc[f"step_{rows}rows_ms"] = head_step_ms(drafter, reqs, rows, inner)
+        hc["c"] = hc["step_1rows_ms"] / tv[1]  # one chain draft step / one target decode step
+        head_costs.append(hc)
+        log(f"b={b}: head step " + ", ".join(f"{k[5:-3]} {v:.3f} ms" for k, v in hc.items() if k.startswith("step_"))
+            + f", extend {hc['extend_2rows_ms']:.3f} ms; target decode {tv[1]:.2f} ms (c = {hc['c']:.3f})")
+
+        # dynamic trees with synthetic acceptance vs their ideal
+        for shape_t in trees:
+            drafter.tree_topk, drafter.tree_steps, drafter.tree_nodes = shape_t.topk, shape_t.steps, shape_t.nodes
+            rng = np.random.default_rng(1000 * b + shape_t.nodes)
+            for _ in range(warm):
+                tree_round(runner, drafter, reqs, q, rng)
+            sync(device)
+            t = time.perf_counter()
+            committed, expect, step_s = 0, 0.0, []
+            for _ in range(rounds):
+                c_, e_ = tree_round(runner, drafter, reqs, q, rng)
+                committed += c_
+                expect += e_
+            sync(device)
+            secs = time.perf_counter() - t
+            tok_round = committed / (rounds * b)
+            exp_round = expect / (rounds * b)
+            head_ms = hc["extend_2rows_ms"] + sum(
+                head_step_ms(drafter, reqs, shape_t.topk * d, max(1, inner // 4)) for d in range(1, shape_t.steps))
+            round_ms = tv[shape_t.nodes] + head_ms
+            ideal = b * exp_round / (round_ms * 1e-3)
+            ideal_real = b * tok_round / (round_ms * 1e-3)
+            row = dict(batch=b, topk=shape_t.topk, steps=shape_t.steps, nodes=shape_t.nodes,
+                       tok_s=committed / secs, round_ms=1e3 * secs / rounds, ideal_round_ms=round_ms,
+                       ideal_head_ms=head_ms, ideal_verify_ms=tv[shape_t.nodes],
+                       expected_tokens_per_round=exp_round, tokens_per_round=tok_round,
+                       ideal_tok_s=ideal, fraction_of_ideal=committed / secs / ideal,
+                       ideal_realized_tok_s=ideal_real, fraction_realized=committed / secs / ideal_real,
+                       speedup_vs_plain=committed / secs / costs[b]["plain_tok_s"])
+            rows_out.append(row)
+            log(f"b={b} tree {shape_t.topk},{shape_t.steps},{shape_t.nodes}: {row['tok_s']:.1f} tok/s, "
+                f"{row['round_ms']:.2f} ms/round (ideal {round_ms:.2f}), {tok_round:.2f} tok/round "
+                f"(E {exp_round:.2f}); {100 * row['fraction_realized']:.1f}% of ideal, "
+                f"{row['speedup_vs_plain']:.2f}x plain")
+        release(runner, drafter, reqs)
+        res.update(costs={str(k): v for k, v in costs.items()}, head_step=head_costs, trees=rows_out)
+        save(res, args.out)
+
+    # the budget the measured costs give (forerun/drafters/eagle_budget.py), for a head whose confidence is
+    # its acceptance (tree values = the synthetic model's)
+    big = max(trees, key=lambda t: (t.nodes, t.steps, t.topk))
+    pol = TreeBudgetPolicy(big, target_cost=_Measured(costs))
+    for hc in head_costs:
+        for k, v in hc.items():
+            if k.startswith("step_"):
+                pol.record_head_step(hc["batch"] * int(k[5:-7]), v * 1e-3)
+    cand = _Tree(0)
+    level = [0]
+    for _ in range(big.steps):
+        new = []
+        for node in level:
+            for r in range(big.topk):
+                cand.add(node, 1, cand.score[node] + math.log(max(q[r], 1e-12)))
+                new.append(len(cand.tok) - 1)
+        level = sorted(new, key=lambda j: -cand.score[j])[: big.topk]
+    pol.record_values(pol.tree_values(cand.parent, cand.depth, cand.score, cand.rank))
+    res["budget"] = pol.table(sorted(set(batches) | {1, 2, 4, 8, 16, 32, 64}))
+    res["ideal_definition"] = ("B x expected tokens per round (synthetic model, exact over the trees drafted) / "
+                               "(target forward over B x nodes rows + head extend + (steps-1) head tree steps, "
+                               "each timed alone)")
+    save(res, args.out)
+    print_table(res)
+
+
+class _Measured:
+    """target_time(tokens) from the measured forwards: per (batch, rows per request), interpolated in tokens."""
+
+    def __init__(self, costs: dict) -> None:
+        pts = sorted((b * n, ms * 1e-3) for b, c in costs.items() for n, ms in c["target_forward_ms"].items())
+        self.x = np.array([p[0] for p in pts], dtype=float)
+        self.y = np.maximum.accumulate(np.array([p[1] for p in pts], dtype=float))
+
+    def target_time(self, tokens: int) -> float:
+        if tokens <= self.x[-1]:
+            return float(np.interp(tokens, self.x, self.y))
+        slope = (self.y[-1] - self.y[0]) / max(self.x[-1] - self.x[0], 1.0)
+        return float(self.y[-1] + slope * (tokens - self.x[-1]))
+
+
+def save(res: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+def print_table(res: dict) -> None:
+    print(f"\n{res['device']}: target {res['target']}, head {res['head']}, synthetic a={res['accept']} "
+          f"rho={res['rho']} (q_r {res['rank_probs']})")
+    print(f"\n{'batch':>5s} {'target decode ms':>16s} {'head step ms (1 row)':>20s} {'c':>6s} {'extend ms':>9s}")
+    for hc in res["head_step"]:
+        print(f"{hc['batch']:5d} {hc['target_decode_ms']:16.3f} {hc['step_1rows_ms']:20.3f} {hc['c']:6.3f} "
+              f"{hc['extend_2rows_ms']:9.3f}")
+    print(f"\n{'batch':>5s} {'tree':>9s} {'tok/s':>9s} {'ideal':>9s} {'%ideal':>7s} {'%ideal(real)':>12s} "
+          f"{'ms/round':>8s} {'ideal ms':>8s} {'tok/round':>9s} {'E':>5s} {'x plain':>7s}")
+    for r in res["trees"]:
+        print(f"{r['batch']:5d} {r['topk']},{r['steps']},{r['nodes']:<5d} {r['tok_s']:9.1f} {r['ideal_tok_s']:9.1f} "
+              f"{100 * r['fraction_of_ideal']:6.1f}% {100 * r['fraction_realized']:11.1f}% {r['round_ms']:8.2f} "
+              f"{r['ideal_round_ms']:8.2f} {r['tokens_per_round']:9.2f} {r['expected_tokens_per_round']:5.2f} "
+              f"{r['speedup_vs_plain']:7.2f}")
+    print(f"\nbudget from the measured costs (forerun/drafters/eagle_budget.py):")
+    for b in res["budget"]:
+        print(f"  batch {b['batch']:3d}: topk {b['topk']}, steps {b['steps']}, nodes {b['nodes']:3d} "
+              f"(E {b['expected_tokens']:.2f} tokens, {b['round_ms']:.2f} ms/round)")
+
+
+if __name__ == "__main__":
+    main()

@@ -56,6 +56,8 @@ def _eagle_configs(args) -> list[tuple[str, str, str, str | None]]:
 
         shape = parse_eagle_tree(tree)
         out.append((f"eagle tree {','.join(map(str, shape))}", spec, "auto", ",".join(map(str, shape))))
+        if args.eagle_budget:
+            out.append((f"eagle tree <={','.join(map(str, shape))} budget", spec, "auto", ",".join(map(str, shape))))
     return out
 
 
@@ -115,6 +117,8 @@ def run_forerun(args, prompts) -> tuple[list[dict], dict]:
             from dataclasses import replace
             spec = replace(spec, draft_model=(draft[0], draft[1]))
         llm = LLM.from_model(target[0], target[1], spec=spec, device="cpu")
+        if label.endswith(" budget"):  # the per-round tree budget from the engine's measured costs
+            llm.engine.drafter.use_target_cost(llm.engine.k_policy.cost)
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), chat=True)  # warm-up
         outs, seconds = [], 0.0
         for p in tqdm(prompts, desc=label, file=sys.stderr):
@@ -130,6 +134,10 @@ def run_forerun(args, prompts) -> tuple[list[dict], dict]:
                "tok_per_s": round(tokens / seconds, 3), "identical_to_plain": ids == plain_ids, **agg.as_dict()}
         if spec.method == "eagle":
             row["eagle_head"] = spec.eagle_head
+            budget = getattr(llm.engine.drafter, "budget", None)
+            if budget is not None:
+                row["eagle_budget_chosen"] = dict(sorted(budget.chosen.items(), key=lambda kv: -kv[1]))
+                row["eagle_budget_calibration"] = round(budget.calibration, 3)
             if tree:
                 row["eagle_tree"] = {"topk": spec.eagle_tree[0], "steps": spec.eagle_tree[1], "nodes": spec.eagle_tree[2]}
         rows.append(row)
@@ -349,6 +357,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eagle-ks", default="4,auto", help="EAGLE chain rows: comma list of k (or auto)")
     ap.add_argument("--eagle-trees", default="4,4,16",
                     help="EAGLE dynamic-tree rows: ';'-separated TOPK,STEPS,NODES shapes ('' for none)")
+    ap.add_argument("--eagle-budget", action="store_true",
+                    help="also an EAGLE tree row per shape with the per-round budget (forerun/drafters/eagle_budget.py)")
     ap.add_argument("--out", default="benchmarks/results/cpu_pair.json")
     args = ap.parse_args(argv)
     if args.threads:

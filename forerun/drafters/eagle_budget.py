@@ -134,6 +134,7 @@ class TreeBudgetPolicy:
         self.accepted = 0.0  # decayed sums for the calibration c = accepted / predicted
         self.predicted = 0.0
         self.last: TreeBudget | None = None
+        self.chosen: dict[str, int] = {}  # "topk,steps,nodes" -> rounds (for reports)
 
     # -- measurements ----------------------------------------------------------------------------------
     def record_target(self, tokens: int, seconds: float) -> None:
@@ -188,8 +189,7 @@ class TreeBudgetPolicy:
         """The shape with the most expected tokens per second for a round of `batch` drafting requests; the
         maximum until costs and values are measured. Shapes never measured are not chosen."""
         if not self.ready or batch < 1:
-            self.last = self.max
-            return self.max
+            return self._pick(self.max)
         best, best_rate = TreeBudget(1, 1, 1), -1.0
         for shape in self.ladder:
             if shape.drafts and shape not in self.values:
@@ -197,8 +197,13 @@ class TreeBudgetPolicy:
             rate = batch * self.expected_tokens(shape) / self.round_seconds(shape, batch)
             if rate > best_rate * 1.0001:
                 best, best_rate = shape, rate
-        self.last = best
-        return best
+        return self._pick(best)
+
+    def _pick(self, shape: TreeBudget) -> TreeBudget:
+        self.last = shape
+        key = f"{shape.topk},{shape.steps},{shape.nodes}"
+        self.chosen[key] = self.chosen.get(key, 0) + 1
+        return shape
 
     def table(self, batches: list[int]) -> list[dict]:
         """What choose() picks per batch size, with its expected tokens and round time (for reports)."""

@@ -44,19 +44,25 @@ class SyntheticSampler(RoundSampler):
         super().__init__("auto")
         self.a, self.rng = a, random.Random(seed)
 
-    def chain(self, logits, requests, drafts, draft_probs, starts) -> Verdict:
-        real = super().chain(logits, requests, drafts, draft_probs, starts)
-        acc, emitted = [], []
-        rows = []
+    def chain(self, logits, requests, drafts, draft_probs, starts, device_drafts=None) -> Verdict:
+        best = logits.argmax(-1)  # [T], queued before the real verifier's sync
+        real = super().chain(logits, requests, drafts, draft_probs, starts, device_drafts=device_drafts)
+        if device_drafts is not None:  # the drafts' values (the verification has synchronised: no wait)
+            flat, values, at = device_drafts.tolist(), [], 0
+            for d in drafts:
+                values.append(flat[at: at + len(d)])
+                at += len(d)
+            drafts = values
+        acc, emitted, rows = [], [], []
         for d, s in zip(drafts, starts):
             m = 0
             while m < len(d) and self.rng.random() < self.a:
                 m += 1
             acc.append(m)
             rows.append(s + m)
-        final = logits[torch.tensor(rows, device=logits.device)].argmax(-1).tolist()
-        for d, m, f in zip(drafts, acc, final):
-            emitted.append(d[:m] + [f])
+        best = best.tolist()
+        for d, m, r in zip(drafts, acc, rows):
+            emitted.append(d[:m] + [best[r]])
         return Verdict(acc, emitted, real.logprobs)
 
 

@@ -3,23 +3,50 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from ..request import Request
 
 
-@dataclass(frozen=True)
+@dataclass
 class DraftProposal:
     """Per request (same order as the requests given to propose):
     tokens[i]: the drafted token ids, at most k_i of them (fewer when a drafter stops early);
     probs[i]: [len(tokens[i]), V] float32 draft distributions each token was sampled from (already through
     the shared probability transform), or None for a deterministic drafter (a point mass on the token).
-    step_seconds: what one more draft token costs, measured on steps that fed one token per request."""
+    step_seconds: what one more draft token costs, measured on steps that fed one token per request.
 
-    tokens: list[list[int]]
+    A drafter may leave its tokens on the device (no host round trip while drafting): then `tokens` is None,
+    `lengths[i]` says how many request i drafted and `device_tokens` holds them all, flat in request order;
+    `resolve()` reads them (one sync: free once the verification that follows has synchronised)."""
+
+    tokens: list[list[int]] | None
     probs: list[torch.Tensor | None]
     step_seconds: float | None = None  # mean time of one draft step (catch-up feeding excluded), for adaptive k
+    lengths: list[int] | None = None
+    device_tokens: torch.Tensor | None = None  # [sum(lengths)] int64
+    step_timer: Callable[[], float | None] | None = None  # step_seconds, read after a later sync (CUDA events)
+
+    def __post_init__(self) -> None:
+        if self.tokens is None and (self.lengths is None or self.device_tokens is None):
+            raise ValueError("a DraftProposal without host tokens needs lengths and device_tokens")
+        if self.lengths is None:
+            self.lengths = [len(t) for t in self.tokens]
+
+    def resolve(self) -> list[list[int]]:
+        if self.tokens is None:
+            flat, self.tokens, at = self.device_tokens.tolist(), [], 0
+            for n in self.lengths:
+                self.tokens.append(flat[at: at + n])
+                at += n
+        return self.tokens
+
+    def measured_step_seconds(self) -> float | None:
+        if self.step_seconds is None and self.step_timer is not None:
+            self.step_seconds, self.step_timer = self.step_timer(), None
+        return self.step_seconds
 
 
 @dataclass(frozen=True)

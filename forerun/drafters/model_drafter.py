@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from ..devices import Marks, h2d
 from ..request import Request
 from ..runtime.runner import Chunk, ModelRunner
 from ..structured import apply_grammar_to_draft_logits, grammar_of  # issue 14
@@ -67,14 +68,100 @@ class ModelDrafter(Drafter):
             self.runner.forward(chunks, num_layers=self.num_layers)
             todo = rest
 
+    max_catchup = 2  # step 0 feeds at most this many missing committed tokens per request (else feed() first)
+
     def propose(self, requests: list[Request], ks: list[int]) -> DraftProposal:
+        kv = self.runner.kv
+        active = [i for i, k in enumerate(ks) if k > 0]
+        for i in active:
+            self._ensure(requests[i])
+        # step 0 feeds what the cache misses: the newest committed token, and after an all-accepted round the last
+        # draft too. When every drafting request misses the same few tokens that is one uniform step (a CUDA graph
+        # replays it); longer or uneven catch-ups (a prompt) are fed first, in budget-sized forwards.
+        miss = {requests[i].num_tokens - kv.length(requests[i].req_id) for i in active}
+        if len(miss) > 1 or max(miss, default=1) > self.max_catchup:
+            self.feed([requests[i] for i in active], [requests[i].num_tokens - 1 for i in active])
+        start_len = {requests[i].req_id: kv.length(requests[i].req_id) for i in active}
+        on_device = self.confidence_threshold <= 0 and all(grammar_of(requests[i]) is None for i in active)
+        prop = (self._propose_on_device if on_device else self._propose_on_host)(requests, ks, active)
+        if self.shares_target_cache:  # early exit wrote into the target's cache: give the positions back
+            for rid, n in start_len.items():
+                kv.truncate(rid, n)
+        return prop
+
+    def _pick(self, logits: torch.Tensor, group: list[Request], drafted: int | list[int]):
+        """The next draft token of each row, on the device: argmax for greedy rows (no probabilities needed),
+        a sample from q for sampled rows, argmax(log q + g(seed, position)) for coupled rows.
+        Returns (picked [A] int64, q [S, V] of the sampled/coupled rows or None, those rows)."""
+        gst = [grammar_of(r) for r in group]
+        if any(s is not None for s in gst):  # issue 14: draft from the grammar-masked q (same support as p)
+            apply_grammar_to_draft_logits(logits, gst)
+        picked = logits.argmax(-1)
+        soft = [row for row, r in enumerate(group) if r.params.temperature > 0]
+        q = None
+        if soft:
+            st = SamplingTensors.from_params([group[row].params for row in soft], logits.device)
+            q = logits_to_probs(logits[soft], st.temperature, st.top_k, st.top_p, st.min_p)  # [S, V]
+            sampled = [j for j, row in enumerate(soft) if not group[row].coupled]
+            if sampled:
+                u = h2d(torch.stack([torch.rand((), generator=group[soft[j]].generator) for j in sampled]), q.device)
+                picked[[soft[j] for j in sampled]] = sample_from_probs(q[sampled], u)
+            for j, row in enumerate(soft):
+                r = group[row]
+                if r.coupled:
+                    n = drafted if isinstance(drafted, int) else drafted[row]
+                    keys = keys_for(r.params.seed, r.num_tokens + n, 1, q.device)
+                    picked[row] = coupled_scores(q[j: j + 1], keys).argmax(-1)[0]
+        return picked, q, soft
+
+    def _propose_on_device(self, requests: list[Request], ks: list[int], active: list[int]) -> DraftProposal:
+        """Every draft step launched without a host round trip: a step's tokens go from its argmax / sample
+        straight into the next step's input buffer. Every request drafts exactly k_i tokens (no confidence
+        stopping, no grammar). The tokens stay on the device for the verification forward."""
+        kv, dev = self.runner.kv, self.runner.device
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        steps: list[tuple[list[int], torch.Tensor]] = []  # per step: the drafting requests, their tokens [A]
+        marks, first = Marks(dev), None
+        step = 0
+        while active:
+            if step == 0:
+                chunks = [Chunk(requests[i].req_id, requests[i].all_tokens[kv.length(requests[i].req_id):]) for i in active]
+                fed = None
+            else:
+                chunks = [Chunk(requests[i].req_id, [0]) for i in active]  # placeholders: ids come from the device
+                rows, prev = steps[-1]
+                fed = (None, prev if rows == active else prev[h2d([rows.index(i) for i in active], dev, torch.int64)])
+                if step == 1:
+                    first = marks.mark()  # pure draft steps (one token each) from here
+            out, _ = self.runner.forward(chunks, num_layers=self.num_layers, device_tokens=fed)
+            picked, q, soft = self._pick(out.logits, [requests[i] for i in active], step)
+            steps.append((list(active), picked))
+            for j, row in enumerate(soft):
+                probs[active[row]].append(q[j])
+            step += 1
+            active = [i for i in active if step < ks[i]]
+        timer = None
+        if step >= 2:
+            last, n = marks.mark(), step - 1
+            timer = lambda: marks.seconds(first, last) / n  # noqa: E731
+        lengths = [min(k, step) if k > 0 else 0 for k in ks]
+        if steps:  # flat, in request order: request i's s-th draft is row rows_s.index(i) of step s
+            offs, at = [], 0
+            for rows, _ in steps:
+                offs.append(at)
+                at += len(rows)
+            idx = [offs[s] + steps[s][0].index(i) for i in range(len(requests)) for s in range(lengths[i])]
+            flat = torch.cat([p for _, p in steps])[h2d(idx, dev, torch.int64)]
+        else:
+            flat = torch.zeros(0, dtype=torch.int64, device=dev)
+        return DraftProposal(None, [torch.stack(p) if p else None for p in probs], lengths=lengths,
+                             device_tokens=flat, step_timer=timer)
+
+    def _propose_on_host(self, requests: list[Request], ks: list[int], active: list[int]) -> DraftProposal:
+        """Token by token through the host: confidence stopping and grammar matchers decide per token."""
         kv = self.runner.kv
         tokens: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
-        active = [i for i, k in enumerate(ks) if k > 0]
-        # long catch-ups (a prompt the draft has not seen) first, in budget-sized forwards
-        self.feed([requests[i] for i in active], [requests[i].num_tokens - 1 for i in active])
-        start_len = {requests[i].req_id: kv.length(requests[i].req_id) for i in active}
         step, step_times = 0, []
         while active:
             t_step = time.perf_counter()
@@ -85,27 +172,9 @@ class ModelDrafter(Drafter):
                 chunks.append(Chunk(r.req_id, feed))
             out, _ = self.runner.forward(chunks, num_layers=self.num_layers)
             group = [requests[i] for i in active]
-            logits = out.logits  # [A, V]
             gst = [grammar_of(r) for r in group]
-            if any(s is not None for s in gst):  # issue 14: draft from the grammar-masked q (same support as p)
-                apply_grammar_to_draft_logits(logits, gst)
-            # greedy rows need only the argmax (no probabilities, no host round trips); sampled rows the full
-            # transform (their q goes to the verifier); coupled rows argmax(log q + g(seed, position))
-            picked = logits.argmax(-1)
-            soft = [row for row, r in enumerate(group) if r.params.temperature > 0]
-            q = None
-            if soft:
-                st = SamplingTensors.from_params([group[row].params for row in soft], logits.device)
-                q = logits_to_probs(logits[soft], st.temperature, st.top_k, st.top_p, st.min_p)  # [S, V]
-                sampled = [j for j, row in enumerate(soft) if not group[row].coupled]
-                if sampled:
-                    u = torch.stack([torch.rand((), generator=group[soft[j]].generator) for j in sampled]).to(q.device)
-                    picked[[soft[j] for j in sampled]] = sample_from_probs(q[sampled], u)
-                for j, row in enumerate(soft):
-                    r = group[row]
-                    if r.coupled:
-                        keys = keys_for(r.params.seed, r.num_tokens + len(tokens[active[row]]), 1, q.device)
-                        picked[row] = coupled_scores(q[j: j + 1], keys).argmax(-1)[0]
+            logits = out.logits  # [A, V]
+            picked, q, soft = self._pick(logits, group, [len(tokens[i]) for i in active])
             q_of = {row: j for j, row in enumerate(soft)}
             picked = picked.tolist()
             # confidence: the draft's top probability (of softmax(logits) for greedy rows)
@@ -133,9 +202,6 @@ class ModelDrafter(Drafter):
         for r in requests:  # issue 14: grammar matchers back at the committed tokens
             if grammar_of(r) is not None:
                 grammar_of(r).draft_end()
-        if self.shares_target_cache:  # early exit wrote into the target's cache: give the positions back
-            for rid, n in start_len.items():
-                kv.truncate(rid, n)
         # greedy requests: None (a point mass on each token, all a greedy verifier needs)
         return DraftProposal(tokens, [torch.stack(p) if p else None for p in probs],
                              step_seconds=sum(step_times) / len(step_times) if step_times else None)

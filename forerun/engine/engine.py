@@ -139,7 +139,7 @@ class Engine:
         tree = self.spec.is_tree
         self.sampler = RoundSampler(self.spec.rule, self._verify_kwargs())
         round_cls = TreeRound if tree else ChainRound
-        self.round = round_cls(self.runner, self.drafter, self.sampler, timing=self.spec.adaptive)
+        self.round = round_cls(self.runner, self.drafter, self.sampler)
         self.scheduler = Scheduler(self.runner.kv, self.drafter, max_num_seqs, budget, self.spec.max_draft_tokens, tree)
         self.generator = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()

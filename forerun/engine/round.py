@@ -13,12 +13,12 @@ proposal. Sampling, coins, the coupling and the choice of verifier live in `engi
 """
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
 
+from ..devices import Marks, h2d
 from ..drafters.base import DraftProposal, Drafter, TreeProposal
 from ..request import Request
 from ..runtime.runner import Chunk, ModelRunner
@@ -53,16 +53,10 @@ class RoundResult:
     drafted_nodes: list[int] = field(default_factory=list)  # tree rounds: draft nodes per item (chain: = drafted)
 
 
-def _now(device: torch.device, sync: bool) -> float:
-    if sync and device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 class Round(ABC):
-    def __init__(self, target: ModelRunner, drafter: Drafter | None, sampler: RoundSampler, timing: bool = False) -> None:
-        """timing: synchronise the device around the draft and target phases (adaptive k needs real times)."""
-        self.target, self.drafter, self.sampler, self.timing = target, drafter, sampler, timing
+    def __init__(self, target: ModelRunner, drafter: Drafter | None, sampler: RoundSampler) -> None:
+        """Phases are timed by device time points (CUDA events), read after the verification's sync."""
+        self.target, self.drafter, self.sampler = target, drafter, sampler
 
     @abstractmethod
     def run(self, items: list[RoundItem]) -> RoundResult: ...
@@ -77,9 +71,9 @@ class Round(ABC):
             kv = self.target.kv
             self.drafter.feed([it.request for it in pre], [kv.length(it.request.req_id) + it.feed for it in pre])
 
-    def _forward(self, chunks: list[Chunk]):
+    def _forward(self, chunks: list[Chunk], device_tokens=None):
         layers = self.drafter.target_hidden_layers if self.drafter is not None else ()
-        return self.target.forward(chunks, hidden_layers=layers)
+        return self.target.forward(chunks, hidden_layers=layers, device_tokens=device_tokens)
 
     def _observe(self, items: list[RoundItem], out, bases: list[int], committed_rows: list[list[int]]) -> None:
         """Hand the target's hidden states of newly committed tokens to a feature-level drafter (EAGLE).
@@ -91,7 +85,7 @@ class Round(ABC):
             if not rows:
                 states.append(None)
                 continue
-            idx = torch.tensor(rows, device=self.target.device)
+            idx = h2d(rows, self.target.device, torch.int64)
             states.append({layer: h[idx] for layer, h in out.hidden_states.items()})
         self.drafter.observe_target([it.request for it in items], states, bases)
 
@@ -99,37 +93,41 @@ class Round(ABC):
 class ChainRound(Round):
     def run(self, items: list[RoundItem]) -> RoundResult:
         kv = self.target.kv
-        now = lambda: _now(self.target.device, self.timing)  # noqa: E731
+        marks = Marks(self.target.device)  # device time points, read after the verification's sync
         # 1. Draft: up to k_i tokens for final items (prefill chunks get none; the drafter reads them along).
-        t0 = now()
+        t0 = marks.mark()
         self._feed_drafter(items)
         want = [it.k if it.final else 0 for it in items]
         finals = [i for i, it in enumerate(items) if it.final]
-        drafts: list[list[int]] = [[] for _ in items]
+        drafts: list[list[int]] = [[] for _ in items]  # host tokens (placeholders while they are on the device)
         probs: list[torch.Tensor | None] = [None] * len(items)
-        step_s = None
+        prop: DraftProposal | None = None
         if self.drafter is not None and any(want):
-            prop: DraftProposal = self.drafter.propose([items[i].request for i in finals], [want[i] for i in finals])
+            prop = self.drafter.propose([items[i].request for i in finals], [want[i] for i in finals])
             for j, i in enumerate(finals):
-                drafts[i], probs[i] = prop.tokens[j], prop.probs[j]
-            step_s = prop.step_seconds
+                drafts[i] = prop.tokens[j] if prop.tokens is not None else [-1] * prop.lengths[j]
+                probs[i] = prop.probs[j]
+        on_device = prop is not None and prop.tokens is None
         # issue 14 (structured output): cut grammar-rejected draft tails, mask rows for every verify row
+        # (grammar-constrained requests draft through the host, so their tokens are known here)
         gstates = [grammar_of(it.request) if it.final else None for it in items]
         gmasks: list = [None] * len(items)
         if any(s is not None for s in gstates):
             drafts, probs, gmasks = cut_drafts(gstates, drafts, probs)
-        t1 = now()
+        t1 = marks.mark()
 
         # 2. One target forward: the fed committed tokens + drafts; logits for the last k_i + 1 rows of final items.
         bases = [kv.length(it.request.req_id) for it in items]
-        chunks, offsets, at = [], [], 0
+        chunks, offsets, at, draft_rows = [], [], 0, []
         for it, base, d in zip(items, bases, drafts):
             toks = it.request.all_tokens[base: base + it.feed] + d
             chunks.append(Chunk(it.request.req_id, toks, logits=len(d) + 1 if it.final else 0))
             offsets.append(at)
+            draft_rows.extend(range(at + it.feed, at + len(toks)))
             at += len(toks)
-        out, starts = self._forward(chunks)
-        t2 = now()
+        fed = (h2d(draft_rows, self.target.device, torch.int64), prop.device_tokens) if on_device else None
+        out, starts = self._forward(chunks, fed)
+        t2 = marks.mark()
 
         # 3. Verify the final items (one entry for every rule).
         verdict = Verdict([], [], [])
@@ -137,7 +135,8 @@ class ChainRound(Round):
             mask_request_rows_(out.logits, [gmasks[i] for i in finals], [starts[i] for i in finals])
         if finals:
             verdict = self.sampler.chain(out.logits, [items[i].request for i in finals], [drafts[i] for i in finals],
-                                         [probs[i] for i in finals], [starts[i] for i in finals])
+                                         [probs[i] for i in finals], [starts[i] for i in finals],
+                                         device_drafts=prop.device_tokens if on_device else None)
             commit_emitted([gstates[i] for i in finals], verdict.emitted)  # issue 14: matchers follow commits
         emitted: list[list[int]] = [[] for _ in items]
         accepted, lps = [0] * len(items), [None] * len(items)
@@ -154,12 +153,14 @@ class ChainRound(Round):
                     self.drafter.rollback(it.request, valid)
             committed_rows.append(list(range(offsets[i], offsets[i] + it.feed + accepted[i])))
         self._observe(items, out, bases, committed_rows)
-        if step_s is None and self.drafter is not None and any(drafts):  # drafters without steps: whole cost per token
-            step_s = (t1 - t0) / max(map(len, drafts))
         nd = [len(d) for d in drafts]
-        return RoundResult(emitted, nd, accepted, lps, draft_step_seconds=step_s, target_seconds=t2 - t1,
-                           draft_seconds=t1 - t0, target_tokens=at, sampled_rows=sum(n + 1 for n, it in zip(nd, items) if it.final),
-                           drafted_nodes=nd)
+        step_s = prop.measured_step_seconds() if prop is not None else None
+        draft_s, target_s = marks.seconds(t0, t1), marks.seconds(t1, t2)  # the verification has synchronised
+        if step_s is None and self.drafter is not None and any(nd):  # drafters without steps: whole cost per token
+            step_s = draft_s / max(nd)
+        return RoundResult(emitted, nd, accepted, lps, draft_step_seconds=step_s, target_seconds=target_s,
+                           draft_seconds=draft_s, target_tokens=at,
+                           sampled_rows=sum(n + 1 for n, it in zip(nd, items) if it.final), drafted_nodes=nd)
 
 
 class TreeRound(Round):
@@ -170,11 +171,12 @@ class TreeRound(Round):
 
     def run(self, items: list[RoundItem]) -> RoundResult:
         kv = self.target.kv
-        t0 = time.perf_counter()
+        marks = Marks(self.target.device)
+        t0 = marks.mark()
         self._feed_drafter(items)
         trees = [i for i, it in enumerate(items) if it.final and it.k > 0]
         prop = self.drafter.propose_tree([items[i].request for i in trees]) if trees else None
-        t1 = time.perf_counter()
+        t1 = marks.mark()
         # a tree of the root alone (the drafter had nothing to add) is a plain decoding row
         tree_of = {i: j for j, i in enumerate(trees) if len(prop.tokens[j]) > 1}
         bases = [kv.length(it.request.req_id) for it in items]
@@ -200,7 +202,7 @@ class TreeRound(Round):
             offsets.append(at)
             at += len(chunks[-1].token_ids)
         out, starts = self._forward(chunks)
-        t2 = time.perf_counter()
+        t2 = marks.mark()
         # issue 14 (structured output): a mask per tree node / plain row, then the matchers follow the commits
         gstates = {i: grammar_of(it.request) for i, it in enumerate(items) if it.final}
         gstates = {i: s for i, s in gstates.items() if s is not None}
@@ -244,9 +246,10 @@ class TreeRound(Round):
         self._observe(items, out, bases, committed_rows)
         depth = [max(_depths(prop.parents[tree_of[i]])) if i in tree_of else 0 for i in range(len(items))]
         steps = max(depth, default=0)
+        draft_s, target_s = marks.seconds(t0, t1), marks.seconds(t1, t2)
         return RoundResult(emitted, depth, accepted, lps,
-                           draft_step_seconds=(t1 - t0) / steps if steps else None, target_seconds=t2 - t1,
-                           draft_seconds=t1 - t0, target_tokens=at, sampled_rows=sum(len(c.token_ids) for c, it in zip(chunks, items) if it.final),
+                           draft_step_seconds=draft_s / steps if steps else None, target_seconds=target_s,
+                           draft_seconds=draft_s, target_tokens=at, sampled_rows=sum(len(c.token_ids) for c, it in zip(chunks, items) if it.final),
                            drafted_nodes=nd)
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..devices import h2d
 from ..drafters.base import TreeProposal
 from ..request import Request
 from ..verify import SamplingTensors, compute_logprobs, tree_positions, verify_chain, verify_tree
@@ -58,7 +59,7 @@ class RoundSampler:
         coupled = [is_coupled(r, self.rule) for r in requests]
         params = [r.params for r in requests]
         st = SamplingTensors.from_params(params, device)
-        coins = torch.cat([torch.rand(n, 2, generator=r.generator) for r, n in zip(requests, rows)]).to(device)
+        coins = h2d(torch.cat([torch.rand(n, 2, generator=r.generator) for r, n in zip(requests, rows)]), device)
         if any(coupled):
             logits = logits.clone()
             temps = st.temperature.clone()
@@ -70,8 +71,7 @@ class RoundSampler:
                 p = logits_to_probs(logits[sl], st.temperature[i].expand(n), st.top_k[i].expand(n),
                                     st.top_p[i].expand(n), st.min_p[i].expand(n))
                 offs = depths[i] if depths is not None else range(n)
-                keys = torch.tensor([row_key(r.params.seed, r.num_tokens + o) for o in offs], dtype=torch.int64,
-                                    device=device)
+                keys = h2d([row_key(r.params.seed, r.num_tokens + o) for o in offs], device, torch.int64)
                 logits[sl] = coupled_scores(p, keys)
                 temps[i] = 0.0
             st = SamplingTensors(temps, st.top_k, st.top_p, st.min_p)
@@ -79,20 +79,27 @@ class RoundSampler:
 
     # -- chains --------------------------------------------------------------------------------------
     def chain(self, logits: torch.Tensor, requests: list[Request], drafts: list[list[int]],
-              draft_probs: list[torch.Tensor | None], starts: list[int]) -> Verdict:
-        """logits: [T, V] with request i's k_i + 1 rows at starts[i]; row j verifies drafts[i][j]."""
+              draft_probs: list[torch.Tensor | None], starts: list[int],
+              device_drafts: torch.Tensor | None = None) -> Verdict:
+        """logits: [T, V] with request i's k_i + 1 rows at starts[i]; row j verifies drafts[i][j].
+        device_drafts: the drafts still on the device, flat in request order ([sum k_i] int64); drafts[i] then
+        only gives their number (its entries are placeholders)."""
         device = logits.device
         rows = [len(d) + 1 for d in drafts]
         logits, starts = _compact(logits, starts, rows)
         raw = logits
         st, coins, logits, coupled = self._prepare(logits, requests, starts, rows)
-        draft_ids = torch.tensor([t for d in drafts for t in d + [-1]], dtype=torch.int64, device=device)
-        ftp = torch.tensor(starts, dtype=torch.int64, device=device)
-        lens = torch.tensor(rows, dtype=torch.int64, device=device)
+        if device_drafts is None:
+            draft_ids = h2d([t for d in drafts for t in d + [-1]], device, torch.int64)
+        else:  # [T]: request i's drafts at its first k_i rows, -1 at its last row
+            draft_ids = torch.full((sum(rows),), -1, dtype=torch.int64, device=device)
+            at = h2d([s + j for s, d in zip(starts, drafts) for j in range(len(d))], device, torch.int64)
+            draft_ids.index_copy_(0, at, device_drafts)
+        ftp, lens = h2d([starts, rows], device, torch.int64)
         # the verifier wants q whenever a sampled (uncoupled) row and any draft share the batch
         sampled = any(r.params.temperature > 0 and not c for r, c in zip(requests, coupled)) and any(drafts)
         dense = sampled and any(q is not None for q, c in zip(draft_probs, coupled) if not c)
-        q = _dense_draft_probs(logits, drafts, draft_probs, starts) if sampled else None
+        q = _dense_draft_probs(logits, [len(d) for d in drafts], draft_ids, draft_probs, starts) if sampled else None
         if self._fused_ok(device, requests):
             from ..kernels.chain_sample import chain_sample
 
@@ -126,9 +133,9 @@ class RoundSampler:
         raw = logits
         st, coins, logits, coupled = self._prepare(logits, requests, starts, rows, [_depths(p) for p in prop.parents])
         res = verify_tree(
-            logits, torch.tensor([t for toks in prop.tokens for t in toks], device=device),
-            torch.tensor([p for ps in prop.parents for p in ps], device=device),
-            torch.tensor(starts, device=device), torch.tensor(rows, device=device), st, coins,
+            logits, h2d([t for toks in prop.tokens for t in toks], device, torch.int64),
+            h2d([p for ps in prop.parents for p in ps], device, torch.int64),
+            h2d(starts, device, torch.int64), h2d(rows, device, torch.int64), st, coins,
             draft_probs=torch.cat([q.to(device) for q in prop.probs]), rule=self.rule if self.rule != "auto" else "auto",
         )
         num_acc = res.num_accepted.tolist()
@@ -152,8 +159,8 @@ class RoundSampler:
         flat_rows = [x for i in idx for x in rows[i]]
         toks = [t for i in idx for t in emitted[i]]
         n_top = max(want[i] for i in idx)
-        tok_lp, top_lp, top_ids = compute_logprobs(raw[torch.tensor(flat_rows, device=raw.device)],
-                                                   torch.tensor(toks, device=raw.device), n_top)
+        tok_lp, top_lp, top_ids = compute_logprobs(raw[h2d(flat_rows, raw.device, torch.int64)],
+                                                   h2d(toks, raw.device, torch.int64), n_top)
         tok_lp = tok_lp.tolist()
         top_lp = top_lp.tolist() if top_lp is not None else None
         top_ids = top_ids.tolist() if top_ids is not None else None
@@ -184,20 +191,21 @@ def _compact(logits: torch.Tensor, starts: list[int], rows: list[int]) -> tuple[
         at += n
     if new == list(starts) and at == logits.shape[0]:
         return logits, starts
-    idx = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, rows)]).to(logits.device)
+    idx = h2d(torch.cat([torch.arange(s, s + n) for s, n in zip(starts, rows)]), logits.device)
     return logits[idx], new
 
 
-def _dense_draft_probs(logits: torch.Tensor, drafts: list[list[int]], probs: list[torch.Tensor | None],
-                       starts: list[int]) -> torch.Tensor:
-    """[T, V] draft distribution per row (zeros on rows without a draft); None = a point mass on the token."""
+def _dense_draft_probs(logits: torch.Tensor, counts: list[int], draft_ids: torch.Tensor,
+                       probs: list[torch.Tensor | None], starts: list[int]) -> torch.Tensor:
+    """[T, V] draft distribution per row (zeros on rows without a draft); None = a point mass on the token.
+    counts[i]: drafts of request i; draft_ids [T]: the drafted token of each row (-1 on rows without one)."""
     out = torch.zeros_like(logits, dtype=torch.float32)
-    for d, q, s in zip(drafts, probs, starts):
-        if not d:
+    for n, q, s in zip(counts, probs, starts):
+        if not n:
             continue
-        rows = torch.arange(s, s + len(d), device=logits.device)
+        rows = torch.arange(s, s + n, device=logits.device)
         if q is None:
-            out[rows, torch.tensor(d, device=logits.device)] = 1.0
+            out[rows, draft_ids[s: s + n]] = 1.0
         else:
             out[rows] = q.to(logits.device)
     return out

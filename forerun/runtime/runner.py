@@ -142,10 +142,20 @@ class ModelRunner:
             self.kv.set_length(seq_id, n_len)
         return out
 
-    def forward(self, chunks: list[Chunk], num_layers: int | None = None, hidden_layers=()) -> tuple[ForwardOutput, list[int]]:
+    def forward(self, chunks: list[Chunk], num_layers: int | None = None, hidden_layers=(),
+                device_tokens: tuple[torch.Tensor | None, torch.Tensor] | None = None) -> tuple[ForwardOutput, list[int]]:
         """Run all chunks in one forward; commit their tokens to the cache (the caller truncates rejects).
 
+        device_tokens: (rows [N] or None, ids [N]), int64 on the device: token ids still on the device (drafts)
+        that replace the chunks' placeholder ids at these flat rows (None: all rows, N = the step's tokens).
+        So a draft step or a verify step is launched without a host round trip for its tokens.
         Returns the output (logits rows in chunk order) and, per chunk, the index of its first logits row."""
         step = self.prepare(chunks)
+        if device_tokens is not None:
+            rows, ids = device_tokens
+            if rows is None:
+                step.input_ids.copy_(ids)
+            else:
+                step.input_ids.index_copy_(0, rows, ids)
         executor = self.graphs if self.graphs is not None else self  # graph replay falls back to execute
         return executor.execute(step, num_layers, hidden_layers), step.starts

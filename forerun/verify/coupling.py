@@ -69,4 +69,6 @@ def coupled_scores(probs: Tensor, keys: Tensor) -> Tensor:
 
 def keys_for(seed: int, first_position: int, count: int, device: torch.device | str | None = None) -> Tensor:
     """Keys of `count` consecutive positions first_position, first_position + 1, ... as int64 [count]."""
-    return torch.tensor([row_key(seed, first_position + j) for j in range(count)], dtype=torch.int64, device=device)
+    from ..devices import h2d
+
+    return h2d([row_key(seed, first_position + j) for j in range(count)], device, torch.int64)

@@ -204,11 +204,12 @@ class SamplingTensors:
     def from_params(cls, params: Sequence["SamplingParams"], device: torch.device | str | None = None
                     ) -> "SamplingTensors":
         """From forerun.sampling_params.SamplingParams objects (or anything with the four attributes)."""
-        f32 = dict(dtype=torch.float32, device=device)
-        return cls(torch.tensor([p.temperature for p in params], **f32),
-                   torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long, device=device),
-                   torch.tensor([p.top_p for p in params], **f32),
-                   torch.tensor([p.min_p for p in params], **f32))
+        from ..devices import h2d
+
+        f32 = torch.float32  # one transfer, queued without waiting for the device
+        both = h2d([[p.temperature, max(p.top_k, 0), p.top_p, p.min_p] for p in params], device, torch.float64)
+        both = both.reshape(-1, 4)
+        return cls(both[:, 0].to(f32), both[:, 1].long(), both[:, 2].to(f32), both[:, 3].to(f32))
 
     def probs(self, logits: Tensor, row_to_req: Tensor, *, check: bool = True) -> Tensor:
         """logits_to_probs of rows [N, V] whose requests are row_to_req [N]."""

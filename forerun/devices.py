@@ -1,0 +1,47 @@
+"""Host -> device transfers that do not stall the host.
+
+`torch.tensor(x, device="cuda")` copies synchronously: the host waits until every kernel queued before the copy
+has finished, so a round's host work could never overlap its GPU work. A non-blocking copy from ordinary
+(pageable) host memory is staged by the driver at once and runs in stream order behind those kernels: the host
+goes on. Every host list that becomes a device tensor in a round goes through `h2d`.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def h2d(data, device: torch.device | str | None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`data` (a list, or a CPU tensor) as a tensor on `device`, queued without waiting for the device."""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    if device is None or torch.device(device).type == "cpu":
+        return t
+    return t.to(device, non_blocking=True)
+
+
+class Marks:
+    """Time points in stream order without synchronising: CUDA events on a GPU (read after a later sync, e.g. the
+    verification's), perf_counter on the CPU (where the host runs the work itself)."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self.points: list = []
+
+    def mark(self) -> int:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.points.append(e)
+        else:
+            import time
+
+            self.points.append(time.perf_counter())
+        return len(self.points) - 1
+
+    def seconds(self, a: int, b: int) -> float:
+        """Time from mark a to mark b (waits for mark b if the device has not reached it yet)."""
+        if not self.cuda:
+            return self.points[b] - self.points[a]
+        self.points[b].synchronize()
+        return self.points[a].elapsed_time(self.points[b]) * 1e-3

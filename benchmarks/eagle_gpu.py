@@ -438,7 +438,8 @@ def main() -> None:
     head = build_head(target, draft_vocab, device, dtype, seed=2)
     calibrate_head(head, q, seed=3)
     max_b, max_nodes = max(batches), max(t.nodes for t in trees)
-    per_seq = context + (rounds + warm + 4) * (max(t.steps for t in trees) + 1) + 2 * max_nodes + 64
+    # every tree runs on the same requests, one after the other: room for all of their rounds
+    per_seq = context + len(trees) * (rounds + warm + 4) * (max(t.steps for t in trees) + 1) + 2 * max_nodes + 64
     max_tokens = max(4096 if not tiny else 512, max_b * max_nodes, max_b * 8)
     runner = ModelRunner(target, CacheConfig(block_size=16, num_blocks=max_b * (-(-per_seq // 16) + 2) + 64), device,
                          dtype, max_batch_tokens=max_tokens, max_seqs=max_b)

@@ -493,3 +493,18 @@ def test_smollm2_ngram_drafts_against_a_choice_grammar_are_counted_as_grammar_re
         assert c.text == "the answer is 7" and c.finish_reason == "stop", c.text
         assert c.stats.grammar_rejected > 0, c.stats.as_dict()
         assert u.stats.grammar_rejected == 0 and u.stats.drafted > 0, u.stats.as_dict()
+
+
+def test_server_usage_speculation_reports_grammar_rejected():
+    """The server's usage.speculation (forerun/server/runs.py) sums the choices' stats: grammar_rejected included."""
+    from forerun.server.runs import Run
+    from forerun.stats import RequestStats
+
+    run = Run(None, [[1, 2, 3]], [SamplingParams(structured_output=SPEC), SamplingParams()], 2, "r", 0.0)
+    a, b = RequestStats(), RequestStats()
+    a.record(4, 2, 3)
+    a.grammar_rejected = 3
+    b.record(2, 1, 2)
+    run.choices[0].stats, run.choices[1].stats = a, b
+    spec = run.usage()["speculation"]
+    assert spec["grammar_rejected"] == 3 and spec["drafted"] == 6

@@ -238,12 +238,13 @@ class EagleDrafter(Drafter):
             group = [requests[i] for i in live]
             t = time.perf_counter()
             out, logits = self._extend(group, [ranges[i] for i in live])
-            self._grow(group, [trees[i] for i in live], [[0] for _ in live], out, logits, topk, n_nodes)
+            bank = out  # every step's outputs, stacked: a node's children's feature is row tree.hidden[node]
+            self._grow(group, [trees[i] for i in live], [[0] for _ in live], out, logits, topk, n_nodes, 0)
             if self.budget is not None:
                 self.budget.record_head_step(sum(n - lo for lo, n in (ranges[i] for i in live)), time.perf_counter() - t)
             for step in range(1, n_steps):
                 t = time.perf_counter()
-                chunks, feats, sel_rows, owners = [], [], [], []
+                chunks, feat_rows, sel_rows, owners = [], [], [], []
                 for i in live:
                     tree, r = trees[i], requests[i]
                     sel = tree.frontier(step, topk, r.params.temperature > 0, n_nodes)
@@ -254,16 +255,19 @@ class EagleDrafter(Drafter):
                     chunks.append(Chunk(r.req_id, [tree.tok[j] for j in nodes],
                                         positions=[root - 1 + tree.depth[j] for j in nodes],
                                         tree_mask=tree.mask(nodes), logits=len(sel)))
-                    feats.append(torch.stack([tree.hidden[tree.parent[j]] for j in nodes]))
+                    feat_rows += [tree.hidden[tree.parent[j]] for j in nodes]
                     owners.append(i)
                     sel_rows.append(sel)
                 if not chunks:
                     break
-                out, logits = self._run(chunks, torch.cat(feats), from_target=False)
+                feats = bank.index_select(0, torch.tensor(feat_rows, device=bank.device))  # one gather for all
+                out, logits = self._run(chunks, feats, from_target=False)
                 for i in owners:  # the tree rows are scratch: back to the committed rows
                     self.cache.kv.truncate(requests[i].req_id, requests[i].num_tokens - 1)
+                base = bank.shape[0]
+                bank = torch.cat([bank, out])
                 self._grow([requests[i] for i in owners], [trees[i] for i in owners], sel_rows, out, logits, topk,
-                           n_nodes)
+                           n_nodes, base)
                 t_steps.append(time.perf_counter() - t)
                 if self.budget is not None:
                     self.budget.record_head_step(sum(len(c.token_ids) for c in chunks), t_steps[-1])
@@ -293,9 +297,10 @@ class EagleDrafter(Drafter):
         return TreeProposal(toks, parents, probs, step_seconds=sum(t_steps) / len(t_steps) if t_steps else None)
 
     def _grow(self, reqs: list[Request], trees: list["_Tree"], expanded: list[list[int]], out: torch.Tensor,
-              draft_logits: torch.Tensor, topk: int, budget: int) -> None:
+              draft_logits: torch.Tensor, topk: int, budget: int, base: int) -> None:
         """Children of the expanded nodes (rows of out / logits in order): top-k (greedy) or i.i.d. draws;
-        topk children per node, budget nodes in all (sampled trees)."""
+        topk children per node, budget nodes in all (sampled trees). An expanded node's output (its children's
+        feature) is row base + its row of the proposal's output bank."""
         row_req = [a for a, sel in enumerate(expanded) for _ in sel]
         k = min(topk, self.head.draft_vocab_size)
         q = None
@@ -314,7 +319,7 @@ class EagleDrafter(Drafter):
         row = 0
         for a, (r, tree, sel) in enumerate(zip(reqs, trees, expanded)):
             for node in sel:
-                tree.hidden[node] = out[row]
+                tree.hidden[node] = base + row
                 if r.params.temperature == 0:
                     for tok, lp in zip(top_ids[row], top_lp[row]):
                         tree.add(node, tok, tree.score[node] + lp)
@@ -365,7 +370,7 @@ class _Tree:
         self.tok, self.parent, self.depth, self.score = [root_token], [-1], [0], [0.0]
         self.rank = [0]  # a node's index among its parent's children (greedy: its top-k rank)
         self._nchild: dict[int, int] = {}
-        self.hidden: dict[int, torch.Tensor] = {}  # node -> head output at its row (its children's feature)
+        self.hidden: dict[int, int] = {}  # node -> row of its head output (its children's feature) in the bank
         self.q: dict[int, torch.Tensor] = {}  # node -> processed draft distribution its children were drawn from
 
     def add(self, parent: int, token: int, score: float) -> None:

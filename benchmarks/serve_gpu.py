@@ -31,7 +31,11 @@ and time (--level-timeout), and the whole run by --deadline (configs not started
 the client skips levels once the deadline has passed).
 Prints a table; writes $OUT/serve_h200.json and .png when OUT is set, else benchmarks/results/.
 Needs: torch, fastapi (+ starlette, pydantic), uvicorn, prometheus_client (server) and httpx (client);
-matplotlib for the PNG (optional).
+matplotlib for the PNG (optional). A GPU machine without network access and without the server's modules:
+download their wheels here into the git-ignored .whl/ (pip download -d .whl --only-binary=:all:
+--python-version 3.12 --platform manylinux2014_x86_64 fastapi uvicorn), carry .whl there, and run
+  python -m pip install -q --no-index --find-links .whl --target /tmp/pylib fastapi uvicorn &&
+  PYTHONPATH=/tmp/pylib python benchmarks/serve_gpu.py
 """
 from __future__ import annotations
 
@@ -80,7 +84,7 @@ class CharTokenizer:
 class InProcessServer:
     """uvicorn serving build_app(engine) on 127.0.0.1 (a free port) in a background thread."""
 
-    def __init__(self, engine, model_name: str, max_num_seqs: int, timeout: float = 120.0) -> None:
+    def __init__(self, engine, model_name: str, max_num_seqs: int, timeout: float = 120.0, aeng=None) -> None:
         import httpx
         import uvicorn
 
@@ -89,7 +93,7 @@ class InProcessServer:
 
         config = ServerConfig(model_names=(model_name,), max_num_seqs=max_num_seqs, max_queue=256,
                               drain_seconds=5.0)
-        self.app = build_app(engine, config=config)
+        self.app = build_app(engine, aeng, config=config)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",

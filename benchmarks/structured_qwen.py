@@ -116,6 +116,9 @@ def main() -> None:
     ap.add_argument("--ee-k", type=int, default=2)
     ap.add_argument("--eagle-head", default=None, help="an EAGLE head's folder (adds an 'eagle' row)")
     ap.add_argument("--no-free", action="store_true", help="skip the unconstrained matched-length runs")
+    ap.add_argument("--free-plain", action="store_true", help="also run plain decoding unconstrained (its overhead)")
+    ap.add_argument("--no-free-early-exit", action="store_true",
+                    help="no unconstrained run for early exit (its drafts are nearly never accepted on this pair)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "structured_qwen_cpu.json"))
@@ -166,7 +169,8 @@ def main() -> None:
                 row["cpu_speedup_vs_plain"] = round(plain_cpu / c["cpu_ms_per_token"], 4)
                 if T == 0:
                     row["identical_to_plain"] = sum(a == b for a, b in zip(ids, plain_ids))
-            if not args.no_free:
+            if not args.no_free and (spec is not None or args.free_plain) and \
+                    not (args.no_free_early_exit and spec is not None and spec.method == "early-exit"):
                 lengths = [len(x) for x in ids]
                 free = [SamplingParams(temperature=T, max_tokens=n, seed=args.seed + i, ignore_eos=True)
                         for i, n in enumerate(lengths)]

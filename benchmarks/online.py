@@ -87,6 +87,7 @@ def drive(eng: Engine, prompts: list[list[int]], new_tokens: int, *, concurrency
             arrivals.append(t_next)
     info: dict[str, dict] = {}
     st0 = eng.stats()
+    graphs0 = _graph_counts(eng)
     t0 = time.perf_counter()
     outstanding = 0
     late_id = None
@@ -135,11 +136,23 @@ def drive(eng: Engine, prompts: list[list[int]], new_tokens: int, *, concurrency
                ttft_p50=percentile(ttft, 50), ttft_p99=percentile(ttft, 99),
                tpot_p50=percentile(tpot, 50), tpot_p99=percentile(tpot, 99),
                acceptance=round(accepted / drafted, 4) if drafted else None, drafted=drafted,
-               preemptions=st.num_preemptions - st0.num_preemptions)
+               preemptions=st.num_preemptions - st0.num_preemptions,
+               graphs={k: v - graphs0.get(k, 0) for k, v in _graph_counts(eng).items()},
+               split_rounds=getattr(eng.round, "split_rounds", 0))
     if late is not None:
         res.update(step_gap_p50=percentile(gaps, 50), step_gap_p99=percentile(gaps, 99), step_gap_max=max(gaps),
                    long_prompt_ttft=info[late_id]["times"][0] - info[late_id]["arrive"] if late_id else None)
     return res
+
+
+def _graph_counts(eng: Engine) -> dict:
+    """Replays, eager steps and captured graphs of the target and draft runners (where steps ran)."""
+    out = {}
+    for name, runner in (("target", eng.runner), ("draft", getattr(eng.drafter, "runner", None))):
+        gr = getattr(runner, "graphs", None)
+        if gr is not None and not (name == "draft" and runner is eng.runner):
+            out.update({f"{name}_replays": gr.replays, f"{name}_eager": gr.eager_steps, f"{name}_captured": len(gr.graphs)})
+    return out
 
 
 def run_grid(make_engine, prompts_for, new_tokens: int, concurrencies, configs, log) -> list[dict]:
@@ -149,13 +162,24 @@ def run_grid(make_engine, prompts_for, new_tokens: int, concurrencies, configs, 
         drive(eng, prompts_for(1), 8, concurrency=1)  # warm-up (graphs captured on first use)
         for c in concurrencies:
             drive(eng, prompts_for(2 * c), new_tokens, concurrency=c)  # the same workload once: every graph captured
+            prof = None
+            if os.environ.get("ONLINE_CPROFILE") and name.startswith(os.environ["ONLINE_CPROFILE"]):
+                import cProfile
+
+                prof = cProfile.Profile()
+                prof.enable()
             r = drive(eng, prompts_for(3 * c), new_tokens, concurrency=c)
+            if prof is not None:  # where the host time of this run went
+                import pstats
+
+                prof.disable()
+                pstats.Stats(prof).sort_stats("tottime").print_stats(22)
             r.update(config=name, concurrency=c)
             rows.append(r)
             if os.environ.get("ONLINE_PARTIAL"):  # survive a time limit: what is measured so far
                 json.dump(rows, open(os.environ["ONLINE_PARTIAL"], "w"), indent=1)
             log(f"{name:>26} c={c:<3} {r['tok_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50'] * 1e3:7.1f} ms  "
-                f"TPOT p50/p99 {r['tpot_p50'] * 1e3:6.2f}/{r['tpot_p99'] * 1e3:6.2f} ms  acc {r['acceptance']}")
+                f"TPOT p50/p99 {r['tpot_p50'] * 1e3:6.2f}/{r['tpot_p99'] * 1e3:6.2f} ms  acc {r['acceptance']}  {r['graphs']}")
         del eng
         free_memory()
     return rows
@@ -228,6 +252,13 @@ def gpu_main(args) -> dict:
             eng.round.sampler = eng.sampler = SyntheticSampler(a)
         return eng
 
+    def make_warm(spec_kw):
+        eng = make(spec_kw)
+        t = time.perf_counter()
+        n = eng.warmup()
+        log(f"warm-up: {n} CUDA graphs captured in {time.perf_counter() - t:.1f} s")
+        return eng
+
     rng = random.Random(1)
     if args.profile:  # where a speculative round's time goes: k = 4, synthetic a = 0.9, one request
         from torch.profiler import ProfilerActivity, profile
@@ -248,12 +279,13 @@ def gpu_main(args) -> dict:
     for a in args.acceptance:
         label = "useless draft" if a == 0 else f"a={a}"
         configs += [(f"k=4, {label}", (a, dict(k=4))), (f"adaptive, {label}", (a, dict(adaptive=True, k_max=8)))]
-    rows = run_grid(make, lambda n: rng.sample(pool, min(n, len(pool))), new, args.concurrency, configs, log)
+    rows = run_grid(make_warm, lambda n: rng.sample(pool, min(n, len(pool))), new, args.concurrency, configs, log)
     # chunked prefill: a 4k prompt arrives while 4 requests decode
     late = []
     for budget in (128, 256, 512, 8192):
         eng = Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64,
                                 max_num_batched_tokens=budget)
+        eng.warmup(max_batch=8)
         drive(eng, pool[:4], 8, concurrency=4)
         long_prompt = torch.randint(0, 151936, (4096,)).tolist()
         r = drive(eng, pool[:4], 192, concurrency=4, late=(0.15, long_prompt))

@@ -358,8 +358,8 @@ def test_engine_on_cuda_graphs_greedy_spec_equals_plain(method):
     outs = llm.generate(prompts, sp)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert llm.runner.graphs is not None and llm.runner.graphs.replays > 0
-    if method in ("draft", "tree"):
-        assert llm.aggregate_stats(outs).acceptance_rate == 1.0
+    if method in ("draft", "tree"):  # the draft is the target: every draft position is accepted
+        assert llm.aggregate_stats(outs).position_acceptance_rate == 1.0
 
 
 # -- fused layer kernels in bf16 (the interpreter tests in test_kernels.py cover float32 / float16) ----------
@@ -455,3 +455,32 @@ def test_engine_overlapped_decoding_on_cuda_equals_rounds(dtype):
         llm_module.overlapped_decode = real
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert calls
+
+
+def test_warmup_captures_every_decode_and_verify_graph_before_serving():
+    """Engine.warmup captures the target's decode / verify graphs (and the draft's steps) up front: a run at or
+    below the warmed batch size then captures no new target graph, and its output equals plain decoding."""
+    import sys, os
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from tiny import hf_model, sharpen, tiny_tokenizer
+
+    from forerun.config import SpecConfig
+    from forerun.engine.llm import LLM
+    from forerun.sampling_params import SamplingParams
+
+    build = model_factory(sharpen(hf_model("llama"), 3.0), torch.float32)
+    tok = tiny_tokenizer()
+    kw = dict(device="cuda", dtype=torch.float32, cache=CacheConfig(block_size=16, num_blocks=512))
+    prompts = [[5, 9, 13, 22, 40, 7, 5, 9, 13], [70, 71, 72, 70, 71, 72, 70]]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM.from_model(build(), tok, **kw).generate(prompts, sp)
+    llm = LLM.from_model(build(), tok, spec=SpecConfig(method="draft", draft_model=(build(), tok), k=3),
+                         max_num_seqs=4, **kw)
+    n = llm.engine.warmup()
+    gr = llm.runner.graphs
+    assert n > 0 and len(gr.graphs) >= len([b for b in gr.batch_sizes if b <= 4]) * 4  # q = 1..4 per bucket
+    before = set(gr.graphs)
+    outs = llm.generate(prompts, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert set(gr.graphs) == before, f"captured while serving: {set(gr.graphs) - before}"

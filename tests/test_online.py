@@ -55,9 +55,12 @@ def alone(hf, prompt, params, spec=None) -> list[int]:
     return tiny_llm(hf, spec=spec).generate([prompt], params)[0].token_ids
 
 
-def test_request_added_while_others_run_gives_its_alone_output(target):
+@pytest.mark.parametrize("split", [False, True])
+def test_request_added_while_others_run_gives_its_alone_output(target, split):
+    """split: mixed rounds (prefill chunks + verify rows) as two forwards, as on CUDA graphs."""
     spec = draft_spec(hf_model("llama", seed=7, num_hidden_layers=1), k=3)
-    eng = engine(target, spec)
+    eng = engine(target, spec, max_num_batched_tokens=24)
+    eng.round.split_mixed = split
     want = {i: alone(target, p, GREEDY) for i, p in enumerate(PROMPTS)}
     got: dict[str, list[int]] = {}
     eng.add_request(PROMPTS[0], GREEDY, request_id="0")
@@ -72,6 +75,7 @@ def test_request_added_while_others_run_gives_its_alone_output(target):
         step += 1
     assert {int(k): v for k, v in got.items()} == want
     assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
+    assert (eng.round.split_rounds > 0) == split
 
 
 def test_abort_mid_generation_frees_every_block(target):

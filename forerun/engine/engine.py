@@ -149,6 +149,36 @@ class Engine:
         self._spec_totals = RequestStats()
         self._spec_num_drafts = 0
 
+    def warmup(self, max_batch: int | None = None) -> int:
+        """Capture now the CUDA graphs that decode and verify steps replay (they are otherwise captured, and their
+        Triton kernels compiled, by the first step of each shape: a stall of up to a second in the middle of
+        serving). Target: every batch bucket up to max_batch (default max_num_seqs) x every verify length the
+        spec can ask for (1 .. max_draft_tokens + 1; chains), plus the overlapped-decoding step; a separate draft
+        model: its draft step and its merged catch-up step. Returns how many graphs were captured."""
+        gr = self.runner.graphs
+        if gr is None:
+            return 0
+        limit = max_batch or self.max_num_seqs
+        sizes = [b for b in gr.batch_sizes if b <= limit]
+        if limit > max(sizes, default=0) and gr.bucket(limit) is not None:
+            sizes.append(gr.bucket(limit))
+        before = len(gr.graphs)
+        qs = range(1, self.spec.max_draft_tokens + 2) if self.drafter is not None and not self.spec.is_tree else [1]
+        dgr = getattr(getattr(self.drafter, "runner", None), "graphs", None)
+        dgr = dgr if dgr is not gr else None
+        dbefore = len(dgr.graphs) if dgr is not None else 0
+        for b in sizes:
+            for q in qs:
+                if q <= gr.max_q_len:
+                    gr.capture(b, q, q)
+            if self.overlap:
+                gr.capture(b, 1, 1, device_prep=True)
+            if dgr is not None and self.spec.method == "draft":
+                for q in (1, 2):
+                    if q <= dgr.max_q_len:
+                        dgr.capture(b, q, 1)
+        return len(gr.graphs) - before + (len(dgr.graphs) - dbefore if dgr is not None else 0)
+
     @classmethod
     def from_model(cls, model, tokenizer, **kw) -> "Engine":
         """Wrap an already built model (tests, benchmarks)."""
@@ -336,9 +366,10 @@ class Engine:
         ks = self.k_policy.ks([r.req_id for r in reqs], room)
         if self.runner.graphs is not None and len(set(ks)) > 1:
             # CUDA graphs replay uniform steps only: a ragged verify batch (k differing per request) would run
-            # eagerly, several times slower; so the batch drafts one k (the policy's mean), capped by room
+            # eagerly, several times slower; so the batch drafts one k (the policy's mean). A request near its
+            # max_tokens drafts it too (commit drops what lies past its end); only the context caps it.
             common = round(sum(ks) / len(ks))
-            ks = [min(common, r) for r in room]
+            ks = [max(0, min(common, limit - r.num_tokens - 1)) for r in reqs]
         return ks
 
     def _round_step(self) -> list[Request]:
@@ -417,7 +448,8 @@ class Engine:
         ids = [r.req_id for r in running]
         steps = self.k_policy.rounds_before_probe(ids) if self.drafter is not None else None
         gen = overlapped_decode(self.runner, running, limit, self._commit_overlapped, max_steps=steps,
-                                should_stop=lambda: bool(sched.waiting) or any(r.finished for r in running))
+                                should_stop=lambda: bool(sched.waiting) or any(r.finished for r in running),
+                                step_time=self.k_policy.cost.record_target if self.drafter is not None else None)
         self._overlap = (gen, running)
         return True
 

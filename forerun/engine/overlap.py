@@ -48,13 +48,15 @@ def overlap_applies(runner: ModelRunner, requests: list[Request], limit: int, ru
 
 def overlapped_decode(runner: ModelRunner, requests: list[Request], limit: int,
                       commit: Callable[[Request, list[int], None], int],
-                      max_steps: int | None = None, should_stop: Callable[[], bool] | None = None
-                      ) -> Generator[int, None, int]:
+                      max_steps: int | None = None, should_stop: Callable[[], bool] | None = None,
+                      step_time: Callable[[int, float], None] | None = None) -> Generator[int, None, int]:
     """Decode steps for `requests` with one step in flight; yields tokens committed per step; stops when a
     request has finished, another step would pass a request's limits, max_steps steps have run or should_stop()
     says so (new arrivals, an abort), and returns
     the number of steps run (each committed for every request still unfinished). On return every unfinished
-    request holds the round invariant (its cache has every committed token but the newest)."""
+    request holds the round invariant (its cache has every committed token but the newest).
+    step_time(tokens, seconds): each step's device time (CUDA events, read when its tokens are), for the k
+    policy's cost model: what a plain step of this batch costs."""
     gr, kv, dev = runner.graphs, runner.kv, runner.device
     cuda = dev.type == "cuda"
     b = len(requests)
@@ -85,6 +87,10 @@ def overlapped_decode(runner: ModelRunner, requests: list[Request], limit: int,
             kv.set_length(r.req_id, n + 1)
         coins = torch.cat([torch.rand(1, 2, generator=r.generator) for r in requests])  # as speculative_round
         coins = coins.pin_memory().to(dev, non_blocking=True) if cuda else coins
+        t0 = None
+        if cuda and step_time is not None:
+            t0 = torch.cuda.Event(enable_timing=True)
+            t0.record()
         logits = gr.run_uniform(ids, ctx, 1)  # [B, V]
         if coupled:  # (the graph's static output is not overwritten)
             logits = logits.clone()
@@ -101,17 +107,19 @@ def overlapped_decode(runner: ModelRunner, requests: list[Request], limit: int,
         ids.copy_(tok.view(b, 1))
         ctx.add_(1)
         if not cuda:
-            return tok, None
+            return tok, None, None
         host = torch.empty(b, dtype=torch.int64, pin_memory=True)
         host.copy_(tok, non_blocking=True)
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(enable_timing=t0 is not None)
         done.record()
-        return host, done
+        return host, done, t0
 
     def commit_step(step, only_unfinished: bool) -> int:
-        tokens, done = step
+        tokens, done, t0 = step
         if done is not None:
             done.synchronize()
+            if t0 is not None:
+                step_time(b, t0.elapsed_time(done) * 1e-3)
         produced = 0
         for r, t in zip(requests, tokens.tolist()):
             if only_unfinished and r.finished:

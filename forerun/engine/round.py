@@ -21,6 +21,7 @@ import torch
 from ..devices import Marks, h2d
 from ..drafters.base import DraftProposal, Drafter, TreeProposal
 from ..request import Request
+from ..models.llama import ForwardOutput
 from ..runtime.runner import Chunk, ModelRunner
 from ..verify import tree_attention_mask
 from ..structured import commit_emitted, cut_drafts, grammar_of, mask_request_rows_  # issue 14
@@ -57,6 +58,8 @@ class Round(ABC):
     def __init__(self, target: ModelRunner, drafter: Drafter | None, sampler: RoundSampler) -> None:
         """Phases are timed by device time points (CUDA events), read after the verification's sync."""
         self.target, self.drafter, self.sampler = target, drafter, sampler
+        self.split_mixed: bool | None = None  # None: split mixed rounds when the target replays CUDA graphs
+        self.split_rounds = 0  # rounds run as two forwards
 
     @abstractmethod
     def run(self, items: list[RoundItem]) -> RoundResult: ...
@@ -74,6 +77,62 @@ class Round(ABC):
     def _forward(self, chunks: list[Chunk], device_tokens=None):
         layers = self.drafter.target_hidden_layers if self.drafter is not None else ()
         return self.target.forward(chunks, hidden_layers=layers, device_tokens=device_tokens)
+
+    def _forward_split(self, chunks: list[Chunk], feeds: list[int], device_drafts: torch.Tensor | None):
+        """The round's target forward. On CUDA graphs a round mixing decode / verify rows (one new token plus k
+        drafts each, the same k) with anything else (prefill chunks, a prompt's last chunk) runs as two
+        forwards: the uniform rows replay their graph, the rest runs eagerly; logits (and hidden states) are
+        joined, uniform rows first. device_drafts: the drafts still on the device, flat in chunk order (they
+        are the last len - feed tokens of each chunk).
+        Returns (output, per chunk its first logits row, per chunk its first flat token row)."""
+        lens = [len(c.token_ids) for c in chunks]
+        uniform = [i for i, c in enumerate(chunks) if feeds[i] == 1 and c.logits == lens[i]]
+        q = max(set(lens[i] for i in uniform), key=lambda n: sum(lens[i] == n for i in uniform)) if uniform else 0
+        split = self.split_mixed
+        if split is None:
+            split = self.target.graphs is not None and q <= self.target.graphs.max_q_len
+        groups = [list(range(len(chunks)))]
+        if split and uniform:
+            first = [i for i in uniform if lens[i] == q]
+            rest = [i for i in range(len(chunks)) if i not in set(first)]
+            if rest:
+                groups = [first, rest]
+                self.split_rounds += 1
+        # device drafts: where each chunk's drafts sit in the flat device tensor
+        d_at, at = [], 0
+        for c, f in zip(chunks, feeds):
+            d_at.append(at)
+            at += len(c.token_ids) - f
+        outs, starts, offsets = [], [0] * len(chunks), [0] * len(chunks)
+        row0 = tok0 = 0
+        for g in groups:
+            sub = [chunks[i] for i in g]
+            fed = None
+            if device_drafts is not None:
+                rows, src, t = [], [], 0
+                for i in g:
+                    n = lens[i] - feeds[i]
+                    rows.extend(range(t + feeds[i], t + lens[i]))
+                    src.extend(range(d_at[i], d_at[i] + n))
+                    t += lens[i]
+                if rows:
+                    dev = self.target.device
+                    fed = (h2d(rows, dev, torch.int64), device_drafts[h2d(src, dev, torch.int64)])
+            o, st = self._forward(sub, fed)
+            if g is not groups[-1]:  # a replay's outputs live in the graphs' shared pool: the next replay reuses it
+                o = ForwardOutput(None if o.logits is None else o.logits.clone(),
+                                  {layer: h.clone() for layer, h in o.hidden_states.items()})
+            for j, i in enumerate(g):
+                starts[i] = row0 + st[j]
+                offsets[i] = tok0
+                tok0 += lens[i]
+            row0 += 0 if o.logits is None else o.logits.shape[0]
+            outs.append(o)
+        if len(outs) == 1:
+            return outs[0], starts, offsets
+        logits = [o.logits for o in outs if o.logits is not None and o.logits.shape[0]]
+        hidden = {layer: torch.cat([o.hidden_states[layer] for o in outs]) for layer in outs[0].hidden_states}
+        return ForwardOutput(torch.cat(logits) if len(logits) > 1 else logits[0], hidden), starts, offsets
 
     def _observe(self, items: list[RoundItem], out, bases: list[int], committed_rows: list[list[int]]) -> None:
         """Hand the target's hidden states of newly committed tokens to a feature-level drafter (EAGLE).
@@ -118,15 +177,11 @@ class ChainRound(Round):
 
         # 2. One target forward: the fed committed tokens + drafts; logits for the last k_i + 1 rows of final items.
         bases = [kv.length(it.request.req_id) for it in items]
-        chunks, offsets, at, draft_rows = [], [], 0, []
-        for it, base, d in zip(items, bases, drafts):
-            toks = it.request.all_tokens[base: base + it.feed] + d
-            chunks.append(Chunk(it.request.req_id, toks, logits=len(d) + 1 if it.final else 0))
-            offsets.append(at)
-            draft_rows.extend(range(at + it.feed, at + len(toks)))
-            at += len(toks)
-        fed = (h2d(draft_rows, self.target.device, torch.int64), prop.device_tokens) if on_device else None
-        out, starts = self._forward(chunks, fed)
+        chunks = [Chunk(it.request.req_id, it.request.all_tokens[base: base + it.feed] + d,
+                        logits=len(d) + 1 if it.final else 0) for it, base, d in zip(items, bases, drafts)]
+        out, starts, offsets = self._forward_split(chunks, [it.feed for it in items],
+                                                   prop.device_tokens if on_device else None)
+        at = sum(len(c.token_ids) for c in chunks)
         t2 = marks.mark()
 
         # 3. Verify the final items (one entry for every rule).

@@ -1,4 +1,15 @@
-"""Reference attention: plain SDPA over pages gathered into a padded batch. The readable oracle and the CPU path."""
+"""Reference attention. Two implementations of the same semantics:
+
+* `paged_attention_padded`: plain SDPA over pages gathered into a padded batch. The readable oracle, and what
+  `paged_attention_reference` runs off the CPU.
+* `paged_attention_rowwise`: the CPU path. **Batch-invariant**: each query row is computed by itself from
+  exactly the keys it sees (its own q row, its visible keys gathered in position order, always in the same
+  memory layout), so its result depends on nothing but that row: not on how many rows share the forward, not
+  on the other sequences, not on whether it is a decode row, a verify row or a prefill row. That is what makes
+  greedy speculative output equal plain output bit for bit on the CPU (the quantized path's activation
+  rounding turns last-bit differences into token flips). Padded SDPA is not: a row's softmax and products
+  depend on the padded shape (the number of query rows, the longest sequence).
+"""
 from __future__ import annotations
 
 import torch
@@ -15,6 +26,13 @@ def paged_attention_reference(
     scale: float,
     window: int | None = None,  # sliding window: a query sees keys at positions > its own - window (None: all)
 ) -> torch.Tensor:  # [T, Hq, D]
+    if q.device.type == "cpu":
+        return paged_attention_rowwise(q, k_cache, v_cache, meta, scale, window)
+    return paged_attention_padded(q, k_cache, v_cache, meta, scale, window)
+
+
+def paged_attention_padded(q, k_cache, v_cache, meta: AttnMetadata, scale: float, window: int | None = None):
+    """Same arguments and result as `paged_attention_reference`, by padded SDPA (not batch-invariant)."""
     num_seqs, block_size = meta.num_seqs, k_cache.shape[1]
     max_kv = meta.max_seq_len
     n_blocks = (max_kv + block_size - 1) // block_size
@@ -57,3 +75,85 @@ def paged_attention_reference(
         attn_mask=mask[:, None], scale=scale, enable_gqa=True,
     )  # [B, Hq, Q, D]
     return out.transpose(1, 2)[row_seq, local]
+
+
+# ---------------------------------------------------------------------------------------------- batch-invariant
+
+_plan_cache: list = [None, None, None]  # (meta, key, plan): every layer of one forward shares one plan
+
+
+def _row_plan(meta: AttnMetadata, block_size: int, window: int | None) -> list:
+    """Per sequence: (cache slots of its keys in position order [L], [(row, keys)]), where a row's keys are a
+    (start, stop) range of those slots (causal rows) or an index tensor into them (tree rows)."""
+    key = (block_size, window)
+    if _plan_cache[0] is meta and _plan_cache[1] == key:
+        return _plan_cache[2]
+    qsl = meta.query_start_loc.tolist()
+    lens = meta.seq_lens.tolist()
+    tables = meta.block_tables
+    tree = None if meta.tree_mask is None else meta.tree_mask.cpu()
+    plan = []
+    for b, length in enumerate(lens):
+        r0, r1 = qsl[b], qsl[b + 1]
+        n = r1 - r0
+        prefix = length - n
+        pos = torch.arange(length)
+        slots = tables[b, pos // block_size] * block_size + pos % block_size  # [L]
+        rows = []
+        if tree is None:
+            for i in range(n):
+                stop = prefix + i + 1
+                rows.append((r0 + i, (0 if window is None else max(0, stop - window), stop)))
+        else:
+            vis = tree[r0:r1, :n]  # [n, n] ancestors and self
+            qpos = prefix + vis.sum(-1) - 1  # [n] positions of the new tokens
+            for i in range(n):
+                new = vis[i].nonzero().flatten()
+                idx = torch.cat([torch.arange(prefix), prefix + new])
+                if window is not None:
+                    kpos = torch.cat([torch.arange(prefix), qpos[new]])
+                    idx = idx[kpos > qpos[i] - window]
+                if idx.numel() == idx[-1].item() + 1 - idx[0].item():  # a contiguous range: the causal layout
+                    rows.append((r0 + i, (idx[0].item(), idx[-1].item() + 1)))
+                else:
+                    rows.append((r0 + i, idx))
+        plan.append((slots, rows))
+    _plan_cache[:] = [meta, key, plan]
+    return plan
+
+
+def paged_attention_rowwise(q, k_cache, v_cache, meta: AttnMetadata, scale: float, window: int | None = None):
+    """Same arguments and result as `paged_attention_reference`, one query row at a time (batch-invariant).
+
+    A row's keys are always a [Hkv, D, L] view with the same strides (a slice of its sequence's gathered
+    [L, Hkv, D] keys, or the same layout gathered for a tree row), its products are [Hkv, g, D] x [Hkv, D, L]
+    and [Hkv, g, L] x [Hkv, L, D] with L its own number of visible keys, and its softmax runs over exactly
+    those L scores: every shape and stride a row's arithmetic sees is a function of that row alone."""
+    t, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    g = hq // hkv
+    kf, vf = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
+    qs = (q * scale).view(t, hkv, g, d)
+    out = q.new_empty(t, hkv, g, d)
+    threads = torch.get_num_threads()
+    if threads > 1:  # row-sized ops gain nothing from a thread pool, and lose a wake-up per op on a busy machine
+        torch.set_num_threads(1)
+    try:
+        _rows(qs, kf, vf, out, _row_plan(meta, k_cache.shape[1], window))
+    finally:
+        if threads > 1:
+            torch.set_num_threads(threads)
+    return out.view(t, hq, d)
+
+
+def _rows(qs, kf, vf, out, plan) -> None:
+    for slots, rows in plan:
+        k, v = kf[slots], vf[slots]  # [L, Hkv, D]
+        kt, vt = k.permute(1, 2, 0), v.transpose(0, 1)  # [Hkv, D, L], [Hkv, L, D]
+        for r, keys in rows:
+            if isinstance(keys, tuple):
+                ks, vs = kt[:, :, keys[0]:keys[1]], vt[:, keys[0]:keys[1]]
+            else:
+                ks, vs = k[keys].permute(1, 2, 0), v[keys].transpose(0, 1)
+            p = torch.softmax(torch.matmul(qs[r], ks), dim=-1)  # [Hkv, g, L]
+            torch.matmul(p, vs, out=out[r])

@@ -250,8 +250,9 @@ def make_quantized_linear(parts: list, bias: torch.Tensor | None, layout: str) -
     if layout == "int4":
         exact = [_exact_int4(p) for p in parts]
         from_gguf = any(not isinstance(p, torch.Tensor) for p in parts)
-        k = parts[0].shape[1]
-        if k % GROUP == 0 and (any(e is not None for e in exact) or not from_gguf):
+        k, n = parts[0].shape[1], sum(p.shape[0] for p in parts)
+        # torch's int4pack needs N % 16 == 0 (odd vocabularies: the head stays int8)
+        if k % GROUP == 0 and n % 16 == 0 and (any(e is not None for e in exact) or not from_gguf):
             groups = [e if e is not None else quantize_groups_int4(_as_float(p)) for e, p in zip(exact, parts)]
             q, s, o = (torch.cat([g[i] for g in groups]) for i in range(3))
             return Int4Linear(q, s, o, bias)

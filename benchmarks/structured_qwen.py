@@ -122,7 +122,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "structured_qwen_cpu.json"))
+    ap.add_argument("--replot", action="store_true", help="print the table and plot from --out's JSON (a run cut short)")
     args = ap.parse_args()
+    if args.replot:
+        d = json.load(open(args.out))
+        for key in ("prompts", "batch", "quantize"):
+            setattr(args, key, d["meta"][key])
+        table(sorted(d["rows"], key=lambda r: r["temperature"]))
+        plot(args, d["rows"], d["meta"]["temperatures"])
+        return
     args.drafters = [d for d in args.drafters.split(",") if d]
     temps = [float(t) for t in args.temperatures.split(",")]
     if args.threads:
@@ -139,9 +147,9 @@ def main() -> None:
     blocks = args.batch * ((400 + args.max_tokens + 16) // 16 + 2) + 16  # prompt (~100-200) + output + drafts
     rows, started = [], time.time()
     bar = tqdm(total=len(temps) * len(plan), desc="runs", unit="run", position=1)
-    for T in temps:
-        plain_ms = plain_cpu = plain_ids = None
-        for name, spec in plan.items():
+    plain: dict[float, tuple] = {}  # temperature -> constrained plain (ms/token, cpu ms/token, token ids)
+    for name, spec in plan.items():  # plain first: every drafter's row compares with it; then drafter by drafter,
+        for T in temps:              # so that a run cut short still has whole drafters
             bar.set_postfix_str(f"T={T} {name}")
             kw = dict(device="cpu", cache=CacheConfig(num_blocks=blocks), max_num_seqs=args.batch)
             if spec is not None and spec.method == "draft":
@@ -163,8 +171,9 @@ def main() -> None:
                        finished_by_length=sum(r["finish"] == "length" for r in results),
                        constrained={k: v for k, v in c.items() if k != "outs"}, outputs=results)
             if spec is None:
-                plain_ms, plain_cpu, plain_ids = c["ms_per_token"], c["cpu_ms_per_token"], ids
+                plain[T] = (c["ms_per_token"], c["cpu_ms_per_token"], ids)
             else:
+                plain_ms, plain_cpu, plain_ids = plain[T]
                 row["speedup_vs_plain"] = round(plain_ms / c["ms_per_token"], 4)
                 row["cpu_speedup_vs_plain"] = round(plain_cpu / c["cpu_ms_per_token"], 4)
                 if T == 0:
@@ -188,7 +197,7 @@ def main() -> None:
             bar.update(1)
             save(args, rows, started, temps)
     bar.close()
-    table(rows)
+    table(sorted(rows, key=lambda r: r["temperature"]))
     save(args, rows, started, temps, plot=True)
 
 
@@ -218,8 +227,12 @@ def save(args, rows, started, temps, plot: bool = False) -> None:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    if not plot:
-        return
+    if plot:
+        print(f"wrote {args.out}")
+        globals()["plot"](args, rows, temps)
+
+
+def plot(args, rows, temps) -> None:
     try:
         import matplotlib
 
@@ -245,7 +258,7 @@ def save(args, rows, started, temps, plot: bool = False) -> None:
     fig.suptitle("Qwen2.5-Coder-1.5B (+0.5B draft), CPU: structured output with speculation", fontsize=10)
     fig.tight_layout()
     fig.savefig(args.out.replace(".json", ".png"), dpi=100)
-    print(f"wrote {args.out} and .png")
+    print(f"wrote {args.out.replace('.json', '.png')}")
 
 
 if __name__ == "__main__":

@@ -237,8 +237,9 @@ def main(argv=None) -> int:
             if spec is not None:
                 eng.round.sampler = eng.sampler = SyntheticSampler(a)
             t = time.perf_counter()
-            # warm-up on the engine itself, before it serves: kernels compiled, a CUDA graph captured for every
-            # batch size bucket up to the largest level (online.py's drive: closed loop at concurrency b)
+            # warm-up on the engine itself, before it serves: every decode / verify CUDA graph captured (as
+            # `forerun serve` does at startup), then kernels compiled by a closed loop at each concurrency b
+            eng.warmup(max_batch=max(args.concurrency))
             for b in (1, 2, 4, 8, 16, 32, 64):
                 if b <= max(args.concurrency):
                     drive(eng, warm_prompts[:b], args.warmup_tokens, concurrency=b)

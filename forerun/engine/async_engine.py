@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import threading
 from typing import AsyncIterator
 
@@ -31,6 +32,9 @@ class AsyncEngine:
         self._lock = threading.Lock()  # held for every engine call: a step, an add, an abort
         self._wake = threading.Event()
         self._aborts: collections.deque[str] = collections.deque()
+        # validated requests waiting for the loop thread to queue them: an add never waits for the engine lock,
+        # which the loop takes back step after step (a lock is not fair: adds starved behind a busy loop)
+        self._adds: collections.deque = collections.deque()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -65,6 +69,7 @@ class AsyncEngine:
         self._wake.set()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
         self._thread = None
+        self._fail_adds(EngineDeadError("the engine was shut down"))
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -74,12 +79,14 @@ class AsyncEngine:
         while not self._stop:
             try:
                 with self._lock:
+                    self._drain_adds()
                     while self._aborts:
                         self._abort_locked(self._aborts.popleft())
                     busy = self.engine.has_unfinished()
                     deltas = self.engine.step() if busy else []
             except BaseException as e:  # noqa: BLE001 - the loop must report any failure to every waiter
                 self.error = e
+                self._fail_adds(EngineDeadError(f"the engine loop died: {e!r}"))
                 for loop, q in list(self._queues.values()):
                     loop.call_soon_threadsafe(q.put_nowait, _DEAD)
                 return
@@ -88,6 +95,20 @@ class AsyncEngine:
             if not busy:
                 self._wake.wait(0.05)
                 self._wake.clear()
+
+    def _drain_adds(self) -> None:
+        while self._adds:
+            r, loop, q, done = self._adds.popleft()
+            self._queues[r.external_id] = (loop, q)
+            try:
+                done.set_result(self.engine.enqueue(r))
+            except BaseException as e:  # noqa: BLE001 - the adder gets it (a duplicate id)
+                self._queues.pop(r.external_id, None)
+                done.set_exception(e)
+
+    def _fail_adds(self, error: BaseException) -> None:
+        while self._adds:
+            self._adds.popleft()[3].set_exception(error)
 
     def _deliver(self, d: RequestDelta) -> None:
         entry = self._queues.get(d.request_id)
@@ -124,6 +145,16 @@ class AsyncEngine:
         return rid, q
 
     def _add_and_register(self, prompt, params, request_id, chat, loop, q) -> str:
+        if self.is_running and not self._stop:  # validated here, queued by the loop thread before its next step
+            if self.dead:
+                raise EngineDeadError(f"the engine loop died: {self.error!r}")
+            r = self.engine.make_request(prompt, params, request_id, chat=chat)
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            self._adds.append((r, loop, q, done))
+            self._wake.set()
+            if self.dead or not self.is_running:  # the loop ended meanwhile: nobody will drain it
+                self._fail_adds(EngineDeadError(f"the engine loop died: {self.error!r}"))
+            return done.result()
         with self._lock:
             if self.dead:
                 raise EngineDeadError(f"the engine loop died: {self.error!r}")

@@ -100,6 +100,10 @@ def main(argv=None) -> int:
         return 2
     print(f"[forerun] loaded {a.model} (+ {spec.method}) in {time.perf_counter() - t:.1f}s; {engine.pool_description}",
           file=sys.stderr)
+    if engine.runner.graphs is not None:  # capture every decode / verify graph now, not in a client's first request
+        t = time.perf_counter()
+        n = engine.warmup()
+        print(f"[forerun] captured {n} CUDA graphs in {time.perf_counter() - t:.1f}s", file=sys.stderr)
     config = ServerConfig(model_names=tuple(a.served_model_name or [a.model]), api_key=a.api_key,
                           max_num_seqs=a.max_num_seqs, max_queue=a.max_queue, max_body_bytes=a.max_body_bytes,
                           default_max_tokens=a.default_max_tokens, drain_seconds=a.shutdown_timeout)

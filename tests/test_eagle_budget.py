@@ -173,3 +173,71 @@ def test_drafter_measures_target_cost_itself_without_the_engine():
     assert drafter.budget.target_cost is None and drafter.budget.own_target.ready
     for r, p in zip(reqs, [[5, 6, 7, 8, 9], [60, 61, 3]]):
         assert r.output_token_ids == plain_greedy(target, p, 12)
+
+
+# -- forerun bench's EAGLE rows --------------------------------------------------------------------------
+def _bench_args(head_dir, **over):
+    import argparse
+
+    a = dict(drafters="draft,eagle", ks="4", draft="qwen2.5-coder-0.5b-instruct", early_exit_layers=8,
+             eagle_head=str(head_dir), eagle_ks="4,auto", eagle_trees="4,4,16;2,3,6", eagle_budget=True,
+             model="qwen2.5-coder-1.5b-instruct")
+    a.update(over)
+    return argparse.Namespace(**a)
+
+
+def test_bench_eagle_rows_and_their_skip_message(tmp_path, capsys):
+    from forerun.bench import _configs
+
+    rows = _configs(_bench_args(tmp_path / "missing"))
+    assert [r[0] for r in rows] == ["plain", "draft k=4"]
+    assert "skipping the EAGLE rows: no EAGLE head in" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    rows = _configs(_bench_args(tmp_path))
+    assert [r[0] for r in rows][2:] == ["eagle k=4", "eagle k=auto", "eagle tree 4,4,16", "eagle tree <=4,4,16 budget",
+                                        "eagle tree 2,3,6", "eagle tree <=2,3,6 budget"]
+    assert all(r[1] == f"eagle:{tmp_path}" for r in rows[2:])
+    assert rows[4][3] == "4,4,16" and rows[2][3] is None
+
+
+def test_bench_reads_the_heads_training_record(tmp_path):
+    import json
+
+    from forerun.bench import eagle_head_info
+
+    (tmp_path / "config.json").write_text(json.dumps({"draft_vocab_size": 16384, "intermediate_size": 4480}))
+    assert eagle_head_info(tmp_path)["training"] is None  # a published head: nothing recorded
+    (tmp_path / "training_summary.json").write_text(json.dumps(
+        {"train_tokens": 29736, "heldout_tokens": 1654, "feature_seconds": 4243.2, "train_seconds": 3219.3,
+         "steps": 202, "acc_len": 1.605, "out": "ignored"}))
+    info = eagle_head_info(tmp_path)
+    assert info["draft_vocab_size"] == 16384
+    assert info["training"] == {"train_tokens": 29736, "heldout_tokens": 1654, "feature_seconds": 4243.2,
+                                "train_seconds": 3219.3, "steps": 202, "acc_len": 1.605}
+
+
+def test_training_summary_adds_up_resumed_runs(tmp_path):
+    """train-eagle's OUT/training_summary.json: data size, extraction time (data/*/stats.json) and sessions."""
+    import argparse
+    import json
+
+    from forerun.eagle.train import training_summary
+
+    data = tmp_path / "data"
+    for split, sec in (("train", 100.0), ("heldout", 20.0)):
+        (data / split).mkdir(parents=True)
+        (data / split / "stats.json").write_text(json.dumps({"seconds": sec, "tokens": 1}))
+    a = argparse.Namespace(resume=False, target="t", version=3)
+    res = {"step": 10, "seconds": 50.0, "tokens": 999, "acc_len": 1.2, "acc_len_all": 1.1, "step_acc": [0.2],
+           "history": [{"acc_len": 1.0}]}
+    first = training_summary(tmp_path, data, a, 500, 50, 120.0, res, 200.0)
+    assert first["feature_seconds"] == 120.0 and first["wall_seconds"] == 200.0 and len(first["sessions"]) == 1
+    (tmp_path / "training_summary.json").write_text(json.dumps(first))
+    (data / "train" / "stats.json").write_text(json.dumps({"seconds": 160.0, "tokens": 2, "note": "n"}))
+    a.resume = True
+    res2 = dict(res, step=25, seconds=90.0, acc_len=1.4)
+    second = training_summary(tmp_path, data, a, 900, 50, 60.0, res2, 80.0, step0=10)
+    assert second["feature_seconds"] == 180.0 and second["train_seconds"] == 90.0
+    assert second["wall_seconds"] == 280.0 and [s["steps"] for s in second["sessions"]] == [[0, 10], [10, 25]]
+    assert second["train_tokens"] == 900 and second["feature_seconds_note"] == "n"

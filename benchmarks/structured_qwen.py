@@ -280,6 +280,9 @@ def plot(args, rows, temps) -> None:
         for i, r in enumerate(rs):
             ax.text(i + 0.2, r["constrained"]["ms_per_token"], f"{r['valid']}/{r['n']}\n"
                     f"a={r['constrained']['stats']['acceptance_rate']:.2f}", ha="center", va="bottom", fontsize=7)
+        top = max([r["constrained"]["ms_per_token"] for r in rs] +
+                  [r["unconstrained"]["ms_per_token"] for r in rs if "unconstrained" in r])
+        ax.set_ylim(0, top * 1.2)  # room for the labels
         ax.set_xticks(list(x), [r["setting"] for r in rs], rotation=15, fontsize=8)
         ax.set_ylabel("ms per token")
         ax.set_title(f"T={T}: {args.prompts} schemas, batch {args.batch}, {args.quantize}")

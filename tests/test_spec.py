@@ -355,3 +355,30 @@ def test_per_position_acceptance_estimate():
         geometric.update(1, 1)
         geometric.update(1, 0)
     assert geometric.expected_tokens(2) == pytest.approx(1 + 0.5 + 0.25)  # unseen positions use the last prior
+
+
+def test_batch_k_speculates_small_batches_and_stops_where_verify_rows_are_dear():
+    """batch_k (one k per batch, CUDA graphs): with acceptance 0.8 and a target whose cost grows with the tokens
+    it verifies (compute-bound at large batch), batch 1 speculates and batch 64 decodes plainly; after
+    PROBE_EVERY plain rounds the batch probes with k = 1, and a rejected probe doubles the wait."""
+    from forerun.engine.k_policy import KPolicy
+
+    pol = KPolicy(SpecConfig(method="draft", draft_model="x", adaptive=True, k_max=6))
+    for tokens in (1, 4, 64, 128, 320):  # 4 ms flat up to ~64 tokens, then 0.05 ms per token
+        pol.cost.record_target(tokens, 0.004 + 0.00005 * max(0, tokens - 64))
+    pol.cost.record_draft_step(0.0008)
+    rng = np.random.default_rng(0)
+    for rid in range(64):
+        for _ in range(30):  # each draft accepted with probability 0.8 until the first miss
+            m = 0
+            while m < 4 and rng.random() < 0.8:
+                m += 1
+            pol.observe(rid, 4, m, wanted=4)
+    assert pol.batch_k([0], [100]) >= 3
+    pol.batch_idle = 0
+    ids = list(range(64))
+    ks = [pol.batch_k(ids, [100] * 64) for _ in range(KPolicy.PROBE_EVERY)]
+    assert ks[:-1] == [0] * (KPolicy.PROBE_EVERY - 1) and ks[-1] == 1  # the probe
+    pol.end_batch_round(drafted=True, accepted=False)
+    assert pol.batch_probe_every == 2 * KPolicy.PROBE_EVERY
+    assert pol.rounds_before_probe(ids) == 2 * KPolicy.PROBE_EVERY

@@ -363,14 +363,16 @@ class Engine:
             depth = len(self.spec.tree) if self.spec.tree is not None else self.spec.eagle_tree[1]
             return [n if r.remaining - 1 >= depth and limit - r.num_tokens >= n else 0 for r in reqs]
         room = [max(0, min(r.remaining - 1, limit - r.num_tokens - 1)) for r in reqs]
-        ks = self.k_policy.ks([r.req_id for r in reqs], room)
-        if self.runner.graphs is not None and len(set(ks)) > 1:
-            # CUDA graphs replay uniform steps only: a ragged verify batch (k differing per request) would run
-            # eagerly, several times slower; so the batch drafts one k (the policy's mean). A request near its
-            # max_tokens drafts it too (commit drops what lies past its end); only the context caps it.
-            common = round(sum(ks) / len(ks))
-            ks = [max(0, min(common, limit - r.num_tokens - 1)) for r in reqs]
-        return ks
+        if self.runner.graphs is None or not self.spec.enabled:
+            return self.k_policy.ks([r.req_id for r in reqs], room)
+        # CUDA graphs replay uniform steps only: a ragged verify batch (k differing per request) would run
+        # eagerly, several times slower; so the batch drafts one k, chosen for the batch as a whole. A request
+        # near its max_tokens drafts it too (commit drops what lies past its end); only the context caps it.
+        if self.spec.adaptive:
+            k = self.k_policy.batch_k([r.req_id for r in reqs], room)
+        else:
+            k = min(self.spec.k, max(room, default=0))
+        return [max(0, min(k, limit - r.num_tokens - 1)) for r in reqs]
 
     def _round_step(self) -> list[Request]:
         sched = self.scheduler
@@ -389,6 +391,8 @@ class Engine:
         items = out.items
         res = self.round.run(items)
         self._observe(res, items)
+        if self.k_policy.batch_mode:
+            self.k_policy.end_batch_round(any(res.num_drafted), any(res.num_accepted))
         for i, it in enumerate(items):
             r = it.request
             if not it.final:

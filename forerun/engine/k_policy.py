@@ -5,7 +5,7 @@ Adaptive k maximises expected tokens per second for each request,
     E[tokens](a, k) / (t_target(tokens in the verify batch) + k * t_draft_step)
 
 with E[tokens] = (1 - a^(k+1)) / (1 - a), a the request's running acceptance estimate, t_target a linear
-fit of measured target-forward time against the number of tokens it processed, and t_draft_step the
+interpolation of measured target-forward time against the number of tokens it processed, and t_draft_step the
 measured time of one draft step. When verifying k+1 tokens costs the same as one (t_target flat) this is
 seed 003's speedup (1 - a^(k+1)) / ((1 - a)(1 + k c)), c = t_draft_step / t_target. k = 0 (plain decoding)
 wins when acceptance is low, drafting is expensive, or the batch is large enough that extra verify
@@ -73,7 +73,7 @@ class AcceptanceEstimate:
 
 @dataclass
 class CostModel:
-    """Measured seconds: target forwards as t0 + t1 * tokens (least squares over recent calls), draft steps as a mean."""
+    """Measured seconds: target forwards by the number of tokens they process (recent calls), draft steps as a mean."""
 
     target_obs: deque = field(default_factory=lambda: deque(maxlen=64))
     draft_obs: deque = field(default_factory=lambda: deque(maxlen=64))
@@ -86,17 +86,26 @@ class CostModel:
         self.draft_obs.append(seconds)
 
     def target_time(self, tokens: int) -> float:
+        """Piecewise linear through the mean measured time at each token count seen (a forward costs about the
+        same up to some count, then grows: a straight-line fit gets both ends wrong); beyond the counts seen, the
+        nearest segment's slope."""
         obs = list(self.target_obs)
         if not obs:
             return 1.0
-        n = len(obs)
-        mx = sum(x for x, _ in obs) / n
-        my = sum(y for _, y in obs) / n
-        var = sum((x - mx) ** 2 for x, _ in obs)
-        slope = sum((x - mx) * (y - my) for x, y in obs) / var if var > 0 else 0.0
-        slope = max(slope, 0.0)
-        t0 = max(my - slope * mx, 1e-6)
-        return t0 + slope * tokens
+        by: dict[int, list[float]] = {}
+        for x, y in obs:
+            by.setdefault(x, []).append(y)
+        pts = sorted((x, sum(ys) / len(ys)) for x, ys in by.items())
+        if len(pts) == 1:
+            return max(pts[0][1], 1e-6)
+        if tokens <= pts[0][0]:  # below what was seen: the first segment's slope (at least half the time seen)
+            (x0, y0), (x1, y1) = pts[0], pts[1]
+            return max(y0 - max(0.0, (y1 - y0) / (x1 - x0)) * (x0 - tokens), 0.5 * y0, 1e-6)
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            if tokens <= x1:
+                return max(y0 + (y1 - y0) * (tokens - x0) / (x1 - x0), 1e-6)
+        (x0, y0), (x1, y1) = pts[-2], pts[-1]
+        return max(y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (tokens - x1), 1e-6)
 
     def draft_step_time(self) -> float:
         return sum(self.draft_obs) / len(self.draft_obs) if self.draft_obs else 0.0
@@ -139,6 +148,8 @@ class KPolicy:
         # where a new request starts its probe interval: the last probe outcome of any request (a useless
         # drafter stays backed off for short requests too, instead of each paying its early probes again)
         self.default_probe_every = self.PROBE_EVERY
+        # batch_k (CUDA graphs): the same probing, for the batch as a whole
+        self.batch_mode, self.batch_idle, self.batch_probe_every, self.batch_probing = False, 0, self.PROBE_EVERY, False
 
     PROBE_EVERY = 16  # with k = 0 chosen this many rounds in a row, draft one token to re-measure acceptance
     PROBE_MAX = 256  # a probe that is rejected doubles the interval up to this; an accepted one resets it
@@ -163,14 +174,48 @@ class KPolicy:
             out.append(max(0, k))
         return out
 
+    def batch_k(self, req_ids: list[int], room: list[int]) -> int:
+        """One k for the whole batch (CUDA graphs replay uniform steps only): the k in 0..k_max with the most
+        expected tokens per second summed over the batch, every request verifying k + 1 tokens. After
+        PROBE_EVERY k = 0 rounds in a row the batch probes with k = 1 (a rejected probe doubles the wait)."""
+        self.batch_mode = True
+        kmax = min(self.spec.k_max, max(room, default=0))
+        if len(self.cost.target_obs) < 2:
+            k = min(self.spec.k, kmax)
+        else:
+            ests = [self._estimate(rid) for rid in req_ids]
+            n, t_draft, extra = len(req_ids), self.cost.draft_step_time(), self.cost.spec_overhead()
+            k, best = 0, 0.0
+            for kk in range(kmax + 1):
+                seconds = self.cost.target_time(n * (kk + 1)) + kk * t_draft + (extra if kk else 0.0)
+                rate = sum(e.expected_tokens(kk) for e in ests) / seconds
+                if rate > best * 1.0001:
+                    k, best = kk, rate
+        if k == 0:
+            self.batch_idle += 1
+            if self.batch_idle >= self.batch_probe_every and kmax > 0:
+                k, self.batch_idle, self.batch_probing = 1, 0, True
+        else:
+            self.batch_idle = 0
+        return k
+
+    def end_batch_round(self, drafted: bool, accepted: bool) -> None:
+        """After a batch_k round: a probe that drafted and had nothing accepted waits twice as long next time."""
+        if self.batch_probing and drafted:
+            self.batch_probing = False
+            self.batch_probe_every = self.PROBE_EVERY if accepted else min(2 * self.batch_probe_every, self.PROBE_MAX)
+
     def rounds_before_probe(self, req_ids: list[int]) -> int:
         """After ks() gave k = 0 to all of these requests: how many more k = 0 rounds, this one included, run
         before one of them probes (the engine runs those rounds overlapped, without asking again)."""
+        if self.batch_mode:
+            return max(1, self.batch_probe_every - self.batch_idle)
         return max(1, min(self.probe_every.get(rid, self.default_probe_every) - self.idle_rounds.get(rid, 0)
                           for rid in req_ids))
 
     def skip_idle_rounds(self, req_ids: list[int], rounds: int) -> None:
         """Count `rounds` more k = 0 rounds (run without calling ks())."""
+        self.batch_idle += rounds
         for rid in req_ids:
             self.idle_rounds[rid] = self.idle_rounds.get(rid, 0) + rounds
 

@@ -360,7 +360,7 @@ def test_per_position_acceptance_estimate():
 def test_batch_k_speculates_small_batches_and_stops_where_verify_rows_are_dear():
     """batch_k (one k per batch, CUDA graphs): with acceptance 0.8 and a target whose cost grows with the tokens
     it verifies (compute-bound at large batch), batch 1 speculates and batch 64 decodes plainly; after
-    PROBE_EVERY plain rounds the batch probes with k = 1, and a rejected probe doubles the wait."""
+    PROBE_EVERY plain rounds the batch probes with k = 1, and a probe that still leaves k = 0 doubles the wait."""
     from forerun.engine.k_policy import KPolicy
 
     pol = KPolicy(SpecConfig(method="draft", draft_model="x", adaptive=True, k_max=6))
@@ -379,6 +379,7 @@ def test_batch_k_speculates_small_batches_and_stops_where_verify_rows_are_dear()
     ids = list(range(64))
     ks = [pol.batch_k(ids, [100] * 64) for _ in range(KPolicy.PROBE_EVERY)]
     assert ks[:-1] == [0] * (KPolicy.PROBE_EVERY - 1) and ks[-1] == 1  # the probe
-    pol.end_batch_round(drafted=True, accepted=False)
+    assert pol.batch_k(ids, [100] * 64) == 0  # still not worth drafting: the next probe waits twice as long
     assert pol.batch_probe_every == 2 * KPolicy.PROBE_EVERY
-    assert pol.rounds_before_probe(ids) == 2 * KPolicy.PROBE_EVERY
+    assert pol.rounds_before_probe(ids) == 2 * KPolicy.PROBE_EVERY - 1
+    assert pol.batch_k([0], [100]) >= 3 and pol.batch_idle == 0  # a batch where drafting pays

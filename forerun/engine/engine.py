@@ -391,8 +391,6 @@ class Engine:
         items = out.items
         res = self.round.run(items)
         self._observe(res, items)
-        if self.k_policy.batch_mode:
-            self.k_policy.end_batch_round(any(res.num_drafted), any(res.num_accepted))
         for i, it in enumerate(items):
             r = it.request
             if not it.final:

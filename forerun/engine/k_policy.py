@@ -177,7 +177,8 @@ class KPolicy:
     def batch_k(self, req_ids: list[int], room: list[int]) -> int:
         """One k for the whole batch (CUDA graphs replay uniform steps only): the k in 0..k_max with the most
         expected tokens per second summed over the batch, every request verifying k + 1 tokens. After
-        PROBE_EVERY k = 0 rounds in a row the batch probes with k = 1 (a rejected probe doubles the wait)."""
+        PROBE_EVERY k = 0 rounds in a row the batch probes with k = 1; when what it measured still gives k = 0 the
+        wait doubles (a probe costs the draft's catch-up over every token since the last one), else it resets."""
         self.batch_mode = True
         kmax = min(self.spec.k_max, max(room, default=0))
         if len(self.cost.target_obs) < 2:
@@ -191,19 +192,18 @@ class KPolicy:
                 rate = sum(e.expected_tokens(kk) for e in ests) / seconds
                 if rate > best * 1.0001:
                     k, best = kk, rate
+        probed, self.batch_probing = self.batch_probing, False
         if k == 0:
+            if probed:  # what the probe measured did not make drafting worth it: probe half as often
+                self.batch_probe_every = min(2 * self.batch_probe_every, self.PROBE_MAX)
             self.batch_idle += 1
             if self.batch_idle >= self.batch_probe_every and kmax > 0:
                 k, self.batch_idle, self.batch_probing = 1, 0, True
         else:
             self.batch_idle = 0
+            if probed:
+                self.batch_probe_every = self.PROBE_EVERY
         return k
-
-    def end_batch_round(self, drafted: bool, accepted: bool) -> None:
-        """After a batch_k round: a probe that drafted and had nothing accepted waits twice as long next time."""
-        if self.batch_probing and drafted:
-            self.batch_probing = False
-            self.batch_probe_every = self.PROBE_EVERY if accepted else min(2 * self.batch_probe_every, self.PROBE_MAX)
 
     def rounds_before_probe(self, req_ids: list[int]) -> int:
         """After ks() gave k = 0 to all of these requests: how many more k = 0 rounds, this one included, run

@@ -35,6 +35,10 @@ class SamplingParams:
     max_tokens: number of new tokens at most. stop: strings that end the output (not included).
     stop_token_ids: extra token ids that end the output (the EOS token is added unless ignore_eos).
     logprobs: None, or n >= 0 to return the logprob of each emitted token and the top-n logprobs.
+    forced_tokens: golden tokens: the first len(forced_tokens) output tokens are these, whatever the model
+    would pick (replaying a transcript, teacher-forced scoring: with logprobs each gets the target's logprob
+    at its position); generation continues freely after them, within max_tokens. With speculation a draft is
+    accepted iff it equals the forced token (the verifier's golden override).
     """
 
     temperature: float = 1.0
@@ -48,6 +52,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     structured_output: StructuredOutput | None = None  # constrain the output (JSON schema, regex, ...): forerun/structured.py
+    forced_tokens: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Every value is checked here, with a message naming the field, so a bad one never reaches the
@@ -84,6 +89,14 @@ class SamplingParams:
             _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        forced = () if self.forced_tokens is None else self.forced_tokens
+        if isinstance(forced, (str, bytes)):
+            raise ValueError("forced_tokens must be a list of token ids, got a string")
+        for t in forced:
+            _int("forced_tokens entry", t, 0)
+        object.__setattr__(self, "forced_tokens", tuple(int(t) for t in forced))
+        if self.forced_tokens and self.structured_output is not None:
+            raise ValueError("forced_tokens and structured_output cannot be combined (a forced token may break the grammar)")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             raise ValueError("structured_output must be a forerun.structured.StructuredOutput, got "
                              f"{type(self.structured_output).__name__}")

@@ -410,3 +410,30 @@ def test_quantize_reaches_the_loaded_model(tmp_path):
     assert any(isinstance(m, Int8Linear) for m in llm.model.modules())
     out = llm.generate([PROMPTS[0]], GREEDY)[0]
     assert len(out.token_ids) == GREEDY.max_tokens
+
+
+@pytest.mark.parametrize("kind", ["plain", "draft", "tree", "sampled"])
+def test_forced_tokens_are_replayed_then_generation_continues(target, kind):
+    """SamplingParams.forced_tokens (golden tokens): the output starts with them whatever the model prefers,
+    each carries the target's teacher-forced logprob (transformers' own forward of prompt + forced tokens), and
+    generation continues as it would from prompt + forced; a neighbour in the batch is untouched."""
+    draft = hf_model("llama", seed=7, num_hidden_layers=1)
+    spec = {"plain": None, "sampled": None, "draft": draft_spec(draft, k=3),
+            "tree": draft_spec(draft, tree=(2, 2, 1))}[kind]
+    prompt, forced = PROMPTS[0], [5, 17, 3, 60, 60]
+    temp = 0.8 if kind == "sampled" else 0.0
+    sp = SamplingParams(temperature=temp, seed=3, max_tokens=12, ignore_eos=True, forced_tokens=forced, logprobs=2)
+    llm = tiny_llm(target, spec=spec, check_invariants=True)
+    out = llm.generate([prompt, PROMPTS[2]], [sp, GREEDY])
+    assert out[0].token_ids[:5] == forced
+    assert out[1].token_ids == alone(target, PROMPTS[2], GREEDY)
+    with torch.no_grad():
+        lp = torch.log_softmax(target(torch.tensor([prompt + forced])).logits[0].double(), -1)
+    for j, t in enumerate(forced):
+        assert out[0].logprobs[j]["token_id"] == t
+        assert abs(out[0].logprobs[j]["logprob"] - lp[len(prompt) - 1 + j, t].item()) < 1e-4
+    if kind != "sampled":  # greedy: the rest is the greedy continuation of prompt + forced
+        rest = alone(target, prompt + forced, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
+        assert out[0].token_ids[5:] == rest
+    with pytest.raises(ValueError, match="forced_tokens"):
+        llm.generate([prompt], SamplingParams(forced_tokens=[10 ** 6]))

@@ -33,7 +33,7 @@ from ..stats import RequestStats
 from .k_policy import KPolicy
 from .overlap import overlap_applies, overlapped_decode
 from .round import ChainRound, RoundItem, RoundResult, TreeRound
-from .sampler import RoundSampler, is_coupled
+from .sampler import RoundSampler, forcing, is_coupled
 from .scheduler import Scheduler
 
 
@@ -266,6 +266,8 @@ class Engine:
         vocab = self.model.config.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"request {ext}: token id out of range [0, {vocab})")
+        if params.forced_tokens and max(params.forced_tokens) >= vocab:
+            raise ValueError(f"request {ext}: forced_tokens entry out of range [0, {vocab})")
         limit = self.max_model_len
         if len(ids) >= limit:
             raise ValueError(f"request {ext}: prompt of {len(ids)} tokens is too long for the context of {limit} "
@@ -361,7 +363,8 @@ class Engine:
         if self.spec.is_tree:
             n = self.spec.max_draft_tokens
             depth = len(self.spec.tree) if self.spec.tree is not None else self.spec.eagle_tree[1]
-            return [n if r.remaining - 1 >= depth and limit - r.num_tokens >= n else 0 for r in reqs]
+            return [n if r.remaining - 1 >= depth and limit - r.num_tokens >= n and not forcing(r) else 0
+                    for r in reqs]  # golden tokens: plain rows (the chain verifier forces them)
         room = [max(0, min(r.remaining - 1, limit - r.num_tokens - 1)) for r in reqs]
         if self.runner.graphs is None or not self.spec.enabled:
             return self.k_policy.ks([r.req_id for r in reqs], room)
@@ -436,8 +439,8 @@ class Engine:
             return False
         running = list(sched.running)
         limit = self.max_model_len
-        if any(getattr(r, "grammar", None) is not None for r in running):
-            return False  # issue 14: overlapped decoding samples without grammar masks
+        if any(getattr(r, "grammar", None) is not None or forcing(r) for r in running):
+            return False  # overlapped decoding samples without grammar masks or golden tokens
         if not overlap_applies(self.runner, running, limit, self.spec.rule):
             return False
         if self.drafter is not None:

@@ -41,6 +41,11 @@ def temperature_only(requests: list[Request]) -> bool:
                    for r in requests)
 
 
+def forcing(r: Request) -> bool:
+    """Golden tokens (SamplingParams.forced_tokens) still to come."""
+    return len(r.output_token_ids) < len(r.params.forced_tokens)
+
+
 def is_coupled(r: Request, rule: str) -> bool:
     return r.params.seed is not None and r.params.temperature > 0 and rule == "auto"
 
@@ -96,18 +101,25 @@ class RoundSampler:
             at = h2d([s + j for s, d in zip(starts, drafts) for j in range(len(d))], device, torch.int64)
             draft_ids.index_copy_(0, at, device_drafts)
         ftp, lens = h2d([starts, rows], device, torch.int64)
+        golden = None  # [T] forced output of each row, -1 = free (rows of request i: its next outputs)
+        if any(forcing(r) for r in requests):
+            g = []
+            for r, n in zip(requests, rows):
+                f, at = r.params.forced_tokens, len(r.output_token_ids)
+                g.extend(f[at + j] if at + j < len(f) else -1 for j in range(n))
+            golden = h2d(g, device, torch.int64)
         # the verifier wants q whenever a sampled (uncoupled) row and any draft share the batch
         sampled = any(r.params.temperature > 0 and not c for r, c in zip(requests, coupled)) and any(drafts)
         dense = sampled and any(q is not None for q, c in zip(draft_probs, coupled) if not c)
         q = _dense_draft_probs(logits, [len(d) for d in drafts], draft_ids, draft_probs, starts) if sampled else None
-        if self._fused_ok(device, requests):
+        if golden is None and self._fused_ok(device, requests):
             from ..kernels.chain_sample import chain_sample
 
             res = chain_sample(logits, draft_ids, ftp, lens, st, coins, draft_probs=q if dense else None,
                                max_seqlen=max(rows))
         else:
             res = verify_chain(logits, draft_ids, ftp, lens, st, coins, draft_probs=q, rule=self.rule,
-                               **self.verify_kwargs)
+                               golden_token_ids=golden, **self.verify_kwargs)
         both = torch.cat([res.num_accepted.unsqueeze(1), res.output_token_ids], 1).tolist()  # one device sync
         num_acc = [row[0] for row in both]
         emitted = [row[1: a + 2] for row, a in zip(both, num_acc)]

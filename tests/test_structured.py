@@ -508,3 +508,22 @@ def test_server_usage_speculation_reports_grammar_rejected():
     run.choices[0].stats, run.choices[1].stats = a, b
     spec = run.usage()["speculation"]
     assert spec["grammar_rejected"] == 3 and spec["drafted"] == 6
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_tree_drafter_drafts_from_the_grammar_masked_distribution(tiny_choice_world, temperature):
+    """A draft tree under a grammar: each node's children come from q masked by the grammar after the node's path
+    (depth first, one-token rollback), so an unrelated random draft model still drafts the only allowed tokens
+    and they are accepted; unmasked it would draft random words the target (masked) never picks."""
+    from tiny import hf_model, ours_from_hf, tiny_llm, tiny_tokenizer
+
+    from forerun.config import SpecConfig
+
+    hf, prompt = tiny_choice_world
+    draft = ours_from_hf(hf_model("llama", seed=11, num_hidden_layers=1)).model
+    spec = SpecConfig(method="draft", draft_model=(draft, tiny_tokenizer(hf.config.vocab_size)), tree=(2, 2))
+    llm = tiny_llm(hf, spec=spec, check_invariants=True)
+    so = StructuredOutput(choice=["t5t6t7"])
+    (c,) = llm.generate([prompt], SamplingParams(temperature=temperature, seed=1, max_tokens=8, structured_output=so))
+    assert c.token_ids[:3] == [5, 6, 7] and c.finish_reason == "stop", c.token_ids
+    assert c.stats.accepted >= 2, c.stats.as_dict()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..request import Request
+from ..structured import ALL_ALLOWED, apply_bitmask_, bitmask_words, grammar_of, tree_node_masks  # issue 14
 from ..runtime.runner import Chunk, ModelRunner
 from ..verify.coupling import coupled_scores, keys_for
 from ..verify.layout import tree_attention_mask
@@ -90,6 +91,12 @@ class TreeDrafter(ModelDrafter):
                 kv.truncate(r.req_id, pos)  # keep the committed prefix only (the root is re-fed)
             v = out.logits.shape[-1]
             rows = len(level)
+            states = [grammar_of(r) for r in requests]
+            if any(st_ is not None for st_ in states):  # issue 14: children drawn from the grammar-masked q, each
+                masks = [tree_node_masks(g, tokens[i], shape.parents, level) if g is not None  # the grammar after
+                         else torch.full((rows, bitmask_words(v)), ALL_ALLOWED, dtype=torch.int32)  # each node's path
+                         for i, g in enumerate(states)]
+                apply_bitmask_(out.logits, torch.cat(masks))
             q = logits_to_probs(out.logits, st.temperature.repeat_interleave(rows), st.top_k.repeat_interleave(rows),
                                 st.top_p.repeat_interleave(rows), st.min_p.repeat_interleave(rows))  # [R*rows, V]
             children = len(shape.levels[d + 1]) // rows

@@ -179,8 +179,8 @@ def main() -> None:
                        constrained={k: v for k, v in c.items() if k != "outs"}, outputs=results)
             if spec is None:
                 plain[T] = (c["ms_per_token"], c["cpu_ms_per_token"], ids)
-            else:
-                plain_ms, plain_cpu, plain_ids = plain.get(T, (float("nan"), float("nan"), [None]))
+            elif T in plain:
+                plain_ms, plain_cpu, plain_ids = plain[T]
                 row["speedup_vs_plain"] = round(plain_ms / c["ms_per_token"], 4)
                 row["cpu_speedup_vs_plain"] = round(plain_cpu / c["cpu_ms_per_token"], 4)
                 if T == 0:

@@ -12,8 +12,8 @@ from gguf.quants import dequantize, quantize
 from forerun.config import SpecConfig
 from forerun.engine.llm import LLM
 from forerun.models.loader import load_checkpoint
-from forerun.models.quant import (Int4Linear, Int8Linear, gguf_int4_groups, parse_quantize,
-                                  weight_bytes)
+from forerun.models.quant import (Int4Linear, Int8Linear, Q4Linear, gguf_int4_groups, parse_quantize,
+                                  quantize_groups_int4, weight_bytes)
 from forerun.models.registry import build_model, load_model
 from forerun.runtime.runner import Chunk
 from forerun.sampling_params import SamplingParams
@@ -68,6 +68,31 @@ def test_int8_linear_matches_float_and_is_batch_invariant():
     for r in range(1, 16):
         assert torch.equal(lin(x[:r]), y[:r])
     assert torch.equal(lin(x[7:8]), y[7:8])
+
+
+@pytest.mark.skipif(not Q4Linear.fits(64, 128), reason="needs gcc and AVX512-VNNI (forerun/kernels/cpu_q4.c)")
+def test_q4_vnni_linear_matches_dequantized_matmul_and_is_batch_invariant():
+    """The C int4 x int8 kernel: exact int4 codes with fp16 group scale / offset, int8 activations per row."""
+    torch.manual_seed(0)
+    n, k = 272, 640  # 5 blocks of 128: one full vector of 16 group scales and a masked remainder
+    w, x, b = torch.randn(n, k), torch.randn(17, k), torch.randn(n)
+    q, s, o = quantize_groups_int4(w)
+    lin = Q4Linear(q, s, o, b)
+    want = (q.float().view(n, k // 32, 32) * s.half().float()[..., None] + o.half().float()[..., None]).view(n, k)
+    assert torch.equal(lin.dequantized(), want)  # the packing round-trips, fp16 scale and offset
+    ref = x @ want.t() + b
+    y = lin(x)
+    assert ((y - ref).abs().max() / ref.abs().max()).item() < 2e-2  # int8 activations
+    for r in range(1, 18):
+        for start in (0, 17 - r):
+            assert torch.equal(lin(x[start:start + r]), y[start:start + r]), (r, start)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)  # output rows split over host threads: the same bits
+    try:
+        assert torch.equal(lin(x), y)
+    finally:
+        torch.set_num_threads(old)
+    assert lin.weight_bytes == n * k // 2 + 4 * n * k // 32
 
 
 def test_parse_quantize():

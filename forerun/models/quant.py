@@ -9,19 +9,16 @@ docs/quantization.md):
   row to int8 at run time (W8A8), multiplied by oneDNN's u8 x s8 -> s32 kernel (AVX512-VNNI / AMX). The
   integer accumulation is exact and the one float multiply per output does not depend on how many rows
   are in the batch, so a row's result is bit-identical whether it is computed alone (plain decode) or among
-  k + 1 verify rows (tests/test_quant.py). The rest of the forward is only as batch-invariant as the
-  attention backend (the CPU SDPA reference differs in the last bits between 1 and k + 1 query rows), so
-  greedy spec == plain holds except at near-ties. Its cost grows slowly with the number of rows (the
-  speculation premise). Lossy versus the GGUF's own dequantization: weights are
-  re-quantized per row (from the exact dequantized values), activations per row.
-* ``int4``: group-wise (32) asymmetric 4-bit weights, bf16 activations, torch's
-  ``_weight_int4pack_mm_for_cpu``. GGUF Q4_K / Q4_1 / Q4_0 blocks map onto it exactly (a Q4_K sub-block of
-  32 weights is ``d*sc * q - dmin*m``, q in 0..15); the only loss is the bf16 rounding of the group scale
-  and zero and of the activations. Other GGUF types (Q5_0, Q6_K, Q8_0) in a fused matrix that has a 4-bit
-  part are re-quantized to int4; matrices with no 4-bit part use ``int8``. Its cost grows ~linearly with
-  the rows (compute-bound unpacking), so it suits plain decoding more than verification. It is not
-  batch-invariant (a row's bf16 result depends on how many rows share the call), so greedy speculative
-  output can differ from plain output in near-ties, as llama.cpp's does.
+  k + 1 verify rows (tests/test_quant.py). The rest of the CPU forward is batch-invariant too (row-wise
+  reference attention, tests/test_batch_invariance.py), so greedy speculative output equals plain output
+  exactly. Its cost grows slowly with the number of rows (the speculation premise). Lossy versus the GGUF's
+  own dequantization: weights are re-quantized per row (from the exact dequantized values), activations per row.
+* ``int4``: group-wise (32) asymmetric 4-bit weights. GGUF Q4_K / Q4_1 / Q4_0 blocks map onto it exactly (a Q4_K
+  sub-block of 32 weights is ``d*sc * q - dmin*m``, q in 0..15). With gcc and AVX512-VNNI: ``Q4Linear``, the C
+  kernel forerun/kernels/cpu_q4.c (fp16 group scale and offset, 5 bits per weight; int8 activations per row;
+  batch-invariant). Otherwise ``Int4Linear``: torch's ``_weight_int4pack_mm_for_cpu`` with bf16 scales and
+  activations, compute-bound (its cost grows ~linearly with the rows). Other GGUF types (Q5_0, Q6_K, Q8_0) in a
+  fused matrix that has a 4-bit part are re-quantized to int4; matrices with no 4-bit part use ``int8``.
 
 Fused matrices (qkv, gate_up) are quantized once over their concatenated rows.
 """
@@ -165,6 +162,46 @@ class Int4Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
+class Q4Linear(nn.Module):
+    """y = x W^T + b with W as group-wise (32) int4 codes, fp16 scale and offset (GGUF Q4_K / Q4_1 / Q4_0 exactly,
+    up to the fp16 rounding of the group scale and offset), x quantized to int8 per row at run time, multiplied
+    by forerun/kernels/cpu_q4.c (AVX512-VNNI). 5 bits per weight; batch-invariant (each output computed alone)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bias: torch.Tensor | None = None
+                 ) -> None:
+        from ..kernels import cpu_q4
+
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        # plain attributes, not buffers: weight_bytes counts them once, as quantized-linear bytes
+        self.packed, self.scale, self.offset = cpu_q4.pack_weights(q, scale, offset)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    @staticmethod
+    def fits(n: int, k: int) -> bool:
+        from ..kernels import cpu_q4
+
+        return k % 128 == 0 and cpu_q4.available()
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.packed.numel() + 2 * (self.scale.numel() + self.offset.numel())
+
+    def dequantized(self) -> torch.Tensor:  # [N, K] float32 (tests)
+        n, k = self.out_features, self.in_features
+        b = self.packed.view(n, k // 128, 4, 1, 16)
+        q = torch.cat([b & 0x0F, b >> 4], dim=3).reshape(n, k // 32, 32).float()
+        return (q * self.scale.float()[..., None] + self.offset.float()[..., None]).reshape(n, k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        from ..kernels.cpu_q4 import q4_matmul
+
+        y = q4_matmul(x.reshape(-1, self.in_features), self.packed, self.scale, self.offset)
+        if self.bias is not None:
+            y = y.add_(self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
 # ====================================================================== GGUF blocks -> int4 groups
 
 
@@ -206,7 +243,7 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes held by quantized linears, by other parameters/buffers, and in total (deduplicated)."""
     seen, quant, other = set(), 0, 0
     for m in model.modules():
-        if isinstance(m, (Int8Linear, Int4Linear)):
+        if isinstance(m, (Int8Linear, Int4Linear, Q4Linear)):
             quant += m.weight_bytes
             for t in (m.bias,):
                 if t is not None:
@@ -218,7 +255,7 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
         other += t.numel() * t.element_size()
     for m in model.modules():  # oneDNN-packed fp32/bf16 weights (PackedLinear) are not parameters
         packed = getattr(m, "packed", None)
-        if packed is not None and not isinstance(m, (Int8Linear, Int4Linear)) and hasattr(packed, "numel"):
+        if packed is not None and not isinstance(m, (Int8Linear, Int4Linear, Q4Linear)) and hasattr(packed, "numel"):
             other += packed.numel() * packed.element_size()
     return {"quantized_linear_bytes": quant, "other_bytes": other, "total_bytes": quant + other}
 
@@ -252,10 +289,10 @@ def make_quantized_linear(parts: list, bias: torch.Tensor | None, layout: str) -
         from_gguf = any(not isinstance(p, torch.Tensor) for p in parts)
         k, n = parts[0].shape[1], sum(p.shape[0] for p in parts)
         # torch's int4pack needs N % 16 == 0 (odd vocabularies: the head stays int8)
-        if k % GROUP == 0 and n % 16 == 0 and (any(e is not None for e in exact) or not from_gguf):
+        if k % GROUP == 0 and (n % 16 == 0 or Q4Linear.fits(n, k)) and (any(e is not None for e in exact) or not from_gguf):
             groups = [e if e is not None else quantize_groups_int4(_as_float(p)) for e, p in zip(exact, parts)]
             q, s, o = (torch.cat([g[i] for g in groups]) for i in range(3))
-            return Int4Linear(q, s, o, bias)
+            return Q4Linear(q, s, o, bias) if Q4Linear.fits(n, k) else Int4Linear(q, s, o, bias)
         # a GGUF matrix with no 4-bit part (Q6_K, Q8_0, ...): int8 keeps more of its precision
     if layout in ("int4", "int8"):
         w = torch.cat([_as_float(p) for p in parts]) if len(parts) > 1 else _as_float(parts[0])

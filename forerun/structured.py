@@ -214,6 +214,7 @@ class GrammarCompiler:
         kw = {} if stop_token_ids is None else {"stop_token_ids": sorted({int(t) for t in stop_token_ids})}
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, **kw)
         self.vocab_size = vocab_size
+        self.num_rejected_drafts = 0  # over every state made here: the engine-wide grammar_rejected
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=max_threads)
         self._cache: "OrderedDict[tuple, Any]" = OrderedDict()
         self._cache_size = cache_size
@@ -227,6 +228,7 @@ class GrammarCompiler:
 
         self = cls.__new__(cls)
         self.vocab_size = vocab_size or len(vocab)
+        self.num_rejected_drafts = 0
         self.info = xgr.TokenizerInfo(vocab, vocab_type=xgr.VocabType.RAW, vocab_size=self.vocab_size,
                                       stop_token_ids=list(stop_token_ids))
         self._compiler = xgr.GrammarCompiler(self.info, max_threads=1)
@@ -248,7 +250,9 @@ class GrammarCompiler:
 
     def new_state(self, spec: StructuredOutput, stats=None) -> "GrammarState":
         """A matcher for one request; stats: its RequestStats (grammar_rejected counted there), or None."""
-        return GrammarState(self.compile(spec), self.vocab_size, stats)
+        state = GrammarState(self.compile(spec), self.vocab_size, stats)
+        state.compiler = self
+        return state
 
 
 class GrammarState:
@@ -271,6 +275,7 @@ class GrammarState:
         self.num_committed = 0
         self.num_rejected_drafts = 0  # drafted tokens cut because the grammar rejects them (or an earlier one)
         self.stats = stats  # the request's RequestStats (set by grammar_of): grammar_rejected follows the cuts
+        self.compiler = None  # the GrammarCompiler that made it (new_state): its engine-wide count follows too
         self._pending = 0  # tokens accepted beyond the committed ones (draft session)
         self._in_session = False
         self._cache_tokens: list[int] = []  # draft tokens of the last session
@@ -313,6 +318,8 @@ class GrammarState:
             self.num_rejected_drafts += n
             if self.stats is not None:
                 self.stats.grammar_rejected += n
+            if self.compiler is not None:
+                self.compiler.num_rejected_drafts += n
 
     def _rollback_pending(self) -> None:
         if self._pending:

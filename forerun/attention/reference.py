@@ -85,13 +85,16 @@ _plan_cache: list = [None, None, None]  # (meta, key, plan): every layer of one 
 def _row_plan(meta: AttnMetadata, block_size: int, window: int | None) -> list:
     """Per sequence: (cache slots of its keys in position order [L], [(row, keys)]), where a row's keys are a
     (start, stop) range of those slots (causal rows) or an index tensor into them (tree rows)."""
-    key = (block_size, window)
-    if _plan_cache[0] is meta and _plan_cache[1] == key:
-        return _plan_cache[2]
     qsl = meta.query_start_loc.tolist()
     lens = meta.seq_lens.tolist()
     tables = meta.block_tables
     tree = None if meta.tree_mask is None else meta.tree_mask.cpu()
+    # the same AttnMetadata object is reused, its buffers rewritten, by every replay of a captured step (the
+    # GraphRunner): the plan is keyed by what it is computed from, not by the object alone
+    key = (block_size, window, tuple(qsl), tuple(lens), tables.cpu().numpy().tobytes(),
+           None if tree is None else tree.numpy().tobytes())
+    if _plan_cache[0] is meta and _plan_cache[1] == key:
+        return _plan_cache[2]
     plan = []
     for b, length in enumerate(lens):
         r0, r1 = qsl[b], qsl[b + 1]

@@ -79,22 +79,22 @@ def paged_attention_padded(q, k_cache, v_cache, meta: AttnMetadata, scale: float
 
 # ---------------------------------------------------------------------------------------------- batch-invariant
 
-_plan_cache: list = [None, None, None]  # (meta, key, plan): every layer of one forward shares one plan
+_plan_cache: list = [None, None]  # (key, plan): every layer of one forward shares one plan
 
 
 def _row_plan(meta: AttnMetadata, block_size: int, window: int | None) -> list:
     """Per sequence: (cache slots of its keys in position order [L], [(row, keys)]), where a row's keys are a
-    (start, stop) range of those slots (causal rows) or an index tensor into them (tree rows)."""
+    (start, stop) range of those slots (causal rows) or an index tensor into them (tree rows). Cached by content,
+    not by identity: a graph runner reuses one AttnMetadata over static buffers updated in place."""
     qsl = meta.query_start_loc.tolist()
     lens = meta.seq_lens.tolist()
-    tables = meta.block_tables
-    tree = None if meta.tree_mask is None else meta.tree_mask.cpu()
-    # the same AttnMetadata object is reused, its buffers rewritten, by every replay of a captured step (the
-    # GraphRunner): the plan is keyed by what it is computed from, not by the object alone
+    nb = -(-max(lens) // block_size) if lens else 0
+    tables = meta.block_tables[:, :nb]
     key = (block_size, window, tuple(qsl), tuple(lens), tables.cpu().numpy().tobytes(),
-           None if tree is None else tree.numpy().tobytes())
-    if _plan_cache[0] is meta and _plan_cache[1] == key:
-        return _plan_cache[2]
+           None if meta.tree_mask is None else meta.tree_mask.cpu().numpy().tobytes())
+    if _plan_cache[0] == key:
+        return _plan_cache[1]
+    tree = None if meta.tree_mask is None else meta.tree_mask.cpu()
     plan = []
     for b, length in enumerate(lens):
         r0, r1 = qsl[b], qsl[b + 1]
@@ -121,7 +121,7 @@ def _row_plan(meta: AttnMetadata, block_size: int, window: int | None) -> list:
                 else:
                     rows.append((r0 + i, idx))
         plan.append((slots, rows))
-    _plan_cache[:] = [meta, key, plan]
+    _plan_cache[:] = [key, plan]
     return plan
 
 

@@ -1,4 +1,4 @@
-// int4 (group 32, fp16 scale + offset) weights x int8 activations (one scale per row), AVX512-VNNI.
+// int4 (group 32, fp16 scale + offset) weights x int8 activations (one scale per 32 values), AVX512-VNNI.
 // See cpu_q4.py.
 //
 // Weights [N, K], K a multiple of 128: codes 0..15 packed per 128-weight block (4 groups) into 64 bytes: byte
@@ -16,7 +16,7 @@
 #define INLINE static inline __attribute__((always_inline))
 
 INLINE void row_block(const uint8_t *wr, const uint16_t *sr, const uint16_t *orow, int64_t k, const int8_t *xq,
-                      const float *isum, const int mb, float *out /* [mb] */, const __m512i *idx) {
+                      const float *xsl, const float *isum, const int mb, float *out /* [mb] */, const __m512i *idx) {
     const int64_t blocks = k / 128, groups = k / 32;
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[8], off[8];
@@ -48,7 +48,8 @@ INLINE void row_block(const uint8_t *wr, const uint16_t *sr, const uint16_t *oro
                 const int8_t *xb = xq + i * k + bl * 128;
                 __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xb));
                 d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512(xb + 64));
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), sc, acc[i]);
+                const __m512 s = _mm512_mul_ps(sc, _mm512_loadu_ps(xsl + (i * blocks + bl) * 16));
+                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[i]);
             }
         }
     }
@@ -57,7 +58,7 @@ INLINE void row_block(const uint8_t *wr, const uint16_t *sr, const uint16_t *oro
 
 // y [M, N] (row stride N); rows n0 .. n1 - 1 of the weights.
 void q4_gemm(const uint8_t *w, const uint16_t *scale, const uint16_t *offset, int64_t n, int64_t k,
-             const int8_t *xq, const float *isum, int64_t m, float *y, int64_t n0, int64_t n1) {
+             const int8_t *xq, const float *xs_lanes, const float *isum, int64_t m, float *y, int64_t n0, int64_t n1) {
     const int64_t groups = k / 32;
     __m512i idx[4];
     for (int c = 0; c < 4; c++) {  // block c of 4: its groups 4 c .. 4 c + 3, four lanes each
@@ -73,15 +74,16 @@ void q4_gemm(const uint8_t *w, const uint16_t *scale, const uint16_t *offset, in
             const int mb = (int)(m - m0 < 8 ? m - m0 : 8);
             const int8_t *xb = xq + m0 * k;
             const float *ib = isum + m0 * groups;
+            const float *xl = xs_lanes + m0 * (k / 128) * 16;
             switch (mb) {  // constant row counts: the accumulators stay in registers
-                case 1: row_block(wr, sr, orow, k, xb, ib, 1, out, idx); break;
-                case 2: row_block(wr, sr, orow, k, xb, ib, 2, out, idx); break;
-                case 3: row_block(wr, sr, orow, k, xb, ib, 3, out, idx); break;
-                case 4: row_block(wr, sr, orow, k, xb, ib, 4, out, idx); break;
-                case 5: row_block(wr, sr, orow, k, xb, ib, 5, out, idx); break;
-                case 6: row_block(wr, sr, orow, k, xb, ib, 6, out, idx); break;
-                case 7: row_block(wr, sr, orow, k, xb, ib, 7, out, idx); break;
-                default: row_block(wr, sr, orow, k, xb, ib, 8, out, idx); break;
+                case 1: row_block(wr, sr, orow, k, xb, xl, ib, 1, out, idx); break;
+                case 2: row_block(wr, sr, orow, k, xb, xl, ib, 2, out, idx); break;
+                case 3: row_block(wr, sr, orow, k, xb, xl, ib, 3, out, idx); break;
+                case 4: row_block(wr, sr, orow, k, xb, xl, ib, 4, out, idx); break;
+                case 5: row_block(wr, sr, orow, k, xb, xl, ib, 5, out, idx); break;
+                case 6: row_block(wr, sr, orow, k, xb, xl, ib, 6, out, idx); break;
+                case 7: row_block(wr, sr, orow, k, xb, xl, ib, 7, out, idx); break;
+                default: row_block(wr, sr, orow, k, xb, xl, ib, 8, out, idx); break;
             }
             for (int i = 0; i < mb; i++) y[(m0 + i) * n + r] = out[i];
         }

@@ -56,7 +56,7 @@ def _load():
             os.replace(out, so)  # atomic: concurrent processes see a whole file or none
     lib = ctypes.CDLL(str(so))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.q4_gemm.argtypes = [p, p, p, i64, i64, p, p, i64, p, i64, i64]
+    lib.q4_gemm.argtypes = [p, p, p, i64, i64, p, p, p, i64, p, i64, i64]
     lib.q4_gemm.restype = None
     _lib = lib
     return lib
@@ -84,14 +84,16 @@ def _kernel_order(xq: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] float -> (xq [M, K] int8, xs [M, 1] float32, isum [M, K/32] float32): symmetric int8 with one
-    scale per row (as the int8 layout), and each 32-group's sum of codes. A row's codes depend on that row only."""
+    """x [M, K] float -> (xq [M, K] int8 in the kernel's order, xs_lanes [M, K/128, 16] float32, xsum [M, K/32]
+    float32): symmetric int8 with one scale per 32 values (as llama.cpp's Q8 activations); a value's code
+    depends on its own group only (batch-invariant)."""
     m, k = x.shape
-    x = x.float()
-    xs = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30).div_(127.0)  # [M, 1]
-    xq = torch.round(x / xs).to(torch.int8)
-    isum = xq.view(m, k // 32, 32).sum(-1, dtype=torch.int32).float()
-    return xq, xs, isum
+    g = x.float().view(m, k // 32, 32)
+    xs = g.abs().amax(-1).clamp_min_(1e-30).div_(127.0)  # [M, G]
+    xq = torch.round(g / xs[..., None]).to(torch.int8)  # [M, G, 32]
+    xsum = xq.sum(-1, dtype=torch.int32).float().mul_(xs)  # [M, G]: exact integer sum, one rounding
+    lanes = xs.view(m, k // 128, 4, 1).expand(m, k // 128, 4, 4).reshape(m, k // 128, 16).contiguous()
+    return _kernel_order(xq.view(m, k)), lanes, xsum
 
 
 _pool = None
@@ -116,13 +118,12 @@ def _run(lib, args: tuple, n: int, threads: int) -> None:
 
 
 def q4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float -> [M, N] float32 = x W^T with W = codes * scale + offset per 32, x as int8 per row."""
+    """x [M, K] float -> [M, N] float32 = x W^T with W = codes * scale + offset per 32, x as int8 per 32."""
     lib = _load()
     m, k = x.shape
     n = packed.shape[0]
-    xq, xs, isum = quantize_activations(x)
-    xq = _kernel_order(xq)
+    xq, lanes, xsum = quantize_activations(x)
     y = torch.empty(m, n, dtype=torch.float32)
-    _run(lib, (packed.data_ptr(), scale.data_ptr(), offset.data_ptr(), n, k, xq.data_ptr(), isum.data_ptr(), m,
-               y.data_ptr()), n, torch.get_num_threads())
-    return y.mul_(xs)
+    _run(lib, (packed.data_ptr(), scale.data_ptr(), offset.data_ptr(), n, k, xq.data_ptr(), lanes.data_ptr(),
+               xsum.data_ptr(), m, y.data_ptr()), n, torch.get_num_threads())
+    return y

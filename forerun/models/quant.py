@@ -164,7 +164,7 @@ class Int4Linear(nn.Module):
 
 class Q4Linear(nn.Module):
     """y = x W^T + b with W as group-wise (32) int4 codes, fp16 scale and offset (GGUF Q4_K / Q4_1 / Q4_0 exactly,
-    up to the fp16 rounding of the group scale and offset), x quantized to int8 per row at run time, multiplied
+    up to the fp16 rounding of the group scale and offset), x quantized to int8 per 32 values at run time, multiplied
     by forerun/kernels/cpu_q4.c (AVX512-VNNI). 5 bits per weight; batch-invariant (each output computed alone)."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bias: torch.Tensor | None = None

@@ -187,10 +187,17 @@ def test_adaptive_k_turns_speculation_off_for_a_useless_draft():
     target = sharpen(hf_model("llama"), 3.0)
     useless = hf_model("llama", seed=11, num_hidden_layers=3)  # as costly as the target, disagrees with it
     llm = tiny_llm(target, spec=draft_spec(useless, adaptive=True, k_max=4), check_invariants=True)
+    # costs fixed (a cheap drafter: with the prior acceptance 0.6 it would draft k = 2..3): wall-clock timings on a loaded 2-core
+    # machine swing 30x between calls; what is tested here is that the acceptance estimate turns drafting off
+    cost = llm.engine.k_policy.cost
+    cost.record_target = cost.record_draft_step = lambda *args: None
+    for tokens in (1, 5):
+        cost.target_obs.append((tokens, 0.01 + 0.001 * tokens))
+    cost.draft_obs.append(0.001)
     outs = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     assert outs[0].token_ids == tiny_llm(target).generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].token_ids
     s = outs[0].stats
-    assert s.drafted < 4 * s.rounds / 2  # it mostly stopped drafting
+    assert s.drafted < s.rounds / 2, s  # it mostly stopped drafting (with the prior alone: k = 2 every round)
 
 
 def test_probes_back_off_while_rejected_and_reset_when_accepted():

@@ -472,6 +472,7 @@ def test_engine_reports_grammar_rejected_drafts_of_constrained_requests_only(tin
     assert u.stats.grammar_rejected == 0 and u.stats.drafted > 0
     assert llm.aggregate_stats([c, u]).grammar_rejected == c.stats.grammar_rejected
     assert llm.engine._grammar_compiler().num_rejected_drafts == c.stats.grammar_rejected  # engine-wide count
+    assert llm.engine.stats().grammar_rejected == c.stats.grammar_rejected
 
 
 @pytest.mark.slow

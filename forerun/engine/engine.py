@@ -64,6 +64,7 @@ class EngineStats:
     spec_num_draft_tokens: int
     spec_num_accepted_tokens: int
     spec_accepted_per_pos: list[int]
+    grammar_rejected: int = 0  # draft tokens / tree nodes cut by structured-output grammars (forerun/structured.py)
 
 
 def draft_dtype(spec: SpecConfig, device: torch.device, target_dtype: torch.dtype) -> torch.dtype:
@@ -335,7 +336,8 @@ class Engine:
         kv, t = self.runner.kv, self._spec_totals
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), kv.num_blocks - 1,
                            kv.num_free_blocks, self.scheduler.num_preemptions, self._spec_num_drafts,
-                           t.drafted_nodes, t.accepted, list(t.accepted_at))
+                           t.drafted_nodes, t.accepted, list(t.accepted_at),
+                           self._grammars.num_rejected_drafts if getattr(self, "_grammars", None) is not None else 0)
 
     # -- one step ---------------------------------------------------------------------------------------
     def step(self) -> list["RequestDelta"]:

@@ -86,7 +86,7 @@ class CostModel:
         self.draft_obs.append(seconds)
 
     def target_time(self, tokens: int) -> float:
-        """Piecewise linear through the mean measured time at each token count seen (a forward costs about the
+        """Piecewise linear through the median measured time at each token count seen (a forward costs about the
         same up to some count, then grows: a straight-line fit gets both ends wrong); beyond the counts seen, the
         nearest segment's slope."""
         obs = list(self.target_obs)
@@ -95,7 +95,11 @@ class CostModel:
         by: dict[int, list[float]] = {}
         for x, y in obs:
             by.setdefault(x, []).append(y)
-        pts = sorted((x, sum(ys) / len(ys)) for x, ys in by.items())
+        pts, top = [], 0.0  # the median at each count (timings are noisy), never decreasing with the count
+        for x, ys in sorted(by.items()):
+            ys = sorted(ys)
+            top = max(top, ys[len(ys) // 2])
+            pts.append((x, top))
         if len(pts) == 1:
             return max(pts[0][1], 1e-6)
         if tokens <= pts[0][0]:  # below what was seen: the first segment's slope (at least half the time seen)

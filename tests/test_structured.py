@@ -529,3 +529,28 @@ def test_tree_drafter_drafts_from_the_grammar_masked_distribution(tiny_choice_wo
     (c,) = llm.generate([prompt], SamplingParams(temperature=temperature, seed=1, max_tokens=8, structured_output=so))
     assert c.token_ids[:3] == [5, 6, 7] and c.finish_reason == "stop", c.token_ids
     assert c.stats.accepted >= 2, c.stats.as_dict()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_eagle_chain_drafts_from_the_grammar_masked_distribution(tiny_choice_world, temperature, tmp_path):
+    """An EAGLE head (random, untrained) drafting under a grammar: its draft logits are masked by the grammar at
+    each draft position, so it drafts the only allowed tokens and they are accepted (unmasked: random words)."""
+    from tiny import ours_from_hf, tiny_llm
+
+    from forerun.config import SpecConfig
+    from forerun.models.eagle_head import EagleConfig, EagleHead, save_eagle_head
+
+    hf, prompt = tiny_choice_world
+    runner = ours_from_hf(hf)
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(runner.model.config, version=1), runner.model)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.05)
+    spec = SpecConfig(method="eagle", eagle_head=str(save_eagle_head(head, tmp_path / "head")), k=3)
+    llm = tiny_llm(hf, spec=spec, check_invariants=True)
+    so = StructuredOutput(choice=["t5t6t7"])
+    (c,) = llm.generate([prompt], SamplingParams(temperature=temperature, seed=1, max_tokens=8, structured_output=so))
+    assert c.token_ids[:3] == [5, 6, 7] and c.finish_reason == "stop", c.token_ids
+    assert c.stats.accepted >= 2, c.stats.as_dict()

@@ -32,6 +32,7 @@ import torch
 from ..config import CacheConfig
 from ..models.eagle_head import EagleHead, load_eagle_head
 from ..request import Request
+from ..structured import apply_grammar_to_draft_logits, grammar_of  # issue 14
 from ..runtime.runner import Chunk, ModelRunner
 from ..verify.probs import SamplingTensors, logits_to_probs, sample_from_probs
 from .base import DraftProposal, Drafter, TreeProposal
@@ -179,9 +180,15 @@ class EagleDrafter(Drafter):
             cut = min(max(keep - s0, 0), f.shape[0])
             self._feats[r.req_id] = (s0 + cut, f[cut:])
 
-    def _probs(self, reqs: list[Request], draft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(target-vocabulary logits [R, V], processed draft distributions [R, V]) for one row per request."""
+    def _probs(self, reqs: list[Request], draft_logits: torch.Tensor, grammar: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(target-vocabulary logits [R, V], processed draft distributions [R, V]) for one row per request.
+        grammar: mask each row by its request's grammar at its draft position (issue 14: q sees p's support)."""
         full = self.head.to_target_vocab(draft_logits)
+        if grammar:
+            states = [grammar_of(r) for r in reqs]
+            if any(st is not None for st in states):
+                apply_grammar_to_draft_logits(full, states)
         st = SamplingTensors.from_params([r.params for r in reqs], full.device)
         return full, logits_to_probs(full, st.temperature, st.top_k, st.top_p, st.min_p)
 
@@ -201,12 +208,15 @@ class EagleDrafter(Drafter):
         out, logits = self._extend(group, ranges)
         step_times = []
         while True:
-            full, q = self._probs(group, logits)
+            full, q = self._probs(group, logits, grammar=True)
             greedy = torch.tensor([r.params.temperature == 0 for r in group], device=q.device)
             u = torch.stack([torch.rand((), generator=r.generator) for r in group]).to(q.device)
             picked = torch.where(greedy, full.argmax(-1), sample_from_probs(q, u)).tolist()
             still = []
             for row, i in enumerate(active):
+                g = grammar_of(requests[i])
+                if g is not None and not g.draft_accept(picked[row]):
+                    continue  # issue 14: the grammar has ended (only a stop token was left)
                 tokens[i].append(picked[row])
                 probs[i].append(q[row])
                 if len(tokens[i]) < ks[i]:
@@ -220,6 +230,9 @@ class EagleDrafter(Drafter):
             out, logits = self._run([Chunk(requests[i].req_id, [tokens[i][-1]]) for i in active], out[sel],
                                     from_target=False)
             step_times.append(time.perf_counter() - t)
+        for r in requests:  # issue 14: grammar matchers back at the committed tokens
+            if grammar_of(r) is not None:
+                grammar_of(r).draft_end()
         self._settle([requests[i] for i, _ in enumerate(requests) if tokens[i]])
         return DraftProposal(tokens, [torch.stack(p) if p else None for p in probs],
                              step_seconds=sum(step_times) / len(step_times) if step_times else None)

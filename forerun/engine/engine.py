@@ -137,6 +137,8 @@ class Engine:
             for runner in {id(r): r for r in (self.runner, getattr(self.drafter, "runner", None)) if r}.values():
                 enable_cuda_graphs(runner, max_q_len=self.spec.max_draft_tokens + 1)
         self.k_policy = KPolicy(self.spec)
+        if self.spec.method == "eagle" and self.spec.eagle_tree is not None:  # dynamic trees shrink as the batch
+            self.drafter.use_target_cost(self.k_policy.cost)  # grows, from the target's measured costs (issue 13)
         tree = self.spec.is_tree
         self.sampler = RoundSampler(self.spec.rule, self._verify_kwargs())
         round_cls = TreeRound if tree else ChainRound

@@ -531,10 +531,12 @@ def test_tree_drafter_drafts_from_the_grammar_masked_distribution(tiny_choice_wo
     assert c.stats.accepted >= 2, c.stats.as_dict()
 
 
+@pytest.mark.parametrize("tree", [None, (2, 3, 6)])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_eagle_chain_drafts_from_the_grammar_masked_distribution(tiny_choice_world, temperature, tmp_path):
-    """An EAGLE head (random, untrained) drafting under a grammar: its draft logits are masked by the grammar at
-    each draft position, so it drafts the only allowed tokens and they are accepted (unmasked: random words)."""
+def test_eagle_drafts_from_the_grammar_masked_distribution(tiny_choice_world, temperature, tree, tmp_path):
+    """An EAGLE head (random, untrained) drafting under a grammar, chain and dynamic tree: its draft logits are
+    masked by the grammar at each draft position (each tree node: after its path), so it drafts the only allowed
+    tokens and they are accepted (unmasked: random words)."""
     from tiny import ours_from_hf, tiny_llm
 
     from forerun.config import SpecConfig
@@ -548,7 +550,7 @@ def test_eagle_chain_drafts_from_the_grammar_masked_distribution(tiny_choice_wor
         for p in head.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.05)
-    spec = SpecConfig(method="eagle", eagle_head=str(save_eagle_head(head, tmp_path / "head")), k=3)
+    spec = SpecConfig(method="eagle", eagle_head=str(save_eagle_head(head, tmp_path / "head")), k=3, eagle_tree=tree)
     llm = tiny_llm(hf, spec=spec, check_invariants=True)
     so = StructuredOutput(choice=["t5t6t7"])
     (c,) = llm.generate([prompt], SamplingParams(temperature=temperature, seed=1, max_tokens=8, structured_output=so))

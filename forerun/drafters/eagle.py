@@ -32,7 +32,8 @@ import torch
 from ..config import CacheConfig
 from ..models.eagle_head import EagleHead, load_eagle_head
 from ..request import Request
-from ..structured import apply_grammar_to_draft_logits, grammar_of  # issue 14
+from ..structured import (ALL_ALLOWED, apply_bitmask_, apply_grammar_to_draft_logits, bitmask_words, grammar_of,  # issue 14
+                          tree_node_masks)
 from ..runtime.runner import Chunk, ModelRunner
 from ..verify.probs import SamplingTensors, logits_to_probs, sample_from_probs
 from .base import DraftProposal, Drafter, TreeProposal
@@ -317,13 +318,21 @@ class EagleDrafter(Drafter):
         row_req = [a for a, sel in enumerate(expanded) for _ in sel]
         k = min(topk, self.head.draft_vocab_size)
         q = None
-        if all(reqs[a].params.temperature == 0 for a in row_req):
+        states = [grammar_of(r) for r in reqs]
+        constrained = any(st is not None for st in states)
+        if all(reqs[a].params.temperature == 0 for a in row_req) and not constrained:
             # greedy rows only: top-k over the draft vocabulary (the target's other tokens are -inf), no
             # target-vocabulary tensors
             top = draft_logits.float().log_softmax(-1).topk(k, dim=-1)
             ids = self.head.draft_to_target[top.indices]
         else:
             full = self.head.to_target_vocab(draft_logits)  # [rows, V]
+            if constrained:  # issue 14: each expanded node's children from q masked by the grammar after its path
+                words = bitmask_words(full.shape[-1])
+                apply_bitmask_(full, torch.cat([
+                    tree_node_masks(states[a], trees[a].tok, trees[a].parent, [node]) if states[a] is not None
+                    else torch.full((1, words), ALL_ALLOWED, dtype=torch.int32)
+                    for a, sel in enumerate(expanded) for node in sel]))
             st = SamplingTensors.from_params([reqs[a].params for a in row_req], full.device)
             q = logits_to_probs(full, st.temperature, st.top_k, st.top_p, st.min_p)
             top = full.log_softmax(-1).topk(k, dim=-1)

@@ -91,6 +91,12 @@ def settings(args, model, dmodel, dtok) -> dict:
             out[f"draft k={args.k}"] = SpecConfig(method="draft", draft_model=(dmodel, dtok), k=args.k)
         elif d == "ngram":
             out[f"ngram k={args.k}"] = SpecConfig(method="ngram", k=args.k)
+        elif d == "tree":  # the draft model drafting a fixed tree
+            out["draft tree 2,2,1"] = SpecConfig(method="draft", draft_model=(dmodel, dtok), tree=(2, 2, 1))
+        elif d == "eagle-tree":  # an EAGLE head's dynamic tree (needs --eagle-head)
+            if not args.eagle_head:
+                raise SystemExit("drafter 'eagle-tree' needs --eagle-head")
+            out["eagle tree 4,4,16"] = SpecConfig(method="eagle", eagle_head=args.eagle_head, eagle_tree=(4, 4, 16))
         elif d == "early-exit":
             out[f"early-exit L{args.early_exit_layers} k={args.ee_k}"] = SpecConfig(
                 method="early-exit", early_exit_layers=args.early_exit_layers, k=args.ee_k)
@@ -143,7 +149,7 @@ def main() -> None:
     torch.manual_seed(0)
     t_load = time.perf_counter()
     model, tok, _ = load_model(args.target, quantize=args.quantize)
-    dmodel, dtok = (load_model(args.draft, quantize=args.quantize)[:2]) if "draft" in args.drafters else (None, None)
+    dmodel, dtok = (load_model(args.draft, quantize=args.quantize)[:2]) if {"draft", "tree"} & set(args.drafters) else (None, None)
     print(f"loaded in {time.perf_counter() - t_load:.0f} s; threads {torch.get_num_threads()}")
     tasks = TASKS[: args.prompts]
     prompts = [chat_ids(tok, p) for p, _ in tasks]  # token ids: the chat template with our system message

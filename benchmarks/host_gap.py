@@ -118,14 +118,7 @@ def main() -> None:
         tok, vocab, kw = _NoTextTokenizer(), 151936, dict(device="cuda", dtype=BF16)
     else:
         sys.path.insert(0, os.path.join(REPO, "tests"))
-        from tiny import hf_model, tiny_tokenizer
-        from forerun.config import ModelConfig
-        from forerun.models.llama import LlamaForCausalLM
-
-        def ours(hf):
-            m = LlamaForCausalLM(ModelConfig.from_hf(hf.config.to_dict())).eval()
-            m.load_weights(hf.state_dict().items())
-            return m
+        from tiny import hf_model, model_from_hf as ours, tiny_tokenizer
 
         vocab = 1000
         target, draft = ours(hf_model("qwen3", 0, vocab_size=vocab)), ours(hf_model("qwen3", 1, vocab_size=vocab, num_hidden_layers=1))

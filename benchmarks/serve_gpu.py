@@ -131,15 +131,7 @@ def build_models(tiny: bool):
 
     if tiny:
         sys.path.insert(0, os.path.join(REPO, "tests"))
-        from tiny import hf_model
-
-        from forerun.config import ModelConfig
-        from forerun.models.llama import LlamaForCausalLM
-
-        def ours(hf):
-            m = LlamaForCausalLM(ModelConfig.from_hf(hf.config.to_dict())).eval()
-            m.load_weights(hf.state_dict().items())
-            return m
+        from tiny import hf_model, model_from_hf as ours
 
         vocab = 1000
         target = ours(hf_model("qwen3", 0, vocab_size=vocab))

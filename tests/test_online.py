@@ -328,18 +328,11 @@ def test_a_request_failing_later_fails_alone(target):
 def test_eagle_through_the_engine_is_lossless(tmp_path, tree):
     """SpecConfig(method='eagle') end to end (a random EAGLE-1 head saved in the published layout and loaded by
     the engine): greedy output equals plain decoding, chain and dynamic tree, with requests joining mid-run."""
-    from forerun.models.eagle_head import EagleConfig, EagleHead, save_eagle_head
+    from tiny import model_from_hf, random_eagle_head_dir
 
     hf = hf_model("qwen2")
-    runner = ours_from_hf(hf)
-    torch.manual_seed(0)
-    head = EagleHead(EagleConfig.for_target(runner.model.config, version=1), runner.model)
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.05)
-    path = save_eagle_head(head, tmp_path / "head")
-    spec = SpecConfig(method="eagle", eagle_head=str(path), k=3, eagle_tree=tree)
+    spec = SpecConfig(method="eagle", eagle_head=random_eagle_head_dir(model_from_hf(hf), tmp_path / "head"), k=3,
+                      eagle_tree=tree)
     want = [alone(hf, p, GREEDY) for p in PROMPTS[:4]]
     eng = engine(hf, spec)
     got: dict[str, list[int]] = {}

@@ -537,20 +537,13 @@ def test_eagle_drafts_from_the_grammar_masked_distribution(tiny_choice_world, te
     """An EAGLE head (random, untrained) drafting under a grammar, chain and dynamic tree: its draft logits are
     masked by the grammar at each draft position (each tree node: after its path), so it drafts the only allowed
     tokens and they are accepted (unmasked: random words)."""
-    from tiny import ours_from_hf, tiny_llm
+    from tiny import model_from_hf, random_eagle_head_dir, tiny_llm
 
     from forerun.config import SpecConfig
-    from forerun.models.eagle_head import EagleConfig, EagleHead, save_eagle_head
 
     hf, prompt = tiny_choice_world
-    runner = ours_from_hf(hf)
-    torch.manual_seed(0)
-    head = EagleHead(EagleConfig.for_target(runner.model.config, version=1), runner.model)
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.05)
-    spec = SpecConfig(method="eagle", eagle_head=str(save_eagle_head(head, tmp_path / "head")), k=3, eagle_tree=tree)
+    head = random_eagle_head_dir(model_from_hf(hf), tmp_path / "head")
+    spec = SpecConfig(method="eagle", eagle_head=head, k=3, eagle_tree=tree)
     llm = tiny_llm(hf, spec=spec, check_invariants=True)
     so = StructuredOutput(choice=["t5t6t7"])
     (c,) = llm.generate([prompt], SamplingParams(temperature=temperature, seed=1, max_tokens=8, structured_output=so))

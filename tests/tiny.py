@@ -41,11 +41,29 @@ def hf_model(arch: str, seed: int = 0, **over):
     return model
 
 
-def ours_from_hf(hf, block_size: int = 4, num_blocks: int = 256, **runner_kw) -> ModelRunner:
-    cfg = ModelConfig.from_hf(hf.config.to_dict())
-    model = LlamaForCausalLM(cfg).eval()
+def model_from_hf(hf) -> LlamaForCausalLM:
+    """forerun's model with a transformers model's config and weights."""
+    model = LlamaForCausalLM(ModelConfig.from_hf(hf.config.to_dict())).eval()
     model.load_weights(hf.state_dict().items())
-    return ModelRunner(model, CacheConfig(block_size=block_size, num_blocks=num_blocks), "cpu", torch.float32, **runner_kw)
+    return model
+
+
+def ours_from_hf(hf, block_size: int = 4, num_blocks: int = 256, **runner_kw) -> ModelRunner:
+    return ModelRunner(model_from_hf(hf), CacheConfig(block_size=block_size, num_blocks=num_blocks), "cpu",
+                       torch.float32, **runner_kw)
+
+
+def random_eagle_head_dir(target: LlamaForCausalLM, path) -> str:
+    """A random EAGLE-1 head for `target` (weights ~ N(0, 0.05), seed 0), saved in the published layout."""
+    from forerun.models.eagle_head import EagleConfig, EagleHead, save_eagle_head
+
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(target.config, version=1), target)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.05)
+    return str(save_eagle_head(head, path))
 
 
 def tiny_tokenizer(vocab_size: int = 97, eos: int = 1):

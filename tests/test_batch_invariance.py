@@ -13,7 +13,7 @@ from forerun.engine.llm import LLM
 from forerun.models.cpu_linear import PackedLinear
 from forerun.models.layers import RMSNorm, RotaryEmbedding
 from forerun.models.loader import load_checkpoint
-from forerun.models.quant import Int8Linear
+from forerun.models.quant import Int8Linear, Q4Linear, quantize_groups_int4
 from forerun.models.registry import build_model
 from forerun.runtime.runner import Chunk
 from test_loader import save
@@ -41,6 +41,8 @@ def test_linears_norm_rope_are_row_invariant(threads, shape):
     norm = RMSNorm(k, 1e-6)
     norm.weight.data = torch.randn(k)
     ops = {"int8": Int8Linear.from_float(w, b), "fp32 packed": PackedLinear(lin), "rmsnorm": norm}
+    if Q4Linear.fits(n, k):  # forerun's C int4 kernel (gcc, AVX512-VNNI)
+        ops["int4 q4"] = Q4Linear(*quantize_groups_int4(w), bias=b)
     with torch.inference_mode():
         for name, op in ops.items():
             full = op(x)
@@ -96,9 +98,9 @@ def test_rowwise_attention_matches_sdpa_and_is_batch_invariant(threads, window):
     torch.testing.assert_close(got, paged_attention_padded(q[:4], k, v, meta_t, scale, window), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("layout", ["int8", "none"])
+@pytest.mark.parametrize("layout", ["int8", "int4", "none"])
 def test_model_row_logits_bitwise_equal_alone_verify_batched_prefill(tmp_path, layout):
-    """The whole model (tiny random Qwen2, quantized int8 or fp32): the logits of 6 new tokens after a
+    """The whole model (tiny random Qwen2, quantized int8, int4 (forerun's C kernel where it runs) or fp32): the logits of 6 new tokens after a
     37-token prefix, computed as 6 decode steps, as one 6-row verify chunk, as a verify chunk next to another
     sequence's rows, and as the tail of one prefill, are bit-identical."""
     hf = hf_model("qwen2", hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,

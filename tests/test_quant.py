@@ -71,15 +71,22 @@ def test_int8_linear_matches_float_and_is_batch_invariant():
 
 
 @pytest.mark.skipif(not Q4Linear.fits(64, 128), reason="needs gcc and AVX512-VNNI (forerun/kernels/cpu_q4.c)")
-def test_q4_vnni_linear_matches_dequantized_matmul_and_is_batch_invariant():
-    """The C int4 x int8 kernel: exact int4 codes with fp16 group scale / offset, int8 activations per row."""
+@pytest.mark.parametrize("n,k", [(272, 640), (270, 1536), (33, 96), (260, 8960)])
+def test_q4_vnni_linear_matches_dequantized_matmul_and_is_batch_invariant(n, k):
+    """The C int4 x int8 kernel: exact int4 codes with fp16 group scale / offset, int8 activations per 32 values.
+    Shapes: a partial last chunk of 16 groups (640, 8960: 20 / 280 groups), K not a multiple of 128 (96), N not a
+    multiple of the 4-row groups (270, 33), and enough row groups (>= 64) to split over 2 threads."""
+    from forerun.kernels import cpu_q4
+
     torch.manual_seed(0)
-    n, k = 272, 640  # 5 blocks of 128: one full vector of 16 group scales and a masked remainder
     w, x, b = torch.randn(n, k), torch.randn(17, k), torch.randn(n)
     q, s, o = quantize_groups_int4(w)
     lin = Q4Linear(q, s, o, b)
     want = (q.float().view(n, k // 32, 32) * s.half().float()[..., None] + o.half().float()[..., None]).view(n, k)
     assert torch.equal(lin.dequantized(), want)  # the packing round-trips, fp16 scale and offset
+    # the C activation quantization is bit-identical to the torch reference
+    for got, ref in zip(cpu_q4.quantize_activations_c(x), cpu_q4.quantize_activations(x)):
+        assert torch.equal(got, ref)
     ref = x @ want.t() + b
     y = lin(x)
     assert ((y - ref).abs().max() / ref.abs().max()).item() < 2e-2  # int8 activations
@@ -87,16 +94,22 @@ def test_q4_vnni_linear_matches_dequantized_matmul_and_is_batch_invariant():
         for start in (0, 17 - r):
             assert torch.equal(lin(x[start:start + r]), y[start:start + r]), (r, start)
     old = torch.get_num_threads()
-    torch.set_num_threads(2)  # output rows split over host threads: the same bits
     try:
-        assert torch.equal(lin(x), y)
+        for t in (1, 2):  # output row groups split over OpenMP threads: the same bits
+            torch.set_num_threads(t)
+            assert torch.equal(lin(x), y)
+            assert torch.equal(lin(x[3:4]), y[3:4])
     finally:
         torch.set_num_threads(old)
-    assert lin.weight_bytes == n * k // 2 + 4 * n * k // 32
+    chunks = (k // 32 + 15) // 16
+    assert lin.weight_bytes == -(-n // 4) * (256 * chunks + 64 * (k // 32))  # ~4.5 bits + the fp16 header
 
 
 def test_parse_quantize():
-    assert parse_quantize(None, "gguf") == "int8" and parse_quantize("auto", "safetensors") == "none"
+    from forerun.kernels import cpu_q4
+
+    assert parse_quantize(None, "gguf") == ("int4" if cpu_q4.available() else "int8")
+    assert parse_quantize("auto", "safetensors") == "none"
     assert parse_quantize("int4", "safetensors") == "int4"
     with pytest.raises(ValueError, match="quantize must be one of"):
         parse_quantize("int3", "gguf")

@@ -22,7 +22,10 @@ from pathlib import Path
 import torch
 
 _SRC = Path(__file__).with_name("cpu_q4.c")
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-shared", "-fPIC"]
+# -fopenmp: the .so needs libgomp.so.1, which resolves to the copy torch already loaded (same soname), so the
+# kernel's threads are torch's OpenMP threads and torch.set_num_threads applies to both.
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp", "-shared",
+          "-fPIC"]
 _lib = None
 _tried = False
 
@@ -56,8 +59,12 @@ def _load():
             os.replace(out, so)  # atomic: concurrent processes see a whole file or none
     lib = ctypes.CDLL(str(so))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.q4_gemm.argtypes = [p, p, p, i64, i64, p, p, p, i64, p, i64, i64]
+    lib.q4_gemm.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int]
     lib.q4_gemm.restype = None
+    lib.q4_quant_act.argtypes = [p, i64, i64, p, p, p]
+    lib.q4_quant_act.restype = None
+    lib.q4_group_bytes.argtypes = [i64]
+    lib.q4_group_bytes.restype = i64
     _lib = lib
     return lib
 
@@ -66,64 +73,102 @@ def available() -> bool:
     return _load() is not None
 
 
-def pack_weights(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [N, K] codes 0..15 (K % 128 == 0), scale / offset [N, K/32] -> (packed [N, K/2] uint8, scale fp16,
-    offset fp16); per 128-weight block (4 groups), byte 16 g + j holds weights j (low nibble) and 16 + j (high
-    nibble) of group g."""
+ROWS = 4  # output rows per row group
+
+
+def _chunks(k: int) -> int:
+    return (k // 32 + 15) // 16
+
+
+def group_bytes(k: int) -> int:
+    """Bytes of one row group (4 output rows) of a [N, K] matrix: per chunk of <= 16 groups of 32 weights a
+    256-byte header (fp16 scales and offsets of 4 rows x 16 groups), and 16 bytes per group and row."""
+    return _chunks(k) * 256 + (k // 32) * 64
+
+
+def pack_weights(q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """q [N, K] codes 0..15 (K % 32 == 0), scale / offset [N, K/32] -> packed [ceil(N/4), group_bytes(K)] uint8 in
+    the kernel's layout (cpu_q4.c): row groups of 4 rows (N padded with zero rows); per chunk of <= 16 groups a
+    header of fp16 scales and offsets [2][4 rows][16 groups], then per row [4 loads j][ng groups l][4 bytes t]
+    with weight 8 j + t of group l in the low nibble and 8 j + 4 + t in the high one."""
     n, k = q.shape
-    c = q.to(torch.uint8).view(n, k // 128, 4, 2, 16)
-    packed = (c[:, :, :, 0] | (c[:, :, :, 1] << 4)).reshape(n, k // 2).contiguous()
-    return packed, scale.to(torch.float16).contiguous(), offset.to(torch.float16).contiguous()
+    groups, chunks = k // 32, _chunks(k)
+    ng4 = -(-n // ROWS)
+    np_ = ng4 * ROWS
+    c = torch.zeros(np_, chunks * 16, 4, 2, 4, dtype=torch.uint8)  # [row, group, j, nibble, t]
+    c[:n, :groups] = q.to(torch.uint8).view(n, groups, 4, 2, 4)
+    codes = (c[..., 0, :] | (c[..., 1, :] << 4))  # [row, group, j, t]
+    codes = codes.view(ng4, ROWS, chunks, 16, 4, 4).permute(0, 2, 1, 4, 3, 5)  # [G, chunk, row, j, l, t]
+    hdr = torch.zeros(np_, 2, chunks * 16, dtype=torch.float16)
+    hdr[:n, 0, :groups] = scale.to(torch.float16)
+    hdr[:n, 1, :groups] = offset.to(torch.float16)
+    hdr = hdr.view(ng4, ROWS, 2, chunks, 16).permute(0, 3, 2, 1, 4).contiguous()  # [G, chunk, 2, 4, 16]
+    hdr = hdr.view(torch.uint8).view(ng4, chunks, 256)
+    out = torch.empty(ng4, group_bytes(k), dtype=torch.uint8)
+    pos = 0
+    for ci in range(chunks):
+        ng = min(16, groups - 16 * ci)
+        out[:, pos:pos + 256] = hdr[:, ci]
+        out[:, pos + 256:pos + 256 + 64 * ng] = codes[:, ci, :, :, :ng].reshape(ng4, 64 * ng)
+        pos += 256 + 64 * ng
+    return out
 
 
-def _kernel_order(xq: torch.Tensor) -> torch.Tensor:
-    """[M, K] -> [M, K] in the kernel's order: per 128 block, the first 16 values of its 4 groups, then the last 16."""
-    m, k = xq.shape
-    return xq.view(m, k // 128, 4, 2, 16).transpose(2, 3).reshape(m, k)
+def unpack_weights(packed: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of pack_weights: (q [N, K] uint8, scale [N, K/32] fp16, offset [N, K/32] fp16) (tests)."""
+    groups, chunks = k // 32, _chunks(k)
+    ng4 = packed.shape[0]
+    qs, scales, offsets, pos = [], [], [], 0
+    for ci in range(chunks):
+        ng = min(16, groups - 16 * ci)
+        h = packed[:, pos:pos + 256].contiguous().view(torch.float16).view(ng4, 2, ROWS, 16)[..., :ng]
+        scales.append(h[:, 0].reshape(ng4 * ROWS, ng))
+        offsets.append(h[:, 1].reshape(ng4 * ROWS, ng))
+        b = packed[:, pos + 256:pos + 256 + 64 * ng].reshape(ng4, ROWS, 4, ng, 1, 4)  # [G, row, j, l, nib, t]
+        b = torch.cat([b & 0x0F, b >> 4], dim=4).permute(0, 1, 3, 2, 4, 5)  # [G, row, l, j, nib, t]
+        qs.append(b.reshape(ng4 * ROWS, ng * 32))
+        pos += 256 + 64 * ng
+    return torch.cat(qs, 1)[:n], torch.cat(scales, 1)[:n], torch.cat(offsets, 1)[:n]
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] float -> (xq [M, K] int8 in the kernel's order, xs_lanes [M, K/128, 16] float32, xsum [M, K/32]
-    float32): symmetric int8 with one scale per 32 values (as llama.cpp's Q8 activations); a value's code
-    depends on its own group only (batch-invariant)."""
+    """Reference (torch) of the C activation quantization: x [M, K] float -> (xq [M, chunks * 512] int8 in the
+    kernel's order, xs [M, chunks * 16] float32, isum [M, chunks * 16] float32, zero padded): symmetric int8 with
+    one scale per 32 values (as llama.cpp's Q8 activations); a value's code depends on its own group only
+    (batch-invariant); isum = scale * the sum of the group's codes."""
     m, k = x.shape
-    g = x.float().view(m, k // 32, 32)
-    xs = g.abs().amax(-1).clamp_min_(1e-30).div_(127.0)  # [M, G]
-    xq = torch.round(g / xs[..., None]).to(torch.int8)  # [M, G, 32]
-    xsum = xq.sum(-1, dtype=torch.int32).float().mul_(xs)  # [M, G]: exact integer sum, one rounding
-    lanes = xs.view(m, k // 128, 4, 1).expand(m, k // 128, 4, 4).reshape(m, k // 128, 16).contiguous()
-    return _kernel_order(xq.view(m, k)), lanes, xsum
+    groups, chunks = k // 32, _chunks(k)
+    g = x.float().view(m, groups, 32)
+    s = g.abs().amax(-1).clamp_min_(1e-30).div_(127.0)  # [M, G]
+    q = torch.round(g / s[..., None]).to(torch.int8)  # [M, G, 32]
+    xs, isum = torch.zeros(m, chunks * 16), torch.zeros(m, chunks * 16)
+    xs[:, :groups] = s
+    isum[:, :groups] = q.sum(-1, dtype=torch.int32).float().mul_(s)  # exact integer sum, one rounding
+    xq = torch.zeros(m, chunks * 16, 32, dtype=torch.int8)
+    xq[:, :groups] = q
+    xq = xq.view(m, chunks, 16, 8, 4).transpose(2, 3).reshape(m, chunks * 512)  # [chunk, piece p, group l, 4]
+    return xq, xs, isum
 
 
-_pool = None
+def quantize_activations_c(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_activations in C (one call instead of ~10 torch ops per linear; bit-identical, tested)."""
+    lib = _load()
+    x = x.float().contiguous()
+    m, k = x.shape
+    xq = torch.empty(m, _chunks(k) * 512, dtype=torch.int8)
+    xs = torch.empty(m, _chunks(k) * 16)
+    isum = torch.empty(m, _chunks(k) * 16)
+    lib.q4_quant_act(x.data_ptr(), m, k, xq.data_ptr(), xs.data_ptr(), isum.data_ptr())
+    return xq, xs, isum
 
 
-def _run(lib, args: tuple, n: int, threads: int) -> None:
-    """Split the output rows over `threads` host threads (ctypes drops the GIL); each output is computed the
-    same way whatever the split."""
-    global _pool
-    if threads <= 1 or n < 256:
-        lib.q4_gemm(*args, 0, n)
-        return
-    if _pool is None or _pool._max_workers < threads - 1:
-        from concurrent.futures import ThreadPoolExecutor
-
-        _pool = ThreadPoolExecutor(max_workers=threads - 1, thread_name_prefix="forerun-q4")
-    step = -(-n // threads // 16) * 16
-    futs = [_pool.submit(lib.q4_gemm, *args, lo, min(n, lo + step)) for lo in range(step, n, step)]
-    lib.q4_gemm(*args, 0, min(n, step))
-    for f in futs:
-        f.result()
-
-
-def q4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    """x [M, K] float -> [M, N] float32 = x W^T with W = codes * scale + offset per 32, x as int8 per 32."""
+def q4_matmul(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] float -> [M, N] float32 = x W^T with W = codes * scale + offset per 32 (packed by pack_weights),
+    x as int8 per 32. The output rows are split over torch's threads (OpenMP, in the C kernel)."""
     lib = _load()
     m, k = x.shape
-    n = packed.shape[0]
-    xq, lanes, xsum = quantize_activations(x)
+    xq, xs, isum = quantize_activations_c(x)
     y = torch.empty(m, n, dtype=torch.float32)
-    _run(lib, (packed.data_ptr(), scale.data_ptr(), offset.data_ptr(), n, k, xq.data_ptr(), lanes.data_ptr(),
-               xsum.data_ptr(), m, y.data_ptr()), n, torch.get_num_threads())
+    lib.q4_gemm(packed.data_ptr(), n, k, xq.data_ptr(), xs.data_ptr(), isum.data_ptr(), m, y.data_ptr(),
+                torch.get_num_threads())
     return y

@@ -34,9 +34,14 @@ GROUP = 32  # int4 group size (a Q4_K sub-block, a Q4_0 / Q4_1 block)
 
 def parse_quantize(value: str | None, fmt: str) -> str:
     """Resolve a user's ``quantize`` choice for a checkpoint of format ``fmt`` ("gguf" | "safetensors").
-    None / "auto": GGUF files stay quantized (int8); safetensors checkpoints load as stored ("none")."""
+    None / "auto": GGUF files stay quantized: int4 where forerun's C kernel runs (gcc, AVX512-VNNI; GGUF 4-bit
+    blocks kept exactly, see Q4Linear), else int8; safetensors checkpoints load as stored ("none")."""
     if value is None or value == "auto":
-        return "int8" if fmt == "gguf" else "none"
+        if fmt != "gguf":
+            return "none"
+        from ..kernels import cpu_q4
+
+        return "int4" if cpu_q4.available() else "int8"
     if value not in QUANTIZE_CHOICES:
         raise ValueError(f"quantize must be one of auto, {', '.join(QUANTIZE_CHOICES)}; got {value!r}")
     return value
@@ -173,30 +178,31 @@ class Q4Linear(nn.Module):
 
         super().__init__()
         self.out_features, self.in_features = q.shape
-        # plain attributes, not buffers: weight_bytes counts them once, as quantized-linear bytes
-        self.packed, self.scale, self.offset = cpu_q4.pack_weights(q, scale, offset)
+        # a plain attribute, not a buffer: weight_bytes counts it once, as quantized-linear bytes
+        self.packed = cpu_q4.pack_weights(q, scale, offset)  # [ceil(N/4), group bytes] uint8, see cpu_q4.c
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     @staticmethod
     def fits(n: int, k: int) -> bool:
         from ..kernels import cpu_q4
 
-        return k % 128 == 0 and cpu_q4.available()
+        return k % 32 == 0 and cpu_q4.available()
 
     @property
     def weight_bytes(self) -> int:
-        return self.packed.numel() + 2 * (self.scale.numel() + self.offset.numel())
+        return self.packed.numel()
 
     def dequantized(self) -> torch.Tensor:  # [N, K] float32 (tests)
+        from ..kernels.cpu_q4 import unpack_weights
+
         n, k = self.out_features, self.in_features
-        b = self.packed.view(n, k // 128, 4, 1, 16)
-        q = torch.cat([b & 0x0F, b >> 4], dim=3).reshape(n, k // 32, 32).float()
-        return (q * self.scale.float()[..., None] + self.offset.float()[..., None]).reshape(n, k)
+        q, s, o = unpack_weights(self.packed, n, k)
+        return (q.view(n, k // 32, 32).float() * s.float()[..., None] + o.float()[..., None]).reshape(n, k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         from ..kernels.cpu_q4 import q4_matmul
 
-        y = q4_matmul(x.reshape(-1, self.in_features), self.packed, self.scale, self.offset)
+        y = q4_matmul(x.reshape(-1, self.in_features), self.packed, self.out_features)
         if self.bias is not None:
             y = y.add_(self.bias)
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)

@@ -24,6 +24,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--profile", action="store_true", help="torch profiler table of one engine generate")
+    ap.add_argument("--others", default="layers", help="int4 layout: quant.INT4_OTHERS (int8, layers, int4)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from forerun.bench_prompts import CODE_PROMPTS
@@ -33,6 +34,9 @@ def main() -> int:
     from forerun.runtime.runner import Chunk, ModelRunner
     from forerun.sampling_params import SamplingParams
 
+    from forerun.models import quant
+
+    quant.INT4_OTHERS = a.others
     t0 = time.perf_counter()
     model, tok, _ = load_model(a.model, quantize=a.quantize, progress=False)
     print(f"loaded in {time.perf_counter() - t0:.0f}s ({a.quantize}), threads {a.threads}, load {os.getloadavg()}")

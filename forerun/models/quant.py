@@ -30,6 +30,23 @@ from torch import nn
 
 QUANTIZE_CHOICES = ("none", "int8", "int4")
 GROUP = 32  # int4 group size (a Q4_K sub-block, a Q4_0 / Q4_1 block)
+# int4 layout: how GGUF matrices with no 4-bit part are held (docs/quantization.md, measured on the 1.5B target):
+#   "layers" (default): 5/6-bit ones (Q5_0, Q5_1, Q5_K, Q6_K: a Q4_K_M's half of ffn_down) re-quantized to int4 from
+#            their exact dequantized values (Q4Linear), except the output head; 8-bit ones and the head: int8
+#   "int8":  all of them per-row int8 (oneDNN)
+#   "int4":  all of them re-quantized to int4, the head too
+INT4_OTHERS = "layers"
+_REQUANT_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
+_HEAD_TENSORS = ("tensor output.weight", "tensor token_embd.weight")  # GGUF names (loader: GGUFQuantized.where)
+
+
+def _requantize_to_int4(part) -> bool:
+    """Whether the int4 layout re-quantizes this GGUF matrix with no 4-bit part to int4 (see INT4_OTHERS)."""
+    if INT4_OTHERS == "int4":
+        return True
+    if INT4_OTHERS != "layers" or isinstance(part, torch.Tensor):
+        return False
+    return getattr(part, "type_name", "") in _REQUANT_TYPES and not str(getattr(part, "where", "")).endswith(_HEAD_TENSORS)
 
 
 def parse_quantize(value: str | None, fmt: str) -> str:
@@ -295,7 +312,9 @@ def make_quantized_linear(parts: list, bias: torch.Tensor | None, layout: str) -
         from_gguf = any(not isinstance(p, torch.Tensor) for p in parts)
         k, n = parts[0].shape[1], sum(p.shape[0] for p in parts)
         # torch's int4pack needs N % 16 == 0 (odd vocabularies: the head stays int8)
-        if k % GROUP == 0 and (n % 16 == 0 or Q4Linear.fits(n, k)) and (any(e is not None for e in exact) or not from_gguf):
+        wanted = (any(e is not None for e in exact) or not from_gguf
+                  or (Q4Linear.fits(n, k) and all(_requantize_to_int4(p) for p in parts)))
+        if k % GROUP == 0 and (n % 16 == 0 or Q4Linear.fits(n, k)) and wanted:
             groups = [e if e is not None else quantize_groups_int4(_as_float(p)) for e, p in zip(exact, parts)]
             q, s, o = (torch.cat([g[i] for g in groups]) for i in range(3))
             return Q4Linear(q, s, o, bias) if Q4Linear.fits(n, k) else Int4Linear(q, s, o, bias)

@@ -1,0 +1,91 @@
+"""Logits of the quantized CPU layouts against the dequantized fp32 path on a real GGUF model: KL per token,
+top-1 agreement, max |diff| / max |logit|, over every position of a few code texts.
+
+Why: issue 12 asks for parity within a stated tolerance; the int4 layout keeps GGUF 4-bit blocks exactly, but
+activations are quantized to int8 (per 32 values) and the matrices with no 4-bit part (Q6_K / Q8_0) are held
+either as per-row int8 or re-quantized to int4 (``--others``), which this measures.
+
+    python benchmarks/quant_accuracy.py [--model qwen2.5-coder-1.5b-instruct] [--variants int8,int4,int4:int4]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+
+
+def texts(tok) -> list[list[int]]:
+    from forerun.bench_prompts import CODE_PROMPTS
+
+    root = Path(__file__).resolve().parents[1]
+    code = [(root / "forerun" / "models" / "quant.py").read_text()[:1500],
+            (root / "forerun" / "sampling_params.py").read_text()[:1500]]
+    out = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+           for p in CODE_PROMPTS[:2]]
+    return [tok.encode(t)[:400] for t in out + code]
+
+
+def logits(model, ids_list) -> list[torch.Tensor]:
+    from forerun.config import CacheConfig
+    from forerun.runtime.runner import Chunk, ModelRunner
+
+    runner = ModelRunner(model, CacheConfig(block_size=16, num_blocks=128), "cpu", torch.float32)
+    res = []
+    with torch.inference_mode():
+        for i, ids in enumerate(ids_list):
+            runner.kv.add_sequence(i)
+            res.append(runner.forward([Chunk(i, ids, logits="all")])[0].logits.float().clone())
+            runner.kv.free(i)
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--variants", default="int8,int4:int8,int4,int4:int4",
+                    help="layouts; int4:X = int4 with quant.INT4_OTHERS = X (int8, layers (default), int4)")
+    ap.add_argument("--out")
+    a = ap.parse_args()
+    from forerun.models import quant
+    from forerun.models.registry import load_model
+
+    model, tok, _ = load_model(a.model, quantize="none", progress=False)
+    ids = texts(tok)
+    ref = logits(model, ids)
+    del model
+    gc.collect()
+    rows = []
+    for v in a.variants.split(","):
+        layout, _, others = v.partition(":")
+        quant.INT4_OTHERS = others or "layers"
+        t = time.perf_counter()
+        model, _, _ = load_model(a.model, quantize=layout, progress=False)
+        got = logits(model, ids)
+        wb = quant.weight_bytes(model)
+        del model
+        gc.collect()
+        kl = top1 = n = 0.0
+        rel = 0.0
+        for g, r in zip(got, ref):
+            kl += torch.nn.functional.kl_div(g.log_softmax(-1), r.log_softmax(-1), log_target=True,
+                                             reduction="sum").item()
+            top1 += (g.argmax(-1) == r.argmax(-1)).float().sum().item()
+            n += g.shape[0]
+            rel = max(rel, ((g - r).abs().max() / r.abs().max()).item())
+        row = {"variant": v, "positions": int(n), "kl_per_token": round(kl / n, 4), "top1_agreement": round(top1 / n, 4),
+               "max_abs_diff_over_max_logit": round(rel, 4), "quantized_linear_bytes": wb["quantized_linear_bytes"],
+               "load_s": round(time.perf_counter() - t, 1)}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    quant.INT4_OTHERS = "layers"
+    if a.out:
+        Path(a.out).write_text(json.dumps({"model": a.model, "results": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -168,7 +168,7 @@ def run_grid(make_engine, prompts_for, new_tokens: int, concurrencies, configs, 
 
                 prof = cProfile.Profile()
                 prof.enable()
-            r = drive(eng, prompts_for(3 * c), new_tokens, concurrency=c)
+            r = drive(eng, prompts_for(int(os.environ.get("ONLINE_REPEAT", 3)) * c), new_tokens, concurrency=c)
             if prof is not None:  # where the host time of this run went
                 import pstats
 

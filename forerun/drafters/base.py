@@ -69,6 +69,10 @@ class Drafter(ABC):
     `propose` feeds whatever committed tokens are missing before drafting."""
 
     name: str = "drafter"
+    # True for drafters that time their pure draft steps themselves (DraftProposal.step_seconds / step_timer):
+    # a round where none was pure (a k = 1 probe, whose only step also feeds the backlog since the last draft)
+    # then gives no draft-step observation, instead of its whole drafting phase (catch-up included) per token
+    times_steps: bool = False
 
     @abstractmethod
     def propose(self, requests: list[Request], ks: list[int]) -> DraftProposal: ...

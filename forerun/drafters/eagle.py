@@ -42,6 +42,7 @@ from .eagle_budget import TreeBudget, TreeBudgetPolicy
 
 class EagleDrafter(Drafter):
     name = "eagle"
+    times_steps = True  # head steps after the first (draft extend) are timed in propose
 
     def __init__(self, target: ModelRunner, head: EagleHead | str | Path, *, cache: CacheConfig | None = None,
                  dtype: torch.dtype | None = None, tree_topk: int = 4, tree_steps: int = 4, tree_nodes: int = 16,

@@ -24,6 +24,8 @@ from .base import DraftProposal, Drafter
 
 
 class ModelDrafter(Drafter):
+    times_steps = True  # pure steps are timed in propose (step >= 2 on the device path)
+
     def __init__(self, runner: ModelRunner, num_layers: int | None = None, confidence_threshold: float = 0.0,
                  shares_target_cache: bool = False) -> None:
         self.runner, self.num_layers = runner, num_layers

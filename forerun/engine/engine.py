@@ -386,6 +386,7 @@ class Engine:
         if self._try_overlap():
             return self._overlap_step()
         t_start = time.perf_counter()
+        self.round.feed_prefill = not self.k_policy.idle()  # adaptive k at 0: new prompts skip the drafter
         out = sched.schedule(self._k_for)
         self._ks_cache = None
         touched = []

@@ -112,7 +112,11 @@ class CostModel:
         return max(y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (tokens - x1), 1e-6)
 
     def draft_step_time(self) -> float:
-        return sum(self.draft_obs) / len(self.draft_obs) if self.draft_obs else 0.0
+        """The median recent draft step (a mean let two slow outliers keep k at 0 on the CPU pair)."""
+        if not self.draft_obs:
+            return 0.0
+        obs = sorted(self.draft_obs)
+        return obs[len(obs) // 2]
 
     def record_spec_overhead(self, seconds: float) -> None:
         """A speculative round's wall time beyond its target forward and draft steps (host work: verification
@@ -208,6 +212,14 @@ class KPolicy:
             if probed:
                 self.batch_probe_every = self.PROBE_EVERY
         return k
+
+    def idle(self) -> bool:
+        """Whether adaptive k last chose plain decoding (k = 0) for the batch (CUDA graphs) or for every request."""
+        if not self.spec.adaptive:
+            return False
+        if self.batch_mode:
+            return self.batch_idle > 0
+        return bool(self.idle_rounds) and all(v > 0 for v in self.idle_rounds.values())
 
     def rounds_before_probe(self, req_ids: list[int]) -> int:
         """After ks() gave k = 0 to all of these requests: how many more k = 0 rounds, this one included, run

@@ -60,6 +60,9 @@ class Round(ABC):
         self.target, self.drafter, self.sampler = target, drafter, sampler
         self.split_mixed: bool | None = None  # None: split mixed rounds when the target replays CUDA graphs
         self.split_rounds = 0  # rounds run as two forwards
+        # pass prefill chunks on to the drafter this round (the engine clears it while adaptive k sits at 0: a
+        # prompt is then fed to the drafter only if drafting resumes, by its catch-up, not on every arrival)
+        self.feed_prefill = True
 
     @abstractmethod
     def run(self, items: list[RoundItem]) -> RoundResult: ...
@@ -67,7 +70,7 @@ class Round(ABC):
     # -- shared steps ------------------------------------------------------------------------------
     def _feed_drafter(self, items: list[RoundItem]) -> None:
         """Pass prefill chunks on to a drafter with its own cache (no long catch-up left for later)."""
-        if self.drafter is None:
+        if self.drafter is None or not self.feed_prefill:
             return
         pre = [it for it in items if not it.final]
         if pre:
@@ -211,8 +214,8 @@ class ChainRound(Round):
         nd = [len(d) for d in drafts]
         step_s = prop.measured_step_seconds() if prop is not None else None
         draft_s, target_s = marks.seconds(t0, t1), marks.seconds(t1, t2)  # the verification has synchronised
-        if step_s is None and self.drafter is not None and any(nd):  # drafters without steps: whole cost per token
-            step_s = draft_s / max(nd)
+        if step_s is None and self.drafter is not None and any(nd) and not self.drafter.times_steps:
+            step_s = draft_s / max(nd)  # drafters without steps (n-gram): the whole cost per token
         return RoundResult(emitted, nd, accepted, lps, draft_step_seconds=step_s, target_seconds=target_s,
                            draft_seconds=draft_s, target_tokens=at,
                            sampled_rows=sum(n + 1 for n, it in zip(nd, items) if it.final), drafted_nodes=nd)

@@ -59,6 +59,8 @@ class FusedLayerOps(LayerOps):
         if not self._on(x):
             return super().mlp(x, mlp)
         gate_up = mlp.gate_up_proj
+        if hasattr(gate_up, "glu"):  # a quantized matrix (models/quant_cuda.py): its kernel fuses the SwiGLU
+            return self.linear(gate_up.glu(x), mlp.down_proj)
         cfg = self._config(x, gate_up, glu=True) if gate_up.bias is None else None
         if cfg is not None:
             act = skinny_linear(x, gate_up.weight, glu=True, config=cfg)  # SwiGLU in the product's epilogue

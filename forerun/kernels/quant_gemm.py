@@ -188,3 +188,255 @@ def q8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block_n: in
                                            BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot, GROUP=GROUP,
                                            num_warps=num_warps, num_stages=num_stages)
     return y
+
+
+# ======================================================================================= int4, word layout
+# The kernels above unpack codes with integer-to-float conversions, which run at a quarter of the FP32 rate on
+# Hopper: at batch 1 they, not memory, bound the product. The word layout below is unpacked with bit masks and
+# one float subtraction (the "magic number" conversion): OR-ing a code q, sitting at bits 4j .. 4j+3 of a word,
+# into the exponent of 2^23 gives the float 2^23 + q * 16^j exactly, and subtracting 2^23 leaves q * 16^j; the
+# 16^-j goes into the group scale, so no shift is needed for the low half-word and one per word for the high.
+#
+# Layout ``qw32`` int32 [N, K / 8]: word i of a row holds codes 8i .. 8i + 7; code 8i + 2j sits at bits
+# 4j .. 4j + 3, code 8i + 2j + 1 at bits 16 + 4j .. 19 + 4j (j = 0..3). Groups of 32 codes = 4 words; ``scale``
+# and ``zero`` [N, K / 32] as above (w = q * scale + zero). The even codes of a tile multiply the even
+# activations and the odd codes the odd ones: two dot products, no interleaving in registers.
+MAGIC = 8388608.0  # 2^23
+
+
+def pack_int4_w32(q: torch.Tensor) -> torch.Tensor:
+    """q: [N, K] codes 0..15 (K a multiple of 32) -> [N, K / 8] int32 in the word layout."""
+    n, k = q.shape
+    if k % GROUP:
+        raise ValueError(f"pack_int4_w32 needs K divisible by {GROUP}, got {k}")
+    c = q.to(torch.int64).reshape(n, k // 8, 4, 2)
+    shifts = 4 * torch.arange(4, device=q.device)
+    word = ((c[..., 0] << shifts) | (c[..., 1] << (shifts + 16))).sum(-1)  # disjoint bits: sum == or
+    word = torch.where(word >= 2 ** 31, word - 2 ** 32, word)
+    return word.to(torch.int32).contiguous()
+
+
+def unpack_int4_w32(qw: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_int4_w32: [N, K / 8] int32 -> [N, K] uint8 codes."""
+    n, w = qw.shape
+    v = qw.to(torch.int64) & 0xFFFFFFFF
+    shifts = 4 * torch.arange(4, device=qw.device)
+    lo = (v[..., None] >> shifts) & 15
+    hi = (v[..., None] >> (shifts + 16)) & 15
+    return torch.stack([lo, hi], -1).reshape(n, w * 8).to(torch.uint8)
+
+
+def repack_int4_w32(qw: torch.Tensor) -> torch.Tensor:
+    """The chunked layout (pack_int4) -> the word layout."""
+    return pack_int4_w32(unpack_int4(qw))
+
+
+@triton.jit
+def _q4w_tile(QW, S, Z, offs_n, n_ok, k0, K: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """Dequantized weights of rows offs_n, codes k0 .. k0 + BLOCK_K: (even codes, odd codes), each
+    [BLOCK_N, BLOCK_K / 2] float32 in the order of the activations k0 + 2 t (+ 1)."""
+    BW: tl.constexpr = BLOCK_K // 8  # words
+    NG: tl.constexpr = BLOCK_K // GROUP  # groups (4 words each)
+    BN: tl.constexpr = offs_n.shape[0]
+    offs_w = tl.arange(0, BW)
+    w = tl.load(QW + offs_n[:, None].to(tl.int64) * (K // 8) + k0 // 8 + offs_w[None, :], mask=n_ok[:, None],
+                other=0)  # [BN, BW] int32
+    offs_g = tl.arange(0, NG)
+    sp = offs_n[:, None].to(tl.int64) * (K // GROUP) + k0 // GROUP + offs_g[None, :]
+    s = tl.load(S + sp, mask=n_ok[:, None], other=0.0).to(tl.float32)  # [BN, NG]
+    z = tl.load(Z + sp, mask=n_ok[:, None], other=0.0).to(tl.float32)
+    j = tl.arange(0, 4)
+    mask = (15 << (4 * j)).to(tl.int32)  # nibble j of a half-word
+    inv = tl.exp2(-4.0 * j.to(tl.float32))  # 16^-j
+    sj = tl.reshape(s[:, :, None] * inv[None, None, :], [BN, NG, 1, 4])  # the scale of nibble j
+    zb = tl.reshape(z, [BN, NG, 1, 1])
+    lo = ((w[:, :, None] & mask[None, None, :]) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    hi = (((w >> 16)[:, :, None] & mask[None, None, :]) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    w_even = tl.reshape(tl.reshape(lo, [BN, NG, 4, 4]) * sj + zb, [BN, BLOCK_K // 2])
+    w_odd = tl.reshape(tl.reshape(hi, [BN, NG, 4, 4]) * sj + zb, [BN, BLOCK_K // 2])
+    return w_even, w_odd
+
+
+@triton.jit
+def _q4w_kernel(X, QW, S, Z, Y, M, N, stride_xm, stride_ym, GLU_OFF,
+                K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                USE_DOT: tl.constexpr, GLU: tl.constexpr, GROUP: tl.constexpr):
+    # one program: BLOCK_N output features (GLU: BLOCK_N gate rows n and the up rows GLU_OFF + n), all of K
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    offs_t = tl.arange(0, BLOCK_K // 2)
+    x_ptr = X + offs_m[:, None] * stride_xm + 2 * offs_t[None, :]  # even activations; +1: odd
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // 2], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // 2], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        xe = tl.load(x_ptr + k0, mask=m_ok[:, None], other=0.0)
+        xo = tl.load(x_ptr + k0 + 1, mask=m_ok[:, None], other=0.0)
+        we, wo = _q4w_tile(QW, S, Z, offs_n, n_ok, k0, K, BLOCK_K, GROUP)
+        if USE_DOT:
+            acc += tl.dot(xe, tl.trans(we.to(xe.dtype)))
+            acc += tl.dot(xo, tl.trans(wo.to(xo.dtype)))
+        else:
+            acc += xe.to(tl.float32)[:, None, :] * we[None, :, :] + xo.to(tl.float32)[:, None, :] * wo[None, :, :]
+        if GLU:
+            ue, uo = _q4w_tile(QW, S, Z, offs_n + GLU_OFF, n_ok, k0, K, BLOCK_K, GROUP)
+            if USE_DOT:
+                acc_u += tl.dot(xe, tl.trans(ue.to(xe.dtype)))
+                acc_u += tl.dot(xo, tl.trans(uo.to(xo.dtype)))
+            else:
+                acc_u += xe.to(tl.float32)[:, None, :] * ue[None, :, :] + xo.to(tl.float32)[:, None, :] * uo[None, :, :]
+    if USE_DOT:
+        y = acc
+        u = acc_u
+    else:
+        y = tl.sum(acc, 2)
+        u = tl.sum(acc_u, 2)
+    if GLU:
+        y = y / (1.0 + tl.exp(-y)) * u  # silu(gate) * up
+    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(Y.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def q4w_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, glu: bool = False,
+               block_n: int | None = None, block_k: int = 256, use_dot: bool | None = None, num_warps: int = 4,
+               num_stages: int = 3) -> torch.Tensor:
+    """x: [M, K] (M <= 16) bf16/fp16; qw32: [N, K/8] int32 (pack_int4_w32); scale, zero: [N, K/32] -> [M, N],
+    or with glu=True (rows = gate rows then up rows) silu(x @ gate^T) * (x @ up^T): [M, N / 2]."""
+    m, k = x.shape
+    n = qw32.shape[0]
+    if not 1 <= m <= MAX_ROWS or qw32.shape[1] * 8 != k or k % block_k or x.stride(1) != 1 or (glu and n % 2):
+        raise ValueError(f"q4w_linear: bad shapes x {tuple(x.shape)} qw32 {tuple(qw32.shape)} block_k {block_k}")
+    use_dot = m > 2 if use_dot is None else use_dot
+    block_n = block_n or (32 if use_dot else 8)
+    n_out = n // 2 if glu else n
+    y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    block_m = 16 if use_dot else triton.next_power_of_2(m)
+    _q4w_kernel[(triton.cdiv(n_out, block_n),)](x, qw32, scale, zero, y, m, n_out, x.stride(0), y.stride(0), n_out,
+                                                K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                                USE_DOT=use_dot, GLU=glu, GROUP=GROUP, num_warps=num_warps,
+                                                num_stages=num_stages)
+    return y
+
+
+@triton.jit
+def _q4w2_kernel(X, QW, S, Z, Y, M, N, stride_xm, stride_ym, GLU_OFF,
+                 K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 USE_DOT: tl.constexpr, GLU: tl.constexpr, GROUP: tl.constexpr):
+    """The word layout again, with every tensor [BLOCK_N, words] in the layout the weights are loaded in (no
+    reshapes): code t of each word (t = 2 j + h) is unpacked by itself and multiplies the activations
+    k0 + 8 w + t, pre-scaled by 16^-j. Per weight: one mask-and-or, one subtraction, one multiply-add; the group
+    scale multiplies a word's partial sum, the offset the word's activation sum. CUDA cores for BLOCK_M <= 2,
+    else 8 tensor-core products per tile (one per t) plus one for the offsets."""
+    pid = tl.program_id(0)
+    BW: tl.constexpr = BLOCK_K // 8
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_w = tl.arange(0, BW)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    rows = offs_n[:, None].to(tl.int64)
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BW], tl.float32)
+        acc1 = tl.zeros([BLOCK_N, BW], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BW], tl.float32)
+        acc_u1 = tl.zeros([BLOCK_N, BW], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        for part in tl.static_range(2 if GLU else 1):
+            r = rows + GLU_OFF if part == 1 else rows
+            wv = tl.load(QW + r * (K // 8) + k0 // 8 + offs_w[None, :], mask=n_ok[:, None], other=0)  # [BN, BW]
+            wh = wv >> 16
+            gp = r * (K // GROUP) + k0 // GROUP + offs_w[None, :] // 4
+            s_w = tl.load(S + gp, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            z_w = tl.load(Z + gp, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            if USE_DOT:
+                d = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                xs = tl.zeros([BLOCK_M, BW], tl.float32)
+                for t in tl.static_range(8):
+                    src = wh if t % 2 == 1 else wv
+                    f = ((src & (15 << (4 * (t // 2)))) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                    xt = tl.load(X + offs_m[:, None] * stride_xm + k0 + 8 * offs_w[None, :] + t,
+                                 mask=m_ok[:, None], other=0.0)
+                    xs += xt.to(tl.float32)
+                    xt = (xt.to(tl.float32) * (1.0 / (1 << (4 * (t // 2))))).to(xt.dtype)
+                    d += tl.dot(xt, tl.trans((f * s_w).to(xt.dtype)))
+                xs_hi = xs.to(X.dtype.element_ty)
+                xs_lo = (xs - xs_hi.to(tl.float32)).to(X.dtype.element_ty)
+                zt = tl.trans(z_w.to(X.dtype.element_ty))
+                d += tl.dot(xs_hi, zt) + tl.dot(xs_lo, zt)
+                if part == 1:
+                    acc_u += d
+                else:
+                    acc += d
+            else:
+                d0 = tl.zeros([BLOCK_N, BW], tl.float32)
+                d1 = tl.zeros([BLOCK_N, BW], tl.float32)
+                xs0 = tl.zeros([BW], tl.float32)
+                xs1 = tl.zeros([BW], tl.float32)
+                for t in tl.static_range(8):
+                    src = wh if t % 2 == 1 else wv
+                    f = ((src & (15 << (4 * (t // 2)))) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                    x0 = tl.load(X + k0 + 8 * offs_w + t).to(tl.float32)
+                    xs0 += x0
+                    d0 += (x0 * (1.0 / (1 << (4 * (t // 2)))))[None, :] * f
+                    if BLOCK_M > 1:
+                        x1 = tl.load(X + stride_xm + k0 + 8 * offs_w + t)  # BLOCK_M == M == 2
+                        x1 = x1.to(tl.float32)
+                        xs1 += x1
+                        d1 += (x1 * (1.0 / (1 << (4 * (t // 2)))))[None, :] * f
+                if part == 1:
+                    acc_u += d0 * s_w + z_w * xs0[None, :]
+                    if BLOCK_M > 1:
+                        acc_u1 += d1 * s_w + z_w * xs1[None, :]
+                else:
+                    acc += d0 * s_w + z_w * xs0[None, :]
+                    if BLOCK_M > 1:
+                        acc1 += d1 * s_w + z_w * xs1[None, :]
+    if USE_DOT:
+        y = acc
+        if GLU:
+            y = y / (1.0 + tl.exp(-y)) * acc_u
+        tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(Y.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+    else:
+        y0 = tl.sum(acc, 1)
+        if GLU:
+            u0 = tl.sum(acc_u, 1)
+            y0 = y0 / (1.0 + tl.exp(-y0)) * u0
+        tl.store(Y + offs_n, y0.to(Y.dtype.element_ty), mask=n_ok)
+        if BLOCK_M > 1:
+            y1 = tl.sum(acc1, 1)
+            if GLU:
+                u1 = tl.sum(acc_u1, 1)
+                y1 = y1 / (1.0 + tl.exp(-y1)) * u1
+            tl.store(Y + stride_ym + offs_n, y1.to(Y.dtype.element_ty), mask=n_ok)
+
+
+def q4w2_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, glu: bool = False,
+                block_n: int | None = None, block_k: int = 256, use_dot: bool | None = None, num_warps: int = 4,
+                num_stages: int = 3) -> torch.Tensor:
+    """As q4w_linear (same layout and result), with the reshape-free kernel `_q4w2_kernel`."""
+    m, k = x.shape
+    n = qw32.shape[0]
+    if not 1 <= m <= MAX_ROWS or qw32.shape[1] * 8 != k or k % block_k or x.stride(1) != 1 or (glu and n % 2):
+        raise ValueError(f"q4w2_linear: bad shapes x {tuple(x.shape)} qw32 {tuple(qw32.shape)} block_k {block_k}")
+    use_dot = m > 2 if use_dot is None else use_dot
+    if not use_dot and m > 2:
+        raise ValueError("q4w2_linear: the CUDA-core path takes at most 2 rows")
+    block_n = block_n or (32 if use_dot else 8)
+    n_out = n // 2 if glu else n
+    y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    block_m = 16 if use_dot else m
+    _q4w2_kernel[(triton.cdiv(n_out, block_n),)](x, qw32, scale, zero, y, m, n_out, x.stride(0), y.stride(0), n_out,
+                                                 K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                                 USE_DOT=use_dot, GLU=glu, GROUP=GROUP, num_warps=num_warps,
+                                                 num_stages=num_stages)
+    return y

@@ -1,0 +1,153 @@
+"""Weight-only int4 linears on CUDA (issue 12): GGUF Q4-style group-wise weights kept 4-bit on the GPU.
+
+`CudaQ4Linear` holds a matrix in the word layout of forerun/kernels/quant_gemm.py (int32 words of 8 codes, a
+bf16 scale and offset per 32 weights: 5 bits per weight, w = q * scale + zero). Products with at most 16 rows
+(decode, verification) run the Triton kernel `q4w_linear`, which streams the 4-bit codes once; larger ones
+(prefill) dequantize the matrix to bf16 and use cuBLAS. A fused gate/up matrix also offers `glu(x)`: the
+SwiGLU in the kernel's epilogue, as FusedLayerOps does for bf16.
+
+`quantize_model_cuda(model)` replaces every decoder linear (and the head) of a bf16 model on the GPU by its
+int4 form, quantized with min/max per group of 32 (the GGUF Q4_1 recipe). Kernel configurations come from
+forerun/kernels/q4_configs.json (written by benchmarks/quant_decode_gpu.py) per card and shape, else a default.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..kernels.quant_gemm import GROUP, MAX_ROWS, pack_int4_w32, q4w2_linear, q4w_linear
+
+KERNELS = {"w": q4w_linear, "w2": q4w2_linear}
+
+CONFIGS = Path(__file__).resolve().parent.parent / "kernels" / "q4_configs.json"
+_tables: dict[str, dict] = {}
+_card: list[str] = []
+
+
+def config_key(m: int, n: int, k: int, glu: bool) -> str:
+    return f"m{m}_n{n}_k{k}{'_glu' if glu else ''}"
+
+
+def default_config(m: int) -> dict:
+    return dict(kernel="w2", block_n=32, block_k=256, use_dot=True, num_warps=4, num_stages=3) if m > 2 else \
+        dict(kernel="w2", block_n=8, block_k=512, use_dot=False, num_warps=4, num_stages=3)
+
+
+def set_configs(name: str, table: dict) -> None:
+    """Use this table (config_key -> config) for card `name` from now on (the tuning benchmark)."""
+    _tables[name] = table
+
+
+def tuned(m: int, n: int, k: int, glu: bool) -> dict:
+    if not _card:
+        _card.append(torch.cuda.get_device_name() if torch.cuda.is_available() else "")
+    name = _card[0]
+    if name not in _tables:
+        try:
+            _tables[name] = json.loads(CONFIGS.read_text()).get(name, {})
+        except (OSError, ValueError):
+            _tables[name] = {}
+    table = _tables[name]
+    got = table.get(config_key(m, n, k, glu))
+    for m2 in range(m + 1, MAX_ROWS + 1):  # an untuned row count: the next tuned one above (its tiles hold m rows)
+        if got is not None:
+            break
+        got = table.get(config_key(m2, n, k, glu))
+        if got is not None and not got["use_dot"] and m > 2:
+            got = None  # the CUDA-core kernels take at most 2 rows
+    return {key: got[key] for key in ("kernel", "block_n", "block_k", "use_dot", "num_warps", "num_stages")} \
+        if got else default_config(m)
+
+
+def q4_product(x: torch.Tensor, qw32, scale, zero, glu: bool, cfg: dict) -> torch.Tensor:
+    cfg = dict(cfg)
+    return KERNELS[cfg.pop("kernel")](x, qw32, scale, zero, glu=glu, **cfg)
+
+
+def quantize_q4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w: [N, K] float (K a multiple of 32) -> codes [N, K] uint8 0..15, scale, zero [N, K/32] (min/max per group)."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-8)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8).reshape(n, k)
+    return q, scale, lo
+
+
+class CudaQ4Linear(nn.Module):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        """q: [N, K] codes 0..15; scale, zero: [N, K/32] (w = q * scale + zero); bias [N] or None."""
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("qw32", pack_int4_w32(q))
+        self.register_buffer("scale", scale.to(dtype).contiguous())
+        self.register_buffer("zero", zero.to(dtype).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        self.dtype = dtype
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> "CudaQ4Linear":
+        q, s, z = quantize_q4_groups(w)
+        return cls(q, s, z, bias, w.dtype if w.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qw32, self.scale, self.zero))
+
+    def dequantized(self) -> torch.Tensor:  # [N, K] in self.dtype (prefill, tests)
+        v = self.qw32
+        n = v.shape[0]
+        shifts = 4 * torch.arange(4, device=v.device, dtype=torch.int32)
+        lo = (v[..., None] >> shifts) & 15
+        hi = (v[..., None] >> (shifts + 16)) & 15
+        q = torch.stack([lo, hi], -1).reshape(n, -1, GROUP).to(self.dtype)
+        return (q * self.scale[..., None] + self.zero[..., None]).reshape(n, -1)
+
+    def _small(self, x: torch.Tensor) -> bool:
+        return x.is_cuda and 1 <= x.shape[0] <= MAX_ROWS and x.dtype == self.dtype and x.stride(-1) == 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self._small(x2):
+            m = x2.shape[0]
+            y = q4_product(x2, self.qw32, self.scale, self.zero, False,
+                           tuned(m, self.out_features, self.in_features, False))
+            if self.bias is not None:
+                y = y + self.bias
+        else:
+            y = nn.functional.linear(x2, self.dequantized(), self.bias)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def glu(self, x: torch.Tensor) -> torch.Tensor:
+        """This matrix as gate rows then up rows: silu(x @ gate^T) * (x @ up^T), [T, N/2]."""
+        if self.bias is None and self._small(x):
+            m = x.shape[0]
+            return q4_product(x, self.qw32, self.scale, self.zero, True,
+                              tuned(m, self.out_features // 2, self.in_features, True))
+        g, u = self(x).chunk(2, dim=-1)
+        return nn.functional.silu(g) * u
+
+
+def quantize_model_cuda(model: nn.Module, head: bool = True) -> int:
+    """Replace the nn.Linear layers of a model on the GPU by CudaQ4Linear (the head too unless head=False, or
+    when it is tied to the embedding). Returns the number replaced. Frees the bf16 weights as it goes."""
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    targets = []
+    for name, mod in model.named_modules():
+        for child_name, child in mod.named_children():
+            if isinstance(child, nn.Linear) and child.in_features % GROUP == 0:
+                full = f"{name}.{child_name}" if name else child_name
+                if full.endswith("lm_head") and (not head or tied):
+                    continue
+                targets.append((mod, child_name, child))
+    for mod, child_name, child in targets:
+        q = CudaQ4Linear.from_float(child.weight.data, None if child.bias is None else child.bias.data)
+        setattr(mod, child_name, q)
+        del child
+    torch.cuda.empty_cache()
+    return len(targets)

@@ -1,0 +1,68 @@
+"""The GPU int4 word-layout kernels (forerun/kernels/quant_gemm.py: q4w_linear, q4w2_linear) and the CUDA
+linear built on them (forerun/models/quant_cuda.py), run by Triton's CPU interpreter (fp16: the interpreter
+has no bf16 dot) against x @ dequantized(W)^T. Timing lives in benchmarks/quant_decode_gpu.py."""
+import os
+import subprocess
+import sys
+
+import torch
+
+from forerun.kernels.quant_gemm import (dequantize_int4, pack_int4_w32, quantize_int4, repack_int4_w32, unpack_int4,
+                                        unpack_int4_w32)
+from forerun.models.quant_cuda import CudaQ4Linear, quantize_q4_groups
+
+
+def test_word_layout_round_trips():
+    q = torch.randint(0, 16, (24, 256), dtype=torch.uint8)
+    w = pack_int4_w32(q)
+    assert w.dtype == torch.int32 and w.shape == (24, 32)
+    assert torch.equal(unpack_int4_w32(w), q)
+    assert int(w[0, 0]) == sum(int(q[0, 2 * j]) << (4 * j) | int(q[0, 2 * j + 1]) << (16 + 4 * j) for j in range(4)) \
+        - (2 ** 32 if q[0, 7] >= 8 else 0)  # code 8i + 2j at bits 4j, code 8i + 2j + 1 at bits 16 + 4j
+    qw, _, _ = quantize_int4(torch.randn(8, 256))
+    assert torch.equal(unpack_int4_w32(repack_int4_w32(qw)), unpack_int4(qw))
+
+
+def test_cuda_q4_linear_dequantizes_its_groups_and_falls_back_off_gpu():
+    w = torch.randn(48, 256).to(torch.bfloat16)
+    lin = CudaQ4Linear.from_float(w)
+    q, s, z = quantize_q4_groups(w)
+    assert torch.equal(unpack_int4_w32(lin.qw32), q)
+    ref = (q.float().reshape(48, 8, 32) * s.bfloat16().float()[..., None] + z.bfloat16().float()[..., None]).reshape(48, 256)
+    assert (lin.dequantized().float() - ref).abs().max() <= 0.02 * ref.abs().max()
+    assert (ref - w.float()).abs().max() <= (w.float().amax() - w.float().amin()) / 15  # half a step per group
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    y = x.float() @ ref.t()
+    assert ((lin(x).float() - y).abs().max() / y.abs().max()) < 1e-2
+    glu = torch.nn.functional.silu(y[:, :24]) * y[:, 24:]
+    assert ((lin.glu(x).float() - glu).abs().max() / glu.abs().max()) < 1e-2
+    assert lin.weight_bytes == 48 * 256 // 2 + 2 * 2 * 48 * 8
+
+
+def test_word_layout_kernels_in_interpreter():
+    code = """
+import torch
+from forerun.kernels.quant_gemm import *
+torch.manual_seed(0)
+w = torch.randn(64, 512)
+qw, s, z = quantize_int4(w.half())
+q32 = repack_int4_w32(qw)
+wd = dequantize_int4(qw, s, z)
+for m in (1, 2, 3, 16):
+    x = torch.randn(m, 512).half()
+    ref = x.float() @ wd.t()
+    glu = torch.nn.functional.silu(ref[:, :32]) * ref[:, 32:]
+    for fn in (q4w_linear, q4w2_linear):
+        for dot in ((False, True) if m <= 2 else (True,)):
+            for bk in (128, 256):
+                y = fn(x, q32, s, z, use_dot=dot, block_k=bk, block_n=16)
+                err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                assert err < 3e-3, (fn.__name__, m, dot, bk, err)
+                y = fn(x, q32, s, z, use_dot=dot, block_k=bk, block_n=16, glu=True)
+                err = ((y.float() - glu).abs().max() / glu.abs().max()).item()
+                assert err < 5e-3, ("glu", fn.__name__, m, dot, bk, err)
+print("ok")
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]

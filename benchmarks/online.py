@@ -162,6 +162,8 @@ def run_grid(make_engine, prompts_for, new_tokens: int, concurrencies, configs, 
         drive(eng, prompts_for(1), 8, concurrency=1)  # warm-up (graphs captured on first use)
         for c in concurrencies:
             drive(eng, prompts_for(2 * c), new_tokens, concurrency=c)  # the same workload once: every graph captured
+            if getattr(eng, "_k_hist", None) is not None:
+                eng._k_hist.clear()
             prof = None
             if os.environ.get("ONLINE_CPROFILE") and name.startswith(os.environ["ONLINE_CPROFILE"]):
                 import cProfile
@@ -175,6 +177,10 @@ def run_grid(make_engine, prompts_for, new_tokens: int, concurrencies, configs, 
                 prof.disable()
                 pstats.Stats(prof).sort_stats("tottime").print_stats(22)
             r.update(config=name, concurrency=c)
+            hist = getattr(eng, "_k_hist", None)
+            if hist is not None:  # the batch k chosen per decision during this run (adaptive)
+                r["batch_k_hist"] = dict(sorted(hist.items()))
+                hist.clear()
             rows.append(r)
             if os.environ.get("ONLINE_PARTIAL"):  # survive a time limit: what is measured so far
                 json.dump(rows, open(os.environ["ONLINE_PARTIAL"], "w"), indent=1)
@@ -254,6 +260,17 @@ def gpu_main(args) -> dict:
 
     def make_warm(spec_kw):
         eng = make(spec_kw)
+        if spec_kw is not None and spec_kw[1].get("adaptive"):  # count the batch k decisions
+            from collections import Counter
+
+            eng._k_hist, batch_k = Counter(), eng.k_policy.batch_k
+
+            def counted(ids, room):
+                k = batch_k(ids, room)
+                eng._k_hist[k] += 1
+                return k
+
+            eng.k_policy.batch_k = counted
         t = time.perf_counter()
         n = eng.warmup()
         log(f"warm-up: {n} CUDA graphs captured in {time.perf_counter() - t:.1f} s")

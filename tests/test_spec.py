@@ -454,3 +454,32 @@ def test_adaptive_k_at_zero_leaves_new_prompts_to_the_drafters_catch_up():
     assert calls and min(calls) >= 6, calls  # fed first when drafting resumed (not with the prefill chunks)
     assert out.stats.drafted > 0 and out.stats.accepted == out.stats.drafted
     assert out.token_ids == tiny_llm(target).generate([prompt], sp)[0].token_ids
+
+
+def test_batch_probe_counts_as_accepted_only_when_drafting_lasts():
+    """A probe whose drafting stops again within PROBE_HOLD rounds is a failed probe (the wait doubles): each
+    switch to drafting pays the draft's catch-up, so flipping every few rounds costs more than either mode."""
+    from forerun.engine.k_policy import KPolicy
+
+    pol = KPolicy(SpecConfig(method="draft", draft_model="x", adaptive=True, k_max=4))
+    for rid in range(2):
+        for _ in range(20):
+            pol.observe(rid, 4, 4, wanted=4)  # acceptance ~1
+    cheap, dear = CostModel(), CostModel()
+    for tokens in (2, 4, 10):
+        cheap.record_target(tokens, 0.004)
+        dear.record_target(tokens, 0.004 * tokens)
+    cheap.record_draft_step(0.0005)
+    dear.record_draft_step(0.01)
+    ids, room = [0, 1], [100, 100]
+
+    def run(cost, rounds):
+        pol.cost = cost
+        return [pol.batch_k(ids, room) for _ in range(rounds)]
+
+    assert run(dear, KPolicy.PROBE_EVERY)[-1] == 1  # the probe
+    assert all(run(cheap, 3)) and run(dear, 1) == [0]  # drafting lasted 3 rounds only
+    assert pol.batch_probe_every == 2 * KPolicy.PROBE_EVERY
+    ks = run(dear, 2 * KPolicy.PROBE_EVERY - 1)  # (the failed round counted as the first idle one)
+    assert ks[-1] == 1 and not any(ks[:-1])
+    assert all(run(cheap, KPolicy.PROBE_HOLD)) and pol.batch_probe_every == KPolicy.PROBE_EVERY  # it lasted

@@ -158,9 +158,11 @@ class KPolicy:
         self.default_probe_every = self.PROBE_EVERY
         # batch_k (CUDA graphs): the same probing, for the batch as a whole
         self.batch_mode, self.batch_idle, self.batch_probe_every, self.batch_probing = False, 0, self.PROBE_EVERY, False
+        self.batch_trial: int | None = None  # k > 0 rounds since the last probe, while its outcome is open
 
     PROBE_EVERY = 16  # with k = 0 chosen this many rounds in a row, draft one token to re-measure acceptance
     PROBE_MAX = 256  # a probe that is rejected doubles the interval up to this; an accepted one resets it
+    PROBE_HOLD = 8  # batch_k: a probe is accepted when drafting then lasts this many rounds
 
     def ks(self, req_ids: list[int], room: list[int]) -> list[int]:
         """k per request this round; room[i] caps it (context and max_tokens left)."""
@@ -185,8 +187,11 @@ class KPolicy:
     def batch_k(self, req_ids: list[int], room: list[int]) -> int:
         """One k for the whole batch (CUDA graphs replay uniform steps only): the k in 0..k_max with the most
         expected tokens per second summed over the batch, every request verifying k + 1 tokens. After
-        PROBE_EVERY k = 0 rounds in a row the batch probes with k = 1; when what it measured still gives k = 0 the
-        wait doubles (a probe costs the draft's catch-up over every token since the last one), else it resets."""
+        PROBE_EVERY k = 0 rounds in a row the batch probes with k = 1. The probe is accepted (the wait goes back to
+        PROBE_EVERY) when drafting then lasts PROBE_HOLD rounds; when k returns to 0 sooner the wait doubles. Each
+        switch to drafting costs the draft's catch-up over every token since it last ran (an eager forward), so a
+        batch where drafting barely pays must not flip between the two every few rounds (on the H200 at 2
+        requests that flipping ran at 0.72x plain while fixed k = 4 ran at 1.31x)."""
         self.batch_mode = True
         kmax = min(self.spec.k_max, max(room, default=0))
         if len(self.cost.target_obs) < 2:
@@ -200,17 +205,21 @@ class KPolicy:
                 rate = sum(e.expected_tokens(kk) for e in ests) / seconds
                 if rate > best * 1.0001:
                     k, best = kk, rate
-        probed, self.batch_probing = self.batch_probing, False
+        if self.batch_probing:
+            self.batch_probing, self.batch_trial = False, 0
         if k == 0:
-            if probed:  # what the probe measured did not make drafting worth it: probe half as often
+            if self.batch_trial is not None:  # drafting did not last after the probe: probe half as often
                 self.batch_probe_every = min(2 * self.batch_probe_every, self.PROBE_MAX)
+                self.batch_trial = None
             self.batch_idle += 1
             if self.batch_idle >= self.batch_probe_every and kmax > 0:
                 k, self.batch_idle, self.batch_probing = 1, 0, True
         else:
             self.batch_idle = 0
-            if probed:
-                self.batch_probe_every = self.PROBE_EVERY
+            if self.batch_trial is not None:
+                self.batch_trial += 1
+                if self.batch_trial >= self.PROBE_HOLD:
+                    self.batch_probe_every, self.batch_trial = self.PROBE_EVERY, None
         return k
 
     def idle(self) -> bool:

@@ -419,11 +419,14 @@ def test_a_probe_does_not_record_the_drafters_catch_up_as_a_draft_step():
     assert out.token_ids == tiny_llm(target).generate([PROMPTS[0]], sp)[0].token_ids
 
 
-def test_draft_step_time_is_a_median():
+def test_draft_step_time_and_spec_overhead_are_medians():
     cost = CostModel()
     for s in (0.02, 0.02, 0.021, 0.1, 0.12):
         cost.record_draft_step(s)
     assert cost.draft_step_time() == 0.021
+    for s in (0.0005, 0.0004, 1.13, 0.0004, 1.17, 0.0005, 0.0003):  # two rounds that waited on a compile
+        cost.record_spec_overhead(s)
+    assert cost.spec_overhead() == 0.0005
 
 
 def test_adaptive_k_at_zero_leaves_new_prompts_to_the_drafters_catch_up():

@@ -211,7 +211,10 @@ def run_llamacpp(args, prompts, plain_text) -> list[dict]:
             else:
                 runs = int(_ms(r"\beval time =\s*[\d.]+ ms /\s*(\d+) runs", log))
                 n = runs + 1  # the first new token comes out of the prompt pass
-                sec = (_ms(r"prompt eval time =\s*([\d.]+) ms", log) + _ms(r"\beval time =\s*([\d.]+) ms", log)) / 1e3
+                # "(?<!prompt )": the decode line, not "prompt eval time" (\b alone matched that one first, which
+                # counted the prompt time twice and no decode time: llama.cpp plain rows before 2026-11-30 23:40)
+                sec = (_ms(r"prompt eval time =\s*([\d.]+) ms", log)
+                       + _ms(r"(?<!prompt )\beval time =\s*([\d.]+) ms /\s*\d+ runs", log)) / 1e3
             tokens += n
             seconds += sec
             gen = out.stdout

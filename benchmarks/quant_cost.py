@@ -1,5 +1,5 @@
 """Verify-cost curve of the quantized CPU path: one forward of q = 1..16 new tokens (after a 64-token prefix)
-for the target loaded as fp32 ("none"), int8 (W8A8, oneDNN VNNI) and int4 (group-32, torch int4pack), plus
+for the target loaded as fp32 ("none"), int8 (W8A8, oneDNN VNNI) and int4 (group-32, Q4Linear: forerun/kernels/cpu_q4.c), plus
 weight bytes and peak RSS at load. Each layout runs in its own subprocess so its peak RSS is its own.
 
 Why: speculative decoding only pays if verifying k + 1 tokens costs little more than decoding one

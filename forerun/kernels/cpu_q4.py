@@ -1,11 +1,13 @@
 """CPU int4 x int8 GEMM (AVX512-VNNI), built from cpu_q4.c with the system C compiler on first use.
 
 Why: CPU decode is bound by the bytes of weights streamed per token. torch has no fast x86 kernel for 4-bit
-weights (``_weight_int4pack_mm_for_cpu`` is compute-bound, see docs/quantization.md), so the int8 layout
-streams 1 byte per weight. This kernel streams GGUF Q4 weights as they are (codes + fp16 group scale and
-offset: 5 bits per weight) with llama.cpp's recipe: activations quantized per 32 values to int8, integer dot
-products (VNNI), one float multiply-add per group. Each output is computed alone in a fixed order, so a row's
-result is bit-identical whatever the number of rows (batch invariance, tests/test_batch_invariance.py).
+weights (``_weight_int4pack_mm_for_cpu`` is compute-bound, see docs/quantization.md). This kernel streams GGUF Q4
+weights as they are (codes + fp16 group scale and offset: 5 bits per weight) with llama.cpp's recipe:
+activations quantized per 32 values to int8, integer dot products (VNNI), float scales per group. It reads 4
+output rows per pass from one stream, sums a group's whole dot product in one int32 lane, quantizes the
+activations in C and splits the rows over torch's OpenMP threads: ~memory speed at 1-4 rows (measured in
+docs/quantization.md). Every output's operations are the same whatever the number of rows and the thread split,
+so a row's result is bit-identical alone or in a verify batch (tests/test_batch_invariance.py).
 
 `available()` is False (and the int8 layout is used instead) without gcc, AVX512-VNNI/BW, or F16C.
 """

@@ -1,28 +1,33 @@
 """Quantized weights kept quantized in memory, and the linear modules that multiply them directly (CPU).
 
 Why: decode on the CPU is bound by the bytes of weights streamed per token. The fp32 path widens a Q4_K_M
-GGUF to 4 bytes per weight (the 1.5B target: ~6 GB per token); these layouts stream 1 byte (int8) or half a
-byte (int4) per weight. Two layouts, each with the fastest kernel torch has for it on x86 (measured in
-docs/quantization.md):
+GGUF to 4 bytes per weight (the 1.5B target: ~6 GB per token); these layouts stream 1 byte (int8) or ~0.56-0.63
+bytes (int4) per weight. Measured in docs/quantization.md:
 
-* ``int8`` (default for GGUF files): per-output-channel symmetric int8 weights, activations quantized per
-  row to int8 at run time (W8A8), multiplied by oneDNN's u8 x s8 -> s32 kernel (AVX512-VNNI / AMX). The
-  integer accumulation is exact and the one float multiply per output does not depend on how many rows
-  are in the batch, so a row's result is bit-identical whether it is computed alone (plain decode) or among
-  k + 1 verify rows (tests/test_quant.py). The rest of the CPU forward is batch-invariant too (row-wise
-  reference attention, tests/test_batch_invariance.py), so greedy speculative output equals plain output
-  exactly. Its cost grows slowly with the number of rows (the speculation premise). Lossy versus the GGUF's
-  own dequantization: weights are re-quantized per row (from the exact dequantized values), activations per row.
-* ``int4``: group-wise (32) asymmetric 4-bit weights. GGUF Q4_K / Q4_1 / Q4_0 blocks map onto it exactly (a Q4_K
-  sub-block of 32 weights is ``d*sc * q - dmin*m``, q in 0..15). With gcc and AVX512-VNNI: ``Q4Linear``, the C
-  kernel forerun/kernels/cpu_q4.c (fp16 group scale and offset, 5 bits per weight; int8 activations per row;
-  batch-invariant). Otherwise ``Int4Linear``: torch's ``_weight_int4pack_mm_for_cpu`` with bf16 scales and
-  activations, compute-bound (its cost grows ~linearly with the rows). Other GGUF types (Q5_0, Q6_K, Q8_0) in a
-  fused matrix that has a 4-bit part are re-quantized to int4; matrices with no 4-bit part use ``int8``.
+* ``int4`` (default for GGUF files where forerun's C kernel runs: gcc, AVX512-VNNI/BW, F16C): group-wise (32)
+  asymmetric 4-bit weights. GGUF Q4_K / Q4_1 / Q4_0 blocks map onto it exactly (a Q4_K sub-block of 32 weights
+  is ``d*sc * q - dmin*m``, q in 0..15). ``Q4Linear`` multiplies them with forerun/kernels/cpu_q4.c: fp16 group
+  scale and offset, 4-row groups read as one stream, int8 activations with one scale per 32 values (llama.cpp's
+  recipe), VNNI dot products, batch-invariant (each output's operations do not depend on the other rows), at
+  memory speed for 1-4 rows. GGUF matrices with no 4-bit part: see ``INT4_OTHERS`` (default: the 5/6-bit layer
+  matrices are re-quantized to int4, the output head and 8-bit matrices are int8). Without the C kernel:
+  ``Int4Linear``, torch's ``_weight_int4pack_mm_for_cpu`` with bf16 scales and activations, compute-bound (its
+  cost grows ~linearly with the rows) and not batch-invariant.
+* ``int8`` (default for GGUF files without the C kernel): per-output-channel symmetric int8 weights, activations
+  quantized per row to int8 at run time (W8A8), multiplied by oneDNN's u8 x s8 -> s32 kernel (AVX512-VNNI / AMX).
+  The integer accumulation is exact and the one float multiply per output does not depend on how many rows are
+  in the batch, so a row's result is bit-identical whether it is computed alone (plain decode) or among k + 1
+  verify rows (tests/test_quant.py). Lossy versus the GGUF's own dequantization: weights are re-quantized per
+  row (from the exact dequantized values), activations per row.
+
+The rest of the CPU forward is batch-invariant too (row-wise reference attention, tests/test_batch_invariance.py),
+so greedy speculative output equals plain output exactly on both layouts.
 
 Fused matrices (qkv, gate_up) are quantized once over their concatenated rows.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
@@ -35,7 +40,8 @@ GROUP = 32  # int4 group size (a Q4_K sub-block, a Q4_0 / Q4_1 block)
 #            their exact dequantized values (Q4Linear), except the output head; 8-bit ones and the head: int8
 #   "int8":  all of them per-row int8 (oneDNN)
 #   "int4":  all of them re-quantized to int4, the head too
-INT4_OTHERS = "layers"
+# (environment variable FORERUN_INT4_OTHERS, for benchmarks such as `forerun bench`)
+INT4_OTHERS = os.environ.get("FORERUN_INT4_OTHERS", "layers")
 _REQUANT_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
 _HEAD_TENSORS = ("tensor output.weight", "tensor token_embd.weight")  # GGUF names (loader: GGUFQuantized.where)
 

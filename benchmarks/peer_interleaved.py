@@ -1,0 +1,103 @@
+"""forerun vs llama.cpp on the CPU with the configurations interleaved prompt by prompt, so that every row sees
+the same machine: per prompt, forerun plain, forerun draft k, llama.cpp plain, llama.cpp speculative (same GGUF
+files, chat template, greedy, threads, token budget as `forerun bench --llamacpp`, whose helpers it uses).
+
+Why: on this shared host the memory bandwidth available to one VM moves by 2x within minutes (other tenants;
+invisible in the load average), and `forerun bench` measures its rows one after the other, minutes apart: its
+llama.cpp plain row measured 39.7 and 82.6 tok/s in two runs 10 minutes apart, 30-34 tok/s standalone in between.
+Interleaving makes the ratios meaningful. Writes JSON (per-prompt times too).
+
+    python benchmarks/peer_interleaved.py [--threads 2] [--num-prompts 20] [--k 4] [--out ...]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--num-prompts", type=int, default=20)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--k", default="4")
+    ap.add_argument("--quantize", default="auto")
+    ap.add_argument("--llamacpp-draft-max", type=int, default=4)
+    ap.add_argument("--out", default="benchmarks/results/cpu_quant_llamacpp_interleaved.json")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    from forerun import bench
+    from forerun.bench_prompts import CODE_PROMPTS
+    from forerun.config import SpecConfig
+    from forerun.engine.engine import draft_dtype
+    from forerun.engine.llm import LLM
+    from forerun.models import quant
+    from forerun.models.registry import load_model
+    from forerun.sampling_params import SamplingParams
+
+    load_start = os.getloadavg()
+    prompts = list(CODE_PROMPTS[: a.num_prompts])
+    target = load_model(a.model, quantize=a.quantize, progress=False)
+    ddt = draft_dtype(SpecConfig(), torch.device("cpu"), torch.float32)
+    draft = load_model(a.draft, dtype=ddt, quantize=a.quantize, progress=False)
+    layout = getattr(target[0], "quantization", a.quantize)
+    plain = LLM.from_model(target[0], target[1], device="cpu")
+    spec = replace(SpecConfig.from_flags(a.draft, a.k, 0.0, "auto"), draft_model=(draft[0], draft[1]))
+    spec_llm = LLM.from_model(target[0], target[1], spec=spec, device="cpu")
+    sp = SamplingParams(temperature=0, max_tokens=a.max_tokens)
+    for llm in (plain, spec_llm):
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), chat=True)  # warm-up
+    bargs = argparse.Namespace(model=a.model, draft=a.draft, threads=a.threads, max_tokens=a.max_tokens,
+                               llamacpp_draft_max=a.llamacpp_draft_max)
+    names = ["forerun plain", f"forerun draft k={a.k}", "llama.cpp plain", "llama.cpp speculative"]
+    per = {n: [] for n in names}  # (tokens, seconds) per prompt
+    identical, drafted, accepted = 0, 0, 0
+    for i, p in enumerate(prompts):
+        outs = {}
+        for n, llm in ((names[0], plain), (names[1], spec_llm)):
+            t = time.perf_counter()
+            o = llm.generate([p], sp, chat=True)[0]
+            per[n].append((len(o.token_ids), time.perf_counter() - t))
+            outs[n] = o
+        identical += outs[names[0]].token_ids == outs[names[1]].token_ids
+        text = target[1].decode(outs[names[0]].token_ids, skip_special_tokens=True)
+        for row in bench.run_llamacpp(bargs, [p], [text]):
+            per[row["config"]].append((row["tokens"], row["seconds"]))
+        print(f"[{i + 1}/{len(prompts)}] " + ", ".join(f"{n} {per[n][-1][0] / per[n][-1][1]:.1f}" for n in names),
+              file=sys.stderr, flush=True)
+    rows = []
+    for n in names:
+        tok, sec = sum(x for x, _ in per[n]), sum(y for _, y in per[n])
+        rows.append({"config": n, "tokens": tok, "seconds": round(sec, 2), "tok_per_s": round(tok / sec, 3),
+                     "per_prompt_tok_per_s": [round(x / y, 2) for x, y in per[n]]})
+    base = {r["config"]: r["tok_per_s"] for r in rows}
+    for r in rows:
+        r["vs_forerun_plain"] = round(r["tok_per_s"] / base[names[0]], 3)
+        r["vs_llamacpp_plain"] = round(r["tok_per_s"] / base["llama.cpp plain"], 3)
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "model": a.model, "draft": a.draft,
+            "threads": a.threads, "prompts": len(prompts), "max_tokens": a.max_tokens, "quantize": a.quantize,
+            "layout": layout, "int4_others": quant.INT4_OTHERS, "k": a.k, "llamacpp": bench.llamacpp_bin_dir().as_posix(),
+            "spec_identical_to_plain": f"{identical}/{len(prompts)}",
+            "loadavg_start": [round(x, 2) for x in load_start], "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+            "order": "per prompt: " + ", ".join(names)}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
+    for r in rows:
+        print(f"{r['config']:26s} {r['tok_per_s']:7.2f} tok/s  {r['vs_forerun_plain']:.2f}x forerun plain  "
+              f"{r['vs_llamacpp_plain']:.2f}x llama.cpp plain")
+    print(f"spec identical to plain: {meta['spec_identical_to_plain']}; wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

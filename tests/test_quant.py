@@ -215,12 +215,16 @@ def test_smollm2_int8_speculative_greedy_identical_to_plain():
 
 
 @pytest.mark.slow
-def test_qwen_coder_int8_pair_speculative_greedy_identical_to_plain():
-    """The real pair both held as int8 (the CPU default for GGUF): greedy output with the 0.5B drafting k = 4
-    (and adaptive k) equals plain greedy output token for token, which needs every op on the CPU path to be
-    batch-invariant (tests/test_batch_invariance.py): verify rows must get the bits decode rows get."""
-    target, tok, _ = load_model("qwen2.5-coder-1.5b-instruct", quantize="int8", progress=False)
-    draft, dtok, _ = load_model("qwen2.5-coder-0.5b-instruct", quantize="int8", progress=False)
+@pytest.mark.parametrize("layout", ["int8", "int4"])
+def test_qwen_coder_pair_speculative_greedy_identical_to_plain(layout):
+    """The real pair both held as int8 or int4 (the CPU default for GGUF where forerun's C kernel runs): greedy
+    output with the 0.5B drafting k = 4 (and adaptive k) equals plain greedy output token for token, which needs
+    every op on the CPU path to be batch-invariant (tests/test_batch_invariance.py): verify rows must get the bits
+    decode rows get."""
+    if layout == "int4" and not Q4Linear.fits(128, 128):
+        pytest.skip("needs gcc and AVX512-VNNI (forerun/kernels/cpu_q4.c)")
+    target, tok, _ = load_model("qwen2.5-coder-1.5b-instruct", quantize=layout, progress=False)
+    draft, dtok, _ = load_model("qwen2.5-coder-0.5b-instruct", quantize=layout, progress=False)
     prompts = ["Write a Python function that checks whether a number is prime.",
                "Write a function that reverses a string in JavaScript.",
                "Write a Python class for a stack with push, pop and peek."]

@@ -106,7 +106,8 @@ class Engine:
                  check_invariants: bool = False, cuda_graphs: bool = True, overlap: bool = True,
                  draft_cache: CacheConfig | None = None, quantize: str = "none", _loaded=None) -> None:
         """quantize: weights of models loaded by name / path: "none" (float), "int8" / "int4" (kept quantized,
-        CPU; GGUF Q4 blocks exactly as int4), "auto" (int8 for GGUF files). See docs/quantization.md."""
+        CPU; GGUF Q4 blocks exactly as int4), "auto" (GGUF files: int4 with forerun's AVX512-VNNI kernel, else int8).
+        See docs/quantization.md."""
         self.quantize = quantize
         EngineConfig(max_num_seqs, max_model_len, max_num_batched_tokens)  # validated: a bad value is named here
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -31,6 +31,7 @@ def main() -> int:
     ap.add_argument("--num-prompts", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--k", default="4")
+    ap.add_argument("--also-k", default="", help="comma list of more draft k rows (e.g. auto), interleaved too")
     ap.add_argument("--quantize", default="auto")
     ap.add_argument("--llamacpp-draft-max", type=int, default=4)
     ap.add_argument("--out", default="benchmarks/results/cpu_quant_llamacpp_interleaved.json")
@@ -54,22 +55,26 @@ def main() -> int:
     plain = LLM.from_model(target[0], target[1], device="cpu")
     spec = replace(SpecConfig.from_flags(a.draft, a.k, 0.0, "auto"), draft_model=(draft[0], draft[1]))
     spec_llm = LLM.from_model(target[0], target[1], spec=spec, device="cpu")
+    more = []  # (name, llm) of the --also-k rows
+    for k in [x for x in a.also_k.split(",") if x]:
+        s2 = replace(SpecConfig.from_flags(a.draft, k, 0.0, "auto"), draft_model=(draft[0], draft[1]))
+        more.append((f"forerun draft k={k}", LLM.from_model(target[0], target[1], spec=s2, device="cpu")))
     sp = SamplingParams(temperature=0, max_tokens=a.max_tokens)
-    for llm in (plain, spec_llm):
+    for llm in (plain, spec_llm, *[m for _, m in more]):
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), chat=True)  # warm-up
     bargs = argparse.Namespace(model=a.model, draft=a.draft, threads=a.threads, max_tokens=a.max_tokens,
                                llamacpp_draft_max=a.llamacpp_draft_max)
-    names = ["forerun plain", f"forerun draft k={a.k}", "llama.cpp plain", "llama.cpp speculative"]
+    names = ["forerun plain", f"forerun draft k={a.k}", *[n for n, _ in more], "llama.cpp plain", "llama.cpp speculative"]
     per = {n: [] for n in names}  # (tokens, seconds) per prompt
     identical, drafted, accepted = 0, 0, 0
     for i, p in enumerate(prompts):
         outs = {}
-        for n, llm in ((names[0], plain), (names[1], spec_llm)):
+        for n, llm in ((names[0], plain), (names[1], spec_llm), *more):
             t = time.perf_counter()
             o = llm.generate([p], sp, chat=True)[0]
             per[n].append((len(o.token_ids), time.perf_counter() - t))
             outs[n] = o
-        identical += outs[names[0]].token_ids == outs[names[1]].token_ids
+        identical += all(outs[names[0]].token_ids == o.token_ids for n, o in outs.items() if n != names[0])
         text = target[1].decode(outs[names[0]].token_ids, skip_special_tokens=True)
         for row in bench.run_llamacpp(bargs, [p], [text]):
             per[row["config"]].append((row["tokens"], row["seconds"]))

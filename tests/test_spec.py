@@ -486,3 +486,24 @@ def test_batch_probe_counts_as_accepted_only_when_drafting_lasts():
     ks = run(dear, 2 * KPolicy.PROBE_EVERY - 1)  # (the failed round counted as the first idle one)
     assert ks[-1] == 1 and not any(ks[:-1])
     assert all(run(cheap, KPolicy.PROBE_HOLD)) and pol.batch_probe_every == KPolicy.PROBE_EVERY  # it lasted
+
+
+def test_round_overhead_counts_once_per_round_for_plain_and_speculative_alike():
+    """Without overlapped decoding every round pays the host work (scheduling, sampling, commit) once: plain
+    decoding per token, a speculative round once for several. With it in the model, drafting wins where the
+    forward costs alone say k = 0 (the CPU pair: k = 4 ran 1.20x plain while adaptive k chose 0)."""
+    cost = CostModel()
+    cost.record_target(1, 0.026)
+    cost.record_target(5, 0.032)
+    cost.record_draft_step(0.030)
+    assert choose_k(0.8, 6, 1, cost) == 0
+    for s in (0.04, 0.041, 0.5, 0.039):
+        cost.record_round_overhead(s)
+    assert cost.round_overhead() == 0.041
+    assert choose_k(0.8, 6, 1, cost) > 0
+    # the engine records it on the CPU (no CUDA graphs), for plain and speculative rounds
+    target = hf_model("llama")
+    llm = tiny_llm(target, spec=draft_spec(hf_model("llama", seed=3, num_hidden_layers=1), adaptive=True, k_max=4))
+    llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    cost = llm.engine.k_policy.cost
+    assert len(cost.round_obs) >= 3 and not cost.overhead_obs

@@ -414,8 +414,12 @@ class Engine:
                 and res.target_tokens == res.sampled_rows:
             # (timed rounds synchronise the device, so these are real) what a speculative round costs beyond
             # its kernels: plain decoding on CUDA graphs runs overlapped and does not pay it, so the k policy
-            # must weigh it (on the CPU both pay it alike: nothing recorded)
+            # must weigh it (without overlap both pay it, once per round: recorded below for every round)
             self.k_policy.cost.record_spec_overhead(time.perf_counter() - t_start - res.target_seconds - res.draft_seconds)
+        elif self.spec.adaptive and self.runner.graphs is None and res.target_tokens == res.sampled_rows \
+                and res.sampled_rows:
+            # no overlapped decoding: plain and speculative rounds pay the host work alike, once per round
+            self.k_policy.cost.record_round_overhead(time.perf_counter() - t_start - res.target_seconds - res.draft_seconds)
         if self.check_invariants:
             self._check([it.request for it in items if it.final])
         for it in items:

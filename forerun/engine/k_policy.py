@@ -78,6 +78,7 @@ class CostModel:
     target_obs: deque = field(default_factory=lambda: deque(maxlen=64))
     draft_obs: deque = field(default_factory=lambda: deque(maxlen=64))
     overhead_obs: deque = field(default_factory=lambda: deque(maxlen=64))
+    round_obs: deque = field(default_factory=lambda: deque(maxlen=64))
 
     def record_target(self, tokens: int, seconds: float) -> None:
         self.target_obs.append((tokens, seconds))
@@ -124,6 +125,18 @@ class CostModel:
         overlapping steps (engine/overlap.py), so only rounds with drafts pay this."""
         self.overhead_obs.append(max(0.0, seconds))
 
+    def record_round_overhead(self, seconds: float) -> None:
+        """Without overlapped decoding (the CPU): every round's wall time beyond its target forward and draft
+        steps (scheduling, sampling, commit, detokenization). Plain decoding pays it per token, a speculative
+        round once for several: leaving it out made k = 0 look best on the CPU pair while k = 4 ran 1.2x faster."""
+        self.round_obs.append(max(0.0, seconds))
+
+    def round_overhead(self) -> float:
+        if not self.round_obs:
+            return 0.0
+        obs = sorted(self.round_obs)
+        return obs[len(obs) // 2]
+
     def spec_overhead(self) -> float:
         """The median recent overhead: one round that waited on a kernel compile or a graph capture measured
         1.1-1.2 s on the H200, and in a mean it kept adaptive k at 0 for the next 64 rounds."""
@@ -140,9 +153,9 @@ def choose_k(acceptance: "float | AcceptanceEstimate", k_max: int, batch_size: i
     expected = acceptance.expected_tokens if isinstance(acceptance, AcceptanceEstimate) else \
         (lambda k: expected_tokens_per_round(acceptance, k))
     best_k, best = 0, 0.0
-    t_draft, extra = cost.draft_step_time(), cost.spec_overhead()
+    t_draft, extra, fixed = cost.draft_step_time(), cost.spec_overhead(), cost.round_overhead()
     for k in range(k_max + 1):
-        seconds = cost.target_time(batch_size * (k + 1)) + k * t_draft + (extra if k else 0.0)
+        seconds = cost.target_time(batch_size * (k + 1)) + k * t_draft + (extra if k else 0.0) + fixed
         rate = expected(k) / seconds
         if rate > best * 1.0001:
             best_k, best = k, rate
@@ -204,9 +217,10 @@ class KPolicy:
         else:
             ests = [self._estimate(rid) for rid in req_ids]
             n, t_draft, extra = len(req_ids), self.cost.draft_step_time(), self.cost.spec_overhead()
+            extra0 = self.cost.round_overhead()
             k, best = 0, 0.0
             for kk in range(kmax + 1):
-                seconds = self.cost.target_time(n * (kk + 1)) + kk * t_draft + (extra if kk else 0.0)
+                seconds = self.cost.target_time(n * (kk + 1)) + kk * t_draft + (extra if kk else 0.0) + extra0
                 rate = sum(e.expected_tokens(kk) for e in ests) / seconds
                 if rate > best * 1.0001:
                     k, best = kk, rate

@@ -507,3 +507,21 @@ def test_round_overhead_counts_once_per_round_for_plain_and_speculative_alike():
     llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     cost = llm.engine.k_policy.cost
     assert len(cost.round_obs) >= 3 and not cost.overhead_obs
+
+
+def test_one_rejected_draft_does_not_switch_a_new_request_off():
+    """A new request's acceptance estimate starts from the engine-wide one with the weight of 4 observations:
+    with the weight of 1, one rejected first draft halved it and turned the request to k = 0 until a probe 16
+    rounds later (the CPU int4 pair: 78 of 160 decisions k = 0, adaptive 0.95x plain while k = 4 ran 1.06x)."""
+    from forerun.engine.k_policy import KPolicy
+
+    pol = KPolicy(SpecConfig(method="draft", draft_model="x", adaptive=True, k_max=4))
+    for tokens, s in ((1, 0.023), (2, 0.024), (3, 0.027), (5, 0.032)):
+        pol.cost.record_target(tokens, s)
+    pol.cost.record_draft_step(0.0126)
+    for rid in range(10):  # earlier requests: ~0.89 of first drafts accepted
+        for i in range(9):
+            pol.observe(rid, 2, 2 if i % 9 else 0, wanted=2)
+    assert pol.ks([100], [40]) != [0]
+    pol.observe(100, 1, 0, wanted=1)  # the new request's first draft is rejected
+    assert pol.ks([100], [40]) != [0]

@@ -20,6 +20,14 @@ from ..config import SpecConfig
 from ..stats import expected_tokens_per_round
 
 
+def _median(xs, empty: float = 0.0) -> float:
+    """The median of recent timings (one slow outlier, a compile or a catch-up, must not steer k), else `empty`."""
+    if not xs:
+        return empty
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
 @dataclass
 class AcceptanceEstimate:
     """Acceptance per draft position, conditional on reaching it, with exponential forgetting and a prior.
@@ -35,9 +43,8 @@ class AcceptanceEstimate:
     decay: float = 0.95
     accepted: list[float] = field(default_factory=list)
     tested: list[float] = field(default_factory=list)
-    priors: list[float] = field(default_factory=list)  # per-position priors (default: `prior`)
-    # a pooled estimate (the engine-wide one) whose current rates are the priors: a request's estimate shrinks
-    # towards what the drafter does now for every request, not towards what it did when the request arrived
+    # a pooled estimate (the engine-wide one) whose current rates are the priors (instead of `prior`): a
+    # request's estimate shrinks towards what the drafter does now for every request, not when it arrived
     pool: "AcceptanceEstimate | None" = None
 
     def update(self, drafted: int, accepted: int) -> None:
@@ -55,14 +62,9 @@ class AcceptanceEstimate:
 
     def rate(self, i: int) -> float:
         """Conditional acceptance of draft position i (0-based)."""
-        if self.pool is not None:
-            prior = self.pool.rate(i)
-            if i >= len(self.tested):
-                return prior
-            return (self.accepted[i] + prior * self.prior_weight) / (self.tested[i] + self.prior_weight)
-        prior = self.priors[i] if i < len(self.priors) else (self.priors[-1] if self.priors else self.prior)
-        if i >= len(self.tested):  # never drafted this far: like the deepest position seen, else the prior
-            return self.rate(len(self.tested) - 1) if self.tested and i >= len(self.priors) else prior
+        prior = self.pool.rate(i) if self.pool is not None else self.prior
+        if i >= len(self.tested):  # never drafted this far: the pool's rate, else like the deepest position seen
+            return self.rate(len(self.tested) - 1) if self.tested and self.pool is None else prior
         return (self.accepted[i] + prior * self.prior_weight) / (self.tested[i] + self.prior_weight)
 
     def expected_tokens(self, k: int) -> float:
@@ -106,8 +108,7 @@ class CostModel:
             by.setdefault(x, []).append(y)
         pts, top = [], 0.0  # the median at each count (timings are noisy), never decreasing with the count
         for x, ys in sorted(by.items()):
-            ys = sorted(ys)
-            top = max(top, ys[len(ys) // 2])
+            top = max(top, _median(ys))
             pts.append((x, top))
         if len(pts) == 1:
             return max(pts[0][1], 1e-6)
@@ -122,10 +123,7 @@ class CostModel:
 
     def draft_step_time(self) -> float:
         """The median recent draft step (a mean let two slow outliers keep k at 0 on the CPU pair)."""
-        if not self.draft_obs:
-            return 0.0
-        obs = sorted(self.draft_obs)
-        return obs[len(obs) // 2]
+        return _median(self.draft_obs)
 
     def record_spec_overhead(self, seconds: float) -> None:
         """A speculative round's wall time beyond its target forward and draft steps (host work: verification
@@ -140,18 +138,17 @@ class CostModel:
         self.round_obs.append(max(0.0, seconds))
 
     def round_overhead(self) -> float:
-        if not self.round_obs:
-            return 0.0
-        obs = sorted(self.round_obs)
-        return obs[len(obs) // 2]
+        return _median(self.round_obs)
 
     def spec_overhead(self) -> float:
         """The median recent overhead: one round that waited on a kernel compile or a graph capture measured
         1.1-1.2 s on the H200, and in a mean it kept adaptive k at 0 for the next 64 rounds."""
-        if not self.overhead_obs:
-            return 0.0
-        obs = sorted(self.overhead_obs)
-        return obs[len(obs) // 2]
+        return _median(self.overhead_obs)
+
+    def round_seconds(self, tokens: int, k: int) -> float:
+        """Predicted wall time of a round whose target forward processes `tokens` tokens after k draft steps."""
+        return self.target_time(tokens) + k * self.draft_step_time() + (self.spec_overhead() if k else 0.0) \
+            + self.round_overhead()
 
 
 def choose_k(acceptance: "float | AcceptanceEstimate", k_max: int, batch_size: int, cost: CostModel) -> int:
@@ -161,9 +158,8 @@ def choose_k(acceptance: "float | AcceptanceEstimate", k_max: int, batch_size: i
     expected = acceptance.expected_tokens if isinstance(acceptance, AcceptanceEstimate) else \
         (lambda k: expected_tokens_per_round(acceptance, k))
     best_k, best = 0, 0.0
-    t_draft, extra, fixed = cost.draft_step_time(), cost.spec_overhead(), cost.round_overhead()
     for k in range(k_max + 1):
-        seconds = cost.target_time(batch_size * (k + 1)) + k * t_draft + (extra if k else 0.0) + fixed
+        seconds = cost.round_seconds(batch_size * (k + 1), k)
         rate = expected(k) / seconds
         if rate > best * 1.0001:
             best_k, best = k, rate
@@ -224,11 +220,10 @@ class KPolicy:
             k = min(self.spec.k, kmax)
         else:
             ests = [self._estimate(rid) for rid in req_ids]
-            n, t_draft, extra = len(req_ids), self.cost.draft_step_time(), self.cost.spec_overhead()
-            extra0 = self.cost.round_overhead()
+            n = len(req_ids)
             k, best = 0, 0.0
             for kk in range(kmax + 1):
-                seconds = self.cost.target_time(n * (kk + 1)) + kk * t_draft + (extra if kk else 0.0) + extra0
+                seconds = self.cost.round_seconds(n * (kk + 1), kk)
                 rate = sum(e.expected_tokens(kk) for e in ests) / seconds
                 if rate > best * 1.0001:
                     k, best = kk, rate

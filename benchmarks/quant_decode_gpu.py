@@ -31,6 +31,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import gpu as G  # noqa: E402  (benchmarks/gpu.py: model building, decode steps, profiler breakdown)
+from skinny_gemm import bench_graph  # noqa: E402  (benchmarks/skinny_gemm.py)
 from forerun.kernels.quant_gemm import (dequantize_int4, q4_linear, q4w_linear, quantize_int4,  # noqa: E402
                                         repack_int4_w32)
 from forerun.kernels.skinny_gemm import default_config, skinny_linear  # noqa: E402
@@ -47,31 +48,9 @@ def log(msg: str) -> None:
 
 
 def graph_us(calls, reps: int = 10) -> float:
-    """calls: list of zero-arg functions (one per weight copy). Captures them in one CUDA graph, replays it
-    `reps` times; microseconds per call (median of 3 timings)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in calls:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in calls:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps / len(calls))
-    del g
-    return sorted(times)[1]
+    """calls: zero-arg functions (one per weight copy), replayed together from one CUDA graph (skinny_gemm's
+    bench_graph); microseconds per call."""
+    return bench_graph(lambda: [f() for f in calls], reps=reps) * 1e3 / len(calls)
 
 
 def sweep(bw: float, rows: list[int], quick: bool) -> tuple[list[dict], dict]:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..kernels.quant_gemm import GROUP, MAX_ROWS, pack_int4_w32, q4w2_linear, q4w_linear
+from .quant import quantize_groups_int4
 
 KERNELS = {"w": q4w_linear, "w2": q4w2_linear}
 
@@ -67,16 +68,6 @@ def q4_product(x: torch.Tensor, qw32, scale, zero, glu: bool, cfg: dict) -> torc
     return KERNELS[cfg.pop("kernel")](x, qw32, scale, zero, glu=glu, **cfg)
 
 
-def quantize_q4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w: [N, K] float (K a multiple of 32) -> codes [N, K] uint8 0..15, scale, zero [N, K/32] (min/max per group)."""
-    n, k = w.shape
-    g = w.float().reshape(n, k // GROUP, GROUP)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).clamp_min(1e-8)
-    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8).reshape(n, k)
-    return q, scale, lo
-
-
 class CudaQ4Linear(nn.Module):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None,
                  dtype: torch.dtype = torch.bfloat16) -> None:
@@ -91,7 +82,7 @@ class CudaQ4Linear(nn.Module):
 
     @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> "CudaQ4Linear":
-        q, s, z = quantize_q4_groups(w)
+        q, s, z = quantize_groups_int4(w)  # the GGUF Q4_1 recipe, as the CPU layouts quantize
         return cls(q, s, z, bias, w.dtype if w.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16)
 
     @property

@@ -7,6 +7,8 @@ with the target for losslessness. Checkpoints are written by the test itself in 
 from __future__ import annotations
 
 import json
+import math
+import time
 
 import pytest
 import torch
@@ -14,12 +16,18 @@ import transformers
 from safetensors.torch import save_file
 
 from forerun.config import CacheConfig, ModelConfig
-from forerun.drafters.eagle import EagleDrafter
+from forerun.drafters.base import TreeProposal
+from forerun.drafters.eagle import EagleDrafter, TreeLayout
+from forerun.drafters.eagle_budget import TreeBudget
+from forerun.engine.round import _tree_mask
+from forerun.engine.sampler import _depths
 from forerun.models.eagle_head import EagleConfig, EagleHead, load_eagle_head, save_eagle_head
 from forerun.request import Request
 from forerun.runtime.runner import Chunk, ModelRunner
 from forerun.sampling_params import SamplingParams
+from forerun.structured import ALL_ALLOWED, apply_bitmask_, bitmask_words, grammar_of, tree_node_masks
 from forerun.verify import SamplingTensors, verify_tree
+from forerun.verify.probs import logits_to_probs, sample_from_probs
 
 from tiny import hf_model, ours_from_hf
 
@@ -482,6 +490,347 @@ def _tree_forward(target, r, toks, par):
     full[c:, c:] = anc
     return target.forward([Chunk(r.req_id, r.all_tokens[:-1] + toks, positions=list(range(c)) + [c + d for d in depth],
                                  tree_mask=full, logits=n)])
+
+
+# -- the host-built tree: the reference the device tree must equal ---------------------------------------------
+class HostTreeDrafter(EagleDrafter):
+    """The dynamic tree as it was built on the host before the device version (one host read per step, Python
+    trees), kept here as the oracle: same nodes, parents, scores, draws."""
+
+    def propose_tree(self, requests: list[Request]) -> TreeProposal:
+        v = self.head.vocab_size
+        ranges = [self._feed_range(r) for r in requests]
+        live = [i for i, rng in enumerate(ranges) if rng is not None]
+        trees = [_HostTree(r.all_tokens[-1]) for r in requests]
+        t_steps = []
+        shape = self.budget.choose(len(live)) if self.budget is not None and live else \
+            TreeBudget(self.tree_topk, self.tree_steps, self.tree_nodes)
+        topk, n_steps, n_nodes = shape.topk, shape.steps, shape.nodes
+        if live and shape.drafts:
+            group = [requests[i] for i in live]
+            t = time.perf_counter()
+            out, logits = self._extend(group, [ranges[i] for i in live])
+            bank = out  # every step's outputs, stacked: a node's children's feature is row tree.hidden[node]
+            self._grow(group, [trees[i] for i in live], [[0] for _ in live], out, logits, topk, n_nodes, 0)
+            if self.budget is not None:
+                self.budget.record_head_step(sum(n - lo for lo, n in (ranges[i] for i in live)), time.perf_counter() - t)
+            for step in range(1, n_steps):
+                t = time.perf_counter()
+                chunks, feat_rows, sel_rows, owners = [], [], [], []
+                for i in live:
+                    tree, r = trees[i], requests[i]
+                    sel = tree.frontier(step, topk, r.params.temperature > 0, n_nodes)
+                    if not sel:
+                        continue
+                    nodes = tree.closure(sel)  # non-root ancestors-or-self, by depth: sel last
+                    root = r.num_tokens - 1
+                    chunks.append(Chunk(r.req_id, [tree.tok[j] for j in nodes],
+                                        positions=[root - 1 + tree.depth[j] for j in nodes],
+                                        tree_mask=tree.mask(nodes), logits=len(sel)))
+                    feat_rows += [tree.hidden[tree.parent[j]] for j in nodes]
+                    owners.append(i)
+                    sel_rows.append(sel)
+                if not chunks:
+                    break
+                feats = bank.index_select(0, torch.tensor(feat_rows, device=bank.device))  # one gather for all
+                out, logits = self._run(chunks, feats, from_target=False)
+                for i in owners:  # the tree rows are scratch: back to the committed rows
+                    self.cache.kv.truncate(requests[i].req_id, requests[i].num_tokens - 1)
+                base = bank.shape[0]
+                bank = torch.cat([bank, out])
+                self._grow([requests[i] for i in owners], [trees[i] for i in owners], sel_rows, out, logits, topk,
+                           n_nodes, base)
+                t_steps.append(time.perf_counter() - t)
+                if self.budget is not None:
+                    self.budget.record_head_step(sum(len(c.token_ids) for c in chunks), t_steps[-1])
+            self._settle(group)
+        toks, parents, probs = [], [], []
+        sampled_values = 0
+        for r, tree in zip(requests, trees):
+            keep = tree.keep(n_nodes) if r.params.temperature == 0 else list(range(len(tree.tok)))
+            if self.budget is not None and r.params.temperature == 0 and len(keep) > 1:
+                self._outcome[r.req_id] = (r.num_tokens, sum(math.exp(tree.score[j]) for j in keep[1:]))
+                if sampled_values < self.budget.sample_trees:  # V of every sub-shape of this tree
+                    self.budget.record_values(self.budget.tree_values(tree.parent, tree.depth, tree.score, tree.rank))
+                    sampled_values += 1
+            index = {j: a for a, j in enumerate(keep)}
+            toks.append([tree.tok[j] for j in keep])
+            parents.append([index[tree.parent[j]] if tree.parent[j] >= 0 else -1 for j in keep])
+            if r.params.temperature > 0:
+                rows = torch.zeros(len(keep), v, device=self.cache.device)
+                for a, j in enumerate(keep):
+                    if tree.q.get(j) is not None and any(tree.parent[c] == j for c in keep):
+                        rows[a] = tree.q[j].float()
+            else:  # never read (greedy verification): one zero row, broadcast, on the device
+                rows = torch.zeros(1, v, device=self.cache.device).expand(len(keep), v)
+            probs.append(rows)
+        if self.budget is not None:
+            self._proposed = (time.perf_counter(), {r.req_id: len(t) for r, t in zip(requests, toks)})
+        return TreeProposal(toks, parents, probs, step_seconds=sum(t_steps) / len(t_steps) if t_steps else None)
+
+    def _grow(self, reqs: list[Request], trees: list["_HostTree"], expanded: list[list[int]], out: torch.Tensor,
+              draft_logits: torch.Tensor, topk: int, budget: int, base: int) -> None:
+        """Children of the expanded nodes (rows of out / logits in order): top-k (greedy) or i.i.d. draws;
+        topk children per node, budget nodes in all (sampled trees). An expanded node's output (its children's
+        feature) is row base + its row of the proposal's output bank."""
+        row_req = [a for a, sel in enumerate(expanded) for _ in sel]
+        k = min(topk, self.head.draft_vocab_size)
+        q = None
+        states = [grammar_of(r) for r in reqs]
+        constrained = any(st is not None for st in states)
+        if all(reqs[a].params.temperature == 0 for a in row_req) and not constrained:
+            # greedy rows only: top-k over the draft vocabulary (the target's other tokens are -inf), no
+            # target-vocabulary tensors
+            top = draft_logits.float().log_softmax(-1).topk(k, dim=-1)
+            ids = self.head.draft_to_target[top.indices]
+        else:
+            full = self.head.to_target_vocab(draft_logits)  # [rows, V]
+            if constrained:  # issue 14: each expanded node's children from q masked by the grammar after its path
+                words = bitmask_words(full.shape[-1])
+                apply_bitmask_(full, torch.cat([
+                    tree_node_masks(states[a], trees[a].tok, trees[a].parent, [node]) if states[a] is not None
+                    else torch.full((1, words), ALL_ALLOWED, dtype=torch.int32)
+                    for a, sel in enumerate(expanded) for node in sel]))
+            st = SamplingTensors.from_params([reqs[a].params for a in row_req], full.device)
+            q = logits_to_probs(full, st.temperature, st.top_k, st.top_p, st.min_p)
+            top = full.log_softmax(-1).topk(k, dim=-1)
+            ids = top.indices
+        top_ids, top_lp = ids.tolist(), top.values.tolist()  # one host read for every row
+        row = 0
+        for a, (r, tree, sel) in enumerate(zip(reqs, trees, expanded)):
+            for node in sel:
+                tree.hidden[node] = base + row
+                if r.params.temperature == 0:
+                    for tok, lp in zip(top_ids[row], top_lp[row]):
+                        tree.add(node, tok, tree.score[node] + lp)
+                else:
+                    m = min(k, budget - len(tree.tok))
+                    if m > 0:
+                        tree.q[node] = q[row]
+                        u = torch.rand(m, generator=r.generator).to(q.device)
+                        drawn = sample_from_probs(q[row].expand(m, -1), u)
+                        lq = q[row][drawn].clamp_min(1e-30).log()
+                        for tok, lp in zip(drawn.tolist(), lq.tolist()):
+                            tree.add(node, tok, tree.score[node] + lp)
+                row += 1
+
+
+class _HostTree:
+    """A request's growing draft tree: node 0 is the root (the newest committed token)."""
+
+    def __init__(self, root_token: int) -> None:
+        self.tok, self.parent, self.depth, self.score = [root_token], [-1], [0], [0.0]
+        self.rank = [0]  # a node's index among its parent's children (greedy: its top-k rank)
+        self._nchild: dict[int, int] = {}
+        self.hidden: dict[int, int] = {}  # node -> row of its head output (its children's feature) in the bank
+        self.q: dict[int, torch.Tensor] = {}  # node -> processed draft distribution its children were drawn from
+
+    def add(self, parent: int, token: int, score: float) -> None:
+        self.tok.append(token)
+        self.parent.append(parent)
+        self.depth.append(self.depth[parent] + 1)
+        self.score.append(score)
+        self.rank.append(self._nchild.get(parent, 0))
+        self._nchild[parent] = self.rank[-1] + 1
+
+    def frontier(self, depth: int, width: int, sampled: bool, budget: int) -> list[int]:
+        """The `width` best nodes at `depth` (by cumulative log-probability) to expand next. A sampled tree
+        stops expanding when its node budget is spent (a greedy one is pruned afterwards)."""
+        if sampled and len(self.tok) >= budget:
+            return []
+        level = [j for j, d in enumerate(self.depth) if d == depth]
+        return sorted(sorted(level, key=lambda j: -self.score[j])[:width])
+
+    def closure(self, sel: list[int]) -> list[int]:
+        nodes = set()
+        for j in sel:
+            while j > 0:
+                nodes.add(j)
+                j = self.parent[j]
+        return sorted(nodes, key=lambda j: (self.depth[j], j))
+
+    def mask(self, nodes: list[int]) -> torch.Tensor:
+        """[n, n] bool: row a sees b iff nodes[b] is nodes[a] or one of its ancestors."""
+        pos = {j: a for a, j in enumerate(nodes)}
+        m = torch.zeros(len(nodes), len(nodes), dtype=torch.bool)
+        for a, j in enumerate(nodes):
+            while j > 0:
+                m[a, pos[j]] = True
+                j = self.parent[j]
+        return m
+
+    def keep(self, budget: int) -> list[int]:
+        """SGLang's final selection: the budget - 1 best non-root nodes, ancestor-closed (a parent scores at
+        least its child's score and sorts first on ties), returned breadth first."""
+        order = sorted(range(1, len(self.tok)), key=lambda j: (-self.score[j], self.depth[j], j))
+        kept = {0}
+        for j in order:
+            if len(kept) >= budget:
+                break
+            if self.parent[j] in kept:
+                kept.add(j)
+        return sorted(kept, key=lambda j: (self.depth[j], j))
+
+
+class Twin:
+    """Drives the device drafter and the host reference side by side through `run_rounds`: every proposal
+    must give the same tree (nodes, parents, tokens; the draws of sampled trees; the device's verify mask and
+    depths equal those built on the host from its parents)."""
+
+    def __init__(self, device: EagleDrafter, host: HostTreeDrafter) -> None:
+        self.d, self.h = device, host
+        self.target_hidden_layers = device.target_hidden_layers
+        self.trees = 0
+        self.sizes: list[int] = []
+
+    def propose_tree(self, requests):
+        states = [r.generator.get_state() for r in requests]
+        pd = self.d.propose_tree(requests)
+        after = [r.generator.get_state() for r in requests]
+        for r, st in zip(requests, states):
+            r.generator.set_state(st)
+        ph = self.h.propose_tree(requests)
+        for r, st in zip(requests, after):
+            assert torch.equal(r.generator.get_state(), st)  # the same draws, in the same order
+        assert pd.tokens == ph.tokens
+        assert pd.parents == ph.parents
+        tree = self.d.last_tree
+        live = [i for i, t in enumerate(pd.tokens) if len(t) > 1]
+        for a, i in enumerate(live):
+            n = len(pd.tokens[i])
+            assert torch.equal(tree.mask[a, :n, :n].cpu(), _tree_mask(pd.parents[i]))
+            assert tree.depth[a, :n].tolist() == _depths(pd.parents[i])
+            if requests[i].params.temperature > 0:
+                torch.testing.assert_close(pd.probs[i], ph.probs[i], rtol=1e-4, atol=1e-6)  # float rounding only
+            self.sizes.append(n)
+        self.trees += len(live)
+        return pd
+
+    def observe_target(self, *a):
+        self.d.observe_target(*a)
+        self.h.observe_target(*a)
+
+    def rollback(self, r, n):
+        self.d.rollback(r, n)
+        self.h.rollback(r, n)
+
+    def release(self, r):
+        self.d.release(r)
+        self.h.release(r)
+
+    def cached_length(self, r):
+        a, b = self.d.cached_length(r), self.h.cached_length(r)
+        assert a == b
+        return a
+
+
+def _twins(target, head, topk, steps, nodes, **kw):
+    mk = lambda cls: cls(target, head, cache=CacheConfig(block_size=4, num_blocks=512), tree_topk=topk,  # noqa: E731
+                         tree_steps=steps, tree_nodes=nodes, **kw)
+    return Twin(mk(EagleDrafter), mk(HostTreeDrafter))
+
+
+def calibrate(head, q: list[float]) -> None:
+    """Logits that put q_r on K tokens chosen from the row's input token (so each node's children differ) and
+    spread the rest evenly: every node's children have the same probabilities, so cumulative scores tie
+    exactly across paths (r1, r2) and (r2, r1) and the tie-breaks decide the tree."""
+    forward = head.forward
+    k = len(q)
+
+    def calibrated(input_ids, feats, positions, meta, kv, from_target, rows=None):
+        out, logits = forward(input_ids, feats, positions, meta, kv, from_target, rows=rows)
+        ids = input_ids if rows is None else input_ids[rows]
+        rows_, vd = logits.shape
+        rest = max(1.0 - sum(q), 1e-6) / max(vd - k, 1)
+        fake = torch.full((rows_, vd), math.log(rest), dtype=torch.float32)
+        top = (ids.cpu()[:, None] * 7 + torch.arange(k)[None, :] * 13 + 1) % vd
+        fake.scatter_(1, top, torch.tensor([math.log(x) for x in q]).expand(rows_, k))
+        return out, fake.to(logits.device)
+
+    head.forward = calibrated
+
+
+TREES = [(3, 3, 8), (4, 4, 16), (2, 5, 12), (1, 4, 5), (4, 2, 30), (3, 1, 4)]
+
+
+@pytest.mark.parametrize("topk,steps,nodes", TREES)
+@pytest.mark.parametrize("version,batch", [(3, 1), (3, 3), (1, 2)])
+def test_device_tree_equals_host_tree(topk, steps, nodes, version, batch):
+    """Greedy dynamic trees on random heads, several rounds each (extends after acceptance, ragged batches): the
+    device tree is the host-built one, node for node."""
+    hf = hf_model("qwen2")
+    target = ours_from_hf(hf, num_blocks=512)
+    head = random_head(target.model, version, draft_vocab=50 if version == 3 else None)
+    twin = _twins(target, head, topk, steps, nodes)
+    prompts = [[5, 6, 7, 8, 9], [11, 3, 90, 2, 2, 2, 40, 41], [60, 61]][:batch]
+    reqs = [_request(i, p) for i, p in enumerate(prompts)]
+    run_rounds(target, twin, reqs, 12, tree=True)
+    assert twin.trees >= 3 * batch
+    for r, p in zip(reqs, prompts):
+        assert r.output_token_ids == plain_greedy(target, p, 12)
+
+
+@pytest.mark.parametrize("topk,steps,nodes", [(3, 3, 8), (4, 3, 12), (2, 4, 9), (3, 2, 13)])
+@pytest.mark.parametrize("q", [[0.5, 0.25, 0.125, 0.0625], [0.4, 0.2, 0.2, 0.1]])
+def test_device_tree_ties_are_the_host_ones(topk, steps, nodes, q):
+    """Exact ties everywhere (every node's children have the same probabilities; the second q also ties two
+    siblings): frontier and final choices must break them as the host tree did (the lower node id first)."""
+    hf = hf_model("qwen2")
+    target = ours_from_hf(hf, num_blocks=512)
+    head = random_head(target.model, 3, draft_vocab=50)
+    calibrate(head, q[:topk])
+    twin = _twins(target, head, topk, steps, nodes)
+    prompts = [[5, 6, 7, 8, 9], [11, 3, 90, 2, 2, 2, 40, 41]]
+    reqs = [_request(i, p) for i, p in enumerate(prompts)]
+    run_rounds(target, twin, reqs, 10, tree=True)
+    assert twin.trees >= 4
+
+
+@pytest.mark.parametrize("topk,steps,nodes", [(3, 2, 6), (2, 3, 7), (3, 3, 20), (1, 3, 3)])
+def test_device_sampled_tree_equals_host_tree(topk, steps, nodes):
+    """Sampled (and mixed) batches: the same i.i.d. draws from each request's generator, the same children counts,
+    the same q rows; verified by the exact rule along the way."""
+    hf = hf_model("qwen2")
+    target = ours_from_hf(hf, num_blocks=512)
+    head = random_head(target.model, 3, draft_vocab=50)
+    twin = _twins(target, head, topk, steps, nodes)
+    prompts = [[5, 6, 7, 8, 9], [11, 3, 90, 2, 2, 2, 40, 41], [60, 61]]
+    reqs = [_request(0, prompts[0], temperature=1.0, seed=3), _request(1, prompts[1], temperature=0.7, seed=4),
+            _request(2, prompts[2])]
+    run_rounds(target, twin, reqs, 10, tree=True)
+    assert twin.trees >= 6
+    lay = TreeLayout.get(topk, steps, nodes)
+    assert len(lay.s_nodes) <= nodes
+
+
+def test_tree_layout_sampled_budget():
+    """The sampled trees' static structure: the root's min(k, n - 1) children, then k children per frontier node
+    while the budget lasts; node ids in the order the host tree added them."""
+    lay = TreeLayout.get(3, 3, 8)
+    assert lay.num_slots == 1 + 3 + 9 + 9
+    assert lay.s_nodes == [0, 1, 2, 3, 4, 5, 6, 7]  # root, 3 children, then 3 + 1 children of two frontier nodes
+    assert lay.s_front == [1, 3, 0]
+    assert lay.s_children[1] == [3, 1, 0]
+    assert TreeLayout.get(2, 2, 3).s_nodes == [0, 1, 2]
+
+
+def test_bucketed_drafting_on_cpu(monkeypatch):
+    """The CUDA path's bucket padding (extend and tree over padding sequences in block 0), run eagerly on the CPU:
+    trees equal the host ones and greedy output stays plain greedy."""
+    hf = hf_model("qwen2")
+    target = ours_from_hf(hf, num_blocks=512)
+    head = random_head(target.model, 3, draft_vocab=50)
+    twin = _twins(target, head, 3, 3, 8, cuda_graphs=True)
+    monkeypatch.setattr(EagleDrafter, "_graphs_on", lambda self: True)
+    prompts = [[5, 6, 7, 8, 9], [11, 3, 90, 2, 2, 2, 40, 41], [60, 61]]
+    reqs = [_request(i, p) for i, p in enumerate(prompts)]
+    run_rounds(target, twin, reqs, 14, tree=True)
+    st = twin.d.static
+    assert any(k[0] == "tree" and k[1] == 4 for k in st.graphs)  # 3 requests ran in the bucket of 4
+    assert any(k[0] == "extend" for k in st.graphs) and st.replays > 0
+    assert st.kv.num_free_blocks == st.kv.num_blocks - 1
+    for r, p in zip(reqs, prompts):
+        assert r.output_token_ids == plain_greedy(target, p, 14)
 
 
 # -- the real SmolLM2 ---------------------------------------------------------------------------------------

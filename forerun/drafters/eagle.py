@@ -20,6 +20,12 @@ children i.i.d. from the processed draft distribution (with replacement) instead
 their own values: how many children a node gets is fixed before they are drawn (top-`topk` frontier nodes
 by score, each `topk` children while the node budget lasts), which is what exact multi-draft verification
 (`verify_tree(rule="exact", draft_scheme="with_replacement")`) needs to stay lossless.
+
+The tree is built on the device with fixed shapes (`grow_tree`: candidates in static slots, frontier and final
+choice by pairwise ranks, the head run over static buffers), on the CPU and the GPU alike; the drafting phase
+reads the host once, at its end. On CUDA (with a capturable attention backend) greedy batches replay CUDA
+graphs: one for the draft extend per (batch bucket, rows), one for the whole tree per (batch bucket, shape)
+(`_StaticDrafting`; `EagleDrafter(cuda_graphs=False)` runs the same code eagerly).
 """
 from __future__ import annotations
 
@@ -29,7 +35,9 @@ from pathlib import Path
 
 import torch
 
+from ..attention.metadata import AttnMetadata
 from ..config import CacheConfig
+from ..devices import Marks, h2d
 from ..models.eagle_head import EagleHead, load_eagle_head
 from ..request import Request
 from ..structured import (ALL_ALLOWED, apply_bitmask_, apply_grammar_to_draft_logits, bitmask_words, grammar_of,  # issue 14
@@ -39,6 +47,8 @@ from ..verify.probs import SamplingTensors, logits_to_probs, sample_from_probs
 from .base import DraftProposal, Drafter, TreeProposal
 from .eagle_budget import TreeBudget, TreeBudgetPolicy
 
+MAX_EXTEND = 16  # draft extends of up to this many rows per request run from static buffers (graphs on CUDA)
+
 
 class EagleDrafter(Drafter):
     name = "eagle"
@@ -47,13 +57,15 @@ class EagleDrafter(Drafter):
     def __init__(self, target: ModelRunner, head: EagleHead | str | Path, *, cache: CacheConfig | None = None,
                  dtype: torch.dtype | None = None, tree_topk: int = 4, tree_steps: int = 4, tree_nodes: int = 16,
                  max_seqs: int = 256, max_batch_tokens: int = 8192, adaptive_budget: bool = False,
-                 target_cost=None) -> None:
+                 target_cost=None, cuda_graphs: bool | None = None) -> None:
         """target: the target's runner (its model supplies embedding, final norm and, for EAGLE-1 heads,
         the lm_head). head: a loaded EagleHead or a checkpoint folder. cache: the head's KV pool (default
         sized like a 1-layer slice of the target's). Tree budget: tree_steps levels, tree_topk children per
         expanded node and frontier width, tree_nodes nodes in all (root included): fixed, or with
         adaptive_budget (or a target_cost: anything with target_time(tokens), the engine's CostModel) the
-        maximum of a per-round budget chosen from the batch size and measured costs (forerun/drafters/eagle_budget.py)."""
+        maximum of a per-round budget chosen from the batch size and measured costs (forerun/drafters/eagle_budget.py).
+        cuda_graphs: None (default) captures the tree drafting on CUDA when the attention backend allows it;
+        False runs the same device code eagerly (debugging)."""
         if isinstance(head, (str, Path)):
             head = load_eagle_head(head, target.model, dtype=dtype or target.dtype, device=target.device)
         if tree_topk < 1 or tree_steps < 1 or tree_nodes < 2:
@@ -74,6 +86,9 @@ class EagleDrafter(Drafter):
         self._outcome: dict[int, tuple[int, float]] = {}  # req -> (num_tokens when drafted, the tree's V)
         self._proposed: tuple[float, dict[int, int]] | None = None  # (perf_counter, req -> tree rows) for timing
         self._feats: dict[int, tuple[int, torch.Tensor]] = {}  # req -> (first position, [n, F] features)
+        self.cuda_graphs = cuda_graphs
+        self.static: _StaticDrafting | None = None  # static buffers + graphs of the drafting phase (first use)
+        self.last_tree: DeviceTree | None = None  # the last proposal's tree on the device (tests, debugging)
 
     def use_target_cost(self, cost=None) -> TreeBudgetPolicy:
         """Turn on the per-round tree budget (the configured tree is its maximum). cost: the target's measured
@@ -244,118 +259,112 @@ class EagleDrafter(Drafter):
         v = self.head.vocab_size
         ranges = [self._feed_range(r) for r in requests]
         live = [i for i, rng in enumerate(ranges) if rng is not None]
-        trees = [_Tree(r.all_tokens[-1]) for r in requests]
-        t_steps = []
+        toks = [[r.all_tokens[-1]] for r in requests]
+        parents: list[list[int]] = [[-1] for _ in requests]
+        probs: list[torch.Tensor | None] = [None] * len(requests)
         shape = self.budget.choose(len(live)) if self.budget is not None and live else \
             TreeBudget(self.tree_topk, self.tree_steps, self.tree_nodes)
-        topk, n_steps, n_nodes = shape.topk, shape.steps, shape.nodes
+        self.last_tree = None
         if live and shape.drafts:
             group = [requests[i] for i in live]
-            t = time.perf_counter()
-            out, logits = self._extend(group, [ranges[i] for i in live])
-            bank = out  # every step's outputs, stacked: a node's children's feature is row tree.hidden[node]
-            self._grow(group, [trees[i] for i in live], [[0] for _ in live], out, logits, topk, n_nodes, 0)
-            if self.budget is not None:
-                self.budget.record_head_step(sum(n - lo for lo, n in (ranges[i] for i in live)), time.perf_counter() - t)
-            for step in range(1, n_steps):
-                t = time.perf_counter()
-                chunks, feat_rows, sel_rows, owners = [], [], [], []
-                for i in live:
-                    tree, r = trees[i], requests[i]
-                    sel = tree.frontier(step, topk, r.params.temperature > 0, n_nodes)
-                    if not sel:
-                        continue
-                    nodes = tree.closure(sel)  # non-root ancestors-or-self, by depth: sel last
-                    root = r.num_tokens - 1
-                    chunks.append(Chunk(r.req_id, [tree.tok[j] for j in nodes],
-                                        positions=[root - 1 + tree.depth[j] for j in nodes],
-                                        tree_mask=tree.mask(nodes), logits=len(sel)))
-                    feat_rows += [tree.hidden[tree.parent[j]] for j in nodes]
-                    owners.append(i)
-                    sel_rows.append(sel)
-                if not chunks:
-                    break
-                feats = bank.index_select(0, torch.tensor(feat_rows, device=bank.device))  # one gather for all
-                out, logits = self._run(chunks, feats, from_target=False)
-                for i in owners:  # the tree rows are scratch: back to the committed rows
-                    self.cache.kv.truncate(requests[i].req_id, requests[i].num_tokens - 1)
-                base = bank.shape[0]
-                bank = torch.cat([bank, out])
-                self._grow([requests[i] for i in owners], [trees[i] for i in owners], sel_rows, out, logits, topk,
-                           n_nodes, base)
-                t_steps.append(time.perf_counter() - t)
-                if self.budget is not None:
-                    self.budget.record_head_step(sum(len(c.token_ids) for c in chunks), t_steps[-1])
+            lay = TreeLayout.get(min(shape.topk, self.head.draft_vocab_size), shape.steps, shape.nodes)
+            marks = Marks(self.cache.device)
+            t0 = marks.mark()
+            tree = self._draft_tree(group, [ranges[i] for i in live], lay)
+            t1 = marks.mark()
             self._settle(group)
-        toks, parents, probs = [], [], []
-        sampled_values = 0
-        for r, tree in zip(requests, trees):
-            keep = tree.keep(n_nodes) if r.params.temperature == 0 else list(range(len(tree.tok)))
-            if self.budget is not None and r.params.temperature == 0 and len(keep) > 1:
-                self._outcome[r.req_id] = (r.num_tokens, sum(math.exp(tree.score[j]) for j in keep[1:]))
-                if sampled_values < self.budget.sample_trees:  # V of every sub-shape of this tree
-                    self.budget.record_values(self.budget.tree_values(tree.parent, tree.depth, tree.score, tree.rank))
-                    sampled_values += 1
-            index = {j: a for a, j in enumerate(keep)}
-            toks.append([tree.tok[j] for j in keep])
-            parents.append([index[tree.parent[j]] if tree.parent[j] >= 0 else -1 for j in keep])
-            if r.params.temperature > 0:
-                rows = torch.zeros(len(keep), v, device=self.cache.device)
-                for a, j in enumerate(keep):
-                    if tree.q.get(j) is not None and any(tree.parent[c] == j for c in keep):
-                        rows[a] = tree.q[j].float()
-            else:  # never read (greedy verification): one zero row, broadcast, on the device
-                rows = torch.zeros(1, v, device=self.cache.device).expand(len(keep), v)
-            probs.append(rows)
+            host = tree.host  # the one host read of the drafting phase
+            n_out = tree.nodes.shape[1]
+            sampled_values = 0
+            for a, (i, r) in enumerate(zip(live, group)):
+                row = host[a]
+                n = lay.greedy_nodes if r.params.temperature == 0 else len(lay.s_nodes)
+                toks[i] = [r.all_tokens[-1]] + [int(x) for x in row[1:n]]
+                parents[i] = [-1] + [int(x) for x in row[n_out + 1: n_out + n]]
+                if r.params.temperature > 0:
+                    probs[i] = tree.probs[a, :n]
+                elif self.budget is not None and n > 1:
+                    base = 2 * n_out
+                    self._outcome[r.req_id] = (r.num_tokens, sum(math.exp(s) for s in row[base + 1: base + n]))
+                    if sampled_values < self.budget.sample_trees:  # V of every sub-shape of this tree
+                        m = lay.num_slots
+                        score = row[base + n_out: base + n_out + m]
+                        par = [int(x) for x in row[base + n_out + m: base + n_out + 2 * m]]
+                        self.budget.record_values(self.budget.tree_values(par, lay.depth, score, lay.rank))
+                        sampled_values += 1
+            if self.budget is not None:  # head cost: the mean step (extend + tree steps) at its mean rows
+                steps = 1 + tree.steps_run
+                rows = sum(n - lo for lo, n in (ranges[i] for i in live)) + len(live) * lay.topk * sum(
+                    range(1, tree.steps_run + 1))
+                self.budget.record_head_step(rows / steps, marks.seconds(t0, t1) / steps)
+            self.last_tree = tree
+        for i, r in enumerate(requests):
+            if probs[i] is None:  # greedy (never read): one zero row, broadcast, on the device
+                probs[i] = torch.zeros(1, v, device=self.cache.device).expand(len(toks[i]), v)
         if self.budget is not None:
             self._proposed = (time.perf_counter(), {r.req_id: len(t) for r, t in zip(requests, toks)})
-        return TreeProposal(toks, parents, probs, step_seconds=sum(t_steps) / len(t_steps) if t_steps else None)
+        return TreeProposal(toks, parents, probs)
 
-    def _grow(self, reqs: list[Request], trees: list["_Tree"], expanded: list[list[int]], out: torch.Tensor,
-              draft_logits: torch.Tensor, topk: int, budget: int, base: int) -> None:
-        """Children of the expanded nodes (rows of out / logits in order): top-k (greedy) or i.i.d. draws;
-        topk children per node, budget nodes in all (sampled trees). An expanded node's output (its children's
-        feature) is row base + its row of the proposal's output bank."""
-        row_req = [a for a, sel in enumerate(expanded) for _ in sel]
-        k = min(topk, self.head.draft_vocab_size)
-        q = None
-        states = [grammar_of(r) for r in reqs]
-        constrained = any(st is not None for st in states)
-        if all(reqs[a].params.temperature == 0 for a in row_req) and not constrained:
-            # greedy rows only: top-k over the draft vocabulary (the target's other tokens are -inf), no
-            # target-vocabulary tensors
-            top = draft_logits.float().log_softmax(-1).topk(k, dim=-1)
-            ids = self.head.draft_to_target[top.indices]
-        else:
-            full = self.head.to_target_vocab(draft_logits)  # [rows, V]
-            if constrained:  # issue 14: each expanded node's children from q masked by the grammar after its path
-                words = bitmask_words(full.shape[-1])
-                apply_bitmask_(full, torch.cat([
-                    tree_node_masks(states[a], trees[a].tok, trees[a].parent, [node]) if states[a] is not None
-                    else torch.full((1, words), ALL_ALLOWED, dtype=torch.int32)
-                    for a, sel in enumerate(expanded) for node in sel]))
-            st = SamplingTensors.from_params([reqs[a].params for a in row_req], full.device)
-            q = logits_to_probs(full, st.temperature, st.top_k, st.top_p, st.min_p)
-            top = full.log_softmax(-1).topk(k, dim=-1)
-            ids = top.indices
-        top_ids, top_lp = ids.tolist(), top.values.tolist()  # one host read for every row
-        row = 0
-        for a, (r, tree, sel) in enumerate(zip(reqs, trees, expanded)):
-            for node in sel:
-                tree.hidden[node] = base + row
-                if r.params.temperature == 0:
-                    for tok, lp in zip(top_ids[row], top_lp[row]):
-                        tree.add(node, tok, tree.score[node] + lp)
-                else:
-                    m = min(k, budget - len(tree.tok))
-                    if m > 0:
-                        tree.q[node] = q[row]
-                        u = torch.rand(m, generator=r.generator).to(q.device)
-                        drawn = sample_from_probs(q[row].expand(m, -1), u)
-                        lq = q[row][drawn].clamp_min(1e-30).log()
-                        for tok, lp in zip(drawn.tolist(), lq.tolist()):
-                            tree.add(node, tok, tree.score[node] + lp)
-                row += 1
+    def _graphs_on(self) -> bool:
+        """Capture the drafting phase in CUDA graphs: on CUDA with a capturable attention backend (the target's,
+        which the head shares), unless turned off (`cuda_graphs=False`)."""
+        if self.cuda_graphs is False or self.cache.device.type != "cuda":
+            return False
+        return bool(getattr(self.target.model.backend, "supports_cuda_graphs", False))
+
+    def _draft_tree(self, group: list[Request], ranges: list[tuple[int, int]], lay: "TreeLayout") -> "DeviceTree":
+        """Draft extend + the whole dynamic tree on the device. Greedy batches without grammars replay one CUDA
+        graph for the extend (per batch bucket and extend length) and one for the tree (per bucket and shape)
+        when graphs are on; every other batch runs the same code eagerly."""
+        if self.static is None:
+            self.static = _StaticDrafting(self)
+        st = self.static
+        graphs = self._graphs_on()
+        sampled = any(r.params.temperature > 0 for r in group)
+        states = [grammar_of(r) for r in group]
+        constrained = any(s is not None for s in states)
+        tree_graph = graphs and not sampled and not constrained
+        kv = self.cache.kv
+        qe = max(n - lo for lo, n in ranges)
+        for r, (lo, n) in zip(group, ranges):  # room for the extend's padding and the tree's scratch rows
+            kv.reserve(r.req_id, max(n + lay.topk * (lay.steps - 1), lo + qe))
+        st.extend(group, ranges, graphs)
+        for r, (lo, n) in zip(group, ranges):
+            kv.set_length(r.req_id, n)
+        if tree_graph:
+            return st.tree_graph(lay, len(group))
+        sample = None
+        if sampled or constrained:
+            dev = self.cache.device
+            greedy = h2d([r.params.temperature == 0 for r in group], dev, torch.bool)
+            u = torch.full((len(group), lay.num_slots), 0.5)
+            idx = torch.tensor(lay.s_nodes[1:], dtype=torch.long)
+            for a, r in enumerate(group):  # drawn in node order, as the host tree drew them
+                if r.params.temperature > 0 and idx.numel():
+                    u[a, idx] = torch.rand(idx.numel(), generator=r.generator)
+            roots = h2d([r.all_tokens[-1] for r in group], dev, torch.int64)
+            hook = self._grammar_hook(group, states, lay) if constrained else None
+            sample = _Sampling(greedy, SamplingTensors.from_params([r.params for r in group], dev), h2d(u, dev),
+                               roots, hook)
+        return st.tree_eager(lay, len(group), sample)
+
+    def _grammar_hook(self, group: list[Request], states: list, lay: "TreeLayout"):
+        """issue 14: each expanded node's children come from q masked by the grammar after its path (host work:
+        the partial tree is read back once per step; grammar-constrained batches never run in a graph)."""
+        sampled = [r.params.temperature > 0 for r in group]
+
+        def hook(t: int, parents: torch.Tensor, full: torch.Tensor, tok: torch.Tensor, par: torch.Tensor) -> None:
+            words = bitmask_words(full.shape[-1])
+            tl, pl, nl = tok.tolist(), par.tolist(), parents.tolist()
+            rows = []
+            for a, g in enumerate(states):
+                for f, node in enumerate(nl[a]):
+                    valid = not sampled[a] or f < lay.s_front[t]
+                    rows.append(tree_node_masks(g, tl[a], pl[a], [node]) if g is not None and valid
+                                else torch.full((1, words), ALL_ALLOWED, dtype=torch.int32))
+            apply_bitmask_(full, torch.cat(rows))
+
+        return hook
 
     # -- cache bookkeeping -------------------------------------------------------------------------------
     @property
@@ -363,10 +372,11 @@ class EagleDrafter(Drafter):
         return self.cache.kv
 
     def blocks_needed(self, request: Request, tokens: int) -> int:
-        """Blocks for `tokens` rows plus the scratch rows of a tree (at most topk x steps beyond them)."""
+        """Blocks for `tokens` rows plus scratch rows: a tree's (topk x (steps - 1) beyond them) or the static
+        extend's padding (up to its max_extend rows)."""
         kv = self.cache.kv
         have = len(kv.blocks(request.req_id)) if kv.has(request.req_id) else 0
-        return max(0, -(-(tokens + self.tree_topk * self.tree_steps) // kv.block_size) - have)
+        return max(0, -(-(tokens + max(self.tree_topk * self.tree_steps, MAX_EXTEND)) // kv.block_size) - have)
 
     def rollback(self, request: Request, valid_len: int) -> None:
         drafted = self._outcome.pop(request.req_id, None)
@@ -386,58 +396,465 @@ class EagleDrafter(Drafter):
         return kv.length(request.req_id) if kv.has(request.req_id) else 0
 
 
-class _Tree:
-    """A request's growing draft tree: node 0 is the root (the newest committed token)."""
+# -- the dynamic tree on the device ---------------------------------------------------------------------------
+class TreeLayout:
+    """Where every candidate of a dynamic tree (topk K, steps S, nodes n) lives: fixed shapes for the device.
 
-    def __init__(self, root_token: int) -> None:
-        self.tok, self.parent, self.depth, self.score = [root_token], [-1], [0], [0.0]
-        self.rank = [0]  # a node's index among its parent's children (greedy: its top-k rank)
-        self._nchild: dict[int, int] = {}
-        self.hidden: dict[int, int] = {}  # node -> row of its head output (its children's feature) in the bank
-        self.q: dict[int, torch.Tensor] = {}  # node -> processed draft distribution its children were drawn from
+    Node 0 is the root; level 1 holds the root's K children (nodes 1..K, by rank); level d >= 2 holds K children of
+    each of the K frontier nodes of level d - 1 (frontier position f, rank r: node lo[d] + f * K + r). That is the
+    order a host-built tree adds nodes in, so a greedy tree's node ids are the host tree's.
+    Greedy trees keep the n - 1 best candidates; sampled trees (children drawn i.i.d.; counts fixed before the
+    draws while the node budget lasts) use a static subset of the slots (`s_valid`, `s_nodes`)."""
 
-    def add(self, parent: int, token: int, score: float) -> None:
-        self.tok.append(token)
-        self.parent.append(parent)
-        self.depth.append(self.depth[parent] + 1)
-        self.score.append(score)
-        self.rank.append(self._nchild.get(parent, 0))
-        self._nchild[parent] = self.rank[-1] + 1
+    _cache: dict = {}
 
-    def frontier(self, depth: int, width: int, sampled: bool, budget: int) -> list[int]:
-        """The `width` best nodes at `depth` (by cumulative log-probability) to expand next. A sampled tree
-        stops expanding when its node budget is spent (a greedy one is pruned afterwards)."""
-        if sampled and len(self.tok) >= budget:
-            return []
-        level = [j for j, d in enumerate(self.depth) if d == depth]
-        return sorted(sorted(level, key=lambda j: -self.score[j])[:width])
+    @classmethod
+    def get(cls, topk: int, steps: int, nodes: int) -> "TreeLayout":
+        key = (topk, steps, nodes)
+        if key not in cls._cache:
+            cls._cache[key] = cls(topk, steps, nodes)
+        return cls._cache[key]
 
-    def closure(self, sel: list[int]) -> list[int]:
-        nodes = set()
-        for j in sel:
-            while j > 0:
-                nodes.add(j)
-                j = self.parent[j]
-        return sorted(nodes, key=lambda j: (self.depth[j], j))
-
-    def mask(self, nodes: list[int]) -> torch.Tensor:
-        """[n, n] bool: row a sees b iff nodes[b] is nodes[a] or one of its ancestors."""
-        pos = {j: a for a, j in enumerate(nodes)}
-        m = torch.zeros(len(nodes), len(nodes), dtype=torch.bool)
-        for a, j in enumerate(nodes):
-            while j > 0:
-                m[a, pos[j]] = True
-                j = self.parent[j]
-        return m
-
-    def keep(self, budget: int) -> list[int]:
-        """SGLang's final selection: the budget - 1 best non-root nodes, ancestor-closed (a parent scores at
-        least its child's score and sorts first on ties), returned breadth first."""
-        order = sorted(range(1, len(self.tok)), key=lambda j: (-self.score[j], self.depth[j], j))
-        kept = {0}
-        for j in order:
-            if len(kept) >= budget:
+    def __init__(self, topk: int, steps: int, nodes: int) -> None:
+        if topk < 1 or steps < 1 or nodes < 2:
+            raise ValueError(f"tree needs topk >= 1, steps >= 1, nodes >= 2 (got {topk}, {steps}, {nodes})")
+        k = topk
+        self.topk, self.steps, self.nodes = topk, steps, nodes
+        self.size = [1, k] + [k * k] * (steps - 1)  # nodes per level 0..S
+        self.lo = [0, 1]
+        for d in range(2, steps + 1):
+            self.lo.append(self.lo[-1] + self.size[d - 1])
+        self.num_slots = self.lo[steps] + self.size[steps]  # M
+        self.depth = [d for d in range(steps + 1) for _ in range(self.size[d])]
+        self.rank = [0] + [i % k for d in range(1, steps + 1) for i in range(self.size[d])]
+        self.greedy_nodes = min(nodes, self.num_slots)
+        # sampled trees: the root gets min(k, n - 1) children; step t expands the best min(k, level) nodes of level
+        # t (none once the budget is spent), each by min(k, what is left) children, in frontier order
+        valid = [True] + [False] * (self.num_slots - 1)
+        self.s_front = [1] + [0] * (steps - 1)  # frontier nodes per step (step 0: the root)
+        self.s_children = [[0] * k for _ in range(steps)]  # [step][frontier position]
+        count = 1
+        m = min(k, nodes - count)
+        self.s_children[0][0] = m
+        for r in range(m):
+            valid[1 + r] = True
+        count += m
+        for t in range(1, steps):
+            if count >= nodes:
                 break
-            if self.parent[j] in kept:
-                kept.add(j)
-        return sorted(kept, key=lambda j: (self.depth[j], j))
+            lvl = sum(valid[self.lo[t]: self.lo[t] + self.size[t]])
+            self.s_front[t] = min(k, lvl)
+            for f in range(self.s_front[t]):
+                m = max(0, min(k, nodes - count))
+                self.s_children[t][f] = m
+                for r in range(m):
+                    valid[self.lo[t + 1] + f * k + r] = True
+                count += m
+        self.s_valid = valid
+        self.s_nodes = [j for j in range(self.num_slots) if valid[j]]
+        self.s_steps = max(t for t in range(steps) if self.s_front[t] > 0)  # tree steps a sampled tree needs
+        # bank slot of a frontier node (0: the root; 1 + (t-1) k + f: step t's f-th): has it children (sampled)?
+        self.s_bank_children = [self.s_children[0][0] > 0] + [
+            self.s_children[t][f] > 0 for t in range(1, steps) for f in range(k)]
+        self._dev: dict = {}
+
+    def consts(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """Index tensors on the device (made once, outside any capture)."""
+        key = str(device)
+        if key not in self._dev:
+            k, s = self.topk, self.steps
+            rows = max((s - 1) * k, 1)
+            self._dev[key] = dict(
+                depth=torch.tensor(self.depth, dtype=torch.long, device=device),
+                s_valid=torch.tensor(self.s_valid, dtype=torch.bool, device=device),
+                s_nodes=torch.tensor(self.s_nodes, dtype=torch.long, device=device),
+                s_bank_children=torch.tensor(self.s_bank_children, dtype=torch.bool, device=device),
+                row_depth=torch.arange(rows, device=device) // k + 1,  # frontier row -> its depth
+                ar=torch.arange(max(self.num_slots, rows) + 2, device=device),
+            )
+        return self._dev[key]
+
+
+class _Sampling:
+    """What the eager (non-graph) tree needs beyond greedy: per request a greedy flag, the sampling parameters,
+    uniforms per slot (drawn on the host from each request's generator, in node order), the root tokens, and
+    an optional grammar hook(step, parents, full logits, tok, par) that masks `full` in place."""
+
+    def __init__(self, greedy, st, u, roots, hook=None, all_sampled: bool = False) -> None:
+        self.greedy, self.st, self.u, self.roots, self.hook = greedy, st, u, roots, hook
+        self.all_sampled = all_sampled  # no greedy request: stop once the sampled trees' budget is spent
+
+
+class DeviceTree:
+    """A drafted tree batch on the device (fixed shapes), plus its host copy after the one read.
+
+    nodes [R, n]: kept node ids (root first, ascending = breadth first); tokens [R, n] (column 0 unset: the
+    root's token is the host's); parents [R, n]: parent's column (-1 for the root); depth [R, n]; mask
+    [R, n, n]: column j is node i or one of its ancestors (the verify tree mask); probs [R, n, V] (sampled
+    batches only); packed [R, *] float64: tokens, parents, kept scores, every candidate's score and parent."""
+
+    def __init__(self, out: dict[str, torch.Tensor], batch: int, steps_run: int) -> None:
+        self.nodes, self.tokens, self.parents = (out[k][:batch] for k in ("nodes", "tokens", "parents"))
+        self.depth, self.mask, self.packed = out["depth"][:batch], out["mask"][:batch], out["packed"][:batch]
+        self.probs = out["probs"][:batch] if out.get("probs") is not None else None
+        self.steps_run = steps_run
+        self._host = None
+
+    @property
+    def host(self) -> list[list[float]]:
+        if self._host is None:
+            self._host = self.packed.tolist()  # the drafting phase's only synchronisation
+        return self._host
+
+
+def _rank(key: torch.Tensor, tri: torch.Tensor) -> torch.Tensor:
+    """[R, L] -> each entry's place in a stable ascending sort (ties: lower index first), by pairwise
+    comparison: fixed shapes, elementwise kernels, identical on every device (no sort kernel)."""
+    a, b = key[:, :, None], key[:, None, :]  # [R, i, 1], [R, 1, j]
+    return ((b < a) | ((b == a) & tri)).sum(-1)
+
+
+def _first(chosen: torch.Tensor, count: int, first: torch.Tensor | None = None) -> torch.Tensor:
+    """[R, L] bool with `count` True per row -> their indices [R, count], ascending (entries with `first` False
+    after those with it True)."""
+    r, n = chosen.shape
+    if first is None:
+        pos = chosen.long().cumsum(1) - 1
+    else:
+        a, b = chosen & first, chosen & ~first
+        pos = torch.where(a, a.long().cumsum(1) - 1, a.long().sum(1, keepdim=True) + b.long().cumsum(1) - 1)
+    pos = torch.where(chosen, pos, torch.full_like(pos, count))
+    out = torch.zeros(r, count + 1, dtype=torch.long, device=chosen.device)
+    out.scatter_(1, pos, torch.arange(n, device=chosen.device).expand(r, n))
+    return out[:, :count]
+
+
+def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root_logits: torch.Tensor,
+              ctx: torch.Tensor, tables: torch.Tensor, block_size: int, max_seq_len: int,
+              sample: _Sampling | None = None) -> dict[str, torch.Tensor]:
+    """The dynamic tree of R requests, with fixed-shape torch ops only (no host reads, no data-dependent shapes):
+    capturable in one CUDA graph when `sample` is None (every request greedy, no grammar).
+
+    root_out [R, H], root_logits [R, Vd]: the draft extend's last row (the root's output and its children's
+    logits); ctx [R]: rows in the head's cache (the root's row is ctx - 1); tables [R, W]: the head's block tables
+    (the tree's scratch rows ctx .. ctx + K (S-1) - 1 reserved). Step t (1..S-1) selects the K best nodes of level
+    t (cumulative log-probability, float64, ties to the lower id) and runs the head over every frontier node of
+    steps 1..t (K t rows per request, at positions ctx - 1 + depth, each seeing the committed rows and its own
+    ancestors: the tree mask), whose last K outputs give the next level. Greedy requests keep the n - 1 best
+    candidates (ancestor-closed: a parent never scores below its child and sorts first on ties)."""
+    dev = root_out.device
+    c = lay.consts(dev)
+    r_, k, s = root_out.shape[0], lay.topk, lay.steps
+    m_, hid = lay.num_slots, root_out.shape[1]
+    rows_max = max((s - 1) * k, 1)
+    full_path = sample is not None
+    steps_run = lay.s_steps if sample is not None and sample.all_sampled else s - 1
+    tok = torch.zeros(r_, m_, dtype=torch.long, device=dev)
+    if sample is not None:
+        tok[:, 0] = sample.roots
+    score = torch.zeros(r_, m_, dtype=torch.float64, device=dev)
+    par = torch.full((r_, m_), -1, dtype=torch.long, device=dev)
+    bank = torch.zeros(r_, 1 + rows_max, hid, dtype=root_out.dtype, device=dev)  # expanded nodes' outputs
+    bank[:, 0] = root_out
+    anc = torch.zeros(r_, rows_max, rows_max, dtype=torch.bool, device=dev)  # frontier row sees frontier row
+    front = torch.zeros(r_, rows_max, dtype=torch.long, device=dev)  # frontier row -> node id
+    fpar = torch.zeros(r_, rows_max, dtype=torch.long, device=dev)  # frontier row -> its feature's bank slot
+    qbank = None
+    valid = None
+    if sample is not None:
+        g = sample.greedy[:, None]
+        valid = g | c["s_valid"][None, :]  # [R, M]
+        qbank = torch.zeros(r_, 1 + rows_max, head.vocab_size, dtype=torch.float32, device=dev)
+
+    def expand(t: int, parents: torch.Tensor, logits: torch.Tensor) -> None:
+        """Children of the level-t parents [R, P] (rows of logits in order) into level t + 1."""
+        p = parents.shape[1]
+        lo = lay.lo[t + 1]
+        if not full_path:  # greedy only: top-k over the draft vocabulary
+            top = logits.float().log_softmax(-1).topk(k, dim=-1)
+            ids, lp = head.draft_to_target[top.indices], top.values
+        else:
+            full = head.to_target_vocab(logits)
+            if sample.hook is not None:
+                sample.hook(t, parents, full, tok, par)
+            st = sample.st
+            q = logits_to_probs(full, st.temperature.repeat_interleave(p), st.top_k.repeat_interleave(p),
+                                st.top_p.repeat_interleave(p), st.min_p.repeat_interleave(p))  # [R P, V]
+            top = full.log_softmax(-1).topk(k, dim=-1)
+            u = sample.u[:, lo: lo + p * k].reshape(-1)
+            drawn = sample_from_probs(q.repeat_interleave(k, 0), u).view(r_ * p, k)
+            lq = q.gather(1, drawn).clamp_min(1e-30).log()
+            gr = sample.greedy.repeat_interleave(p)[:, None]
+            ids, lp = torch.where(gr, top.indices, drawn), torch.where(gr, top.values, lq)
+            slots = 0 if t == 0 else slice(1 + (t - 1) * k, 1 + t * k)
+            qbank[:, slots] = q.view(r_, p, -1) if t else q
+        blk = slice(lo, lo + p * k)
+        tok[:, blk] = ids.reshape(r_, p * k)
+        score[:, blk] = (score.gather(1, parents)[:, :, None] + lp.double().view(r_, p, k)).reshape(r_, p * k)
+        par[:, blk] = parents[:, :, None].expand(r_, p, k).reshape(r_, p * k)
+
+    expand(0, torch.zeros(r_, 1, dtype=torch.long, device=dev), root_logits)
+    for t in range(1, steps_run + 1):
+        lo, size = lay.lo[t], lay.size[t]
+        key = -score[:, lo: lo + size] + 0.0  # + 0.0: no -0.0
+        ok = None
+        if valid is not None:
+            ok = valid[:, lo: lo + size]
+            key = torch.where(ok, key, torch.full_like(key, float("inf")))
+        tri = c["ar"][None, :size] < c["ar"][:size, None]  # [i, j]: j < i
+        chosen = _rank(key, tri[None]) < k
+        sel = _first(chosen, k, ok)  # [R, K] level positions, ascending (sampled: valid ones first)
+        rows = slice((t - 1) * k, t * k)
+        front[:, rows] = lo + sel
+        ar_k = c["ar"][:k]
+        if t == 1:
+            fpar[:, rows] = 0
+        else:
+            ppos = sel // k  # the parent's frontier position at step t - 1
+            fpar[:, rows] = 1 + (t - 2) * k + ppos
+            anc[:, rows] = anc.gather(1, ((t - 2) * k + ppos)[:, :, None].expand(r_, k, rows_max))
+        anc[:, (t - 1) * k + ar_k, (t - 1) * k + ar_k] = True
+        # the head over the frontier rows of steps 1..t
+        n = t * k
+        ids = tok.gather(1, front[:, :n])  # [R, n]
+        feats = bank.gather(1, fpar[:, :n, None].expand(r_, n, hid)).reshape(r_ * n, hid)
+        positions = (ctx[:, None] - 1 + c["row_depth"][None, :n]).reshape(-1)
+        cpos = ctx[:, None] + c["ar"][None, :n]
+        slots = (tables.gather(1, cpos // block_size) * block_size + cpos % block_size).reshape(-1)
+        meta = AttnMetadata(query_start_loc=torch.arange(r_ + 1, device=dev) * n,
+                            seq_lens=ctx + n, block_tables=tables, slot_mapping=slots, max_query_len=n,
+                            max_seq_len=max_seq_len, tree_mask=anc[:, :n, :n].reshape(r_ * n, n))
+        want = (torch.arange(r_, device=dev)[:, None] * n + (t - 1) * k + ar_k[None, :]).reshape(-1)
+        out, logits = head(ids.reshape(-1), feats, positions, meta, kv, False, rows=want)
+        bank[:, 1 + (t - 1) * k: 1 + t * k] = out.view(r_, k, hid)
+        expand(t, lo + sel, logits)
+
+    # final selection: greedy trees keep the n - 1 best candidates (SGLang's), sampled trees every valid slot
+    key = -score[:, 1:] + 0.0
+    tri = c["ar"][None, : m_ - 1] < c["ar"][: m_ - 1, None]
+    ng = lay.greedy_nodes
+    kept = _first(_rank(key, tri[None]) < ng - 1, ng - 1) + 1  # [R, n - 1] ascending ids
+    nodes = torch.cat([torch.zeros(r_, 1, dtype=torch.long, device=dev), kept], 1)
+    n_out = ng
+    if sample is not None:
+        ns = len(lay.s_nodes)
+        n_out = max(ng, ns)
+        pad = lambda x, fill: torch.cat([x, torch.full((r_, n_out - x.shape[1]), fill, dtype=x.dtype, device=dev)], 1)  # noqa: E731
+        nodes = torch.where(sample.greedy[:, None], pad(nodes, m_), pad(c["s_nodes"][None].expand(r_, ns), m_))
+    nodes_c = nodes.clamp_max(m_ - 1)
+    inv = torch.full((r_, m_ + 1), -1, dtype=torch.long, device=dev)
+    inv.scatter_(1, nodes, torch.arange(n_out, device=dev).expand(r_, n_out))
+    pnode = par.gather(1, nodes_c)
+    parents = torch.where(pnode >= 0, inv.gather(1, pnode.clamp_min(0)), torch.full_like(pnode, -1))
+    parents[:, 0] = -1
+    tokens = tok.gather(1, nodes_c)
+    depth = c["depth"][nodes_c]
+    cols = torch.arange(n_out, device=dev)
+    mask = cols[None, :, None] == cols[None, None, :]  # [1, i, j]: self
+    mask = mask.expand(r_, n_out, n_out).clone()
+    cur = cols[None].expand(r_, n_out)
+    for _ in range(s):
+        cur = torch.where(cur >= 0, parents.gather(1, cur.clamp_min(0)), cur)
+        mask |= (cur[:, :, None] == cols[None, None, :]) & (cur[:, :, None] >= 0)
+    probs = None
+    if qbank is not None:
+        fslot = torch.full((r_, m_ + 1), -1, dtype=torch.long, device=dev)
+        fslot[:, 0] = 0
+        nf = steps_run * k
+        if nf:
+            fslot.scatter_(1, front[:, :nf], 1 + torch.arange(nf, device=dev).expand(r_, nf))
+        bslot = fslot.gather(1, nodes_c)  # bank slot of each kept node if it was expanded, else -1
+        has = (bslot >= 0) & c["s_bank_children"][bslot.clamp_min(0)] & (nodes < m_)
+        probs = qbank.gather(1, bslot.clamp_min(0)[:, :, None].expand(r_, n_out, qbank.shape[-1]))
+        probs = probs * has[:, :, None]
+    packed = torch.cat([tokens.double(), parents.double(), score.gather(1, nodes_c), score, par.double()], 1)
+    return dict(nodes=nodes, tokens=tokens, parents=parents, depth=depth, mask=mask, probs=probs, packed=packed)
+
+
+class _Captured:
+    def __init__(self, graph, body, out) -> None:
+        self.graph, self.body, self.out = graph, body, out
+
+
+class _StaticDrafting:
+    """Static buffers for the drafting phase and its CUDA graphs (as forerun/runtime/cuda_graph.py captures the
+    target's steps: warm-up on a side stream, inputs copied into static tensors, outputs read from the graph's).
+
+    Extend: every request feeds q_e rows (its missing committed rows, then padding rows in scratch positions
+    after them that nothing reads), one graph per (batch bucket, q_e <= max_extend); the root's output and logits
+    land in `root_out` / `root_logits`. Tree: one graph per (batch bucket, tree shape) over those buffers.
+    Padding sequences of a bucket live in KV block 0 (the pool never hands it out), as the target's do."""
+
+    def __init__(self, drafter: "EagleDrafter", batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
+                 max_extend: int = MAX_EXTEND) -> None:
+        runner, head = drafter.cache, drafter.head
+        self.drafter, self.head, self.kv = drafter, head, runner.kv
+        dev = self.device = runner.device
+        self.bs = runner.kv.block_size
+        self.max_seqs = runner.buffers.max_seqs
+        self.width = runner.buffers.max_blocks
+        self.max_seq_len = self.width * self.bs
+        self.batch_sizes = tuple(b for b in sorted(set(batch_sizes)) if b <= self.max_seqs)
+        self.max_extend = max_extend
+        big = self.batch_sizes[-1] if self.batch_sizes else 1
+        i64 = dict(dtype=torch.long, device=dev)
+        self.ids = torch.zeros(big * max_extend, **i64)
+        self.feats = torch.zeros(big * max_extend, head.eagle.feature_size, dtype=drafter.head_dtype, device=dev)
+        self.lo = torch.zeros(self.max_seqs, **i64)
+        self.nlast = torch.zeros(self.max_seqs, **i64)
+        self.ctx = torch.zeros(self.max_seqs, **i64)
+        self.tables = torch.zeros(self.max_seqs, self.width, **i64)
+        self.root_out = torch.zeros(self.max_seqs, head.config.hidden_size, dtype=drafter.head_dtype, device=dev)
+        self.root_logits = torch.zeros(self.max_seqs, head.draft_vocab_size, dtype=torch.float32, device=dev)
+        self.graphs: dict[tuple, _Captured] = {}
+        self._pool = None
+        self.replays = 0
+
+    def bucket(self, n: int) -> int | None:
+        return next((b for b in self.batch_sizes if b >= n), None)
+
+    # -- bodies (fixed shapes over the static buffers) ---------------------------------------------------------
+    def _extend_body(self, b: int, qe: int):
+        head, kv, bs = self.head, self.kv, self.bs
+        dev = self.device
+
+        def body() -> None:
+            ar = torch.arange(qe, device=dev)
+            pos = self.lo[:b, None] + ar[None, :]  # [b, qe]
+            tables = self.tables[:b]
+            slots = tables.gather(1, pos // bs) * bs + pos % bs
+            meta = AttnMetadata(query_start_loc=torch.arange(b + 1, device=dev) * qe, seq_lens=self.lo[:b] + qe,
+                                block_tables=tables, slot_mapping=slots.reshape(-1), max_query_len=qe,
+                                max_seq_len=self.max_seq_len)
+            rows = torch.arange(b, device=dev) * qe + self.nlast[:b]
+            out, logits = head(self.ids[: b * qe], self.feats[: b * qe], pos.reshape(-1), meta, kv, True, rows=rows)
+            self.root_out[:b].copy_(out)
+            self.root_logits[:b].copy_(logits)
+
+        return body
+
+    def _tree_body(self, lay: TreeLayout, b: int, sample: _Sampling | None = None):
+        def body() -> dict[str, torch.Tensor]:
+            return grow_tree(self.head, self.kv, lay, self.root_out[:b], self.root_logits[:b], self.ctx[:b],
+                             self.tables[:b], self.bs, self.max_seq_len, sample)
+
+        return body
+
+    # -- capture ---------------------------------------------------------------------------------------------
+    def _dummy(self, b: int, qe: int) -> None:
+        """An all-padding batch (block 0 only) for warm-up and capture."""
+        self.tables[:b].zero_()
+        self.lo[:b].zero_()
+        self.nlast[:b].fill_(qe - 1)
+        self.ctx[:b].fill_(qe)
+        self.ids[: b * qe].zero_()
+        self.feats[: b * qe].zero_()
+
+    def _get(self, key: tuple, body, b: int, qe: int) -> _Captured:
+        cap = self.graphs.get(key)
+        if cap is not None:
+            return cap
+        if self.device.type != "cuda":  # CPU (tests): the same bodies and bucket padding, run eagerly
+            cap = self.graphs[key] = _Captured(None, body, None)
+            return cap
+        with torch.inference_mode():
+            self._dummy(b, qe)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # compiles Triton kernels, sets up cuBLAS
+                    body()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = body()
+        cap = self.graphs[key] = _Captured(graph, body, out)
+        return cap
+
+    def _replay(self, cap: _Captured):
+        self.replays += 1
+        if cap.graph is None:
+            with torch.inference_mode():
+                return cap.body()
+        cap.graph.replay()
+        return cap.out
+
+    # -- the two phases ----------------------------------------------------------------------------------------
+    def _fill_ints(self, n: int, b: int, lo: list[int], nlast: list[int], ctx: list[int], reqs: list[Request]) -> None:
+        """lo / nlast / ctx and block tables of n real sequences (one host -> device copy), padding up to b."""
+        kv = self.kv
+        tables = [kv.blocks(r.req_id) for r in reqs]
+        w = max(len(t) for t in tables)
+        flat = [x for t in tables for x in t + [0] * (w - len(t))]
+        dev = h2d(lo + nlast + ctx + flat, self.device, torch.long)
+        parts = dev.split([n, n, n, n * w])
+        self.lo[:n].copy_(parts[0])
+        self.nlast[:n].copy_(parts[1])
+        self.ctx[:n].copy_(parts[2])
+        self.tables[:n, :w].copy_(parts[3].view(n, w))
+        if b > n:  # padding sequences: block 0 only
+            self.tables[n:b].zero_()
+            self.lo[n:b].zero_()
+            self.ctx[n:b].fill_(1)
+
+    def extend(self, reqs: list[Request], ranges: list[tuple[int, int]], graphs: bool) -> None:
+        """Feed the rows each request misses; the root's output / logits into root_out / root_logits[:len]."""
+        d = self.drafter
+        n = len(reqs)
+        qe = max(hi - lo for lo, hi in ranges)
+        b = self.bucket(n) if graphs else n
+        if qe > self.max_extend or b is None or b * qe > self.ids.numel():  # long or big: one ragged forward
+            out, logits = d._extend(reqs, ranges)
+            self.root_out[:n].copy_(out)
+            self.root_logits[:n].copy_(logits)
+            self._fill_ints(n, self.bucket(n) if graphs and self.bucket(n) else n, [lo for lo, _ in ranges],
+                            [0] * n, [hi for _, hi in ranges], reqs)
+            return
+        body = self._extend_body(b, qe)
+        cap = self._get(("extend", b, qe), body, b, qe) if graphs else None
+        ids, feats = [], []
+        zf = self.feats[:0]
+        for r, (lo, hi) in zip(reqs, ranges):
+            s0, f = d._feats[r.req_id]
+            m = hi - lo
+            ids += r.all_tokens[lo + 1: hi + 1] + [0] * (qe - m)
+            feats.append(f[lo - s0: hi - s0])
+            if m < qe:
+                feats.append(torch.zeros(qe - m, f.shape[1], dtype=zf.dtype, device=zf.device))
+        if b > n:
+            ids += [0] * ((b - n) * qe)
+            feats.append(torch.zeros((b - n) * qe, zf.shape[1], dtype=zf.dtype, device=zf.device))
+        self.ids[: b * qe].copy_(h2d(ids, self.device, torch.long))
+        self.feats[: b * qe].copy_(torch.cat(feats))
+        self._fill_ints(n, b, [lo for lo, _ in ranges], [hi - lo - 1 for lo, hi in ranges],
+                        [hi for _, hi in ranges], reqs)
+        if b > n:
+            self.nlast[n:b].fill_(qe - 1)
+        if cap is None:
+            with torch.inference_mode():
+                body()
+        else:
+            self._replay(cap)
+
+    def tree_graph(self, lay: TreeLayout, n: int) -> DeviceTree:
+        """The greedy tree of n requests from the static buffers: a graph replay (bucket padded)."""
+        b = self.bucket(n)
+        if b is None:
+            return self.tree_eager(lay, n, None)
+        key = ("tree", b, lay.topk, lay.steps, lay.nodes)
+        cap = self.graphs.get(key)
+        if cap is None:  # capture over a dummy batch, then put this round's inputs back
+            saved = [x[:b].clone() for x in (self.lo, self.nlast, self.ctx, self.tables, self.root_out,
+                                              self.root_logits)]
+            cap = self._get(key, self._tree_body(lay, b), b, 1)
+            for x, y in zip((self.lo, self.nlast, self.ctx, self.tables, self.root_out, self.root_logits), saved):
+                x[:b].copy_(y)
+        return DeviceTree(self._replay(cap), n, lay.steps - 1)
+
+    def tree_eager(self, lay: TreeLayout, n: int, sample: _Sampling | None) -> DeviceTree:
+        with torch.inference_mode():
+            out = self._tree_body(lay, n, sample)()
+        steps = lay.s_steps if sample is not None and sample.all_sampled else lay.steps - 1
+        return DeviceTree(out, n, steps)

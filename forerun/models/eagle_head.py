@@ -198,9 +198,9 @@ class EagleHead(nn.Module):
         x, residual = self._input(input_ids, feats, from_target)
         t = self.target
         a = self.layer.self_attn(x, positions, self.rope, meta, kv, t.backend, t.ops)
+        if rows is not None:  # the MLP only for the rows whose outputs are wanted (rows are independent there)
+            a, residual = a[rows], residual[rows]
         out = self._mlp_tail(a, residual)
-        if rows is not None:
-            out = out[rows]
         return out, self.logits(out)
 
     # -- dense forward (training) --------------------------------------------------------------------

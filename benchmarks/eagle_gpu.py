@@ -2,7 +2,9 @@
 """EAGLE on one CUDA GPU (written for an H200): the head's step cost against the target's decode step, and
 dynamic-tree drafting throughput against its ideal, with random weights and synthetic acceptance.
 
-    python benchmarks/eagle_gpu.py          # from the repo root; ~2-4 minutes on an H200
+    python benchmarks/eagle_gpu.py          # from the repo root; ~3-5 minutes on an H200
+    python benchmarks/eagle_gpu.py --quick  # batches 1 and 16, one tree, fewer rounds: ~1-2 minutes
+    python benchmarks/eagle_gpu.py --draft-only   # only the drafting phase (graph vs eager) per batch and tree
     python benchmarks/eagle_gpu.py --tiny   # tiny shapes (runs on the CPU too): checks every code path
 
 Target: random bf16 weights at Qwen3-8B shape (36 layers, hidden 4096), built on the GPU, with forerun's
@@ -27,6 +29,12 @@ run actually drew instead of the expectation (the same at many rounds; less nois
 The random head's logits are replaced by ones whose top-k probabilities are q (`calibrate_head`), so the
 dynamic tree keeps what a head as confident as it is right would keep; the head's forward still runs in full.
 
+Drafting modes: `graph` (the default on CUDA: the draft extend and the whole dynamic tree each replay one CUDA
+graph, the tree built on the device, one host read at the end) and `eager` (the same device code launched op by
+op: `EagleDrafter(cuda_graphs=False)`); each tree row is measured in both. The drafting phase alone
+(`propose_tree` back to back, its wall time including the final read) is reported against its ideal (the head's
+extend + tree steps, each timed alone).
+
 Also: the head step cost per batch size vs the target decode step, and the draft budget
 (forerun/drafters/eagle_budget.py) that the measured costs give per batch size.
 
@@ -49,7 +57,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from forerun.config import CacheConfig, ModelConfig  # noqa: E402
-from forerun.drafters.eagle import EagleDrafter, _Tree  # noqa: E402
+from forerun.devices import h2d  # noqa: E402
+from forerun.drafters.eagle import EagleDrafter  # noqa: E402
 from forerun.drafters.eagle_budget import TreeBudget, TreeBudgetPolicy  # noqa: E402
 from forerun.models.eagle_head import EagleConfig, EagleHead  # noqa: E402
 from forerun.models.layers import RotaryEmbedding  # noqa: E402
@@ -115,20 +124,24 @@ def build_head(target: LlamaForCausalLM, draft_vocab: int, device: torch.device,
 
 def calibrate_head(head: EagleHead, q: list[float], seed: int) -> None:
     """Make the random head's confidence its synthetic acceptance: every row's draft distribution puts q_r on
-    k random tokens (ranks 0..k-1) and spreads the rest thinly, so the dynamic tree keeps the nodes a head
-    calibrated like the synthetic target would keep (with a raw random head every child is ~1/Vd, and the
-    trees come out shallow and wide). The head's own forward still runs in full; only its logits are replaced."""
+    k pseudo-random tokens (ranks 0..k-1; a hash of the row's token and position, so no RNG and capturable in a
+    CUDA graph) and spreads the rest thinly, so the dynamic tree keeps the nodes a head calibrated like the
+    synthetic target would keep (with a raw random head every child is ~1/Vd, and the trees come out shallow and
+    wide). The head's own forward still runs in full; only its logits are replaced."""
     forward = head.forward
     k = len(q)
-    gen = torch.Generator(device=head.fc.weight.device).manual_seed(seed)
+    dev = head.fc.weight.device
+    logq = torch.tensor([math.log(max(x, 1e-12)) for x in q], device=dev)  # made outside any capture
+    spread = torch.arange(k, device=dev) * 1009 + seed
 
-    def calibrated(*a, **kw):
-        out, logits = forward(*a, **kw)
-        rows, vd = logits.shape
+    def calibrated(input_ids, feats, positions, meta, kv, from_target, rows=None):
+        out, logits = forward(input_ids, feats, positions, meta, kv, from_target, rows=rows)
+        n, vd = logits.shape
+        ids, pos = (input_ids, positions) if rows is None else (input_ids[rows], positions[rows])
+        h = (ids * 7919 + pos * 104729) % vd
         rest = max(1.0 - sum(q), 1e-6) / max(vd - k, 1)
-        fake = torch.full((rows, vd), math.log(rest), device=logits.device, dtype=torch.float32)
-        ids = torch.rand(rows, vd, device=logits.device, generator=gen).topk(k, dim=-1).indices
-        fake.scatter_(1, ids, torch.tensor([math.log(max(x, 1e-12)) for x in q], device=logits.device).expand(rows, k))
+        fake = torch.full((n, vd), math.log(rest), device=logits.device, dtype=torch.float32)
+        fake.scatter_(1, (h[:, None] + spread[None, :]) % vd, logq.expand(n, k))
         return out, fake.to(logits.dtype)
 
     head.forward = calibrated
@@ -262,13 +275,16 @@ def prefill(runner: ModelRunner, drafter: EagleDrafter | None, reqs: list[Reques
 
 
 def tree_round(runner: ModelRunner, drafter: EagleDrafter, reqs: list[Request], q: list[float],
-               rng: np.random.Generator) -> tuple[int, float]:
+               rng: np.random.Generator) -> tuple[int, float, float]:
     """One round as the engine's TreeRound runs it (propose_tree -> one target forward with the tree masks and
     the head's feature layers -> tree verification -> move / truncate -> target states to the drafter), with
-    the drawn path instead of the verdict. Returns (tokens committed, expected tokens of the trees)."""
+    the drawn path instead of the verdict. Returns (tokens committed, expected tokens of the trees, seconds of
+    the drafting phase: propose_tree's wall time, which ends with its one host read)."""
     kv = runner.kv
     device = runner.device
+    t0 = time.perf_counter()
     prop = drafter.propose_tree(reqs)
+    draft_s = time.perf_counter() - t0
     chunks, bases, expect = [], [], 0.0
     for r, toks, par in zip(reqs, prop.tokens, prop.parents):
         base = kv.length(r.req_id)
@@ -291,11 +307,11 @@ def tree_round(runner: ModelRunner, drafter: EagleDrafter, reqs: list[Request], 
                             tree_mask=full if n > 1 or c else None, logits=n))
         expect += expected_tokens(par, q)
     out, starts = runner.forward(chunks, hidden_layers=drafter.target_hidden_layers)
-    flat_tok = torch.tensor([t for toks in prop.tokens for t in toks], device=device)
-    flat_par = torch.tensor([p for par in prop.parents for p in par], device=device)
+    flat_tok = h2d([t for toks in prop.tokens for t in toks], device, torch.long)
+    flat_par = h2d([p for par in prop.parents for p in par], device, torch.long)
     # the real verification (its verdict is then replaced by the drawn path)
-    res = verify_tree(out.logits, flat_tok, flat_par, torch.tensor(starts, device=device),
-                      torch.tensor([len(t) for t in prop.tokens], device=device),
+    res = verify_tree(out.logits, flat_tok, flat_par, h2d(starts, device, torch.long),
+                      h2d([len(t) for t in prop.tokens], device, torch.long),
                       SamplingTensors.from_params([r.params for r in reqs], device),
                       torch.rand(flat_tok.numel(), 2, device=device),
                       draft_probs=torch.cat([p.to(device) for p in prop.probs]), rule="auto")
@@ -314,14 +330,14 @@ def tree_round(runner: ModelRunner, drafter: EagleDrafter, reqs: list[Request], 
         states.append(rows)
         r.output_token_ids.extend([toks[j] for j in path[1:]] + [max(bonus[i], 0)])
         committed += a + 1
-    flat_rows = torch.tensor([x for rows in states for x in rows], device=device)
+    flat_rows = h2d([x for rows in states for x in rows], device, torch.long)
     sel = {l: h[flat_rows] for l, h in hs.items()}
     per, at = [], 0
     for rows in states:
         per.append({l: h[at: at + len(rows)] for l, h in sel.items()})
         at += len(rows)
     drafter.observe_target(reqs, per, bases)
-    return committed, expect
+    return committed, expect, draft_s
 
 
 def plain_round(runner: ModelRunner, reqs: list[Request]) -> int:
@@ -363,9 +379,11 @@ def target_verify_ms(runner: ModelRunner, reqs: list[Request], nodes: int, layer
     return ms
 
 
-def head_step_ms(drafter: EagleDrafter, reqs: list[Request], rows: int, inner: int, from_target: bool = False) -> float:
+def head_step_ms(drafter: EagleDrafter, reqs: list[Request], rows: int, inner: int, from_target: bool = False,
+                 want: int | None = None) -> float:
     """One head forward over `rows` rows per request (tree step: the head's own outputs as features; the draft
-    extend: from_target), timed alone."""
+    extend: from_target), timed alone (eagerly). want: output rows per request (MLP + lm_head; default all rows;
+    a tree step wants topk, the extend 1)."""
     cache = drafter.cache
     kv = cache.kv
     lens = {}
@@ -377,7 +395,7 @@ def head_step_ms(drafter: EagleDrafter, reqs: list[Request], rows: int, inner: i
         n0 = lens[r.req_id]
         mask = torch.ones(rows, rows, dtype=torch.bool).tril() if rows > 1 else None
         chunks.append(Chunk(r.req_id, [r.all_tokens[-1]] * rows, positions=list(range(n0, n0 + rows)),
-                            tree_mask=mask, logits=rows))
+                            tree_mask=mask, logits=want or rows))
     step = cache.prepare(chunks)
     head = drafter.head
     width = head.eagle.feature_size if from_target else head.config.hidden_size
@@ -391,6 +409,21 @@ def head_step_ms(drafter: EagleDrafter, reqs: list[Request], rows: int, inner: i
     for sid, n in lens.items():
         kv.truncate(sid, n)
     return ms
+
+
+def draft_phase_ms(drafter: EagleDrafter, reqs: list[Request], inner: int, outer: int = 5) -> float:
+    """The drafting phase alone: propose_tree back to back (each call re-feeds the root row, drafts the whole tree
+    and ends with its one host read), wall time per call (ms), median of `outer` runs after a warm-up (which
+    also captures the graphs)."""
+    for _ in range(3):
+        drafter.propose_tree(reqs)
+    times = []
+    for _ in range(outer):
+        t = time.perf_counter()
+        for _ in range(inner):
+            drafter.propose_tree(reqs)
+        times.append(1e3 * (time.perf_counter() - t) / inner)
+    return float(np.median(times))
 
 
 # -- main ----------------------------------------------------------------------------------------------------
@@ -410,9 +443,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds per configuration (default 60)")
     ap.add_argument("--context", type=int, default=None, help="prompt tokens per request (default 256)")
     ap.add_argument("--draft-vocab", type=int, default=None, help="head draft vocabulary (default 32000)")
-    ap.add_argument("--no-graphs", action="store_true", help="the target eager (no CUDA graphs)")
+    ap.add_argument("--no-graphs", action="store_true", help="the target eager (no CUDA graphs; drafting eager too)")
+    ap.add_argument("--quick", action="store_true", help="batches 1,16, tree 4,4,16, 20 rounds, context 128")
+    ap.add_argument("--draft-only", action="store_true",
+                    help="time only the drafting phase (graph vs eager) per batch and tree; no rounds")
+    ap.add_argument("--modes", default=None, help="drafting modes, comma list of graph,eager (default both on CUDA)")
     args = ap.parse_args()
     tiny = args.tiny
+    if args.quick:
+        args.batches = args.batches or "1,16"
+        args.trees = args.trees or "4,4,16"
+        args.rounds = args.rounds or 20
+        args.context = args.context or 128
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -425,12 +467,13 @@ def main() -> None:
     context = args.context or (48 if tiny else 256)
     draft_vocab = args.draft_vocab or (512 if tiny else 32000)
     inner = 3 if tiny else 20
+    modes = (args.modes or ("graph,eager" if cuda and not args.no_graphs else "eager")).split(",")
     q = rank_probs(args.accept, args.rho, max(t.topk for t in trees))
     torch.manual_seed(0)
     res: dict = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), torch=torch.__version__,
                      device=torch.cuda.get_device_name(0) if cuda else "cpu", tiny=tiny, context=context,
                      accept=args.accept, rho=args.rho, rank_probs=[round(x, 4) for x in q], rounds=rounds,
-                     batches=batches, draft_vocab=draft_vocab)
+                     batches=batches, draft_vocab=draft_vocab, modes=modes, quick=args.quick)
     log(f"{res['device']}  torch {torch.__version__}  synthetic q_r = {[round(x, 3) for x in q]}")
 
     shape = TINY if tiny else QWEN3_8B
@@ -457,7 +500,7 @@ def main() -> None:
     log(f"target {res['target']}, head {res['head']}, graphs {runner.graphs is not None}")
 
     next_id = 0
-    rows_out, costs, head_costs = [], {}, []
+    rows_out, costs, head_costs, drafts = [], {}, [], []
     for b in batches:
         # plain decoding (the baseline) and the target's isolated costs at this batch
         reqs = make_requests(b, context, shape["vocab_size"], seed=b, first_id=next_id)
@@ -490,42 +533,59 @@ def main() -> None:
         log(f"b={b}: head step " + ", ".join(f"{k[5:-3]} {v:.3f} ms" for k, v in hc.items() if k.startswith("step_"))
             + f", extend {hc['extend_2rows_ms']:.3f} ms; target decode {tv[1]:.2f} ms (c = {hc['c']:.3f})")
 
-        # dynamic trees with synthetic acceptance vs their ideal
+        # dynamic trees with synthetic acceptance vs their ideal, per drafting mode (graph / eager)
         for shape_t in trees:
             drafter.tree_topk, drafter.tree_steps, drafter.tree_nodes = shape_t.topk, shape_t.steps, shape_t.nodes
-            rng = np.random.default_rng(1000 * b + shape_t.nodes)
-            for _ in range(warm):
-                tree_round(runner, drafter, reqs, q, rng)
-            sync(device)
-            t = time.perf_counter()
-            committed, expect, step_s = 0, 0.0, []
-            for _ in range(rounds):
-                c_, e_ = tree_round(runner, drafter, reqs, q, rng)
-                committed += c_
-                expect += e_
-            sync(device)
-            secs = time.perf_counter() - t
-            tok_round = committed / (rounds * b)
-            exp_round = expect / (rounds * b)
-            head_ms = hc["extend_2rows_ms"] + sum(
-                head_step_ms(drafter, reqs, shape_t.topk * d, max(1, inner // 4)) for d in range(1, shape_t.steps))
-            round_ms = tv[shape_t.nodes] + head_ms
-            ideal = b * exp_round / (round_ms * 1e-3)
-            ideal_real = b * tok_round / (round_ms * 1e-3)
-            row = dict(batch=b, topk=shape_t.topk, steps=shape_t.steps, nodes=shape_t.nodes,
-                       tok_s=committed / secs, round_ms=1e3 * secs / rounds, ideal_round_ms=round_ms,
-                       ideal_head_ms=head_ms, ideal_verify_ms=tv[shape_t.nodes],
-                       expected_tokens_per_round=exp_round, tokens_per_round=tok_round,
-                       ideal_tok_s=ideal, fraction_of_ideal=committed / secs / ideal,
-                       ideal_realized_tok_s=ideal_real, fraction_realized=committed / secs / ideal_real,
-                       speedup_vs_plain=committed / secs / costs[b]["plain_tok_s"])
-            rows_out.append(row)
-            log(f"b={b} tree {shape_t.topk},{shape_t.steps},{shape_t.nodes}: {row['tok_s']:.1f} tok/s, "
-                f"{row['round_ms']:.2f} ms/round (ideal {round_ms:.2f}), {tok_round:.2f} tok/round "
-                f"(E {exp_round:.2f}); {100 * row['fraction_realized']:.1f}% of ideal, "
-                f"{row['speedup_vs_plain']:.2f}x plain")
+            head_ms = head_step_ms(drafter, reqs, 2, inner, from_target=True, want=1) + sum(
+                head_step_ms(drafter, reqs, shape_t.topk * d, max(1, inner // 4), want=shape_t.topk)
+                for d in range(1, shape_t.steps))
+            for mode in modes:
+                drafter.cuda_graphs = None if mode == "graph" else False
+                draft_alone = draft_phase_ms(drafter, reqs, inner)
+                drafts.append(dict(batch=b, topk=shape_t.topk, steps=shape_t.steps, nodes=shape_t.nodes, mode=mode,
+                                   draft_ms=draft_alone, ideal_draft_ms=head_ms,
+                                   fraction_of_ideal=head_ms / draft_alone))
+                log(f"b={b} tree {shape_t.topk},{shape_t.steps},{shape_t.nodes} [{mode}]: drafting phase alone "
+                    f"{draft_alone:.3f} ms (ideal {head_ms:.3f} ms: {100 * head_ms / draft_alone:.1f}%)")
+                if args.draft_only:
+                    continue
+                rng = np.random.default_rng(1000 * b + shape_t.nodes)
+                for _ in range(warm):
+                    tree_round(runner, drafter, reqs, q, rng)
+                sync(device)
+                t = time.perf_counter()
+                committed, expect, draft_s = 0, 0.0, 0.0
+                for _ in range(rounds):
+                    c_, e_, d_ = tree_round(runner, drafter, reqs, q, rng)
+                    committed += c_
+                    expect += e_
+                    draft_s += d_
+                sync(device)
+                secs = time.perf_counter() - t
+                tok_round = committed / (rounds * b)
+                exp_round = expect / (rounds * b)
+                round_ms = tv[shape_t.nodes] + head_ms
+                ideal = b * exp_round / (round_ms * 1e-3)
+                ideal_real = b * tok_round / (round_ms * 1e-3)
+                row = dict(batch=b, topk=shape_t.topk, steps=shape_t.steps, nodes=shape_t.nodes, mode=mode,
+                           tok_s=committed / secs, round_ms=1e3 * secs / rounds, ideal_round_ms=round_ms,
+                           ideal_head_ms=head_ms, ideal_verify_ms=tv[shape_t.nodes],
+                           draft_ms=1e3 * draft_s / rounds,
+                           expected_tokens_per_round=exp_round, tokens_per_round=tok_round,
+                           ideal_tok_s=ideal, fraction_of_ideal=committed / secs / ideal,
+                           ideal_realized_tok_s=ideal_real, fraction_realized=committed / secs / ideal_real,
+                           speedup_vs_plain=committed / secs / costs[b]["plain_tok_s"])
+                rows_out.append(row)
+                log(f"b={b} tree {shape_t.topk},{shape_t.steps},{shape_t.nodes} [{mode}]: {row['tok_s']:.1f} tok/s, "
+                    f"{row['round_ms']:.2f} ms/round (ideal {round_ms:.2f}; drafting {row['draft_ms']:.2f}, ideal "
+                    f"{head_ms:.2f}), {tok_round:.2f} tok/round (E {exp_round:.2f}); "
+                    f"{100 * row['fraction_realized']:.1f}% of ideal, {row['speedup_vs_plain']:.2f}x plain")
+            drafter.cuda_graphs = None
         release(runner, drafter, reqs)
-        res.update(costs={str(k): v for k, v in costs.items()}, head_step=head_costs, trees=rows_out)
+        if drafter.static is not None:
+            res["draft_graphs"] = len(drafter.static.graphs)
+        res.update(costs={str(k): v for k, v in costs.items()}, head_step=head_costs, trees=rows_out,
+                   drafting=drafts)
         save(res, args.out)
 
     # the budget the measured costs give (forerun/drafters/eagle_budget.py), for a head whose confidence is
@@ -536,16 +596,19 @@ def main() -> None:
         for k, v in hc.items():
             if k.startswith("step_"):
                 pol.record_head_step(hc["batch"] * int(k[5:-7]), v * 1e-3)
-    cand = _Tree(0)
+    parent, depth, score, rank = [-1], [0], [0.0], [0]  # the candidate tree of a calibrated head
     level = [0]
     for _ in range(big.steps):
         new = []
         for node in level:
             for r in range(big.topk):
-                cand.add(node, 1, cand.score[node] + math.log(max(q[r], 1e-12)))
-                new.append(len(cand.tok) - 1)
-        level = sorted(new, key=lambda j: -cand.score[j])[: big.topk]
-    pol.record_values(pol.tree_values(cand.parent, cand.depth, cand.score, cand.rank))
+                parent.append(node)
+                depth.append(depth[node] + 1)
+                score.append(score[node] + math.log(max(q[r], 1e-12)))
+                rank.append(r)
+                new.append(len(parent) - 1)
+        level = sorted(sorted(new, key=lambda j: -score[j])[: big.topk])
+    pol.record_values(pol.tree_values(parent, depth, score, rank))
     res["budget"] = pol.table(sorted(set(batches) | {1, 2, 4, 8, 16, 32, 64}))
     res["ideal_definition"] = ("B x expected tokens per round (synthetic model, exact over the trees drafted) / "
                                "(target forward over B x nodes rows + head extend + (steps-1) head tree steps, "
@@ -582,13 +645,21 @@ def print_table(res: dict) -> None:
     for hc in res["head_step"]:
         print(f"{hc['batch']:5d} {hc['target_decode_ms']:16.3f} {hc['step_1rows_ms']:20.3f} {hc['c']:6.3f} "
               f"{hc['extend_2rows_ms']:9.3f}")
-    print(f"\n{'batch':>5s} {'tree':>9s} {'tok/s':>9s} {'ideal':>9s} {'%ideal':>7s} {'%ideal(real)':>12s} "
-          f"{'ms/round':>8s} {'ideal ms':>8s} {'tok/round':>9s} {'E':>5s} {'x plain':>7s}")
+    print(f"\n{'batch':>5s} {'tree':>9s} {'mode':>5s} {'tok/s':>9s} {'ideal':>9s} {'%ideal':>7s} {'%ideal(real)':>12s} "
+          f"{'ms/round':>8s} {'ideal ms':>8s} {'draft ms':>8s} {'ideal':>6s} {'tok/round':>9s} {'E':>5s} {'x plain':>7s}")
     for r in res["trees"]:
-        print(f"{r['batch']:5d} {r['topk']},{r['steps']},{r['nodes']:<5d} {r['tok_s']:9.1f} {r['ideal_tok_s']:9.1f} "
-              f"{100 * r['fraction_of_ideal']:6.1f}% {100 * r['fraction_realized']:11.1f}% {r['round_ms']:8.2f} "
-              f"{r['ideal_round_ms']:8.2f} {r['tokens_per_round']:9.2f} {r['expected_tokens_per_round']:5.2f} "
+        print(f"{r['batch']:5d} {r['topk']},{r['steps']},{r['nodes']:<5d} {r.get('mode', '-'):>5s} {r['tok_s']:9.1f} "
+              f"{r['ideal_tok_s']:9.1f} {100 * r['fraction_of_ideal']:6.1f}% {100 * r['fraction_realized']:11.1f}% "
+              f"{r['round_ms']:8.2f} {r['ideal_round_ms']:8.2f} {r.get('draft_ms', float('nan')):8.2f} "
+              f"{r['ideal_head_ms']:6.2f} {r['tokens_per_round']:9.2f} {r['expected_tokens_per_round']:5.2f} "
               f"{r['speedup_vs_plain']:7.2f}")
+    if res.get("drafting"):
+        print(f"\ndrafting phase alone (propose_tree back to back, wall ms incl. its one host read) vs its ideal "
+              f"(head extend + tree steps, each timed alone):")
+        print(f"{'batch':>5s} {'tree':>9s} {'mode':>5s} {'draft ms':>9s} {'ideal ms':>9s} {'%ideal':>7s}")
+        for r in res["drafting"]:
+            print(f"{r['batch']:5d} {r['topk']},{r['steps']},{r['nodes']:<5d} {r['mode']:>5s} {r['draft_ms']:9.3f} "
+                  f"{r['ideal_draft_ms']:9.3f} {100 * r['fraction_of_ideal']:6.1f}%")
     print(f"\nbudget from the measured costs (forerun/drafters/eagle_budget.py):")
     for b in res["budget"]:
         print(f"  batch {b['batch']:3d}: topk {b['topk']}, steps {b['steps']}, nodes {b['nodes']:3d} "

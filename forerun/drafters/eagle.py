@@ -470,6 +470,7 @@ class TreeLayout:
                 s_nodes=torch.tensor(self.s_nodes, dtype=torch.long, device=device),
                 s_bank_children=torch.tensor(self.s_bank_children, dtype=torch.bool, device=device),
                 row_depth=torch.arange(rows, device=device) // k + 1,  # frontier row -> its depth
+                eye=torch.eye(rows, dtype=torch.bool, device=device),
                 ar=torch.arange(max(self.num_slots, rows) + 2, device=device),
             )
         return self._dev[key]
@@ -613,7 +614,7 @@ def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root
             ppos = sel // k  # the parent's frontier position at step t - 1
             fpar[:, rows] = 1 + (t - 2) * k + ppos
             anc[:, rows] = anc.gather(1, ((t - 2) * k + ppos)[:, :, None].expand(r_, k, rows_max))
-        anc[:, (t - 1) * k + ar_k, (t - 1) * k + ar_k] = True
+        anc[:, rows] |= c["eye"][rows]  # a frontier row sees itself
         # the head over the frontier rows of steps 1..t
         n = t * k
         ids = tok.gather(1, front[:, :n])  # [R, n]

@@ -35,6 +35,7 @@ from skinny_gemm import bench_graph  # noqa: E402  (benchmarks/skinny_gemm.py)
 from forerun.kernels.quant_gemm import (dequantize_int4, q4_linear, q4w_linear, quantize_int4,  # noqa: E402
                                         repack_int4_w32)
 from forerun.kernels.skinny_gemm import default_config, skinny_linear  # noqa: E402
+from forerun.kernels import pdl  # noqa: E402
 from forerun.models import quant_cuda  # noqa: E402
 from forerun.models.quant_cuda import CudaQ4Linear, config_key, q4_product, quantize_model_cuda  # noqa: E402
 from forerun.runtime.cuda_graph import GraphRunner  # noqa: E402
@@ -77,16 +78,18 @@ def sweep(bw: float, rows: list[int], quick: bool) -> tuple[list[dict], dict]:
             row = {"shape": shape, "n": n, "k": k, "glu": glu, "m": m, "q4_bytes": bytes_,
                    "floor_us": bytes_ / bw * 1e6}
             grid = []
-            for use_dot in ([False, True] if m <= 2 else [True]):
-                for bn in ((16, 32, 64) if use_dot else (4, 8, 16, 32)):
+            if m <= 2:  # the packed-f16 decode kernel, then the first word-layout kernel's winner (first H200 run)
+                grid = [dict(kernel="v", block_n=bn, block_k=bk, use_dot=False, num_warps=nw, num_stages=2)
+                        for bn in (2, 4, 8, 16) for nw in (2, 4, 8) for bk in (1024, 4096)]
+                grid.append(dict(kernel="w", block_n=8, block_k=512, use_dot=False, num_warps=4, num_stages=3))
+            else:
+                for bn in (16, 32, 64):
                     for bk in (256, 512):
                         for stages in (2, 3):
-                            grid.append(dict(kernel="w2", block_n=bn, block_k=bk, use_dot=use_dot, num_warps=4,
+                            grid.append(dict(kernel="w2", block_n=bn, block_k=bk, use_dot=True, num_warps=4,
                                              num_stages=stages))
-            # the first word-layout kernel: the configurations that won its full sweep (first H200 run)
-            grid += [dict(kernel="w", block_n=bn, block_k=bk, use_dot=False, num_warps=4, num_stages=st)
-                     for bn, bk, st in ((8, 512, 3), (16, 256, 4))] if m <= 2 else \
-                    [dict(kernel="w", block_n=32, block_k=bk, use_dot=True, num_warps=4, num_stages=3) for bk in (256, 512)]
+                grid += [dict(kernel="w", block_n=32, block_k=bk, use_dot=True, num_warps=4, num_stages=3)
+                         for bk in (256, 512)]
             if quick:
                 grid = grid[:2] + grid[-1:]
             best = None
@@ -149,9 +152,11 @@ def whole_model(bw: float, quick: bool, ctx0: int = 512) -> dict:
     model.ops = G.FusedLayerOps()  # the fused Triton layer kernels, as the engine runs on CUDA
     side = G.make_side(model, 1, ctx0 + 256)
     qs = list(range(1, 17))
-    for label in ("bf16", "q4"):
-        if label == "q4":
+    for label in ("bf16", "q4_no_pdl", "q4"):  # PDL: forerun/kernels/pdl.py, on by default where supported
+        pdl.set_enabled(label != "q4_no_pdl")
+        if label != "bf16":
             del side.graphs
+        if label == "q4_no_pdl":
             n = quantize_model_cuda(model)
             log(f"quantized {n} linears to int4")
             torch.cuda.empty_cache()
@@ -175,6 +180,7 @@ def whole_model(bw: float, quick: bool, ctx0: int = 512) -> dict:
             f"= {100 * floor / ms:.1f}% of floor ({100 * (floor + kv) / ms:.1f}% counting the KV); "
             f"verify q=1/5/16: {curve[1]:.3f} / {curve[5]:.3f} / {curve[16]:.3f} ms")
         if label == "q4":
+            out["pdl_launch_supported"] = pdl.enabled(ids.new_zeros(1, dtype=torch.float32))
             ids1 = torch.zeros(1, 1, dtype=torch.int64, device="cuda")
             ctx1 = torch.full((1,), ctx0, device="cuda")
             try:
@@ -256,7 +262,7 @@ def main() -> int:
     if "model" in res:
         print("\n| weights | GB/token | floor ms | decode ms | % of floor | verify q=5 / q=1 | q=16 / q=1 |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
-        for label in ("bf16", "q4"):
+        for label in ("bf16", "q4_no_pdl", "q4"):
             m = res["model"][label]
             print(f"| {label} | {m['weight_bytes'] / 1e9:.2f} | {m['floor_ms']:.3f} | {m['decode_ms']:.3f} | "
                   f"{100 * m['fraction_of_floor']:.1f}% | {m['verify_q5_over_q1']:.2f} | {m['verify_q16_over_q1']:.2f} |")

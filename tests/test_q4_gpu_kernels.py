@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from forerun.kernels.quant_gemm import (dequantize_int4, pack_int4_w32, quantize_int4, repack_int4_w32, unpack_int4,
@@ -43,6 +44,7 @@ def test_cuda_q4_linear_dequantizes_its_groups_and_falls_back_off_gpu():
 
 def test_word_layout_kernels_in_interpreter():
     code = """
+import pytest
 import torch
 from forerun.kernels.quant_gemm import *
 torch.manual_seed(0)
@@ -68,3 +70,34 @@ print("ok")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX: CUDA only (run on the GPU machine)")
+def test_packed_f16_decode_kernel_on_gpu():
+    """q4v_linear (inline-PTX unpacking, f16 pair products) against x @ dequantized(W)^T in float32, 1 and 2 rows,
+    plain and fused SwiGLU, one and several K steps, small and large activations (the f16 pre-scaling)."""
+    from forerun.kernels.quant_gemm import q4v_linear
+    torch.manual_seed(0)
+    w = torch.randn(96, 1024, device="cuda") * 0.05
+    q, s, z = quantize_groups_int4(w)
+    q32 = pack_int4_w32(q)
+    s, z = s.to(torch.bfloat16), z.to(torch.bfloat16)
+    wd = (q.float().reshape(96, 32, 32) * s.float()[..., None] + z.float()[..., None]).reshape(96, 1024)
+    for m in (1, 2):
+        for amp in (1.0, 3000.0):
+            x = (torch.randn(m, 1024, device="cuda") * amp).to(torch.bfloat16)
+            ref = x.float() @ wd.t()
+            glu = torch.nn.functional.silu(ref[:, :48]) * ref[:, 48:]
+            for bk in (256, 1024):
+                for bn in (4, 16):
+                    y = q4v_linear(x, q32, s, z, block_k=bk, block_n=bn)
+                    err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                    assert err < 1e-2, (m, amp, bk, bn, err)
+                    y = q4v_linear(x, q32, s, z, block_k=bk, block_n=bn, glu=True)
+                    err = ((y.float() - glu).abs().max() / glu.abs().max()).item()
+                    assert err < 2e-2, ("glu", m, amp, bk, bn, err)
+    # a broken unpacking (nibbles of the wrong word half) must not pass: swap the code halves
+    bad = pack_int4_w32(q.reshape(96, -1, 2).flip(-1).reshape(96, 1024))
+    x = torch.randn(1, 1024, device="cuda").to(torch.bfloat16)
+    ref = x.float() @ wd.t()
+    assert ((q4v_linear(x, bad, s, z).float() - ref).abs().max() / ref.abs().max()).item() > 0.05

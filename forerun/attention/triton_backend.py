@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kernels.pdl import enabled as pdl_enabled, gdc_launch_dependents
 from .base import AttentionBackend
 from .metadata import AttnMetadata
 from .reference import paged_attention_reference
@@ -40,8 +41,10 @@ def _paged_attention_kernel(
     stride_bt, stride_tree,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    HAS_TREE: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_TREE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # the o-projection after attention may launch now (forerun/kernels/pdl.py)
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -125,8 +128,10 @@ def _paged_attention_kernel(
 def _merge_splits_kernel(
     O, PartAcc, PartM, PartL,  # O [T, Hq, D]; partials as above
     num_heads, num_splits, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_launch_dependents()
     row = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, S_PAD)
@@ -209,11 +214,12 @@ class TritonPagedAttention(AttentionBackend):
             tables.stride(0), tree.stride(0) if tree is not None else 0,
             GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=self.block_n,
             PAGE=page, HEAD_DIM=head_dim, D_PAD=d_pad, HAS_TREE=tree is not None, SPLIT=splits > 1,
-            num_warps=self.num_warps, num_stages=self.num_stages,
+            PDL=splits == 1 and pdl_enabled(q), num_warps=self.num_warps, num_stages=self.num_stages,
         )
         if splits > 1:
             _merge_splits_kernel[(num_tokens, num_heads)](
                 out, part_acc, part_m, part_l, num_heads, splits, out.stride(0), out.stride(1),
-                HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=triton.next_power_of_2(splits), num_warps=4,
+                HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=triton.next_power_of_2(splits), PDL=pdl_enabled(q),
+                num_warps=4,
             )
         return out

@@ -12,13 +12,17 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import enabled as pdl_enabled, gdc_launch_dependents
+
 
 @triton.jit
 def _add_rmsnorm_kernel(
     X, Res, W, Y, S,  # [T, H] each (W: [H])
     H, eps, stride_x, stride_r, stride_y, stride_s,
-    BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # a following matrix product may launch now and fetch its weights (forerun/kernels/pdl.py)
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < H
@@ -45,7 +49,7 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
         _add_rmsnorm_kernel[(t,)](
             x, residual if residual is not None else x, weight, y, s, h, eps,
             x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), s.stride(0),
-            BLOCK=block, HAS_RES=residual is not None, num_warps=max(1, min(16, block // 256)),
+            BLOCK=block, HAS_RES=residual is not None, PDL=pdl_enabled(x), num_warps=max(1, min(16, block // 256)),
         )
     return y, s
 

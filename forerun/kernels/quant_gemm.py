@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import enabled as pdl_enabled, gdc_launch_dependents, gdc_wait, launch_kwargs
+
 GROUP = 32
 PACK = 256  # int4 chunk: low nibbles hold the first 128 codes, high nibbles the next 128
 MAX_ROWS = 16
@@ -439,4 +441,203 @@ def q4w2_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: 
                                                  K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                                  USE_DOT=use_dot, GLU=glu, GROUP=GROUP, num_warps=num_warps,
                                                  num_stages=num_stages)
+    return y
+
+
+# ============================================================================ int4, word layout, packed f16
+# The decode kernel (1 or 2 rows). Per word of 8 codes, one inline-PTX block does the unpacking and the products
+# in packed half precision, two codes per instruction (the lop3 / f16x2 scheme of Marlin-style kernels):
+#   lop3(w, 0x000F000F, 0x6400_6400) is the f16 pair (1024 + c_2j, 1024 + c_2j+1) for j = 0 (codes at bits 0-3
+#   and 16-19); mask 0x00F000F0 gives (1024 + 16 c, ...) for j = 1 (still exact: f16 has ulp 1 in [1024, 2048));
+#   j = 2, 3 the same after one shift by 8. Subtracting 1024 leaves c (or 16 c) exactly; one fma.f16x2 then
+#   multiplies a pair of codes by the pair of activations (x[8i + 2j], x[8i + 2j + 1]) -- adjacent, so the
+#   activation pairs are plain 32-bit loads of the bf16 row converted to f16 pairs.
+# Activations are pre-scaled by 1/16 (j even) or 1/256 (j odd: the code came out as 16 c), so a pair's products
+# stay below |x|, and the word's 4 f16 pair products sum to at most 4 |x|max: exact to f16 rounding for
+# |x| < 16000 (the f16 range), and the result is multiplied back by 16 in float32. Per word (8 weights): 1 shift,
+# 4 lop3, 4 sub, 4 fma (f16x2), 2 cvt + 1 add to float32, then in float32 one fma by the group scale and one by
+# the group offset times the word's activation sum (w = c * scale + zero). ~2.3 instructions per weight, against
+# ~4 for the float32 unpacking above.
+_Q4_WORD_UNPACK = """
+    mov.b32 m, 0x64006400;
+    shr.u32 h, $W, 8;
+    lop3.b32 t0, $W, 0x000F000F, m, 0xEA;
+    lop3.b32 t1, $W, 0x00F000F0, m, 0xEA;
+    lop3.b32 t2, h, 0x000F000F, m, 0xEA;
+    lop3.b32 t3, h, 0x00F000F0, m, 0xEA;
+    sub.f16x2 t0, t0, m;
+    sub.f16x2 t1, t1, m;
+    sub.f16x2 t2, t2, m;
+    sub.f16x2 t3, t3, m;
+"""
+_Q4_WORD_DOT = """
+    mul.f16x2 a, t0, $X0;
+    fma.rn.f16x2 a, t1, $X1, a;
+    fma.rn.f16x2 a, t2, $X2, a;
+    fma.rn.f16x2 a, t3, $X3, a;
+    mov.b32 {lo, hi}, a;
+    cvt.f32.f16 f0, lo;
+    cvt.f32.f16 f1, hi;
+    add.f32 $OUT, f0, f1;
+"""
+_Q4_DECLS = ".reg .b32 t0, t1, t2, t3, h, m, a;\n.reg .b16 lo, hi;\n.reg .f32 f0, f1;\n"
+
+
+def _q4_word_asm(rows: int) -> str:
+    """PTX for `rows` activation rows: outputs $0 .. $rows-1 (float32), then the word, then 4 pairs per row."""
+    w = f"${rows}"
+    body = _Q4_WORD_UNPACK.replace("$W", w)
+    for r in range(rows):
+        dot = _Q4_WORD_DOT.replace("$OUT", f"${r}")
+        for j in range(4):
+            dot = dot.replace(f"$X{j}", f"${rows + 1 + 4 * r + j}")
+        body += dot
+    return "{\n" + _Q4_DECLS + body + "}\n"
+
+
+_Q4_ASM_1 = tl.constexpr(_q4_word_asm(1))
+_Q4_ASM_2 = tl.constexpr(_q4_word_asm(2))
+
+
+@triton.jit
+def _f16_pair(v, scale):
+    """v: int32 holding the bf16 pair (x[2i], x[2i+1]) -> int32 holding the f16 pair (x[2i] * scale, ...)."""
+    lo = (v << 16).to(tl.float32, bitcast=True) * scale
+    hi = (v & -65536).to(tl.float32, bitcast=True) * scale
+    return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", [hi, lo], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _pair_sum(v):
+    return (v << 16).to(tl.float32, bitcast=True) + (v & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _x_pairs(X32, k0, offs_w, BW: tl.constexpr):
+    """The activations of BW words from k0 (int32 pairs of bf16): the 4 f16 pairs per word, pre-scaled for the
+    PTX block, and the word groups' activation sums [BW / 4] in float32."""
+    v = tl.load(X32 + k0 // 2 + tl.arange(0, 4 * BW))  # [4 BW] int32, 16 contiguous bytes per word
+    v = tl.reshape(v, [BW, 2, 2])
+    ve, vo = tl.split(v)  # pairs 0, 2 / 1, 3 of each word: [BW, 2]
+    v0, v2 = tl.split(ve)
+    v1, v3 = tl.split(vo)
+    xs = _pair_sum(v0) + _pair_sum(v1) + _pair_sum(v2) + _pair_sum(v3)  # [BW]
+    xs = tl.sum(tl.reshape(xs, [BW // 4, 4]), 1)  # [BW / 4]: per group of 32 activations
+    return (_f16_pair(v0, 0.0625)[None, :], _f16_pair(v1, 0.00390625)[None, :], _f16_pair(v2, 0.0625)[None, :],
+            _f16_pair(v3, 0.00390625)[None, :], xs[None, :])
+
+
+@triton.jit
+def _q4v_tile(QW, S, Z, r, n_ok, k0, offs_w, offs_g, K: tl.constexpr, GROUP: tl.constexpr):
+    """Words [BN, BW] int32, scale * 16 and offset [BN, NG] float32 of rows r from code k0 (masked rows: 0)."""
+    wv = tl.load(QW + r * (K // 8) + k0 // 8 + offs_w[None, :], mask=n_ok[:, None], other=0,
+                 eviction_policy="evict_first")
+    gp = r * (K // GROUP) + k0 // GROUP + offs_g[None, :]
+    s = tl.load(S + gp, mask=n_ok[:, None], other=0.0).to(tl.float32) * 16.0
+    z = tl.load(Z + gp, mask=n_ok[:, None], other=0.0).to(tl.float32)
+    return wv, s, z
+
+
+@triton.jit
+def _q4v_dot(wv, s, z, a0, a1, a2, a3, xs, b0, b1, b2, b3, xs1, BN: tl.constexpr, NG: tl.constexpr,
+             M: tl.constexpr):
+    """The tile's contribution [BN, NG] per activation row (row 1: zeros when M == 1)."""
+    if M == 1:
+        d = tl.inline_asm_elementwise(_Q4_ASM_1, "=f,r,r,r,r,r", [wv, a0, a1, a2, a3], dtype=tl.float32,
+                                      is_pure=True, pack=1)
+        return tl.sum(tl.reshape(d, [BN, NG, 4]), 2) * s + z * xs, tl.zeros([BN, NG], tl.float32)
+    else:
+        d, d1 = tl.inline_asm_elementwise(_Q4_ASM_2, "=f,=f,r,r,r,r,r,r,r,r,r", [wv, a0, a1, a2, a3, b0, b1, b2, b3],
+                                          dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+        return (tl.sum(tl.reshape(d, [BN, NG, 4]), 2) * s + z * xs,
+                tl.sum(tl.reshape(d1, [BN, NG, 4]), 2) * s + z * xs1)
+
+
+@triton.jit
+def _q4v_kernel(X, QW, S, Z, Y, N, stride_xm, stride_ym, GLU_OFF,
+                K: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                GLU: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr):
+    # one program: BLOCK_N output features (GLU: gate rows n and up rows GLU_OFF + n) of M = 1 or 2 rows,
+    # K walked in BLOCK_K steps, the next step's weights loaded while this one computes. Words are
+    # [BLOCK_N, BW] as loaded; a word's products are summed over its group of 4 words ([BLOCK_N, NG]) before the
+    # group scale and offset apply. With PDL the first weights are requested before waiting for the kernel
+    # that writes X (they do not depend on it), and the next kernel may launch once every program has started.
+    pid = tl.program_id(0)
+    if PDL:
+        gdc_launch_dependents()
+    BW: tl.constexpr = BLOCK_K // 8
+    NG: tl.constexpr = BLOCK_K // GROUP
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_w = tl.arange(0, BW)
+    offs_g = tl.arange(0, NG)
+    rows = offs_n[:, None].to(tl.int64)
+    up = rows + GLU_OFF
+    X32 = X.to(tl.pointer_type(tl.int32))  # the bf16 activations as pairs
+    wv, s, z = _q4v_tile(QW, S, Z, rows, n_ok, 0, offs_w, offs_g, K, GROUP)
+    if GLU:
+        uv, us, uz = _q4v_tile(QW, S, Z, up, n_ok, 0, offs_w, offs_g, K, GROUP)
+    if PDL:
+        gdc_wait()  # X is written by the previous kernel
+    acc = tl.zeros([BLOCK_N, NG], tl.float32)  # gate (or only) rows, activation row 0
+    acc1 = tl.zeros([BLOCK_N, NG], tl.float32)  # activation row 1 (M == 2)
+    acc_u = tl.zeros([BLOCK_N, NG], tl.float32)  # up rows (GLU)
+    acc_u1 = tl.zeros([BLOCK_N, NG], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if K > BLOCK_K:  # the next step's weights (none after the last)
+            more = n_ok & (k0 + BLOCK_K < K)
+            nwv, ns, nz = _q4v_tile(QW, S, Z, rows, more, k0 + BLOCK_K, offs_w, offs_g, K, GROUP)
+            if GLU:
+                nuv, nus, nuz = _q4v_tile(QW, S, Z, up, more, k0 + BLOCK_K, offs_w, offs_g, K, GROUP)
+        a0, a1, a2, a3, xs = _x_pairs(X32, k0, offs_w, BW)
+        if M == 2:
+            b0, b1, b2, b3, xs1 = _x_pairs(X32 + stride_xm // 2, k0, offs_w, BW)
+        else:
+            b0, b1, b2, b3, xs1 = a0, a1, a2, a3, xs
+        c0, c1 = _q4v_dot(wv, s, z, a0, a1, a2, a3, xs, b0, b1, b2, b3, xs1, BLOCK_N, NG, M)
+        acc += c0
+        acc1 += c1
+        if GLU:
+            c0, c1 = _q4v_dot(uv, us, uz, a0, a1, a2, a3, xs, b0, b1, b2, b3, xs1, BLOCK_N, NG, M)
+            acc_u += c0
+            acc_u1 += c1
+            if K > BLOCK_K:
+                uv, us, uz = nuv, nus, nuz
+        if K > BLOCK_K:
+            wv, s, z = nwv, ns, nz
+    y = tl.sum(acc, 1)
+    if GLU:
+        u = tl.sum(acc_u, 1)
+        y = y / (1.0 + tl.exp(-y)) * u  # silu(gate) * up
+    tl.store(Y + offs_n, y.to(Y.dtype.element_ty), mask=n_ok)
+    if M == 2:
+        y1 = tl.sum(acc1, 1)
+        if GLU:
+            u1 = tl.sum(acc_u1, 1)
+            y1 = y1 / (1.0 + tl.exp(-y1)) * u1
+        tl.store(Y + stride_ym + offs_n, y1.to(Y.dtype.element_ty), mask=n_ok)
+
+
+def q4v_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, glu: bool = False,
+               block_n: int | None = None, block_k: int | None = None, use_dot: bool = False, num_warps: int = 4,
+               num_stages: int = 2) -> torch.Tensor:
+    """As q4w_linear (same layout and result up to f16 rounding of the products) for 1 or 2 bf16 rows, with
+    the packed-f16 decode kernel `_q4v_kernel`; block_k defaults to all of K up to 4096. CUDA only (inline
+    PTX: Triton's interpreter cannot run it)."""
+    m, k = x.shape
+    n = qw32.shape[0]
+    block_k = block_k or min(k, 4096)
+    if use_dot or m not in (1, 2) or x.dtype != torch.bfloat16 or qw32.shape[1] * 8 != k or k % block_k \
+            or x.stride(1) != 1 or x.stride(0) % 2 or (glu and n % 2):
+        raise ValueError(f"q4v_linear: takes 1-2 contiguous bf16 rows; got x {tuple(x.shape)} {x.dtype} "
+                         f"qw32 {tuple(qw32.shape)} block_k {block_k}")
+    block_n = block_n or 4
+    n_out = n // 2 if glu else n
+    y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    pdl_on = pdl_enabled(x)
+    _q4v_kernel[(triton.cdiv(n_out, block_n),)](x, qw32, scale, zero, y, n_out, x.stride(0), y.stride(0), n_out,
+                                                K=k, M=m, BLOCK_N=block_n, BLOCK_K=block_k, GLU=glu, GROUP=GROUP,
+                                                PDL=pdl_on, num_warps=num_warps, num_stages=num_stages,
+                                                **launch_kwargs(pdl_on))
     return y

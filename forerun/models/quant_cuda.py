@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..kernels.quant_gemm import GROUP, MAX_ROWS, pack_int4_w32, q4w2_linear, q4w_linear
+from ..kernels.quant_gemm import GROUP, MAX_ROWS, pack_int4_w32, q4v_linear, q4w2_linear, q4w_linear
 from .quant import quantize_groups_int4
 
-KERNELS = {"w": q4w_linear, "w2": q4w2_linear}
+KERNELS = {"w": q4w_linear, "w2": q4w2_linear, "v": q4v_linear}  # v: 1-2 bf16 rows, packed f16 (decode)
 
 CONFIGS = Path(__file__).resolve().parent.parent / "kernels" / "q4_configs.json"
 _tables: dict[str, dict] = {}
@@ -34,7 +34,7 @@ def config_key(m: int, n: int, k: int, glu: bool) -> str:
 
 def default_config(m: int) -> dict:
     return dict(kernel="w2", block_n=32, block_k=256, use_dot=True, num_warps=4, num_stages=3) if m > 2 else \
-        dict(kernel="w2", block_n=8, block_k=512, use_dot=False, num_warps=4, num_stages=3)
+        dict(kernel="v", block_n=8, block_k=4096, use_dot=False, num_warps=4, num_stages=2)
 
 
 def set_configs(name: str, table: dict) -> None:

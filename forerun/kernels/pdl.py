@@ -1,0 +1,64 @@
+"""Programmatic dependent launch (PDL, Hopper and later): a kernel may start while the one before it drains.
+
+Decode at batch 1 is a chain of ~300 short kernels, and each one pays a launch and a ramp-up (~2-3 us on the
+H200) during which the memory system idles. With PDL a kernel launched with `launch_pdl=True` is scheduled as
+soon as every program of the kernel before it has called `gdc_launch_dependents()` (or exited); it issues the
+loads that do not depend on its predecessor (the weights of a matrix product) and then calls `gdc_wait()`,
+which returns once the predecessor has finished and its writes are visible. Both calls are no-ops in a kernel
+launched without PDL, so a kernel can always trigger; only kernels that wait are launched with PDL.
+
+`enabled(t)` says whether to use it for a launch on tensor t's device (CUDA, compute capability >= 9, a Triton
+with grid-dependency control, not the CPU interpreter, and not switched off with FORERUN_PDL=0 or `set_enabled`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import triton
+
+try:  # Triton >= 3.3
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    _HAVE_GDC = True
+except ImportError:  # pragma: no cover - older Triton: plain launches
+    _HAVE_GDC = False
+
+    @triton.jit
+    def gdc_wait():
+        pass
+
+    @triton.jit
+    def gdc_launch_dependents():
+        pass
+
+
+def _launch_option() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+        return "launch_pdl" in {f.name for f in dataclasses.fields(CUDAOptions)}
+    except Exception:  # pragma: no cover
+        return False
+
+
+_switch = [os.environ.get("FORERUN_PDL", "1") != "0"]
+_capable: dict[int, bool] = {}
+
+
+def set_enabled(on: bool) -> None:
+    """Turn PDL launches on or off from now on (benchmarks compare both; captured graphs keep what they had)."""
+    _switch[0] = on
+
+
+def enabled(t: torch.Tensor) -> bool:
+    if not (_switch[0] and t.is_cuda and _HAVE_GDC) or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if dev not in _capable:
+        _capable[dev] = torch.cuda.get_device_capability(dev)[0] >= 9 and _launch_option()
+    return _capable[dev]
+
+
+def launch_kwargs(on: bool) -> dict:
+    """Keyword arguments for a kernel launch that waits on its predecessor (launch_pdl only where Triton has it)."""
+    return {"launch_pdl": True} if on else {}

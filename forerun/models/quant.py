@@ -55,13 +55,16 @@ def _requantize_to_int4(part) -> bool:
     return getattr(part, "type_name", "") in _REQUANT_TYPES and not str(getattr(part, "where", "")).endswith(_HEAD_TENSORS)
 
 
-def parse_quantize(value: str | None, fmt: str) -> str:
+def parse_quantize(value: str | None, fmt: str, device: torch.device | str = "cpu") -> str:
     """Resolve a user's ``quantize`` choice for a checkpoint of format ``fmt`` ("gguf" | "safetensors").
     None / "auto": GGUF files stay quantized: int4 where forerun's C kernel runs (gcc, AVX512-VNNI; GGUF 4-bit
-    blocks kept exactly, see Q4Linear), else int8; safetensors checkpoints load as stored ("none")."""
+    blocks kept exactly, see Q4Linear), else int8; on CUDA int4 (CudaQ4Linear, models/gguf_cuda.py);
+    safetensors checkpoints load as stored ("none")."""
     if value is None or value == "auto":
         if fmt != "gguf":
             return "none"
+        if torch.device(device).type == "cuda":
+            return "int4"
         from ..kernels import cpu_q4
 
         return "int4" if cpu_q4.available() else "int8"
@@ -272,7 +275,10 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes held by quantized linears, by other parameters/buffers, and in total (deduplicated)."""
     seen, quant, other = set(), 0, 0
     for m in model.modules():
-        if isinstance(m, (Int8Linear, Int4Linear, Q4Linear)):
+        if hasattr(m, "qw32"):  # CudaQ4Linear (quant_cuda.py): its buffers are the quantized weights
+            quant += m.weight_bytes
+            seen.update(t.data_ptr() for t in (m.qw32, m.scale, m.zero))
+        elif isinstance(m, (Int8Linear, Int4Linear, Q4Linear)):
             quant += m.weight_bytes
             for t in (m.bias,):
                 if t is not None:

@@ -28,9 +28,15 @@ def build_model(ckpt: Checkpoint, device: torch.device | str, dtype: torch.dtype
     """Instantiate without random init (meta device), then stream the checkpoint's tensors in.
     On the CPU in fp32, linear weights are then packed for oneDNN (see cpu_linear.py).
     ``quantize``: "none" (weights as ``dtype``), "int8" / "int4" (linear weights kept quantized, CPU; see
-    quant.py), or None / "auto" (GGUF files stay quantized as int8; safetensors as "none")."""
-    layout = parse_quantize(quantize, ckpt.format)
+    quant.py), or None / "auto" (GGUF files stay quantized: int4 / int8 on the CPU, int4 on CUDA; safetensors
+    as "none"). On CUDA the quantized layout is int4 `CudaQ4Linear` (gguf_cuda.py)."""
+    layout = parse_quantize(quantize, ckpt.format, device)
     if layout != "none":
+        if torch.device(device).type != "cpu":
+            from .gguf_cuda import build_cuda_q4_model, check_cuda_layout
+
+            check_cuda_layout(layout, device, dtype)
+            return build_cuda_q4_model(ckpt, device, dtype, max_positions, progress)
         return build_quantized_model(ckpt, device, layout, max_positions, progress)
     cls = model_class(ckpt.config)
     with torch.device("meta"):
@@ -72,13 +78,19 @@ def _linear_parts(model: LlamaForCausalLM) -> dict[str, list[str]]:
 
 @torch.no_grad()
 def build_quantized_model(ckpt: Checkpoint, device: torch.device | str, layout: str,
-                          max_positions: int | None = None, progress: bool = True) -> LlamaForCausalLM:
+                          max_positions: int | None = None, progress: bool = True, dtype: torch.dtype = torch.float32,
+                          make_linear=None) -> LlamaForCausalLM:
     """Stream the checkpoint in with every linear layer built straight into its quantized module (quant.py),
-    so peak memory stays ~ the quantized model plus one fused fp32 matrix. Norms and the embedding stay fp32."""
-    if torch.device(device).type != "cpu":
-        raise ValueError(f"quantize={layout!r} is implemented for the CPU only (got device {device})")
-    if not available(layout):
-        raise ValueError(f"quantize={layout!r} needs a torch CPU kernel this build lacks")
+    so peak memory stays ~ the quantized model plus one fused fp32 matrix. Norms and the embedding stay fp32.
+    ``make_linear(parts, bias, module_path)``: another layout's builder (gguf_cuda.py) with the rest as ``dtype``
+    on ``device``; it may return None for a tied head to stay tied to the embedding."""
+    if make_linear is None:
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"quantize={layout!r} is implemented for the CPU and CUDA only (got device {device})")
+        if not available(layout):
+            raise ValueError(f"quantize={layout!r} needs a torch CPU kernel this build lacks")
+        device, dtype = "cpu", torch.float32
+        make_linear = lambda parts, bias, path: make_quantized_linear(parts, bias, layout)  # noqa: E731
     cfg = ckpt.config
     cls = model_class(cfg)
     with torch.device("meta"):
@@ -95,8 +107,8 @@ def build_quantized_model(ckpt: Checkpoint, device: torch.device | str, layout: 
     for path in parts:  # placeholders without parameters: nothing fp32 gets allocated for the linears
         parent, _, leaf = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, nn.Identity())
-    model = model.to_empty(device="cpu").to(torch.float32)
-    model.reset_rope("cpu")
+    model = model.to_empty(device=device).to(dtype)
+    model.reset_rope(device)
     params = dict(model.named_parameters())
     pending: dict[str, dict] = {p: {} for p in parts}
     seen: set[str] = set()
@@ -106,7 +118,10 @@ def build_quantized_model(ckpt: Checkpoint, device: torch.device | str, layout: 
         n = len(parts[path])
         w = [got[(i, "weight")] for i in range(n)]
         b = torch.cat([got[(i, "bias")] for i in range(n)]) if biases[path] else None
-        mod = make_quantized_linear(w, b, layout)
+        mod = make_linear(w, b, path)
+        if mod is None:  # a float head tied to the embedding: share its parameter
+            mod = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device="meta")
+            mod.weight = model.model.embed_tokens.weight
         parent, _, leaf = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, mod)
 

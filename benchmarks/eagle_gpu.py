@@ -541,6 +541,10 @@ def main() -> None:
                 for d in range(1, shape_t.steps))
             for mode in modes:
                 drafter.cuda_graphs = None if mode == "graph" else False
+                if mode == "graph":  # every extend length a round can feed, and the tree: nothing captured while timed
+                    t = time.perf_counter()
+                    n_graphs = drafter.capture_graphs([b], [(shape_t.topk, shape_t.steps, shape_t.nodes)])
+                    log(f"b={b}: {n_graphs} drafting graphs captured ({time.perf_counter() - t:.1f} s)")
                 draft_alone = draft_phase_ms(drafter, reqs, inner)
                 drafts.append(dict(batch=b, topk=shape_t.topk, steps=shape_t.steps, nodes=shape_t.nodes, mode=mode,
                                    draft_ms=draft_alone, ideal_draft_ms=head_ms,
@@ -654,13 +658,13 @@ def print_table(res: dict) -> None:
               f"{r['ideal_head_ms']:6.2f} {r['tokens_per_round']:9.2f} {r['expected_tokens_per_round']:5.2f} "
               f"{r['speedup_vs_plain']:7.2f}")
     if res.get("drafting"):
-        print(f"\ndrafting phase alone (propose_tree back to back, wall ms incl. its one host read) vs its ideal "
-              f"(head extend + tree steps, each timed alone):")
+        print("\ndrafting phase alone (propose_tree back to back, wall ms incl. its one host read) vs its ideal "
+              "(head extend + tree steps, each timed alone):")
         print(f"{'batch':>5s} {'tree':>9s} {'mode':>5s} {'draft ms':>9s} {'ideal ms':>9s} {'%ideal':>7s}")
         for r in res["drafting"]:
             print(f"{r['batch']:5d} {r['topk']},{r['steps']},{r['nodes']:<5d} {r['mode']:>5s} {r['draft_ms']:9.3f} "
                   f"{r['ideal_draft_ms']:9.3f} {100 * r['fraction_of_ideal']:6.1f}%")
-    print(f"\nbudget from the measured costs (forerun/drafters/eagle_budget.py):")
+    print("\nbudget from the measured costs (forerun/drafters/eagle_budget.py):")
     for b in res["budget"]:
         print(f"  batch {b['batch']:3d}: topk {b['topk']}, steps {b['steps']}, nodes {b['nodes']:3d} "
               f"(E {b['expected_tokens']:.2f} tokens, {b['round_ms']:.2f} ms/round)")

@@ -15,7 +15,7 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from forerun.config import CacheConfig, ModelConfig
+from forerun.config import CacheConfig
 from forerun.drafters.base import TreeProposal
 from forerun.drafters.eagle import EagleDrafter, TreeLayout
 from forerun.drafters.eagle_budget import TreeBudget
@@ -822,6 +822,7 @@ def test_bucketed_drafting_on_cpu(monkeypatch):
     head = random_head(target.model, 3, draft_vocab=50)
     twin = _twins(target, head, 3, 3, 8, cuda_graphs=True)
     monkeypatch.setattr(EagleDrafter, "_graphs_on", lambda self: True)
+    assert twin.d.capture_graphs([1, 3]) == 2 * (5 + 1)  # extend rows 1..5 and the tree, buckets 1 and 4
     prompts = [[5, 6, 7, 8, 9], [11, 3, 90, 2, 2, 2, 40, 41], [60, 61]]
     reqs = [_request(i, p) for i, p in enumerate(prompts)]
     run_rounds(target, twin, reqs, 14, tree=True)

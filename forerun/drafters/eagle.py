@@ -305,6 +305,25 @@ class EagleDrafter(Drafter):
             self._proposed = (time.perf_counter(), {r.req_id: len(t) for r, t in zip(requests, toks)})
         return TreeProposal(toks, parents, probs)
 
+    def capture_graphs(self, batch_sizes=(1,), shapes: list[tuple[int, int, int]] | None = None,
+                       extend_rows: list[int] | None = None) -> int:
+        """Capture the drafting graphs before serving or timing (otherwise each is captured on its first use):
+        the draft extend per batch bucket and extend length (default 1 .. steps + 2, what a round after an
+        accepted path feeds) and the tree per bucket and shape (default the configured one). Returns how many
+        graphs exist; 0 when graphs are off (CPU, an attention backend that cannot be captured, cuda_graphs=False)."""
+        if not self._graphs_on():
+            return 0
+        if self.static is None:
+            self.static = _StaticDrafting(self)
+        shapes = shapes or [(self.tree_topk, self.tree_steps, self.tree_nodes)]
+        rows = extend_rows or list(range(1, max(s for _, s, _ in shapes) + 3))
+        for b in batch_sizes:
+            for qe in rows:
+                self.static.capture(b, qe=qe)
+            for k, s, n in shapes:
+                self.static.capture(b, lay=TreeLayout.get(min(k, self.head.draft_vocab_size), s, n))
+        return len(self.static.graphs)
+
     def _graphs_on(self) -> bool:
         """Capture the drafting phase in CUDA graphs: on CUDA with a capturable attention backend (the target's,
         which the head shares), unless turned off (`cuda_graphs=False`)."""
@@ -774,6 +793,17 @@ class _StaticDrafting:
         cap = self.graphs[key] = _Captured(graph, body, out)
         return cap
 
+    def capture(self, n: int, qe: int | None = None, lay: TreeLayout | None = None) -> None:
+        """Capture the extend graph (qe rows) or the tree graph (lay) of n requests' bucket ahead of use (between
+        rounds: the static inputs are refilled by every call)."""
+        b = self.bucket(n)
+        if b is None:
+            return
+        if qe is not None and qe <= self.max_extend and b * qe <= self.ids.numel():
+            self._get(("extend", b, qe), self._extend_body(b, qe), b, qe)
+        if lay is not None:
+            self._get(("tree", b, lay.topk, lay.steps, lay.nodes), self._tree_body(lay, b), b, 1)
+
     def _replay(self, cap: _Captured):
         self.replays += 1
         if cap.graph is None:
@@ -859,3 +889,21 @@ class _StaticDrafting:
             out = self._tree_body(lay, n, sample)()
         steps = lay.s_steps if sample is not None and sample.all_sampled else lay.steps - 1
         return DeviceTree(out, n, steps)
+
+
+class _Tree:
+    """A candidate tree as host lists (node 0 the root; parent, depth, cumulative score, rank among siblings):
+    what `TreeBudgetPolicy.tree_values` reads. Drafting builds its trees on the device (`grow_tree`); this record
+    is for tables built by hand (tests, benchmarks)."""
+
+    def __init__(self, root_token: int) -> None:
+        self.tok, self.parent, self.depth, self.score, self.rank = [root_token], [-1], [0], [0.0], [0]
+        self._nchild: dict[int, int] = {}
+
+    def add(self, parent: int, token: int, score: float) -> None:
+        self.tok.append(token)
+        self.parent.append(parent)
+        self.depth.append(self.depth[parent] + 1)
+        self.score.append(score)
+        self.rank.append(self._nchild.get(parent, 0))
+        self._nchild[parent] = self.rank[-1] + 1

@@ -380,10 +380,11 @@ def target_verify_ms(runner: ModelRunner, reqs: list[Request], nodes: int, layer
 
 
 def head_step_ms(drafter: EagleDrafter, reqs: list[Request], rows: int, inner: int, from_target: bool = False,
-                 want: int | None = None) -> float:
+                 want: int | None = None, graph: bool = False) -> float:
     """One head forward over `rows` rows per request (tree step: the head's own outputs as features; the draft
-    extend: from_target), timed alone (eagerly). want: output rows per request (MLP + lm_head; default all rows;
-    a tree step wants topk, the extend 1)."""
+    extend: from_target), timed alone: eagerly (launches included), or with graph=True (CUDA) captured in a CUDA
+    graph and replayed (its kernels alone). want: output rows per request (MLP + lm_head; default all rows; a
+    tree step wants topk, the extend 1)."""
     cache = drafter.cache
     kv = cache.kv
     lens = {}
@@ -405,7 +406,20 @@ def head_step_ms(drafter: EagleDrafter, reqs: list[Request], rows: int, inner: i
         with torch.inference_mode():
             head(step.input_ids, feats, step.positions, step.meta, kv, from_target, rows=step.logits_indices)
 
-    ms = device_ms(call, cache.device, inner)
+    if graph and cache.device.type == "cuda":
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                call()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            call()
+        ms = device_ms(g.replay, cache.device, inner)
+        del g
+    else:
+        ms = device_ms(call, cache.device, inner)
     for sid, n in lens.items():
         kv.truncate(sid, n)
     return ms
@@ -539,6 +553,10 @@ def main() -> None:
             head_ms = head_step_ms(drafter, reqs, 2, inner, from_target=True, want=1) + sum(
                 head_step_ms(drafter, reqs, shape_t.topk * d, max(1, inner // 4), want=shape_t.topk)
                 for d in range(1, shape_t.steps))
+            # the same head forwards replayed from CUDA graphs: the kernels alone (a stricter ideal)
+            head_k_ms = head_step_ms(drafter, reqs, 2, inner, from_target=True, want=1, graph=True) + sum(
+                head_step_ms(drafter, reqs, shape_t.topk * d, max(1, inner // 4), want=shape_t.topk, graph=True)
+                for d in range(1, shape_t.steps)) if cuda else head_ms
             for mode in modes:
                 drafter.cuda_graphs = None if mode == "graph" else False
                 if mode == "graph":  # every extend length a round can feed, and the tree: nothing captured while timed
@@ -548,9 +566,11 @@ def main() -> None:
                 draft_alone = draft_phase_ms(drafter, reqs, inner)
                 drafts.append(dict(batch=b, topk=shape_t.topk, steps=shape_t.steps, nodes=shape_t.nodes, mode=mode,
                                    draft_ms=draft_alone, ideal_draft_ms=head_ms,
-                                   fraction_of_ideal=head_ms / draft_alone))
+                                   fraction_of_ideal=head_ms / draft_alone, kernel_ideal_draft_ms=head_k_ms,
+                                   fraction_of_kernel_ideal=head_k_ms / draft_alone))
                 log(f"b={b} tree {shape_t.topk},{shape_t.steps},{shape_t.nodes} [{mode}]: drafting phase alone "
-                    f"{draft_alone:.3f} ms (ideal {head_ms:.3f} ms: {100 * head_ms / draft_alone:.1f}%)")
+                    f"{draft_alone:.3f} ms (ideal {head_ms:.3f} ms: {100 * head_ms / draft_alone:.1f}%; head kernels "
+                    f"alone {head_k_ms:.3f} ms: {100 * head_k_ms / draft_alone:.1f}%)")
                 if args.draft_only:
                     continue
                 rng = np.random.default_rng(1000 * b + shape_t.nodes)
@@ -569,6 +589,7 @@ def main() -> None:
                 tok_round = committed / (rounds * b)
                 exp_round = expect / (rounds * b)
                 round_ms = tv[shape_t.nodes] + head_ms
+                kernel_round_ms = tv[shape_t.nodes] + head_k_ms
                 ideal = b * exp_round / (round_ms * 1e-3)
                 ideal_real = b * tok_round / (round_ms * 1e-3)
                 row = dict(batch=b, topk=shape_t.topk, steps=shape_t.steps, nodes=shape_t.nodes, mode=mode,
@@ -578,12 +599,16 @@ def main() -> None:
                            expected_tokens_per_round=exp_round, tokens_per_round=tok_round,
                            ideal_tok_s=ideal, fraction_of_ideal=committed / secs / ideal,
                            ideal_realized_tok_s=ideal_real, fraction_realized=committed / secs / ideal_real,
+                           kernel_ideal_round_ms=kernel_round_ms, kernel_ideal_head_ms=head_k_ms,
+                           fraction_of_kernel_ideal=committed / secs / (b * exp_round / (kernel_round_ms * 1e-3)),
+                           fraction_realized_kernels=kernel_round_ms / (1e3 * secs / rounds),
                            speedup_vs_plain=committed / secs / costs[b]["plain_tok_s"])
                 rows_out.append(row)
                 log(f"b={b} tree {shape_t.topk},{shape_t.steps},{shape_t.nodes} [{mode}]: {row['tok_s']:.1f} tok/s, "
                     f"{row['round_ms']:.2f} ms/round (ideal {round_ms:.2f}; drafting {row['draft_ms']:.2f}, ideal "
                     f"{head_ms:.2f}), {tok_round:.2f} tok/round (E {exp_round:.2f}); "
-                    f"{100 * row['fraction_realized']:.1f}% of ideal, {row['speedup_vs_plain']:.2f}x plain")
+                    f"{100 * row['fraction_realized']:.1f}% of ideal ({100 * row['fraction_realized_kernels']:.1f}% of "
+                    f"the kernels-alone ideal {kernel_round_ms:.2f} ms), {row['speedup_vs_plain']:.2f}x plain")
             drafter.cuda_graphs = None
         release(runner, drafter, reqs)
         if drafter.static is not None:
@@ -645,25 +670,30 @@ def save(res: dict, path: str) -> None:
 def print_table(res: dict) -> None:
     print(f"\n{res['device']}: target {res['target']}, head {res['head']}, synthetic a={res['accept']} "
           f"rho={res['rho']} (q_r {res['rank_probs']})")
+    print("ideal: target verify + head extend + tree steps, each timed alone, head eagerly (as in the first run); "
+          "%kern(real): the same with the head steps replayed from CUDA graphs (kernels alone), realized tokens")
     print(f"\n{'batch':>5s} {'target decode ms':>16s} {'head step ms (1 row)':>20s} {'c':>6s} {'extend ms':>9s}")
     for hc in res["head_step"]:
         print(f"{hc['batch']:5d} {hc['target_decode_ms']:16.3f} {hc['step_1rows_ms']:20.3f} {hc['c']:6.3f} "
               f"{hc['extend_2rows_ms']:9.3f}")
     print(f"\n{'batch':>5s} {'tree':>9s} {'mode':>5s} {'tok/s':>9s} {'ideal':>9s} {'%ideal':>7s} {'%ideal(real)':>12s} "
-          f"{'ms/round':>8s} {'ideal ms':>8s} {'draft ms':>8s} {'ideal':>6s} {'tok/round':>9s} {'E':>5s} {'x plain':>7s}")
+          f"{'ms/round':>8s} {'ideal ms':>8s} {'draft ms':>8s} {'ideal':>6s} {'tok/round':>9s} {'E':>5s} {'x plain':>7s} "
+          f"{'%kern(real)':>11s}")
     for r in res["trees"]:
         print(f"{r['batch']:5d} {r['topk']},{r['steps']},{r['nodes']:<5d} {r.get('mode', '-'):>5s} {r['tok_s']:9.1f} "
               f"{r['ideal_tok_s']:9.1f} {100 * r['fraction_of_ideal']:6.1f}% {100 * r['fraction_realized']:11.1f}% "
               f"{r['round_ms']:8.2f} {r['ideal_round_ms']:8.2f} {r.get('draft_ms', float('nan')):8.2f} "
               f"{r['ideal_head_ms']:6.2f} {r['tokens_per_round']:9.2f} {r['expected_tokens_per_round']:5.2f} "
-              f"{r['speedup_vs_plain']:7.2f}")
+              f"{r['speedup_vs_plain']:7.2f} {100 * r.get('fraction_realized_kernels', float('nan')):10.1f}%")
     if res.get("drafting"):
         print("\ndrafting phase alone (propose_tree back to back, wall ms incl. its one host read) vs its ideal "
               "(head extend + tree steps, each timed alone):")
-        print(f"{'batch':>5s} {'tree':>9s} {'mode':>5s} {'draft ms':>9s} {'ideal ms':>9s} {'%ideal':>7s}")
+        print(f"{'batch':>5s} {'tree':>9s} {'mode':>5s} {'draft ms':>9s} {'ideal ms':>9s} {'%ideal':>7s} "
+              f"{'kernels ms':>10s} {'%kernels':>8s}")
         for r in res["drafting"]:
             print(f"{r['batch']:5d} {r['topk']},{r['steps']},{r['nodes']:<5d} {r['mode']:>5s} {r['draft_ms']:9.3f} "
-                  f"{r['ideal_draft_ms']:9.3f} {100 * r['fraction_of_ideal']:6.1f}%")
+                  f"{r['ideal_draft_ms']:9.3f} {100 * r['fraction_of_ideal']:6.1f}% {r['kernel_ideal_draft_ms']:10.3f} "
+                  f"{100 * r['fraction_of_kernel_ideal']:7.1f}%")
     print("\nbudget from the measured costs (forerun/drafters/eagle_budget.py):")
     for b in res["budget"]:
         print(f"  batch {b['batch']:3d}: topk {b['topk']}, steps {b['steps']}, nodes {b['nodes']:3d} "

@@ -350,8 +350,9 @@ class EagleDrafter(Drafter):
         st.extend(group, ranges, graphs)
         for r, (lo, n) in zip(group, ranges):
             kv.set_length(r.req_id, n)
+        max_len = max(n for _, n in ranges) + lay.topk * (lay.steps - 1)
         if tree_graph:
-            return st.tree_graph(lay, len(group))
+            return st.tree_graph(lay, len(group), max_len)
         sample = None
         if sampled or constrained:
             dev = self.cache.device
@@ -365,7 +366,7 @@ class EagleDrafter(Drafter):
             hook = self._grammar_hook(group, states, lay) if constrained else None
             sample = _Sampling(greedy, SamplingTensors.from_params([r.params for r in group], dev), h2d(u, dev),
                                roots, hook)
-        return st.tree_eager(lay, len(group), sample)
+        return st.tree_eager(lay, len(group), sample, max_len)
 
     def _grammar_hook(self, group: list[Request], states: list, lay: "TreeLayout"):
         """issue 14: each expanded node's children come from q masked by the grammar after its path (host work:
@@ -734,9 +735,12 @@ class _StaticDrafting:
         return next((b for b in self.batch_sizes if b >= n), None)
 
     # -- bodies (fixed shapes over the static buffers) ---------------------------------------------------------
-    def _extend_body(self, b: int, qe: int):
+    def _extend_body(self, b: int, qe: int, max_seq_len: int | None = None):
+        """max_seq_len: a bound on the batch's KV lengths (graphs: the tables' capacity; an eager call passes the
+        real one, which the reference attention off the CPU sizes its gather by)."""
         head, kv, bs = self.head, self.kv, self.bs
         dev = self.device
+        max_seq_len = max_seq_len or self.max_seq_len
 
         def body() -> None:
             ar = torch.arange(qe, device=dev)
@@ -745,7 +749,7 @@ class _StaticDrafting:
             slots = tables.gather(1, pos // bs) * bs + pos % bs
             meta = AttnMetadata(query_start_loc=torch.arange(b + 1, device=dev) * qe, seq_lens=self.lo[:b] + qe,
                                 block_tables=tables, slot_mapping=slots.reshape(-1), max_query_len=qe,
-                                max_seq_len=self.max_seq_len)
+                                max_seq_len=max_seq_len)
             rows = torch.arange(b, device=dev) * qe + self.nlast[:b]
             out, logits = head(self.ids[: b * qe], self.feats[: b * qe], pos.reshape(-1), meta, kv, True, rows=rows)
             self.root_out[:b].copy_(out)
@@ -753,10 +757,10 @@ class _StaticDrafting:
 
         return body
 
-    def _tree_body(self, lay: TreeLayout, b: int, sample: _Sampling | None = None):
+    def _tree_body(self, lay: TreeLayout, b: int, sample: _Sampling | None = None, max_seq_len: int | None = None):
         def body() -> dict[str, torch.Tensor]:
             return grow_tree(self.head, self.kv, lay, self.root_out[:b], self.root_logits[:b], self.ctx[:b],
-                             self.tables[:b], self.bs, self.max_seq_len, sample)
+                             self.tables[:b], self.bs, max_seq_len or self.max_seq_len, sample)
 
         return body
 
@@ -843,8 +847,8 @@ class _StaticDrafting:
             self._fill_ints(n, self.bucket(n) if graphs and self.bucket(n) else n, [lo for lo, _ in ranges],
                             [0] * n, [hi for _, hi in ranges], reqs)
             return
-        body = self._extend_body(b, qe)
-        cap = self._get(("extend", b, qe), body, b, qe) if graphs else None
+        cap = self._get(("extend", b, qe), self._extend_body(b, qe), b, qe) if graphs else None
+        body = self._extend_body(b, qe, max(lo for lo, _ in ranges) + qe) if cap is None else None
         ids, feats = [], []
         zf = self.feats[:0]
         for r, (lo, hi) in zip(reqs, ranges):
@@ -869,11 +873,12 @@ class _StaticDrafting:
         else:
             self._replay(cap)
 
-    def tree_graph(self, lay: TreeLayout, n: int) -> DeviceTree:
-        """The greedy tree of n requests from the static buffers: a graph replay (bucket padded)."""
+    def tree_graph(self, lay: TreeLayout, n: int, max_len: int | None = None) -> DeviceTree:
+        """The greedy tree of n requests from the static buffers: a graph replay (bucket padded; eager beyond the
+        largest bucket, with max_len bounding the KV lengths)."""
         b = self.bucket(n)
         if b is None:
-            return self.tree_eager(lay, n, None)
+            return self.tree_eager(lay, n, None, max_len)
         key = ("tree", b, lay.topk, lay.steps, lay.nodes)
         cap = self.graphs.get(key)
         if cap is None:  # capture over a dummy batch, then put this round's inputs back
@@ -884,9 +889,10 @@ class _StaticDrafting:
                 x[:b].copy_(y)
         return DeviceTree(self._replay(cap), n, lay.steps - 1)
 
-    def tree_eager(self, lay: TreeLayout, n: int, sample: _Sampling | None) -> DeviceTree:
+    def tree_eager(self, lay: TreeLayout, n: int, sample: _Sampling | None, max_seq_len: int | None = None
+                   ) -> DeviceTree:
         with torch.inference_mode():
-            out = self._tree_body(lay, n, sample)()
+            out = self._tree_body(lay, n, sample, max_seq_len)()
         steps = lay.s_steps if sample is not None and sample.all_sampled else lay.steps - 1
         return DeviceTree(out, n, steps)
 

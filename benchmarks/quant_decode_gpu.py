@@ -82,14 +82,11 @@ def sweep(bw: float, rows: list[int], quick: bool) -> tuple[list[dict], dict]:
                 grid = [dict(kernel="v", block_n=bn, block_k=bk, use_dot=False, num_warps=nw, num_stages=2)
                         for bn in (2, 4, 8, 16) for nw in (2, 4, 8) for bk in (1024, 4096)]
                 grid.append(dict(kernel="w", block_n=8, block_k=512, use_dot=False, num_warps=4, num_stages=3))
-            else:
-                for bn in (16, 32, 64):
-                    for bk in (256, 512):
-                        for stages in (2, 3):
-                            grid.append(dict(kernel="w2", block_n=bn, block_k=bk, use_dot=True, num_warps=4,
-                                             num_stages=stages))
-                grid += [dict(kernel="w", block_n=32, block_k=bk, use_dot=True, num_warps=4, num_stages=3)
-                         for bk in (256, 512)]
+            else:  # the bf16-dequantizing tensor-core kernel, then the earlier word-layout kernels' winners
+                grid = [dict(kernel="t", block_n=bn, block_k=bk, use_dot=True, num_warps=nw, num_stages=st)
+                        for bn in (64, 128) for bk in (128, 256) for nw in (4, 8) for st in (2, 3)]
+                grid += [dict(kernel="w", block_n=32, block_k=256, use_dot=True, num_warps=4, num_stages=3),
+                         dict(kernel="w2", block_n=32, block_k=256, use_dot=True, num_warps=4, num_stages=3)]
             if quick:
                 grid = grid[:2] + grid[-1:]
             best = None
@@ -130,6 +127,10 @@ def sweep(bw: float, rows: list[int], quick: bool) -> tuple[list[dict], dict]:
                 f"err {best['rel_err']:.1e}")
         del Q, old, wb, wd, qw, q32
         torch.cuda.empty_cache()
+    try:  # rows not swept this run keep the committed configurations
+        table = {**json.loads(quant_cuda.CONFIGS.read_text()).get(name, {}), **table}
+    except (OSError, ValueError):
+        pass
     quant_cuda.set_configs(name, table)
     return results, table
 

@@ -101,3 +101,35 @@ def test_packed_f16_decode_kernel_on_gpu():
     x = torch.randn(1, 1024, device="cuda").to(torch.bfloat16)
     ref = x.float() @ wd.t()
     assert ((q4v_linear(x, bad, s, z).float() - ref).abs().max() / ref.abs().max()).item() > 0.05
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX: CUDA only (run on the GPU machine)")
+def test_tensor_core_verify_kernel_on_gpu():
+    """q4t_linear (inline-PTX bf16 dequantization, tensor-core products) against x @ dequantized(W)^T, 1..16 rows,
+    plain and SwiGLU, K steps of 64..256; and CudaQ4Linear on a width that is not a multiple of 256 (896)."""
+    from forerun.kernels.quant_gemm import q4t_linear
+    torch.manual_seed(0)
+    for n, k in ((192, 1024), (128, 896)):
+        w = torch.randn(n, k, device="cuda") * 0.05
+        q, s, z = quantize_groups_int4(w)
+        q32 = pack_int4_w32(q)
+        s, z = s.to(torch.bfloat16), z.to(torch.bfloat16)
+        wd = (q.float().reshape(n, k // 32, 32) * s.float()[..., None] + z.float()[..., None]).reshape(n, k)
+        lin = CudaQ4Linear(q, s, z)
+        for m in (1, 2, 3, 5, 16):
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            ref = x.float() @ wd.t()
+            glu = torch.nn.functional.silu(ref[:, :n // 2]) * ref[:, n // 2:]
+            for bk in ((64, 128) if k == 896 else (128, 256)):
+                y = q4t_linear(x, q32, s, z, block_k=bk, block_n=64)
+                assert ((y.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2, (m, bk)
+                y = q4t_linear(x, q32, s, z, block_k=bk, block_n=64, glu=True)
+                assert ((y.float() - glu).abs().max() / glu.abs().max()).item() < 2e-2, ("glu", m, bk)
+            y = lin(x)  # tuned or default configuration, K steps shrunk to divide K
+            assert ((y.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2, ("CudaQ4Linear", m, k)
+            y = lin.glu(x)
+            assert ((y.float() - glu).abs().max() / glu.abs().max()).item() < 2e-2, ("CudaQ4Linear glu", m, k)
+            if m <= 2:
+                from forerun.kernels.quant_gemm import q4v_linear
+                y = q4v_linear(x, q32, s, z)  # default K step: the largest power of two dividing K
+                assert ((y.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2, ("q4v", m, k)

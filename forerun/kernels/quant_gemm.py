@@ -623,11 +623,12 @@ def q4v_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: t
                block_n: int | None = None, block_k: int | None = None, use_dot: bool = False, num_warps: int = 4,
                num_stages: int = 2) -> torch.Tensor:
     """As q4w_linear (same layout and result up to f16 rounding of the products) for 1 or 2 bf16 rows, with
-    the packed-f16 decode kernel `_q4v_kernel`; block_k defaults to all of K up to 4096. CUDA only (inline
+    the packed-f16 decode kernel `_q4v_kernel`; block_k defaults to the largest power of two dividing K, up
+    to 4096. CUDA only (inline
     PTX: Triton's interpreter cannot run it)."""
     m, k = x.shape
     n = qw32.shape[0]
-    block_k = block_k or min(k, 4096)
+    block_k = block_k or min(k & -k, 4096)  # the largest power of two dividing K
     if use_dot or m not in (1, 2) or x.dtype != torch.bfloat16 or qw32.shape[1] * 8 != k or k % block_k \
             or x.stride(1) != 1 or x.stride(0) % 2 or (glu and n % 2):
         raise ValueError(f"q4v_linear: takes 1-2 contiguous bf16 rows; got x {tuple(x.shape)} {x.dtype} "
@@ -638,6 +639,110 @@ def q4v_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: t
     pdl_on = pdl_enabled(x)
     _q4v_kernel[(triton.cdiv(n_out, block_n),)](x, qw32, scale, zero, y, n_out, x.stride(0), y.stride(0), n_out,
                                                 K=k, M=m, BLOCK_N=block_n, BLOCK_K=block_k, GLU=glu, GROUP=GROUP,
+                                                PDL=pdl_on, num_warps=num_warps, num_stages=num_stages,
+                                                **launch_kwargs(pdl_on))
+    return y
+
+
+# ====================================================================== int4, word layout, tensor cores
+# Verification rows (3..16): the weights are dequantized to bf16 in registers by one inline-PTX block per word
+# (three shifts, four lop3 into the bf16 "magic" 128 + c, exact; sub.bf16x2 leaves c; fma.bf16x2 applies the
+# group scale and offset: ~2 instructions per weight whatever the row count) and multiplied on the tensor cores,
+# W [BLOCK_N, BLOCK_K] @ X^T [BLOCK_K, 16] (the weights as the left operand, the rows padded to 16).
+_Q4_BF16_ASM = tl.constexpr("""{
+    .reg .b32 m, h1, h2, h3, t0, t1, t2, t3;
+    mov.b32 m, 0x43004300;
+    shr.u32 h1, $8, 4;
+    shr.u32 h2, $8, 8;
+    shr.u32 h3, $8, 12;
+    lop3.b32 t0, $8, 0x000F000F, m, 0xEA;
+    lop3.b32 t1, h1, 0x000F000F, m, 0xEA;
+    lop3.b32 t2, h2, 0x000F000F, m, 0xEA;
+    lop3.b32 t3, h3, 0x000F000F, m, 0xEA;
+    sub.bf16x2 t0, t0, m;
+    sub.bf16x2 t1, t1, m;
+    sub.bf16x2 t2, t2, m;
+    sub.bf16x2 t3, t3, m;
+    fma.rn.bf16x2 t0, t0, $9, $10;
+    fma.rn.bf16x2 t1, t1, $9, $10;
+    fma.rn.bf16x2 t2, t2, $9, $10;
+    fma.rn.bf16x2 t3, t3, $9, $10;
+    mov.b32 {$0, $4}, t0;
+    mov.b32 {$2, $6}, t1;
+    mov.b32 {$1, $5}, t2;
+    mov.b32 {$3, $7}, t3;
+}""")
+
+
+@triton.jit
+def _bf16_pair(v):
+    """bf16 values -> int32 holding the pair (v, v)."""
+    b = v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return b | (b << 16)
+
+
+@triton.jit
+def _q4t_kernel(X, QW, S, Z, Y, M, N, stride_xm, stride_ym, GLU_OFF,
+                K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr,
+                GROUP: tl.constexpr, PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    if PDL:
+        gdc_launch_dependents()
+    BW: tl.constexpr = BLOCK_K // 8
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_w = tl.arange(0, BW)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, 16)
+    m_ok = offs_m < M
+    rows = offs_n[:, None].to(tl.int64)
+    if PDL:
+        gdc_wait()
+    acc = tl.zeros([BLOCK_N, 16], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, 16], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(X + offs_m[:, None] * stride_xm + k0 + offs_k[None, :], mask=m_ok[:, None], other=0.0)
+        xt = tl.trans(x)  # [BLOCK_K, 16]
+        for part in tl.static_range(2 if GLU else 1):
+            r = rows + GLU_OFF if part == 1 else rows
+            wv = tl.load(QW + r * (K // 8) + k0 // 8 + offs_w[None, :], mask=n_ok[:, None], other=0,
+                         eviction_policy="evict_first")  # [BN, BW] int32
+            gp = r * (K // GROUP) + k0 // GROUP + offs_w[None, :] // 4
+            s2 = _bf16_pair(tl.load(S + gp, mask=n_ok[:, None], other=0.0))
+            z2 = _bf16_pair(tl.load(Z + gp, mask=n_ok[:, None], other=0.0))
+            c0, c4, c2, c6, c1, c5, c3, c7 = tl.inline_asm_elementwise(
+                _Q4_BF16_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r", [wv, s2, z2],
+                dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+            w = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+            w = tl.reshape(w, [BLOCK_N, BLOCK_K])  # codes in order
+            if part == 1:
+                acc_u = tl.dot(w, xt, acc_u)
+            else:
+                acc = tl.dot(w, xt, acc)
+    y = acc
+    if GLU:
+        y = y / (1.0 + tl.exp(-y)) * acc_u
+    tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], y.to(Y.dtype.element_ty),
+             mask=m_ok[None, :] & n_ok[:, None])
+
+
+def q4t_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, glu: bool = False,
+               block_n: int | None = None, block_k: int = 256, use_dot: bool = True, num_warps: int = 4,
+               num_stages: int = 3) -> torch.Tensor:
+    """As q4w_linear (same layout; weights rounded to bf16 after scaling) for 1..16 bf16 rows on the tensor
+    cores, with the inline-PTX bf16 dequantization `_q4t_kernel`. CUDA only."""
+    m, k = x.shape
+    n = qw32.shape[0]
+    if not 1 <= m <= MAX_ROWS or x.dtype != torch.bfloat16 or qw32.shape[1] * 8 != k or k % block_k \
+            or x.stride(1) != 1 or (glu and n % 2) or not use_dot:
+        raise ValueError(f"q4t_linear: takes 1-16 contiguous bf16 rows; got x {tuple(x.shape)} {x.dtype} "
+                         f"qw32 {tuple(qw32.shape)} block_k {block_k}")
+    block_n = block_n or 64
+    n_out = n // 2 if glu else n
+    y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    pdl_on = pdl_enabled(x)
+    _q4t_kernel[(triton.cdiv(n_out, block_n),)](x, qw32, scale, zero, y, m, n_out, x.stride(0), y.stride(0), n_out,
+                                                K=k, BLOCK_N=block_n, BLOCK_K=block_k, GLU=glu, GROUP=GROUP,
                                                 PDL=pdl_on, num_warps=num_warps, num_stages=num_stages,
                                                 **launch_kwargs(pdl_on))
     return y

@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..kernels.quant_gemm import GROUP, MAX_ROWS, pack_int4_w32, q4v_linear, q4w2_linear, q4w_linear
+from ..kernels.quant_gemm import GROUP, MAX_ROWS, pack_int4_w32, q4t_linear, q4v_linear, q4w2_linear, q4w_linear
 from .quant import quantize_groups_int4
 
-KERNELS = {"w": q4w_linear, "w2": q4w2_linear, "v": q4v_linear}  # v: 1-2 bf16 rows, packed f16 (decode)
+KERNELS = {"w": q4w_linear, "w2": q4w2_linear, "v": q4v_linear,  # v: 1-2 bf16 rows, packed f16 (decode)
+           "t": q4t_linear}  # t: 1-16 bf16 rows, bf16 dequantization + tensor cores (verification)
 
 CONFIGS = Path(__file__).resolve().parent.parent / "kernels" / "q4_configs.json"
 _tables: dict[str, dict] = {}
@@ -33,7 +34,7 @@ def config_key(m: int, n: int, k: int, glu: bool) -> str:
 
 
 def default_config(m: int) -> dict:
-    return dict(kernel="w2", block_n=32, block_k=256, use_dot=True, num_warps=4, num_stages=3) if m > 2 else \
+    return dict(kernel="t", block_n=64, block_k=256, use_dot=True, num_warps=4, num_stages=3) if m > 2 else \
         dict(kernel="v", block_n=8, block_k=4096, use_dot=False, num_warps=4, num_stages=2)
 
 
@@ -65,6 +66,9 @@ def tuned(m: int, n: int, k: int, glu: bool) -> dict:
 
 def q4_product(x: torch.Tensor, qw32, scale, zero, glu: bool, cfg: dict) -> torch.Tensor:
     cfg = dict(cfg)
+    k = x.shape[-1]
+    while k % cfg["block_k"]:  # K steps must divide K (and stay powers of two): 896 -> 128, 1536 -> 512
+        cfg["block_k"] //= 2
     return KERNELS[cfg.pop("kernel")](x, qw32, scale, zero, glu=glu, **cfg)
 
 
@@ -99,7 +103,10 @@ class CudaQ4Linear(nn.Module):
         return (q * self.scale[..., None] + self.zero[..., None]).reshape(n, -1)
 
     def _small(self, x: torch.Tensor) -> bool:
-        return x.is_cuda and 1 <= x.shape[0] <= MAX_ROWS and x.dtype == self.dtype and x.stride(-1) == 1
+        """A product the Triton kernels take: 1..16 rows on CUDA, K a multiple of 64 (K steps are powers of two
+        from 64 up: every GGUF model's widths, e.g. 576, 896, 1536, 4864, 8960)."""
+        return x.is_cuda and 1 <= x.shape[0] <= MAX_ROWS and x.dtype == self.dtype and x.stride(-1) == 1 \
+            and self.in_features % 64 == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         shape = x.shape

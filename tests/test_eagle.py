@@ -834,6 +834,51 @@ def test_bucketed_drafting_on_cpu(monkeypatch):
         assert r.output_token_ids == plain_greedy(target, p, 14)
 
 
+
+class _MetaHead:
+    """Shapes only: a head whose forward returns meta tensors (records what it was called with)."""
+
+    vocab_size = 1000
+
+    def __init__(self, vd: int, hid: int, feat: int) -> None:
+        from types import SimpleNamespace
+
+        self.draft_to_target = torch.arange(vd, device="meta")
+        self.eagle = SimpleNamespace(feature_size=feat)
+        self.config = SimpleNamespace(hidden_size=hid)
+        self.draft_vocab_size, self.hid = vd, hid
+        self.calls = []
+
+    def __call__(self, ids, feats, positions, meta, kv, from_target, rows=None):
+        self.calls.append((ids.shape[0], feats.shape, meta.max_query_len, rows.shape[0]))
+        return torch.empty(rows.shape[0], self.hid, device="meta"), torch.empty(rows.shape[0], self.draft_vocab_size,
+                                                                                device="meta")
+
+
+@pytest.mark.parametrize("topk,steps,nodes,batch", [(4, 4, 16, 1), (4, 4, 16, 64), (2, 5, 12, 4), (1, 4, 5, 8),
+                                                    (8, 8, 64, 2)])
+def test_drafting_bodies_are_shape_static(topk, steps, nodes, batch):
+    """What the CUDA graphs capture (the extend and the whole greedy tree over the static buffers) runs on the
+    meta device: any host read (.item(), .tolist(), nonzero) or data-dependent shape would raise there."""
+    from types import SimpleNamespace
+
+    from forerun.drafters.eagle import _StaticDrafting
+
+    head = _MetaHead(50, 8, 24)
+    runner = SimpleNamespace(kv=SimpleNamespace(block_size=16), device=torch.device("meta"),
+                             buffers=SimpleNamespace(max_seqs=64, max_blocks=30))
+    st = _StaticDrafting(SimpleNamespace(cache=runner, head=head, head_dtype=torch.float32))
+    st._extend_body(batch, 3)()
+    assert head.calls[-1] == (batch * 3, (batch * 3, 24), 3, batch)
+    lay = TreeLayout.get(topk, steps, nodes)
+    out = st._tree_body(lay, batch)()
+    assert len(head.calls) == steps  # the extend + steps - 1 tree steps
+    assert [c[2] for c in head.calls[1:]] == [topk * t for t in range(1, steps)]
+    n = min(nodes, lay.num_slots)
+    assert out["tokens"].shape == (batch, n) and out["mask"].shape == (batch, n, n)
+    assert out["packed"].shape == (batch, 3 * n + 2 * lay.num_slots)
+
+
 # -- the real SmolLM2 ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smollm():

@@ -510,16 +510,31 @@ class DeviceTree:
     """A drafted tree batch on the device (fixed shapes), plus its host copy after the one read.
 
     nodes [R, n]: kept node ids (root first, ascending = breadth first); tokens [R, n] (column 0 unset: the
-    root's token is the host's); parents [R, n]: parent's column (-1 for the root); depth [R, n]; mask
-    [R, n, n]: column j is node i or one of its ancestors (the verify tree mask); probs [R, n, V] (sampled
-    batches only); packed [R, *] float64: tokens, parents, kept scores, every candidate's score and parent."""
+    root's token is the host's); parents [R, n]: parent's column (-1 for the root); depth [R, n] and mask
+    [R, n, n] (column j is node i or one of its ancestors: the verify tree mask), computed from parents on first
+    use; probs [R, n, V] (sampled batches only); packed [R, *] float64: tokens, parents, kept scores, every
+    candidate's score and parent. After a graph replay these are the graph's tensors: valid until the next
+    proposal."""
 
     def __init__(self, out: dict[str, torch.Tensor], batch: int, steps_run: int) -> None:
         self.nodes, self.tokens, self.parents = (out[k][:batch] for k in ("nodes", "tokens", "parents"))
-        self.depth, self.mask, self.packed = out["depth"][:batch], out["mask"][:batch], out["packed"][:batch]
+        self.packed = out["packed"][:batch]
         self.probs = out["probs"][:batch] if out.get("probs") is not None else None
         self.steps_run = steps_run
         self._host = None
+        self._mask = None
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[R, n, n] verify tree mask, computed on the device on first use (not part of the captured graph)."""
+        if self._mask is None:
+            self._mask = tree_mask_and_depth(self.parents, self.steps_run + 1)
+        return self._mask[0]
+
+    @property
+    def depth(self) -> torch.Tensor:
+        self.mask
+        return self._mask[1]
 
     @property
     def host(self) -> list[list[float]]:
@@ -615,6 +630,11 @@ def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root
         par[:, blk] = parents[:, :, None].expand(r_, p, k).reshape(r_, p * k)
 
     expand(0, torch.zeros(r_, 1, dtype=torch.long, device=dev), root_logits)
+    if steps_run:  # every step's rows are a prefix of these: RoPE positions, cache slots (scratch after ctx)
+        pos_all = ctx[:, None] - 1 + c["row_depth"][None, :]  # [R, rows_max]
+        cpos = ctx[:, None] + c["ar"][None, :rows_max]
+        slots_all = tables.gather(1, cpos // block_size) * block_size + cpos % block_size
+        ar_r = torch.arange(r_ + 1, device=dev)
     for t in range(1, steps_run + 1):
         lo, size = lay.lo[t], lay.size[t]
         key = -score[:, lo: lo + size] + 0.0  # + 0.0: no -0.0
@@ -639,13 +659,11 @@ def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root
         n = t * k
         ids = tok.gather(1, front[:, :n])  # [R, n]
         feats = bank.gather(1, fpar[:, :n, None].expand(r_, n, hid)).reshape(r_ * n, hid)
-        positions = (ctx[:, None] - 1 + c["row_depth"][None, :n]).reshape(-1)
-        cpos = ctx[:, None] + c["ar"][None, :n]
-        slots = (tables.gather(1, cpos // block_size) * block_size + cpos % block_size).reshape(-1)
-        meta = AttnMetadata(query_start_loc=torch.arange(r_ + 1, device=dev) * n,
-                            seq_lens=ctx + n, block_tables=tables, slot_mapping=slots, max_query_len=n,
-                            max_seq_len=max_seq_len, tree_mask=anc[:, :n, :n].reshape(r_ * n, n))
-        want = (torch.arange(r_, device=dev)[:, None] * n + (t - 1) * k + ar_k[None, :]).reshape(-1)
+        positions = pos_all[:, :n].reshape(-1)
+        meta = AttnMetadata(query_start_loc=ar_r * n, seq_lens=ctx + n, block_tables=tables,
+                            slot_mapping=slots_all[:, :n].reshape(-1), max_query_len=n, max_seq_len=max_seq_len,
+                            tree_mask=anc[:, :n, :n].reshape(r_ * n, n))
+        want = (ar_r[:r_, None] * n + ((t - 1) * k + ar_k)[None, :]).reshape(-1)
         out, logits = head(ids.reshape(-1), feats, positions, meta, kv, False, rows=want)
         bank[:, 1 + (t - 1) * k: 1 + t * k] = out.view(r_, k, hid)
         expand(t, lo + sel, logits)
@@ -669,14 +687,6 @@ def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root
     parents = torch.where(pnode >= 0, inv.gather(1, pnode.clamp_min(0)), torch.full_like(pnode, -1))
     parents[:, 0] = -1
     tokens = tok.gather(1, nodes_c)
-    depth = c["depth"][nodes_c]
-    cols = torch.arange(n_out, device=dev)
-    mask = cols[None, :, None] == cols[None, None, :]  # [1, i, j]: self
-    mask = mask.expand(r_, n_out, n_out).clone()
-    cur = cols[None].expand(r_, n_out)
-    for _ in range(s):
-        cur = torch.where(cur >= 0, parents.gather(1, cur.clamp_min(0)), cur)
-        mask |= (cur[:, :, None] == cols[None, None, :]) & (cur[:, :, None] >= 0)
     probs = None
     if qbank is not None:
         fslot = torch.full((r_, m_ + 1), -1, dtype=torch.long, device=dev)
@@ -689,7 +699,22 @@ def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root
         probs = qbank.gather(1, bslot.clamp_min(0)[:, :, None].expand(r_, n_out, qbank.shape[-1]))
         probs = probs * has[:, :, None]
     packed = torch.cat([tokens.double(), parents.double(), score.gather(1, nodes_c), score, par.double()], 1)
-    return dict(nodes=nodes, tokens=tokens, parents=parents, depth=depth, mask=mask, probs=probs, packed=packed)
+    return dict(nodes=nodes, tokens=tokens, parents=parents, probs=probs, packed=packed)
+
+
+def tree_mask_and_depth(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """parents [R, n] (parent columns, -1 at the root) -> (ancestor-or-self mask [R, n, n], depth [R, n]): the
+    verification's tree mask and RoPE offsets, by max_depth pointer hops on the device (fixed shapes)."""
+    r, n = parents.shape
+    cols = torch.arange(n, device=parents.device)
+    mask = (cols[:, None] == cols[None, :]).expand(r, n, n).clone()
+    depth = torch.zeros(r, n, dtype=torch.long, device=parents.device)
+    cur = cols[None].expand(r, n)
+    for _ in range(max_depth):
+        cur = torch.where(cur >= 0, parents.gather(1, cur.clamp_min(0)), cur)
+        mask |= (cur[:, :, None] == cols[None, None, :]) & (cur[:, :, None] >= 0)
+        depth += (cur >= 0).long()
+    return mask, depth
 
 
 class _Captured:

@@ -30,6 +30,7 @@ graphs: one for the draft extend per (batch bucket, rows), one for the whole tre
 from __future__ import annotations
 
 import math
+import os
 import time
 from pathlib import Path
 
@@ -65,7 +66,7 @@ class EagleDrafter(Drafter):
         adaptive_budget (or a target_cost: anything with target_time(tokens), the engine's CostModel) the
         maximum of a per-round budget chosen from the batch size and measured costs (forerun/drafters/eagle_budget.py).
         cuda_graphs: None (default) captures the tree drafting on CUDA when the attention backend allows it;
-        False runs the same device code eagerly (debugging)."""
+        False runs the same device code eagerly (debugging; or FORERUN_EAGLE_GRAPHS=0 in the environment)."""
         if isinstance(head, (str, Path)):
             head = load_eagle_head(head, target.model, dtype=dtype or target.dtype, device=target.device)
         if tree_topk < 1 or tree_steps < 1 or tree_nodes < 2:
@@ -328,6 +329,8 @@ class EagleDrafter(Drafter):
         """Capture the drafting phase in CUDA graphs: on CUDA with a capturable attention backend (the target's,
         which the head shares), unless turned off (`cuda_graphs=False`)."""
         if self.cuda_graphs is False or self.cache.device.type != "cuda":
+            return False
+        if self.cuda_graphs is None and os.environ.get("FORERUN_EAGLE_GRAPHS", "1") == "0":  # debugging switch
             return False
         return bool(getattr(self.target.model.backend, "supports_cuda_graphs", False))
 

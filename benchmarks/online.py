@@ -91,6 +91,8 @@ def drive(eng: Engine, prompts: list[list[int]], new_tokens: int, *, concurrency
     t0 = time.perf_counter()
     outstanding = 0
     late_id = None
+    steps, slow = [], []  # seconds of each engine step; (seconds, deltas, graph counts, k) when tracing
+    trace_slow = os.environ.get("ONLINE_TRACE_SLOW") == "1"
 
     def add(prompt, now):
         nonlocal outstanding
@@ -112,7 +114,15 @@ def drive(eng: Engine, prompts: list[list[int]], new_tokens: int, *, concurrency
         if not eng.has_unfinished():
             time.sleep(0.0005)
             continue
-        for d in eng.step():
+        ts0 = time.perf_counter()
+        g0 = _graph_counts(eng) if trace_slow else None
+        deltas = eng.step()
+        dt = time.perf_counter() - ts0
+        steps.append(dt)
+        if trace_slow:  # what a step that took long did: graph replays / eager steps / captures, requests, k
+            slow.append((dt, len(deltas), {k: v - g0.get(k, 0) for k, v in _graph_counts(eng).items()
+                                           if v != g0.get(k, 0)}, getattr(eng.round, "last_k", None)))
+        for d in deltas:
             t = time.perf_counter() - t0
             info[d.request_id]["times"].extend([t] * len(d.new_token_ids))
             if d.finished:
@@ -139,6 +149,12 @@ def drive(eng: Engine, prompts: list[list[int]], new_tokens: int, *, concurrency
                preemptions=st.num_preemptions - st0.num_preemptions,
                graphs={k: v - graphs0.get(k, 0) for k, v in _graph_counts(eng).items()},
                split_rounds=getattr(eng.round, "split_rounds", 0))
+    med = percentile(steps, 50)  # stalls: time of steps that took > 5x the median step, beyond the median
+    res.update(steps=len(steps), step_p50=med, step_max=max(steps),
+               stall_s=sum(x - med for x in steps if x > 5 * med))
+    if trace_slow:
+        res["slowest_steps"] = [dict(seconds=round(a, 4), deltas=b, graphs=c, k=k)
+                                for a, b, c, k in sorted(slow, key=lambda r: -r[0])[:6]]
     if late is not None:
         res.update(step_gap_p50=percentile(gaps, 50), step_gap_p99=percentile(gaps, 99), step_gap_max=max(gaps),
                    long_prompt_ttft=info[late_id]["times"][0] - info[late_id]["arrive"] if late_id else None)
@@ -185,7 +201,9 @@ def run_grid(make_engine, prompts_for, new_tokens: int, concurrencies, configs, 
             if os.environ.get("ONLINE_PARTIAL"):  # survive a time limit: what is measured so far
                 json.dump(rows, open(os.environ["ONLINE_PARTIAL"], "w"), indent=1)
             log(f"{name:>26} c={c:<3} {r['tok_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50'] * 1e3:7.1f} ms  "
-                f"TPOT p50/p99 {r['tpot_p50'] * 1e3:6.2f}/{r['tpot_p99'] * 1e3:6.2f} ms  acc {r['acceptance']}  {r['graphs']}")
+                f"TPOT p50/p99 {r['tpot_p50'] * 1e3:6.2f}/{r['tpot_p99'] * 1e3:6.2f} ms  acc {r['acceptance']}  {r['graphs']}  "
+                f"steps {r['steps']} p50 {r['step_p50'] * 1e3:.2f} ms max {r['step_max'] * 1e3:.0f} ms "
+                f"stalls {r['stall_s']:.2f} s" + (f"  slowest {r['slowest_steps'][:3]}" if "slowest_steps" in r else ""))
         del eng
         free_memory()
     return rows

@@ -82,9 +82,10 @@ def sweep(bw: float, rows: list[int], quick: bool) -> tuple[list[dict], dict]:
                 grid = [dict(kernel="v", block_n=bn, block_k=bk, use_dot=False, num_warps=nw, num_stages=2)
                         for bn in (2, 4, 8, 16) for nw in (2, 4, 8) for bk in (1024, 4096)]
                 grid.append(dict(kernel="w", block_n=8, block_k=512, use_dot=False, num_warps=4, num_stages=3))
-            else:  # the bf16-dequantizing tensor-core kernel, then the earlier word-layout kernels' winners
-                grid = [dict(kernel="t", block_n=bn, block_k=bk, use_dot=True, num_warps=nw, num_stages=st)
-                        for bn in (64, 128) for bk in (128, 256) for nw in (4, 8) for st in (2, 3)]
+            else:  # packed f16 for <= 8 rows, the bf16-dequantizing tensor-core kernel, the earlier winners
+                grid = [dict(kernel="r", block_n=bn, block_k=bk, use_dot=False, num_warps=nw, num_stages=2)
+                        for bn in (2, 4, 8) for nw in (4, 8) for bk in (1024, 2048)] if m <= 8 else []
+                grid += [dict(kernel="t", block_n=64, block_k=128, use_dot=True, num_warps=4, num_stages=3)]
                 grid += [dict(kernel="w", block_n=32, block_k=256, use_dot=True, num_warps=4, num_stages=3),
                          dict(kernel="w2", block_n=32, block_k=256, use_dot=True, num_warps=4, num_stages=3)]
             if quick:

@@ -133,3 +133,26 @@ def test_tensor_core_verify_kernel_on_gpu():
                 from forerun.kernels.quant_gemm import q4v_linear
                 y = q4v_linear(x, q32, s, z)  # default K step: the largest power of two dividing K
                 assert ((y.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2, ("q4v", m, k)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX: CUDA only (run on the GPU machine)")
+def test_short_verify_kernel_on_gpu():
+    """q4r_linear (packed f16, one unpacking per 4 rows) against x @ dequantized(W)^T for 1..8 rows, plain and
+    SwiGLU, one and several K steps, a width that is not a power of two (896)."""
+    from forerun.kernels.quant_gemm import q4r_linear
+    torch.manual_seed(0)
+    for n, k, bks in ((96, 1024, (256, 1024)), (64, 896, (128,))):
+        w = torch.randn(n, k, device="cuda") * 0.05
+        q, s, z = quantize_groups_int4(w)
+        q32 = pack_int4_w32(q)
+        s, z = s.to(torch.bfloat16), z.to(torch.bfloat16)
+        wd = (q.float().reshape(n, k // 32, 32) * s.float()[..., None] + z.float()[..., None]).reshape(n, k)
+        for m in range(1, 9):
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            ref = x.float() @ wd.t()
+            glu = torch.nn.functional.silu(ref[:, :n // 2]) * ref[:, n // 2:]
+            for bk in bks:
+                y = q4r_linear(x, q32, s, z, block_k=bk, block_n=4)
+                assert ((y.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2, (m, k, bk)
+                y = q4r_linear(x, q32, s, z, block_k=bk, block_n=4, glu=True)
+                assert ((y.float() - glu).abs().max() / glu.abs().max()).item() < 2e-2, ("glu", m, k, bk)

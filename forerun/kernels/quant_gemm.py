@@ -746,3 +746,159 @@ def q4t_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: t
                                                 PDL=pdl_on, num_warps=num_warps, num_stages=num_stages,
                                                 **launch_kwargs(pdl_on))
     return y
+
+
+# =========================================================== int4, word layout, packed f16, 3..8 rows
+# Short verification chains (k + 1 = 3..8 rows) on the CUDA cores: the decode kernel's PTX block with the word
+# unpacked once per 4 rows (9 instructions) and 4 pair products + a conversion per row (7), so a row costs ~0.9
+# instructions per weight beyond the first -- against a tensor-core path whose bf16 dequantization and operand
+# shuffles cost more than the products at these row counts.
+_Q4_ASM_3 = tl.constexpr(_q4_word_asm(3))
+_Q4_ASM_4 = tl.constexpr(_q4_word_asm(4))
+
+
+@triton.jit
+def _q4r_block(wv, s, z, X32, stride_x32, k0, offs_w, R: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr,
+               BW: tl.constexpr):
+    """R (1..4) activation rows from X32 against the words wv: 4 contributions [BN, NG] (zeros past R)."""
+    a0, a1, a2, a3, xa = _x_pairs(X32, k0, offs_w, BW)
+    zero = tl.zeros([BN, NG], tl.float32)
+    if R == 1:
+        d0 = tl.inline_asm_elementwise(_Q4_ASM_1, "=f,r,r,r,r,r", [wv, a0, a1, a2, a3], dtype=tl.float32,
+                                       is_pure=True, pack=1)
+        return tl.sum(tl.reshape(d0, [BN, NG, 4]), 2) * s + z * xa, zero, zero, zero
+    b0, b1, b2, b3, xb = _x_pairs(X32 + stride_x32, k0, offs_w, BW)
+    if R == 2:
+        d0, d1 = tl.inline_asm_elementwise(_Q4_ASM_2, "=f,=f" + ",r" * 9, [wv, a0, a1, a2, a3, b0, b1, b2, b3],
+                                           dtype=(tl.float32,) * 2, is_pure=True, pack=1)
+        return (tl.sum(tl.reshape(d0, [BN, NG, 4]), 2) * s + z * xa,
+                tl.sum(tl.reshape(d1, [BN, NG, 4]), 2) * s + z * xb, zero, zero)
+    c0, c1, c2, c3, xc = _x_pairs(X32 + 2 * stride_x32, k0, offs_w, BW)
+    if R == 3:
+        d0, d1, d2 = tl.inline_asm_elementwise(_Q4_ASM_3, "=f,=f,=f" + ",r" * 13,
+                                               [wv, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3],
+                                               dtype=(tl.float32,) * 3, is_pure=True, pack=1)
+        return (tl.sum(tl.reshape(d0, [BN, NG, 4]), 2) * s + z * xa,
+                tl.sum(tl.reshape(d1, [BN, NG, 4]), 2) * s + z * xb,
+                tl.sum(tl.reshape(d2, [BN, NG, 4]), 2) * s + z * xc, zero)
+    e0, e1, e2, e3, xe = _x_pairs(X32 + 3 * stride_x32, k0, offs_w, BW)
+    d0, d1, d2, d3 = tl.inline_asm_elementwise(_Q4_ASM_4, "=f,=f,=f,=f" + ",r" * 17,
+                                               [wv, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3,
+                                                e0, e1, e2, e3], dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+    return (tl.sum(tl.reshape(d0, [BN, NG, 4]), 2) * s + z * xa,
+            tl.sum(tl.reshape(d1, [BN, NG, 4]), 2) * s + z * xb,
+            tl.sum(tl.reshape(d2, [BN, NG, 4]), 2) * s + z * xc,
+            tl.sum(tl.reshape(d3, [BN, NG, 4]), 2) * s + z * xe)
+
+
+@triton.jit
+def _q4r_store(Y, stride_ym, offs_n, n_ok, r: tl.constexpr, acc, acc_u, GLU: tl.constexpr):
+    y = tl.sum(acc, 1)
+    if GLU:
+        u = tl.sum(acc_u, 1)
+        y = y / (1.0 + tl.exp(-y)) * u
+    tl.store(Y + r * stride_ym + offs_n, y.to(Y.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _q4r_kernel(X, QW, S, Z, Y, N, stride_xm, stride_ym, GLU_OFF,
+                K: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                GLU: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr):
+    # as _q4v_kernel for M = 3..8 rows: rows 0-3 and 4-7 each share one unpacking of a word
+    pid = tl.program_id(0)
+    if PDL:
+        gdc_launch_dependents()
+    BW: tl.constexpr = BLOCK_K // 8
+    NG: tl.constexpr = BLOCK_K // GROUP
+    R0: tl.constexpr = 4 if M > 4 else M
+    R1: tl.constexpr = M - R0
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_w = tl.arange(0, BW)
+    offs_g = tl.arange(0, NG)
+    rows = offs_n[:, None].to(tl.int64)
+    X32 = X.to(tl.pointer_type(tl.int32))
+    sx = stride_xm // 2
+    wv, s, z = _q4v_tile(QW, S, Z, rows, n_ok, 0, offs_w, offs_g, K, GROUP)
+    if PDL:
+        gdc_wait()
+    g0 = tl.zeros([BLOCK_N, NG], tl.float32)  # gate (or only) rows: activation rows 0..7
+    g1 = tl.zeros([BLOCK_N, NG], tl.float32)
+    g2 = tl.zeros([BLOCK_N, NG], tl.float32)
+    g3 = tl.zeros([BLOCK_N, NG], tl.float32)
+    g4 = tl.zeros([BLOCK_N, NG], tl.float32)
+    g5 = tl.zeros([BLOCK_N, NG], tl.float32)
+    g6 = tl.zeros([BLOCK_N, NG], tl.float32)
+    g7 = tl.zeros([BLOCK_N, NG], tl.float32)
+    u0 = tl.zeros([BLOCK_N, NG], tl.float32)  # up rows (GLU)
+    u1 = tl.zeros([BLOCK_N, NG], tl.float32)
+    u2 = tl.zeros([BLOCK_N, NG], tl.float32)
+    u3 = tl.zeros([BLOCK_N, NG], tl.float32)
+    u4 = tl.zeros([BLOCK_N, NG], tl.float32)
+    u5 = tl.zeros([BLOCK_N, NG], tl.float32)
+    u6 = tl.zeros([BLOCK_N, NG], tl.float32)
+    u7 = tl.zeros([BLOCK_N, NG], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if k0 > 0:
+            wv, s, z = _q4v_tile(QW, S, Z, rows, n_ok, k0, offs_w, offs_g, K, GROUP)
+        c0, c1, c2, c3 = _q4r_block(wv, s, z, X32, sx, k0, offs_w, R0, BLOCK_N, NG, BW)
+        g0 += c0
+        g1 += c1
+        g2 += c2
+        g3 += c3
+        if R1 > 0:
+            c0, c1, c2, c3 = _q4r_block(wv, s, z, X32 + 4 * sx, sx, k0, offs_w, R1, BLOCK_N, NG, BW)
+            g4 += c0
+            g5 += c1
+            g6 += c2
+            g7 += c3
+        if GLU:
+            uv, us, uz = _q4v_tile(QW, S, Z, rows + GLU_OFF, n_ok, k0, offs_w, offs_g, K, GROUP)
+            c0, c1, c2, c3 = _q4r_block(uv, us, uz, X32, sx, k0, offs_w, R0, BLOCK_N, NG, BW)
+            u0 += c0
+            u1 += c1
+            u2 += c2
+            u3 += c3
+            if R1 > 0:
+                c0, c1, c2, c3 = _q4r_block(uv, us, uz, X32 + 4 * sx, sx, k0, offs_w, R1, BLOCK_N, NG, BW)
+                u4 += c0
+                u5 += c1
+                u6 += c2
+                u7 += c3
+    _q4r_store(Y, stride_ym, offs_n, n_ok, 0, g0, u0, GLU)
+    if M > 1:
+        _q4r_store(Y, stride_ym, offs_n, n_ok, 1, g1, u1, GLU)
+    if M > 2:
+        _q4r_store(Y, stride_ym, offs_n, n_ok, 2, g2, u2, GLU)
+    if M > 3:
+        _q4r_store(Y, stride_ym, offs_n, n_ok, 3, g3, u3, GLU)
+    if M > 4:
+        _q4r_store(Y, stride_ym, offs_n, n_ok, 4, g4, u4, GLU)
+    if M > 5:
+        _q4r_store(Y, stride_ym, offs_n, n_ok, 5, g5, u5, GLU)
+    if M > 6:
+        _q4r_store(Y, stride_ym, offs_n, n_ok, 6, g6, u6, GLU)
+    if M > 7:
+        _q4r_store(Y, stride_ym, offs_n, n_ok, 7, g7, u7, GLU)
+
+
+def q4r_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, glu: bool = False,
+               block_n: int | None = None, block_k: int | None = None, use_dot: bool = False, num_warps: int = 4,
+               num_stages: int = 2) -> torch.Tensor:
+    """As q4v_linear for 1..8 bf16 rows (`_q4r_kernel`: one unpacking of each word per 4 rows). CUDA only."""
+    m, k = x.shape
+    n = qw32.shape[0]
+    block_k = block_k or min(k & -k, 1024)
+    if use_dot or not 1 <= m <= 8 or x.dtype != torch.bfloat16 or qw32.shape[1] * 8 != k or k % block_k \
+            or x.stride(1) != 1 or x.stride(0) % 2 or (glu and n % 2):
+        raise ValueError(f"q4r_linear: takes 1-8 contiguous bf16 rows; got x {tuple(x.shape)} {x.dtype} "
+                         f"qw32 {tuple(qw32.shape)} block_k {block_k}")
+    block_n = block_n or 4
+    n_out = n // 2 if glu else n
+    y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    pdl_on = pdl_enabled(x)
+    _q4r_kernel[(triton.cdiv(n_out, block_n),)](x, qw32, scale, zero, y, n_out, x.stride(0), y.stride(0), n_out,
+                                                K=k, M=m, BLOCK_N=block_n, BLOCK_K=block_k, GLU=glu, GROUP=GROUP,
+                                                PDL=pdl_on, num_warps=num_warps, num_stages=num_stages,
+                                                **launch_kwargs(pdl_on))
+    return y

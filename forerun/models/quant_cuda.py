@@ -18,11 +18,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..kernels.quant_gemm import GROUP, MAX_ROWS, pack_int4_w32, q4t_linear, q4v_linear, q4w2_linear, q4w_linear
+from ..kernels.quant_gemm import (GROUP, MAX_ROWS, pack_int4_w32, q4r_linear, q4t_linear, q4v_linear, q4w2_linear,
+                                  q4w_linear)
 from .quant import quantize_groups_int4
 
 KERNELS = {"w": q4w_linear, "w2": q4w2_linear, "v": q4v_linear,  # v: 1-2 bf16 rows, packed f16 (decode)
+           "r": q4r_linear,  # r: 1-8 bf16 rows, packed f16, one unpacking per 4 rows (short verification)
            "t": q4t_linear}  # t: 1-16 bf16 rows, bf16 dequantization + tensor cores (verification)
+MAX_KERNEL_ROWS = {"v": 2, "r": 8}  # the others take up to MAX_ROWS
 
 CONFIGS = Path(__file__).resolve().parent.parent / "kernels" / "q4_configs.json"
 _tables: dict[str, dict] = {}
@@ -58,8 +61,8 @@ def tuned(m: int, n: int, k: int, glu: bool) -> dict:
         if got is not None:
             break
         got = table.get(config_key(m2, n, k, glu))
-        if got is not None and not got["use_dot"] and m > 2:
-            got = None  # the CUDA-core kernels take at most 2 rows
+        if got is not None and m > MAX_KERNEL_ROWS.get(got["kernel"], MAX_ROWS):
+            got = None  # a kernel tuned for fewer rows than m
     return {key: got[key] for key in ("kernel", "block_n", "block_k", "use_dot", "num_warps", "num_stages")} \
         if got else default_config(m)
 

@@ -348,3 +348,31 @@ def test_real_gguf_cuda_layout_vs_fp32_and_cpu_int4(name):
     else:  # Q5_0 layers re-quantized to int4 (as on the CPU): measured 4.3e-2, bf16 4.7e-2 (CPU int4 5.6e-2)
         assert kl32 < 0.08 and kl16 < 0.08
     assert kl16 < 1.5 * klcpu  # no worse than the CPU int4 path on the same file
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels: run on the GPU machine")
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_tiny_gguf_on_cuda_runs_the_q4_kernels(tmp_path, monkeypatch, kind):
+    """build_model(..., "cuda", quantize="auto") keeps the 4-bit matrices 4-bit on the GPU, and decode (1 row)
+    and verification-sized (4 rows) steps through the Triton kernels give the CPU layout's logits."""
+    path, _ = _write(tmp_path, kind, monkeypatch)
+    ckpt = load_checkpoint(path)
+    model = build_model(ckpt, "cuda", torch.bfloat16, progress=False, quantize="auto")
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, CudaQ4Linear) and qkv.qw32.is_cuda
+    ref_model = build_cuda_q4_model(ckpt, "cpu", torch.float32, progress=False)
+    ids = list(range(3, 40))
+    ref = _logits(ref_model, ids)  # [37, V]
+    tok = tiny_tokenizer(model.config.vocab_size)
+    llm = LLM.from_model(model, tok, device="cuda", dtype=torch.bfloat16)
+    llm.runner.kv.add_sequence(7)
+    with torch.no_grad():
+        llm.runner.forward([Chunk(7, ids[:30], logits="last")])  # prefill (> 16 rows: dequantized + cuBLAS)
+        one = llm.runner.forward([Chunk(7, ids[30:31], logits="all")])[0].logits.float().cpu()  # 1 row: q4v
+        four = llm.runner.forward([Chunk(7, ids[31:35], logits="all")])[0].logits.float().cpu()  # 4 rows: q4r
+    for got, want in ((one, ref[30:31]), (four, ref[31:35])):
+        kl = _kl(got, want)
+        assert kl < 0.05, (kind, got.shape, kl)  # bf16 activations and scales vs the fp32 CPU layout
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    out = llm.generate(["t5 t6 t7 t5 t6 t7 t5 t6"], sp)
+    assert len(out[0].token_ids) == 12

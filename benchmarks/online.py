@@ -186,6 +186,7 @@ def run_grid(make_engine, prompts_for, new_tokens: int, concurrencies, configs, 
 
                 prof = cProfile.Profile()
                 prof.enable()
+            vetoes0 = getattr(getattr(eng, "k_policy", None), "vetoes", 0)
             r = drive(eng, prompts_for(int(os.environ.get("ONLINE_REPEAT", 3)) * c), new_tokens, concurrency=c)
             if prof is not None:  # where the host time of this run went
                 import pstats
@@ -196,6 +197,7 @@ def run_grid(make_engine, prompts_for, new_tokens: int, concurrencies, configs, 
             hist = getattr(eng, "_k_hist", None)
             if hist is not None:  # the batch k chosen per decision during this run (adaptive)
                 r["batch_k_hist"] = dict(sorted(hist.items()))
+                r["vetoes"] = eng.k_policy.vetoes - vetoes0  # rounds where realized rates overruled k > 0
                 hist.clear()
             rows.append(r)
             if os.environ.get("ONLINE_PARTIAL"):  # survive a time limit: what is measured so far

@@ -525,3 +525,53 @@ def test_one_rejected_draft_does_not_switch_a_new_request_off():
     assert pol.ks([100], [40]) != [0]
     pol.observe(100, 1, 0, wanted=1)  # the new request's first draft is rejected
     assert pol.ks([100], [40]) != [0]
+
+
+def test_batch_k_is_overruled_when_speculative_rounds_realize_less_than_plain():
+    """The cost model sees only pure verify rounds; the rounds the engine really runs (prefill chunks of joining
+    requests, which a drafter makes dearer, stalls) can deliver less. batch_k compares what speculative rounds
+    realized at this batch size with plain decoding's predicted step and decodes plainly when drafting loses (the
+    H200 at 64 requests: the model kept k = 2-3 at 0.46-0.75x plain); a probe re-measures; a batch where
+    drafting delivers keeps drafting; a compile-length stall does not count."""
+    from forerun.engine.k_policy import KPolicy
+
+    def policy():
+        pol = KPolicy(SpecConfig(method="draft", draft_model="x", adaptive=True, k_max=4))
+        for tokens in (1, 4, 8, 16, 40):
+            pol.cost.record_target(tokens, 0.005)  # a flat 5 ms forward: drafting looks free
+        pol.cost.record_draft_step(0.0005)
+        for rid in range(8):
+            for _ in range(20):
+                pol.observe(rid, 4, 3, wanted=4)
+        return pol
+
+    ids, room = list(range(8)), [100] * 8
+    pol = policy()
+    assert pol.batch_k(ids, room) >= 3 and pol.realized_rate(8) is None
+    for _ in range(KPolicy.REALIZED_MIN - 1):  # 3 tokens per request in 30 ms: 100 tok/s, plain makes 200
+        pol.record_realized(8, 24, 0.030)
+    assert pol.batch_k(ids, room) >= 3  # too few rounds to judge
+    pol.record_realized(8, 24, 0.030)
+    assert abs(pol.realized_rate(8) - 100.0) < 1e-9
+    assert pol.batch_k(ids, room) == 0 and pol.vetoes == 1
+    assert pol.batch_probe_every == 2 * KPolicy.PROBE_EVERY
+    ks = [pol.batch_k(ids, room) for _ in range(2 * KPolicy.PROBE_EVERY - 1)]
+    assert ks[-1] == 1 and not any(ks[:-1])  # vetoed (once doubled) until the probe, a fresh measurement
+    assert pol.batch_probe_every == 2 * KPolicy.PROBE_EVERY and pol.vetoes == 2 * KPolicy.PROBE_EVERY
+    assert pol.realized_rate(8) is None and pol.batch_k(ids, room) >= 3
+    assert pol.realized_rate(1) is None  # another batch size has its own record
+
+    pol = policy()  # drafting that delivers: 3 tokens per request in 10 ms (300 tok/s against plain's 200)
+    for _ in range(KPolicy.REALIZED_WINDOW):
+        pol.record_realized(8, 24, 0.010)
+    pol.record_realized(8, 24, 0.9)  # a round that waited on a kernel compile: left out
+    assert abs(pol.realized_rate(8) - 300.0) < 1e-9
+    assert min(pol.batch_k(ids, room) for _ in range(5)) >= 3 and pol.vetoes == 0
+
+
+def test_engine_records_realized_speculative_rounds_only_with_cuda_graphs():
+    """The realized rate feeds batch_k (CUDA graphs); without graphs (per-request k) nothing is recorded."""
+    target = hf_model("llama")
+    llm = tiny_llm(target, spec=draft_spec(hf_model("llama", seed=3, num_hidden_layers=1), adaptive=True, k_max=4))
+    llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert llm.engine.runner.graphs is None and not llm.engine.k_policy.realized

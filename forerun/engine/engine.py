@@ -420,6 +420,12 @@ class Engine:
                 and res.sampled_rows:
             # no overlapped decoding: plain and speculative rounds pay the host work alike, once per round
             self.k_policy.cost.record_round_overhead(time.perf_counter() - t_start - res.target_seconds - res.draft_seconds)
+        if self.spec.adaptive and self.runner.graphs is not None and any(res.num_drafted):
+            # what the round delivered, prefill chunks and stalls included: batch_k overrules its cost model
+            # when speculative rounds realize less than plain decoding would
+            committed = sum(len(res.emitted[i]) for i, it in enumerate(items) if it.final)
+            self.k_policy.record_realized(len({it.request.req_id for it in items}), committed,
+                                          time.perf_counter() - t_start)
         if self.check_invariants:
             self._check([it.request for it in items if it.final])
         for it in items:

@@ -181,10 +181,46 @@ class KPolicy:
         # batch_k (CUDA graphs): the same probing, for the batch as a whole
         self.batch_mode, self.batch_idle, self.batch_probe_every, self.batch_probing = False, 0, self.PROBE_EVERY, False
         self.batch_trial: int | None = None  # k > 0 rounds since the last probe, while its outcome is open
+        # batch_k: what speculative rounds really delivered, per batch-size bucket (next power of two):
+        # (committed tokens per request, wall seconds) of recent rounds that drafted
+        self.realized: dict[int, deque] = {}
+        self.vetoes = 0  # rounds where the realized rate overruled the cost model's k > 0
 
     PROBE_EVERY = 16  # with k = 0 chosen this many rounds in a row, draft one token to re-measure acceptance
     PROBE_MAX = 256  # a probe that is rejected doubles the interval up to this; an accepted one resets it
     PROBE_HOLD = 8  # batch_k: a probe is accepted when drafting then lasts this many rounds
+    REALIZED_WINDOW = 32  # batch_k: recent speculative rounds whose realized rate is compared with plain decoding
+    REALIZED_MIN = 8  # ... once there are this many since the last probe
+    REALIZED_MARGIN = 0.95  # drafting is overruled when it realizes less than this times plain's predicted rate
+    OUTLIER = 20.0  # a round longer than this many median rounds (a kernel compile) is left out of the rate
+
+    @staticmethod
+    def _bucket(n: int) -> int:
+        return 1 << max(0, n - 1).bit_length()
+
+    def record_realized(self, requests: int, tokens: int, seconds: float) -> None:
+        """A speculative round of `requests` requests committed `tokens` tokens in `seconds` of wall time,
+        everything included: the prefill chunks of requests that joined (which a drafter makes dearer: it
+        prefills too), host work, stalls. The cost model sees only pure verify rounds and can miss these."""
+        if requests > 0 and seconds > 0:
+            self.realized.setdefault(self._bucket(requests), deque(maxlen=self.REALIZED_WINDOW)).append(
+                (tokens / requests, seconds))
+
+    def realized_rate(self, requests: int) -> float | None:
+        """Tokens per second per request that speculative rounds realized at this batch size (None: too few
+        rounds since the last probe). Rounds over OUTLIER x the median are left out."""
+        obs = self.realized.get(self._bucket(requests))
+        if not obs or len(obs) < self.REALIZED_MIN:
+            return None
+        cut = self.OUTLIER * _median([s for _, s in obs])
+        kept = [(t, s) for t, s in obs if s <= cut]
+        return sum(t for t, _ in kept) / sum(s for _, s in kept)
+
+    def _overruled(self, n: int) -> bool:
+        """Whether speculative rounds at this batch size realize less than plain decoding would: the measured
+        tokens per second per request against 1 / target_time(n), plain decoding's step."""
+        rate = self.realized_rate(n)
+        return rate is not None and rate < self.REALIZED_MARGIN / self.cost.target_time(n)
 
     def ks(self, req_ids: list[int], room: list[int]) -> list[int]:
         """k per request this round; room[i] caps it (context and max_tokens left)."""
@@ -229,6 +265,13 @@ class KPolicy:
                     k, best = kk, rate
         if self.batch_probing:
             self.batch_probing, self.batch_trial = False, 0
+        if k > 0 and self._overruled(len(req_ids)):
+            # the model says drafting pays, the rounds say it does not (on the H200 at 64 requests: k = 2-3
+            # realized 0.46-0.75x plain): decode plainly, and wait twice as long before the next probe
+            k, self.vetoes = 0, self.vetoes + 1
+            if self.batch_idle == 0:  # the batch was drafting: this trial of drafting failed
+                self.batch_probe_every = min(2 * self.batch_probe_every, self.PROBE_MAX)
+            self.batch_trial = None
         if k == 0:
             if self.batch_trial is not None:  # drafting did not last after the probe: probe half as often
                 self.batch_probe_every = min(2 * self.batch_probe_every, self.PROBE_MAX)
@@ -236,6 +279,7 @@ class KPolicy:
             self.batch_idle += 1
             if self.batch_idle >= self.batch_probe_every and kmax > 0:
                 k, self.batch_idle, self.batch_probing = 1, 0, True
+                self.realized.pop(self._bucket(len(req_ids)), None)  # the probe re-measures from scratch
         else:
             self.batch_idle = 0
             if self.batch_trial is not None:

@@ -10,6 +10,11 @@ measured time of one draft step. When verifying k+1 tokens costs the same as one
 seed 003's speedup (1 - a^(k+1)) / ((1 - a)(1 + k c)), c = t_draft_step / t_target. k = 0 (plain decoding)
 wins when acceptance is low, drafting is expensive, or the batch is large enough that extra verify
 tokens are no longer free (compute-bound decode).
+
+With CUDA graphs the batch drafts one k (`batch_k`), and what speculative rounds really deliver is checked
+against the model: the committed tokens per request per second of recent rounds that drafted (prefill chunks of
+joining requests, host work and stalls included, which the model does not see) against plain decoding's
+predicted step; drafting that realizes less is overruled until the next probe.
 """
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -44,6 +45,7 @@ def test_cuda_q4_linear_dequantizes_its_groups_and_falls_back_off_gpu():
 
 def test_word_layout_kernels_in_interpreter():
     code = """
+import numpy as np
 import pytest
 import torch
 from forerun.kernels.quant_gemm import *
@@ -156,3 +158,37 @@ def test_short_verify_kernel_on_gpu():
                 assert ((y.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2, (m, k, bk)
                 y = q4r_linear(x, q32, s, z, block_k=bk, block_n=4, glu=True)
                 assert ((y.float() - glu).abs().max() / glu.abs().max()).item() < 2e-2, ("glu", m, k, bk)
+
+
+def _emulate_q4v_word(words: np.ndarray, xpairs: list) -> np.ndarray:
+    """The PTX block of `_q4v_kernel` (quant_gemm._Q4_WORD_UNPACK / _Q4_WORD_DOT) step by step in numpy, bit for
+    bit in float16: words uint32 [n]; xpairs: 4 float16 arrays [n, 2] (the activations 8i+2j, 8i+2j+1,
+    pre-scaled) -> the word's dot product as float32 [n]."""
+    m = np.uint32(0x64006400)
+    h = words >> np.uint32(8)
+    t = [(words & np.uint32(0x000F000F)) | m, (words & np.uint32(0x00F000F0)) | m,
+         (h & np.uint32(0x000F000F)) | m, (h & np.uint32(0x00F000F0)) | m]  # lop3 (a & b) | c
+    magic = np.array([1024, 1024], dtype=np.float16)
+    a = np.zeros((len(words), 2), dtype=np.float16)
+    for j in range(4):
+        pair = t[j].view(np.float16).reshape(-1, 2) - magic  # sub.f16x2: exact
+        a = (pair.astype(np.float32) * xpairs[j].astype(np.float32) + a.astype(np.float32)).astype(np.float16)
+    return a.astype(np.float32).sum(1)
+
+
+def test_packed_f16_unpacking_matches_the_word_layout():
+    """CPU check of the decode kernel's arithmetic (the PTX itself runs on the GPU machine): unpacking a word
+    with lop3 masks into the f16 magic 1024 + c gives, in the f16 pair j, the codes 8i + 2j and 8i + 2j + 1 of
+    pack_int4_w32 (times 16 for odd j), so with activations pre-scaled by 1/16 and 1/256 the word's products
+    times 16 equal the exact dot product to f16 rounding -- and nothing of this survives a changed layout."""
+    rng = np.random.default_rng(0)
+    q = torch.from_numpy(rng.integers(0, 16, (16, 32), dtype=np.uint8))  # 16 rows of 4 words
+    words = pack_int4_w32(q).numpy().reshape(-1).view(np.uint32)  # [64] words, 8 codes each
+    q = q.reshape(64, 8)
+    x = rng.standard_normal((64, 8)).astype(np.float32) * 3
+    pairs = [(x[:, 2 * j: 2 * j + 2] * (1 / 16 if j % 2 == 0 else 1 / 256)).astype(np.float16) for j in range(4)]
+    got = 16 * _emulate_q4v_word(words, pairs)
+    want = (q.numpy().astype(np.float64) * x).sum(1)
+    assert np.abs(got - want).max() <= 2e-3 * np.abs(want).max()  # measured 5e-4 (f16 rounding)
+    swapped = pack_int4_w32(q.reshape(64, 4, 2).flip(-1).reshape(16, 32)).numpy().reshape(-1).view(np.uint32)
+    assert np.abs(16 * _emulate_q4v_word(swapped, pairs) - want).max() > 0.05 * np.abs(want).max()

@@ -13,6 +13,16 @@ Layouts (built by `pack_int4` / `pack_int8` from integer codes and group scales)
     so a tile unpacks with one mask and one shift, no interleaving. ``scale``, ``zero`` [N, K / 32]
     (fp16/bf16): w = q * scale + zero, q in 0..15.
   * int8: ``qw`` int8 [N, K]; ``scale`` [N, K / 32]: w = q * scale.
+  * int4 word layout (what `CudaQ4Linear` holds; see the section below): ``qw32`` int32 [N, K / 8].
+
+The kernels, in the order they were written (each section says why the next one exists); the engine uses the
+word layout's, picked per row count and shape from kernels/q4_configs.json by models/quant_cuda.py:
+  * `q4_linear` / `q8_linear`: chunk layout, float32 unpacking by integer-to-float conversion;
+  * `q4w_linear`, `q4w2_linear`: word layout, float32 "magic number" unpacking;
+  * `q4v_linear` (1-2 rows, decode): inline PTX, two codes per instruction in packed f16, weights prefetched
+    before the programmatic-dependent-launch wait (kernels/pdl.py);
+  * `q4r_linear` (3-8 rows, short verification): the same PTX, one unpacking per 4 rows;
+  * `q4t_linear` (<= 16 rows): bf16 dequantization in PTX, tensor-core products.
 """
 from __future__ import annotations
 

@@ -942,3 +942,35 @@ def test_training_raises_heldout_acceptance_smollm2(smollm, tmp_path):
         a = head.logits(T.unrolled_outputs(head, seq, 1)[0]).argmax(-1)
         b = again.logits(T.unrolled_outputs(again, seq, 1)[0]).argmax(-1)
     assert torch.equal(a, b)
+
+
+# -- training data recipes (forerun/eagle/data.py) ------------------------------------------------------------
+def test_mix_corpus_kinds_and_no_bench_prompts():
+    """The "mix" recipe yields code chat turns, code-then-prose turns, other languages' files and docs prose;
+    nothing in it is a benchmark prompt."""
+    import itertools
+
+    from forerun.bench_prompts import CODE_PROMPTS
+    from forerun.eagle import data as D
+
+    samples = list(itertools.islice(D.mixed_samples(False), 70))
+    users = [s.messages[0]["content"] for s in samples if s.messages]
+    answers = [s.messages[1]["content"] for s in samples if s.messages]
+    assert any("```python" in a and not a.rstrip().endswith("```") for a in answers)  # code, then prose
+    assert any(f"```{lang}" in a for a in answers for lang in ("c\n", "cpp", "javascript", "bash"))
+    assert any(s.text is not None for s in samples)
+    assert not set(users) & set(CODE_PROMPTS)
+    texts = " ".join(s.text or " ".join(m["content"] for m in s.messages) for s in samples)
+    assert not any(p in texts for p in CODE_PROMPTS)
+
+
+def test_feature_folder_refuses_another_layout_or_corpus(tmp_path):
+    """One feature folder never mixes target weight layouts or corpus recipes (older folders: fp32, code)."""
+    from forerun.eagle import data as D
+
+    d = tmp_path / "train"
+    d.mkdir()
+    (d / "meta.json").write_text(json.dumps({"layers": [0, 1], "max_len": 64, "seed": 0, "heldout_fraction": 0.05}))
+    for kw in ({"quantize": "int4"}, {"corpus": "mix"}):
+        with pytest.raises(ValueError, match="other settings"):
+            D.extract(None, None, tmp_path, (0, 1), "train", 10, max_len=64, progress=False, **kw)

@@ -7,6 +7,13 @@ docstring, and an assistant message holding the function in a code block; the re
 forerun's own files (benchmark prompts, tests) are never read. Files are split into training and held-out
 sets by a hash of their path, so held-out text is from files the head never saw.
 
+Corpus recipes (`corpus=`): "code" (the above) and "mix" (docs/eagle.md, session 3): the "code" samples
+interleaved with samples closer to what the bench asks of an instruct model: chat turns whose answer is code
+followed by prose (the function's whole docstring, as the explanation instruct models add after their code),
+chat turns over other languages' source files found on the machine (C, C++, JavaScript, shell: a header or
+source file shown in a fenced block), and prose from installed packages' documentation (.md / .rst), raw or
+as an "explain" turn. Everything is read from disk (nothing downloaded, forerun's files never read).
+
 Features: one target forward per sample (`ModelRunner.forward(..., hidden_layers=...)`), storing, per
 token, the outputs of the head's feature layers and of the last layer (the teacher's logits are
 lm_head(norm(last)), recomputed at training time), in bfloat16 shards of about `shard_tokens` tokens.
@@ -45,6 +52,32 @@ def python_sources() -> list[Path]:
                     if _FORERUN_ROOT not in p.parents:
                         files.add(p)
     return sorted(files)
+
+
+_DOC_EXT = (".md", ".rst")
+_LANG_EXT = {".c": "c", ".h": "c", ".cpp": "cpp", ".hpp": "cpp", ".js": "javascript", ".sh": "bash"}
+
+
+def other_sources(exts, per_package: int = 150) -> list[Path]:
+    """Files with one of `exts` under the stdlib and site-packages folders (forerun's excluded), at most
+    `per_package` per top-level folder of a root (so one package's thousands of pages do not swamp the rest),
+    sorted (deterministic)."""
+    roots = {sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], *site.getsitepackages()}
+    picked: dict[tuple[str, str], list[Path]] = {}
+    for root in sorted(r for r in roots if r and os.path.isdir(r)):
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames.sort()
+            rel = os.path.relpath(dirpath, root).split(os.sep)
+            parts = rel[:2] if rel[0] == "site-packages" else rel[:1]
+            for f in sorted(filenames):
+                if f.endswith(tuple(exts)):
+                    p = Path(dirpath, f).resolve()
+                    if _FORERUN_ROOT in p.parents:
+                        continue
+                    bucket = picked.setdefault((root, "/".join(parts)), [])
+                    if len(bucket) < per_package:
+                        bucket.append(p)
+    return sorted({p for b in picked.values() for p in b})
 
 
 def is_heldout(path: Path, fraction: float) -> bool:
@@ -106,6 +139,98 @@ def corpus_samples(heldout: bool, fraction: float = 0.05, seed: int = 0, chat_sh
         yield Sample(src[start:start + 3000], None)
 
 
+def _code_prose_samples(files: list[Path], rng: random.Random) -> Iterator[Sample]:
+    """Chat turns: a request written from a documented function's name and first docstring line; the answer
+    is the function in a code block followed by its whole docstring as prose (what instruct models write)."""
+    asks = ("Write a Python function `{name}` that does this: {doc} Explain how it works.",
+            "Implement `{name}` in Python ({doc}) and describe the code.", "{doc} Write `{name}` and explain it.",
+            "Can you write a Python function named {name}? {doc}")
+    for p in files:
+        try:
+            src = p.read_text(encoding="utf-8")
+            tree = ast.parse(src)
+        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+            continue
+        docs = {n.name: ast.get_docstring(n) for n in ast.walk(tree)
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(n)}
+        for name, first, body in _functions(src):
+            full = docs.get(name) or first
+            if rng.random() < 0.5 or len(full) < 60:
+                continue
+            intro = rng.choice(("Here is a Python function `{n}`:", "Certainly! Here's `{n}`:",
+                                "Sure. The function `{n}` can be written like this:", "")).format(n=name)
+            answer = (intro + "\n\n" if intro else "") + f"```python\n{body}\n```\n\n{full.strip()}"
+            yield Sample(None, [{"role": "user", "content": rng.choice(asks).format(name=name, doc=first)},
+                                {"role": "assistant", "content": answer}])
+
+
+def _lang_samples(files: list[Path], rng: random.Random) -> Iterator[Sample]:
+    """Chat turns over C / C++ / JavaScript / shell files found on the machine: the file (a slice) in a fenced
+    block of its language, asked for by its name."""
+    for p in files:
+        try:
+            src = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if len(src.strip()) < 200:
+            continue
+        lang = _LANG_EXT[p.suffix]
+        start = rng.randrange(max(1, len(src) - 2000))
+        start = src.find("\n", start) + 1 if start else 0
+        ask = rng.choice(("Write a {lang} file like `{name}`.", "Show me {lang} code for `{name}`.",
+                          "Write the {lang} source `{name}`.")).format(lang=lang.capitalize(), name=p.name)
+        answer = f"Here is `{p.name}`:\n\n```{lang}\n{src[start:start + 2000].rstrip()}\n```"
+        yield Sample(None, [{"role": "user", "content": ask}, {"role": "assistant", "content": answer}])
+
+
+def _doc_samples(files: list[Path], rng: random.Random) -> Iterator[Sample]:
+    """Prose from documentation files: a raw slice, or an "explain" turn answered by the slice."""
+    for p in files:
+        try:
+            src = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if len(src.strip()) < 300:
+            continue
+        start = rng.randrange(max(1, len(src) - 2500))
+        start = src.find("\n", start) + 1 if start else 0
+        text = src[start:start + 2500]
+        if rng.random() < 0.5:
+            yield Sample(text, None)
+        else:
+            topic = p.stem if p.stem.lower() not in ("readme", "index", "changelog") else p.parent.name
+            ask = rng.choice(("Explain {t}.", "What does the documentation of {t} say?", "Tell me about {t}."))
+            yield Sample(None, [{"role": "user", "content": ask.format(t=topic)},
+                                {"role": "assistant", "content": text.strip()}])
+
+
+def mixed_samples(heldout: bool, fraction: float = 0.05, seed: int = 0) -> Iterator[Sample]:
+    """The "mix" recipe: per round 3 "code" samples, 2 code-then-prose turns, 1 other-language turn, 1 docs
+    sample (each source until it runs out). Held-out files by the same path hash as "code"."""
+    rng = random.Random(seed + 1)
+    py = [p for p in python_sources() if is_heldout(p, fraction) == heldout]
+    rng.shuffle(py)
+    langs = [p for p in other_sources(tuple(_LANG_EXT)) if is_heldout(p, fraction) == heldout]
+    docs = [p for p in other_sources(_DOC_EXT) if is_heldout(p, fraction) == heldout]
+    rng.shuffle(langs)
+    rng.shuffle(docs)
+    streams = [(corpus_samples(heldout, fraction, seed), 3), (_code_prose_samples(py, rng), 2),
+               (_lang_samples(langs, rng), 1), (_doc_samples(docs, rng), 1)]
+    while streams:
+        alive = []
+        for it, n in streams:
+            try:
+                for _ in range(n):
+                    yield next(it)
+                alive.append((it, n))
+            except StopIteration:
+                pass
+        streams = alive
+
+
+CORPORA = {"code": corpus_samples, "mix": mixed_samples}
+
+
 def encode(tok, sample: Sample, max_len: int) -> list[int]:
     if sample.messages is not None and getattr(tok, "chat_template", None):
         ids = tok.apply_chat_template(sample.messages, tokenize=True)
@@ -123,10 +248,13 @@ def feature_layers(num_layers: int, head_layers: tuple[int, ...]) -> tuple[int, 
 
 def extract(model, tok, out_dir: str | Path, layers: tuple[int, ...], split: str, max_tokens: int,
             max_len: int = 512, min_len: int = 24, shard_tokens: int = 16384, seed: int = 0,
-            heldout_fraction: float = 0.05, progress: bool = True, deadline: float | None = None) -> int:
+            heldout_fraction: float = 0.05, progress: bool = True, deadline: float | None = None,
+            corpus: str = "code", quantize: str = "none") -> int:
     """Teacher-forced hidden states of `layers` for corpus samples of one split, until `max_tokens` tokens are
     on disk under out_dir/split/ (or time.time() passes `deadline`: what was extracted is written). Returns
-    the tokens stored. Resumable (shards already written are kept). The extraction wall time is added up
+    the tokens stored. Resumable (shards already written are kept). `corpus`: a recipe of CORPORA; `quantize`:
+    the target's weight layout (recorded: features must come from the layout drafting runs against, and one
+    folder never mixes two). The extraction wall time is added up
     across runs in out_dir/split/stats.json (`split_stats`)."""
     import time
     from ..config import CacheConfig
@@ -135,9 +263,10 @@ def extract(model, tok, out_dir: str | Path, layers: tuple[int, ...], split: str
     d = Path(out_dir) / split
     d.mkdir(parents=True, exist_ok=True)
     meta_path = d / "meta.json"
-    meta = {"layers": list(layers), "max_len": max_len, "seed": seed, "heldout_fraction": heldout_fraction}
+    meta = {"layers": list(layers), "max_len": max_len, "seed": seed, "heldout_fraction": heldout_fraction,
+            "corpus": corpus, "quantize": quantize}
     if meta_path.exists():
-        old = json.loads(meta_path.read_text())
+        old = {"corpus": "code", "quantize": "none", **json.loads(meta_path.read_text())}  # older folders
         if {k: old.get(k) for k in meta} != meta:
             raise ValueError(f"{d} holds features made with other settings {old}; use another --data folder")
     meta_path.write_text(json.dumps(meta))
@@ -147,10 +276,19 @@ def extract(model, tok, out_dir: str | Path, layers: tuple[int, ...], split: str
     if stored >= max_tokens:
         return stored
     t_start = time.perf_counter()
+    stored0 = stored
+    base = split_stats(out_dir, split)
+
+    def record(now: int) -> None:  # after every shard too, so a killed run keeps its time
+        dt = time.perf_counter() - t_start
+        st = dict(base, seconds=round(base.get("seconds", 0.0) + dt, 1), tokens=now)
+        st["runs"] = list(base.get("runs", [])) + [{"tokens": now - stored0, "seconds": round(dt, 1),
+                                                    "tok_per_s": round((now - stored0) / max(dt, 1e-9), 1)}]
+        (d / "stats.json").write_text(json.dumps(st))
     weight = model.model.embed_tokens.weight
     runner = ModelRunner(model, CacheConfig(block_size=16, num_blocks=max_len // 16 + 4), weight.device,
                          weight.dtype, max_batch_tokens=max_len, max_seqs=1)
-    stream = corpus_samples(split == "heldout", heldout_fraction, seed)
+    stream = CORPORA[corpus](split == "heldout", heldout_fraction, seed)
     buf_tok, buf_feat, offsets, n_samples, index = [], {i: [] for i in layers}, [0], 0, 0
     bar = tqdm(total=max_tokens, initial=stored, desc=f"target features ({split})", unit="tok", disable=not progress)
     for sample in stream:
@@ -176,6 +314,7 @@ def extract(model, tok, out_dir: str | Path, layers: tuple[int, ...], split: str
         if offsets[-1] >= shard_tokens or stored >= max_tokens or late:
             _write_shard(d, len(shards), buf_tok, buf_feat, offsets, n_samples)
             shards.append(None)
+            record(stored)
             buf_tok, buf_feat, offsets, n_samples = [], {i: [] for i in layers}, [0], 0
             if stored >= max_tokens or late:
                 break
@@ -183,10 +322,7 @@ def extract(model, tok, out_dir: str | Path, layers: tuple[int, ...], split: str
         if len(offsets) > 1:
             _write_shard(d, len(shards), buf_tok, buf_feat, offsets, n_samples)
     bar.close()
-    st = split_stats(out_dir, split)
-    st["seconds"] = round(st.get("seconds", 0.0) + time.perf_counter() - t_start, 1)
-    st["tokens"] = stored
-    (d / "stats.json").write_text(json.dumps(st))
+    record(stored)
     return stored
 
 

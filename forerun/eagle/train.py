@@ -3,9 +3,12 @@
     forerun train-eagle --target qwen2.5-coder-1.5b-instruct --out ~/.cache/forerun/eagle/qwen1.5b \
         --train-tokens 30000 --minutes 30
 
-1. Features (forerun.eagle.data): the target runs teacher-forced over an offline corpus (Python sources of
-   the installed interpreter and site-packages, mostly shaped as chat turns) and the outputs of the head's
-   feature layers and of the last layer are cached under --data (default OUT/data), resumable.
+1. Features (forerun.eagle.data): the target runs teacher-forced over an offline corpus (--corpus mix: Python
+   sources of the installed interpreter and site-packages, mostly shaped as chat turns, code-then-prose answers,
+   other languages' files and package docs; --corpus code: the Python part only), with its weights in the
+   layout drafting runs against (--quantize auto: a GGUF stays int4 as `forerun bench` loads it), and the
+   outputs of the head's feature layers and of the last layer are cached under --data (default OUT/data),
+   resumable. On a shared machine use --threads 1 (two OpenMP threads stall when one core is busy).
 2. Head: EAGLE-3 by default (fc over three target layers, reduced draft vocabulary of the most frequent
    training tokens, draft lm_head and norm initialised from the target's), or EAGLE-1 (--version 1).
 3. Loss: cross-entropy against the target's next-token distribution (lm_head(norm(last layer)) restricted
@@ -48,7 +51,8 @@ def choose_draft_vocab(counts: torch.Tensor, size: int, must: tuple[int, ...] = 
     return score.topk(size).indices.sort().values
 
 
-def init_head(target, cfg: EagleConfig, draft_ids: torch.Tensor | None, seed: int = 0) -> EagleHead:
+def init_head(target, cfg: EagleConfig, draft_ids: torch.Tensor | None, seed: int = 0,
+              lm_head_weight: torch.Tensor | None = None) -> EagleHead:
     """Small random layer; fc reads the highest feature layer as identity (EAGLE-3) so the head starts from
     the target's own representation; draft norm / lm_head copied from the target's."""
     torch.manual_seed(seed)
@@ -65,7 +69,7 @@ def init_head(target, cfg: EagleConfig, draft_ids: torch.Tensor | None, seed: in
         if cfg.version == 3:
             head.fc.weight[:, -h:] += torch.eye(h)
             head.norm.weight.copy_(target.model.norm.weight)
-            w = _lm_head_weight(target)
+            w = lm_head_weight if lm_head_weight is not None else _lm_head_weight(target)
             head.set_draft_vocab(draft_ids - torch.arange(draft_ids.numel()))
             head.lm_head.weight.copy_(w[draft_ids])
         else:
@@ -82,15 +86,30 @@ def _lm_head_weight(target) -> torch.Tensor:
     return w.detach()
 
 
-class Teacher:
-    """The target's next-token logits from its stored last-layer states (no target forward needed)."""
+def checkpoint_lm_head(ckpt) -> torch.Tensor:
+    """The output head's weight as fp32 from a checkpoint (a GGUF's `output` dequantized exactly; the embedding
+    for tied heads): what a teacher needs when the loaded model keeps its head quantized (no plain weight)."""
+    from ..models.loader import GGUFQuantized
 
-    def __init__(self, target, head: EagleHead) -> None:
+    want = "model.embed_tokens.weight" if ckpt.config.tie_word_embeddings else "lm_head.weight"
+    for name, t in ckpt.tensors(keep_quantized=True):
+        if name == want:
+            return (t.dequantize() if isinstance(t, GGUFQuantized) else t).float()
+    raise ValueError(f"{ckpt.source}: no {want}")
+
+
+class Teacher:
+    """The target's next-token logits from its stored last-layer states (no target forward needed).
+    Soft targets over the draft vocabulary use the head's fp32 weight (`lm_head_weight` when the model keeps a
+    quantized head); `argmax` (held-out acceptance) goes through the model's own head as inference does."""
+
+    def __init__(self, target, head: EagleHead, lm_head_weight: torch.Tensor | None = None) -> None:
         self.norm = target.model.norm
-        w = _lm_head_weight(target).float()
+        w = (lm_head_weight if lm_head_weight is not None else _lm_head_weight(target)).float()
         self.full = w
         self.draft = w[head.draft_to_target.to(w.device)].contiguous()  # [Vd, H]
         self.last = target.config.num_layers - 1
+        self.head = None if getattr(target.lm_head, "weight", None) is not None else target.lm_head
 
     @torch.no_grad()
     def draft_logits(self, last: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, Vd]
@@ -99,6 +118,8 @@ class Teacher:
     @torch.no_grad()
     def argmax(self, last: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T] target ids (full vocabulary)
         x = self.norm(last.float())
+        if self.head is not None:  # quantized head: the logits drafting is verified against
+            return torch.cat([self.head(x[i:i + 256]).argmax(-1) for i in range(0, x.shape[0], 256)])
         return torch.cat([(x[i:i + 256] @ self.full.T).argmax(-1) for i in range(0, x.shape[0], 256)])
 
 
@@ -225,7 +246,14 @@ def train(head: EagleHead, teacher: Teacher, train_seqs: list[dict], held: list[
     order = torch.randperm(len(train_seqs), generator=gen).tolist()
     pos = (step0 * accum) % len(order)
     history = list(state.get("history", [])) if state else []
-    if not history:
+    if history:  # a resumed run: evaluate first (the held-out set or the features may have changed)
+        head.eval()
+        ev = heldout_acceptance(head, teacher, held, eval_k)
+        ev.update(step=step0, tokens=history[-1].get("tokens", 0), seconds=history[-1].get("seconds", 0.0),
+                  resumed=True)
+        history.append(ev)
+        log(f"[train-eagle] step {step0} (resumed): held-out {json.dumps(ev)}")
+    else:
         head.eval()
         ev = heldout_acceptance(head, teacher, held, eval_k)
         ev.update(step=step0, tokens=0, seconds=0.0)
@@ -330,6 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", type=int, choices=(1, 3), default=3, help="EAGLE-3 (default) or EAGLE-1/2 head")
     p.add_argument("--train-tokens", type=int, default=30000, help="target tokens of training features")
     p.add_argument("--heldout-tokens", type=int, default=3000, help="target tokens of held-out features")
+    p.add_argument("--corpus", default="mix", choices=sorted(D.CORPORA),
+                   help="training text recipe (forerun/eagle/data.py): mix (default) or code (Python only)")
+    p.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
+                   help="the target's weights for the features, as `forerun bench` loads them (default auto: a GGUF "
+                        "stays int4 where the kernel runs); drafting should run against the same layout")
     p.add_argument("--seq-len", type=int, default=384, help="longest corpus sample (tokens)")
     p.add_argument("--draft-vocab", type=int, default=32000, help="EAGLE-3 draft vocabulary size")
     p.add_argument("--intermediate", type=int, default=None, help="head MLP width (default: the target's)")
@@ -376,9 +409,15 @@ def main(argv=None) -> int:
         from ..models.loader import load_checkpoint
         from ..models.hub import resolve_model
 
-        tied = load_checkpoint(resolve_model(a.target)).config.tie_word_embeddings
+        from ..models.registry import parse_quantize
+
+        ckpt = load_checkpoint(resolve_model(a.target))
+        tied = ckpt.config.tie_word_embeddings
         device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        target, tok, _ = load_model(a.target, device, torch.float32, pack_cpu=a.version == 3 and tied)
+        layout = parse_quantize(a.quantize, ckpt.format, device)
+        target, tok, _ = load_model(a.target, device, torch.float32, pack_cpu=a.version == 3 and tied,
+                                    quantize=layout)
+        lm_w = None if getattr(target.lm_head, "weight", None) is not None or tied else checkpoint_lm_head(ckpt)
     except (FileNotFoundError, ValueError, KeyError) as e:
         print(f"forerun train-eagle: error: {e}", file=sys.stderr)
         return 2
@@ -386,10 +425,14 @@ def main(argv=None) -> int:
     cfg = EagleConfig.for_target(target.config, version=a.version, intermediate_size=a.intermediate)
     layers = D.feature_layers(target.config.num_layers, cfg.aux_layers)
     t_feat = time.perf_counter()
-    n_held = D.extract(target, tok, data_dir, layers, "heldout", a.heldout_tokens, max_len=a.seq_len, seed=a.seed,
-                       progress=not a.quiet, deadline=feat_deadline)
-    n_train = D.extract(target, tok, data_dir, layers, "train", a.train_tokens, max_len=a.seq_len, seed=a.seed,
-                        progress=not a.quiet, deadline=feat_deadline)
+    kw = dict(max_len=a.seq_len, seed=a.seed, progress=not a.quiet, deadline=feat_deadline, corpus=a.corpus,
+              quantize=layout)
+    try:
+        n_held = D.extract(target, tok, data_dir, layers, "heldout", a.heldout_tokens, **kw)
+        n_train = D.extract(target, tok, data_dir, layers, "train", a.train_tokens, **kw)
+    except ValueError as e:
+        print(f"forerun train-eagle: error: {e}", file=sys.stderr)
+        return 2
     feat_s = time.perf_counter() - t_feat
     print(f"[train-eagle] features: {n_train} train + {n_held} held-out tokens in {data_dir} ({feat_s:.0f}s)",
           file=sys.stderr)
@@ -404,8 +447,8 @@ def main(argv=None) -> int:
             draft_ids = choose_draft_vocab(counts, a.draft_vocab, tuple(target.config.eos_token_ids))
             cfg = EagleConfig.for_target(target.config, version=3, draft_vocab_size=draft_ids.numel(),
                                          intermediate_size=a.intermediate)
-        head = init_head(target, cfg, draft_ids, a.seed).to(device)
-    teacher = Teacher(target, head)
+        head = init_head(target, cfg, draft_ids, a.seed, lm_w).to(device)
+    teacher = Teacher(target, head, lm_w)
     train_seqs, held = D.load_split(data_dir, "train"), D.load_split(data_dir, "heldout")
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     res = train(head, teacher, train_seqs, held, steps=a.steps, minutes=a.minutes, ttt=a.ttt, lr=a.lr,

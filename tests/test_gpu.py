@@ -292,6 +292,32 @@ def test_graph_replay_equals_eager(ops):
     assert rel_err(got, want.logits) < 2e-2
 
 
+def test_prefill_pieces_on_cuda_graphs_equal_eager():
+    """Ragged steps (prompts of 7..300 tokens beside decode rows, chunks without logits) replayed as graph
+    pieces (GraphRunner.forward_pieces, via ModelRunner.forward) give the eager forward's logits, and the cache
+    they leave gives the same next step."""
+    a, b = tiny_runner(ops="fused"), tiny_runner(ops="fused")
+    a.graphs = GraphRunner(a, batch_sizes=(1, 2, 4, 8), max_q_len=4, max_pieces=12)
+    g = torch.Generator().manual_seed(3)
+    lens = (7, 40, 100, 300, 1)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in lens]
+    for r in (a, b):
+        for i in range(len(prompts) + 1):
+            r.kv.add_sequence(i)
+        r.forward([Chunk(5, [3, 4, 5])])
+    steps = [[Chunk(i, p, logits="none" if i == 1 else "last") for i, p in enumerate(prompts)] + [Chunk(5, [9])],
+             [Chunk(i, [11 + i]) for i in range(6)]]
+    for step in steps:
+        replays = a.graphs.replays
+        got, s1 = a.forward(step)
+        want, s2 = b.forward(step)
+        assert s1 == s2 and got.logits.shape == want.logits.shape
+        assert rel_err(got.logits, want.logits) < 2e-2
+        assert a.graphs.replays > replays
+    assert a.graphs.pieces_steps >= 1 and a.graphs.eager_steps == 0
+    assert [a.kv.length(i) for i in range(6)] == [b.kv.length(i) for i in range(6)]
+
+
 def test_chain_sample_matches_forerun_verify():
     """The fused kernel against the engine's torch verifier on the same inputs (ties aside)."""
     verify = pytest.importorskip("forerun.verify")

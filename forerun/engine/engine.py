@@ -145,6 +145,7 @@ class Engine:
         round_cls = TreeRound if tree else ChainRound
         self.round = round_cls(self.runner, self.drafter, self.sampler)
         self.scheduler = Scheduler(self.runner.kv, self.drafter, max_num_seqs, budget, self.spec.max_draft_tokens, tree)
+        self.scheduler.draft_prefill = self.runner.graphs is None  # on graphs a prompt's chunk replays as pieces
         self.generator = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}  # unfinished requests by external id
@@ -171,16 +172,25 @@ class Engine:
         dgr = getattr(getattr(self.drafter, "runner", None), "graphs", None)
         dgr = dgr if dgr is not gr else None
         dbefore = len(dgr.graphs) if dgr is not None else 0
+        hidden = tuple(self.drafter.target_hidden_layers) if self.drafter is not None else ()
         for b in sizes:
             for q in qs:
                 if q <= gr.max_q_len:
-                    gr.capture(b, q, q)
+                    gr.capture(b, q, q, hidden_layers=hidden)
             if self.overlap:
                 gr.capture(b, 1, 1, device_prep=True)
             if dgr is not None and self.spec.method == "draft":
                 for q in (1, 2):
                     if q <= dgr.max_q_len:
                         dgr.capture(b, q, 1)
+                dgr.capture(b, 1, 0)  # the catch-up of requests missing one token, beside a new prompt's pieces
+        # prefill pieces (GraphRunner.forward_pieces): one sequence x every piece length, with logits for the
+        # last row (a prompt's last chunk) or none (earlier chunks; the draft model's prompt feed)
+        for q in gr.piece_sizes:
+            for m in (0, 1):
+                gr.capture(1, q, m, hidden_layers=hidden)
+            if dgr is not None and self.spec.method == "draft":
+                dgr.capture(1, q, 0)
         return len(gr.graphs) - before + (len(dgr.graphs) - dbefore if dgr is not None else 0)
 
     @classmethod

@@ -43,6 +43,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # draft in the round that feeds a prompt's last chunk (feed > 1). On CUDA graphs the engine turns this off:
+        # a prompt without drafts is a prefill chunk that replays as graph pieces, while a prompt plus drafts wants
+        # logits for several rows of a long chunk and would run eagerly (~20-60 ms for an 8B model)
+        self.draft_prefill = True
 
     # -- queues ----------------------------------------------------------------------------------------
     def add(self, r: Request) -> None:
@@ -106,7 +110,7 @@ class Scheduler:
             feed = min(missing, left)
             final = feed == missing
             k = 0
-            if final and self.drafter is not None:
+            if final and self.drafter is not None and (feed == 1 or self.draft_prefill):
                 k = self._fit(k_for([r])[0], left - feed)
             extra = self.max_draft if self.tree and k else k
             blocks = -(-(feed + extra) // self.kv.block_size)
@@ -148,7 +152,8 @@ class Scheduler:
                 continue
             feed = min(missing, left)
             final = feed == missing
-            k = self._fit(k_for([r])[0], left - feed) if final and self.drafter is not None else 0
+            drafts = final and self.drafter is not None and (feed == 1 or self.draft_prefill)
+            k = self._fit(k_for([r])[0], left - feed) if drafts else 0
             items.append(RoundItem(r, feed, final, k))
             left -= feed + k
         return items

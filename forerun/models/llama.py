@@ -123,6 +123,8 @@ class LlamaForCausalLM(nn.Module):
             if i in wanted:
                 hidden[i] = h + res
         if logits_indices is not None:
+            if logits_indices.numel() == 0:  # no logits wanted (a prefill chunk): skip the norm and the head
+                return ForwardOutput(torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=h.device), hidden)
             h, res = h[logits_indices], res[logits_indices]
         x, _ = self.ops.add_rmsnorm(h, res, self.model.norm)
         logits = self.ops.linear(x, self.lm_head, out_dtype=torch.float32)  # [R, V]

@@ -4,8 +4,15 @@ A bucket is (number of sequences padded up to one of `batch_sizes`, query tokens
 logits rows per sequence, tree mask or not, early-exit depth, hidden layers). The graph is captured over the
 runner's static StepBuffers, so a step only has to be laid into those buffers before `replay()`. Sequences
 missing from a bucket are padded with dummies: q tokens each, in KV block 0 (the pool never hands block 0 out),
-at positions 0..q-1, so they write and read only that block. A step that fits no bucket (prefill, ragged query
-lengths) runs eagerly through the ModelRunner.
+at positions 0..q-1, so they write and read only that block.
+
+A ragged step (prefill chunks beside decode rows, several prompts, a drafter's catch-up) does not fit one bucket.
+`forward_pieces` replays it as a few graphs instead of one eager forward (which costs ~20-60 ms of kernel launches
+for an 8B model, against ~5 ms of GPU work): short chunks of equal length go to one (batch, q) bucket, a long
+chunk is cut into single-sequence pieces of PIECE_SIZES tokens (1, 2, 4, ..., 512), the last piece overlapping
+the one before it so that its length is a bucket size too (the overlapped positions are written twice with the
+same tokens: the cache ends as a single forward would leave it, up to float rounding). Steps that would need more
+than `max_pieces` replays, trees, or chunks wanting logits for several rows of a long chunk run eagerly.
 
 Two ways in:
   * `execute(step)` / `forward(chunks)`: the ModelRunner's host-side `prepare`, then replay (engine path).
@@ -61,9 +68,37 @@ def compile_elementwise(model: torch.nn.Module) -> None:
             mod.compile()
 
 
+PIECE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # single-sequence prefill pieces (tokens per replay)
+
+
+def split_pieces(n: int, sizes: tuple[int, ...] = PIECE_SIZES) -> list[tuple[int, int]]:
+    """Cut n tokens into (start, length) pieces whose lengths are all in `sizes`, in order, covering 0..n-1:
+    full pieces of the largest size, then the fewest more; the last piece may start before the previous one
+    ends (it overlaps already-fed tokens) so that its length is a size too. E.g. 130 -> (0,128),(128,2);
+    200 -> (0,128),(72,128); 20 -> (0,16),(16,4)."""
+    if n <= 0:
+        return []
+    top = max(sizes)
+    out, at = [], 0
+    while n - at >= top:
+        out.append((at, top))
+        at += top
+    while at < n:
+        rest = n - at
+        up = min(s for s in sizes if s >= rest)
+        if up <= n:  # one piece ending at n, overlapping what is already fed
+            out.append((n - up, up))
+            break
+        down = max(s for s in sizes if s <= rest)
+        out.append((at, down))
+        at += down
+    return out
+
+
 class GraphRunner:
     def __init__(self, runner: ModelRunner, batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
-                 max_q_len: int = 16, capture_on_demand: bool = True, use_graphs: bool = True) -> None:
+                 max_q_len: int = 16, capture_on_demand: bool = True, use_graphs: bool = True,
+                 max_pieces: int = 8) -> None:
         buf = runner.buffers
         self.runner = runner
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
@@ -79,8 +114,13 @@ class GraphRunner:
                              f"than the largest bucket ({max_seqs} x {max_q_len})")
         dev = runner.device
         self.block_size = runner.kv.block_size
-        self._ar = torch.arange(max_seqs * max_q_len + 1, dtype=torch.int64, device=dev)
-        self._tree = torch.zeros(max_seqs * max_q_len, max_q_len, dtype=torch.bool, device=dev)
+        # single-sequence pieces longer than a verify step (prefill); <= max_q_len pieces are ordinary buckets
+        self.piece_sizes = tuple(s for s in PIECE_SIZES if s <= buf.max_tokens)
+        self.max_pieces = max_pieces  # a ragged step needing more replays than this runs eagerly
+        self.pieces_steps = 0  # ragged steps replayed as pieces
+        rows = max(max_seqs * max_q_len, max(self.piece_sizes))
+        self._ar = torch.arange(rows + 1, dtype=torch.int64, device=dev)
+        self._tree = torch.zeros(rows, max_q_len, dtype=torch.bool, device=dev)
         self._uids = torch.zeros(max_seqs * max_q_len, dtype=torch.int64, device=dev)  # run_uniform inputs
         self._uctx = torch.zeros(max_seqs, dtype=torch.int64, device=dev)
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -96,7 +136,7 @@ class GraphRunner:
         """The bucket a host-prepared step fits, or None (ragged query lengths or logits, too big)."""
         b, t, q = len(step.seq_ids), step.meta.num_tokens, step.meta.max_query_len
         bucket = self.bucket(b)
-        if bucket is None or q > self.max_q_len or t != b * q:
+        if bucket is None or not self._fits(bucket, q) or t != b * q:
             return None
         r = step.logits_indices.shape[0]
         m = r // b
@@ -104,11 +144,15 @@ class GraphRunner:
             return None
         return GraphKey(bucket, q, m, step.meta.tree_mask is not None, num_layers, tuple(hidden_layers))
 
+    def _fits(self, bucket: int, q: int) -> bool:
+        """q tokens per sequence: a decode / verify length, or a prefill piece of one sequence."""
+        return q <= self.max_q_len or (bucket == 1 and q in self.piece_sizes)
+
     # -- capture ---------------------------------------------------------------------------------------
     def capture(self, num_seqs: int, q_len: int, logits_per_seq: int = 1, tree: bool = False,
                 num_layers: int | None = None, hidden_layers: tuple[int, ...] = (), device_prep: bool = False) -> GraphKey:
         bucket = self.bucket(num_seqs)
-        if bucket is None or not 1 <= q_len <= self.max_q_len or not 0 < logits_per_seq <= q_len:
+        if bucket is None or q_len < 1 or not self._fits(bucket, q_len) or not 0 <= logits_per_seq <= q_len:
             raise ValueError(f"no bucket for {num_seqs} sequences x {q_len} tokens ({logits_per_seq} logits each)")
         key = GraphKey(bucket, q_len, logits_per_seq, tree, num_layers, tuple(hidden_layers), device_prep)
         self._get(key, create=True)
@@ -193,7 +237,8 @@ class GraphRunner:
         buf.query_start_loc[b + 1 : bucket + 1].copy_(t + q * self._ar[1 : bucket - b + 1])
         buf.seq_lens[b:bucket].fill_(q)
         buf.block_tables[b:bucket].zero_()
-        self._tree[t : t + n, :q].copy_(self._ar[None, :q] <= local[:, None])
+        if q <= self.max_q_len:  # (tree buckets; prefill pieces have no tree)
+            self._tree[t : t + n, :q].copy_(self._ar[None, :q] <= local[:, None])
 
     # -- replay ----------------------------------------------------------------------------------------
     def _replay(self, cap: _Captured) -> ForwardOutput:
@@ -225,6 +270,79 @@ class GraphRunner:
         """Drop-in for ModelRunner.forward."""
         step = self.runner.prepare(chunks)
         return self.execute(step, num_layers, hidden_layers), step.starts
+
+    # -- ragged steps as a few replays ------------------------------------------------------------------
+    def plan_pieces(self, chunks: list[Chunk]) -> list[tuple[list[int], int, int, list[tuple[int, int]]]] | None:
+        """How `forward_pieces` would replay these chunks: a list of (chunk indices, q, logits per sequence,
+        per chunk its (start, length) window), one entry per replay; None when the chunks fit one bucket
+        as they are, or cannot be replayed (trees, explicit positions, several logits rows of a long chunk,
+        more than max_pieces replays)."""
+        if not chunks:
+            return None
+        ms = [c.logit_count() for c in chunks]
+        ns = [len(c.token_ids) for c in chunks]
+        if any(c.tree_mask is not None or c.positions is not None for c in chunks):
+            return None
+        if len(set(ns)) == 1 and len(set(ms)) == 1 and ns[0] <= self.max_q_len and self.bucket(len(chunks)):
+            return None  # one bucket already: the ordinary replay
+        groups: dict[tuple[int, int], list[int]] = {}
+        plan = []
+        for i, (n, m) in enumerate(zip(ns, ms)):
+            if n <= self.max_q_len:
+                groups.setdefault((n, m), []).append(i)
+            elif m <= 1:
+                cut = split_pieces(n, self.piece_sizes)
+                for j, (a, q) in enumerate(cut):
+                    plan.append(([i], q, m if j == len(cut) - 1 else 0, [(a, q)]))
+            else:
+                return None
+        for (n, m), idx in groups.items():
+            for at in range(0, len(idx), self.batch_sizes[-1]):
+                part = idx[at: at + self.batch_sizes[-1]]
+                plan.append((part, n, m, [(0, n)] * len(part)))
+        if len(plan) > self.max_pieces:
+            return None
+        return plan
+
+    def forward_pieces(self, chunks: list[Chunk], num_layers: int | None = None,
+                       hidden_layers=()) -> tuple[ForwardOutput, list[int]] | None:
+        """A ragged step as a few bucket replays (see the module docstring); None: not applicable (the caller
+        runs it as one forward). Same result as ModelRunner.forward: logits rows in chunk order, per chunk its
+        first logits row, hidden states of every fed token in flat chunk order; lengths committed."""
+        plan = self.plan_pieces(chunks)
+        if plan is None:
+            return None
+        self.pieces_steps += 1
+        kv = self.runner.kv
+        base = {c.seq_id: kv.length(c.seq_id) for c in chunks}
+        logits: list[torch.Tensor | None] = [None] * len(chunks)
+        hidden: list[dict[int, list[torch.Tensor]]] = [{layer: [] for layer in hidden_layers} for _ in chunks]
+        fed_to = [0] * len(chunks)  # tokens of each chunk already in the cache
+        for idx, q, m, windows in plan:
+            sub = []
+            for i, (a, n) in zip(idx, windows):
+                c = chunks[i]
+                if a < fed_to[i]:  # an overlapping last piece: rewrite the overlapped positions
+                    kv.truncate(c.seq_id, base[c.seq_id] + a)
+                sub.append(Chunk(c.seq_id, c.token_ids[a: a + n], logits=m))
+            out, _ = self.forward(sub, num_layers, hidden_layers)
+            for j, (i, (a, n)) in enumerate(zip(idx, windows)):
+                new = a + n - fed_to[i]  # rows not fed before (the overlap's first rows were)
+                if m:
+                    logits[i] = out.logits[j * m: (j + 1) * m].clone()
+                for layer, h in out.hidden_states.items():
+                    hidden[i][layer].append(h[j * n + n - new: (j + 1) * n].clone())
+                fed_to[i] = a + n
+        dev = self.runner.device
+        vocab = self.runner.model.config.vocab_size
+        rows = [x for x in logits if x is not None]
+        starts, at = [], 0
+        for x in logits:
+            starts.append(at)
+            at += 0 if x is None else x.shape[0]
+        out_logits = torch.cat(rows) if rows else torch.empty(0, vocab, dtype=torch.float32, device=dev)
+        hs = {layer: torch.cat([h for per in hidden for h in per[layer]]) for layer in hidden_layers}
+        return ForwardOutput(out_logits, hs), starts
 
     def run_uniform(self, input_ids: torch.Tensor, context_lens: torch.Tensor, logits_per_seq: int = 1,
                     num_layers: int | None = None) -> torch.Tensor:

@@ -150,6 +150,10 @@ class ModelRunner:
         that replace the chunks' placeholder ids at these flat rows (None: all rows, N = the step's tokens).
         So a draft step or a verify step is launched without a host round trip for its tokens.
         Returns the output (logits rows in chunk order) and, per chunk, the index of its first logits row."""
+        if self.graphs is not None and device_tokens is None:  # a ragged step as a few graph replays
+            done = self.graphs.forward_pieces(chunks, num_layers, hidden_layers)
+            if done is not None:
+                return done
         step = self.prepare(chunks)
         if device_tokens is not None:
             rows, ids = device_tokens

@@ -1,0 +1,128 @@
+"""Ragged steps replayed as a few bucket replays (GraphRunner.forward_pieces) give what one forward gives.
+
+On CUDA a prefill chunk, a drafter's catch-up or a prompt beside decode rows replays CUDA graphs of one sequence x
+a piece length instead of running eagerly. The cutting, the overlapping last piece, the logits / hidden-state
+bookkeeping and the cache it leaves are device-independent, so they are checked here with an eager GraphRunner
+(`use_graphs=False` runs each bucket's body); tests/test_gpu.py runs the same on captured graphs.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forerun.runtime.cuda_graph import PIECE_SIZES, GraphRunner, split_pieces
+from forerun.runtime.runner import Chunk
+from tiny import hf_model, ours_from_hf
+
+
+@pytest.mark.parametrize("n", list(range(1, 70)) + [127, 128, 129, 130, 200, 511, 512, 513, 1000, 1100, 4096])
+def test_split_pieces_covers_every_token_with_bucket_lengths(n):
+    cut = split_pieces(n)
+    assert all(q in PIECE_SIZES for _, q in cut)
+    assert cut[0][0] == 0 and cut[-1][0] + cut[-1][1] == n  # starts at 0, ends at n
+    for (a, q), (b, _) in zip(cut, cut[1:]):
+        assert b <= a + q  # no gap
+    for (a, q), (b, _) in zip(cut[:-2], cut[1:-1]):
+        assert b == a + q  # only the last piece overlaps
+    assert len(cut) <= n // 512 + 3
+
+
+def test_split_pieces_examples():
+    assert split_pieces(130) == [(0, 128), (128, 2)]
+    assert split_pieces(200) == [(0, 128), (72, 128)]
+    assert split_pieces(20) == [(0, 16), (16, 4)]
+    assert split_pieces(6) == [(0, 4), (4, 2)]
+    assert split_pieces(1100) == [(0, 512), (512, 512), (972, 128)]
+
+
+def _runner(max_q_len=4, **kw):
+    r = ours_from_hf(hf_model("qwen3"), block_size=4, num_blocks=512)
+    r.graphs = GraphRunner(r, batch_sizes=(1, 2, 4), max_q_len=max_q_len, use_graphs=False, **kw)
+    return r
+
+
+def _cache(runner, seq, n):
+    """The sequence's K and V rows 0..n-1 of every layer."""
+    kv, bs = runner.kv, runner.kv.block_size
+    blocks = kv.blocks(seq)
+    slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(n)])
+    return [(k.reshape(-1, *k.shape[2:])[slots], v.reshape(-1, *v.shape[2:])[slots]) for k, v in zip(kv.k, kv.v)]
+
+
+def test_pieces_equal_one_forward_logits_hidden_and_cache():
+    """A ragged step (a 37-token prompt, a 3-token chunk without logits, two 1-token rows) as pieces vs as one
+    forward on a runner without graphs: same logits rows, hidden states of every fed token, cache lengths and
+    cache contents (the overlapping last piece rewrites positions with the same values)."""
+    torch.manual_seed(0)
+    ref, pcs = _runner(), _runner()
+    ref.graphs = None
+    prompts = {0: list(range(3, 40)), 1: [5, 6, 7], 2: [9], 3: [11]}
+    for r in (ref, pcs):
+        for s in prompts:
+            r.kv.add_sequence(s)
+        r.forward([Chunk(2, [4, 5, 6, 7, 8])])  # sequences 2, 3 have a context already
+        r.forward([Chunk(3, [3, 2])])
+    chunks = [Chunk(0, prompts[0], logits="last"), Chunk(1, prompts[1], logits="none"),
+              Chunk(2, prompts[2], logits="last"), Chunk(3, prompts[3], logits="last")]
+    assert pcs.graphs.plan_pieces(chunks) is not None
+    before = pcs.graphs.pieces_steps
+    out_r, st_r = ref.forward(chunks, hidden_layers=(0, 2))
+    out_p, st_p = pcs.forward(chunks, hidden_layers=(0, 2))
+    assert pcs.graphs.pieces_steps == before + 1
+    assert st_p == st_r == [0, 1, 1, 2]
+    assert out_p.logits.shape == out_r.logits.shape == (3, 97)
+    torch.testing.assert_close(out_p.logits, out_r.logits, atol=1e-4, rtol=1e-4)
+    for layer in (0, 2):
+        assert out_p.hidden_states[layer].shape == out_r.hidden_states[layer].shape == (37 + 3 + 1 + 1, 64)
+        torch.testing.assert_close(out_p.hidden_states[layer], out_r.hidden_states[layer], atol=1e-4, rtol=1e-4)
+    for s in prompts:
+        assert pcs.kv.length(s) == ref.kv.length(s)
+        for (k1, v1), (k2, v2) in zip(_cache(pcs, s, pcs.kv.length(s)), _cache(ref, s, ref.kv.length(s))):
+            torch.testing.assert_close(k1, k2, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(v1, v2, atol=1e-4, rtol=1e-4)
+    # and the next step reads that cache alike
+    nxt = [Chunk(s, [17]) for s in prompts]
+    torch.testing.assert_close(pcs.forward(nxt)[0].logits, ref.forward(nxt)[0].logits, atol=1e-4, rtol=1e-4)
+
+
+def test_pieces_not_used_where_one_bucket_fits_or_a_chunk_cannot_be_cut():
+    r = _runner(max_q_len=4, max_pieces=3)
+    g = r.graphs
+    assert g.plan_pieces([Chunk(0, [1, 2, 3]), Chunk(1, [4, 5, 6])]) is None  # uniform: the ordinary bucket
+    assert g.plan_pieces([Chunk(0, list(range(20)), logits=3)]) is None  # several logits rows of a long chunk
+    assert g.plan_pieces([Chunk(0, list(range(20)), positions=list(range(20)))]) is None
+    assert len(g.plan_pieces([Chunk(0, list(range(700)))])) == 2  # 512 + an overlapping 256
+    assert g.plan_pieces([Chunk(i, list(range(20))) for i in range(2)]) is None  # 2 x (16 + 4): over 3 replays
+    g.max_pieces = 8
+    plan = g.plan_pieces([Chunk(0, list(range(10))), Chunk(1, [1]), Chunk(2, [2]), Chunk(3, [4, 5], logits=2)])
+    assert [(tuple(i), q, m, w) for i, q, m, w in plan] == [
+        ((0,), 8, 0, [(0, 8)]), ((0,), 2, 1, [(8, 2)]), ((1, 2), 1, 1, [(0, 1), (0, 1)]), ((3,), 2, 2, [(0, 2)])]
+
+
+def test_engine_greedy_equal_with_pieces():
+    """Speculative greedy output with prompts fed as pieces (the draft model's prompt feed too) equals plain
+    greedy output of an engine without graphs, for prompts longer than a verify step."""
+    from forerun.config import CacheConfig, SpecConfig
+    from forerun.engine.llm import LLM
+    from forerun.sampling_params import SamplingParams
+    from tiny import sharpen, tiny_tokenizer
+
+    target = sharpen(hf_model("llama"), 3.0)
+    draft = ours_from_hf(sharpen(hf_model("llama", seed=1, num_hidden_layers=1), 3.0))
+    prompts = [list(range(3, 3 + n)) for n in (5, 19, 40, 77)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tok = tiny_tokenizer(97)
+
+    def llm(spec):
+        return LLM.from_model(ours_from_hf(target).model, tok, spec=spec, device="cpu", check_invariants=True,
+                              cache=CacheConfig(block_size=4, num_blocks=2048))
+
+    want = [o.token_ids for o in llm(None).generate(prompts, params)]
+    spec = llm(SpecConfig(method="draft", draft_model=(draft.model, tok), k=3))
+    eng = spec.engine
+    for runner in (eng.runner, eng.drafter.runner):
+        runner.graphs = GraphRunner(runner, batch_sizes=(1, 2, 4), max_q_len=4, use_graphs=False)
+    eng.scheduler.draft_prefill = False
+    got = [o.token_ids for o in spec.generate(prompts, params)]
+    assert got == want
+    assert eng.runner.graphs.pieces_steps > 0 and eng.drafter.runner.graphs.pieces_steps > 0

@@ -167,7 +167,8 @@ def _graph_counts(eng: Engine) -> dict:
     for name, runner in (("target", eng.runner), ("draft", getattr(eng.drafter, "runner", None))):
         gr = getattr(runner, "graphs", None)
         if gr is not None and not (name == "draft" and runner is eng.runner):
-            out.update({f"{name}_replays": gr.replays, f"{name}_eager": gr.eager_steps, f"{name}_captured": len(gr.graphs)})
+            out.update({f"{name}_replays": gr.replays, f"{name}_eager": gr.eager_steps, f"{name}_captured": len(gr.graphs),
+                        f"{name}_pieces": getattr(gr, "pieces_steps", 0)})
     return out
 
 
@@ -297,16 +298,22 @@ def gpu_main(args) -> dict:
         return eng
 
     rng = random.Random(1)
-    if args.profile:  # where a speculative round's time goes: k = 4, synthetic a = 0.9, one request
-        from torch.profiler import ProfilerActivity, profile
+    if args.profile:  # where a speculative round's host time goes: k = 4, synthetic a = 0.8, 4 requests
+        import cProfile
+        import pstats
 
-        eng = make((0.9, dict(k=4)))
-        drive(eng, pool[:2], 64, concurrency=1)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            r = drive(eng, pool[2:3], 64, concurrency=1)
-            torch.cuda.synchronize()
-        log(f"profiled run: TPOT p50 {r['tpot_p50'] * 1e3:.2f} ms, acc {r['acceptance']}")
-        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=45, max_name_column_width=70))
+        eng = make((0.8, dict(k=4)))
+        eng.warmup(max_batch=8)
+        drive(eng, pool[:8], 64, concurrency=4)
+        r0 = drive(eng, pool[8:16], 96, concurrency=4)
+        prof = cProfile.Profile()
+        prof.enable()
+        r = drive(eng, pool[16:24], 96, concurrency=4)
+        prof.disable()
+        log(f"run without / with the profiler: TPOT p50 {r0['tpot_p50'] * 1e3:.2f} / {r['tpot_p50'] * 1e3:.2f} ms, "
+            f"steps {r0['steps']} / {r['steps']}, step p50 {r0['step_p50'] * 1e3:.2f} ms, acc {r['acceptance']}")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(40)
+        pstats.Stats(prof).sort_stats("cumtime").print_stats(40)
         gr = eng.runner.graphs
         print("target graph replays", gr.replays, "eager steps", gr.eager_steps)
         dg = eng.drafter.runner.graphs

@@ -561,6 +561,11 @@ def test_batch_k_is_overruled_when_speculative_rounds_realize_less_than_plain():
     assert pol.realized_rate(8) is None and pol.batch_k(ids, room) >= 3
     assert pol.realized_rate(1) is None  # another batch size has its own record
 
+    pol = policy()  # drafting that realizes 0.95x plain (190 tok/s against 200) is overruled too
+    for _ in range(KPolicy.REALIZED_MIN):
+        pol.record_realized(8, 24, 3 / 190)
+    assert pol.batch_k(ids, room) == 0 and pol.vetoes == 1
+
     pol = policy()  # drafting that delivers: 3 tokens per request in 10 ms (300 tok/s against plain's 200)
     for _ in range(KPolicy.REALIZED_WINDOW):
         pol.record_realized(8, 24, 0.010)

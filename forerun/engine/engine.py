@@ -184,6 +184,8 @@ class Engine:
                     if q <= dgr.max_q_len:
                         dgr.capture(b, q, 1)
                 dgr.capture(b, 1, 0)  # the catch-up of requests missing one token, beside a new prompt's pieces
+        if self.device.type == "cuda" and self.spec.rule == "auto":  # the fused sampler's kernels, per power of two
+            _warm_chain_sample(sizes, qs, self.model.config.vocab_size, self.device)
         # prefill pieces (GraphRunner.forward_pieces): one sequence x every piece length, with logits for the
         # last row (a prompt's last chunk) or none (earlier chunks; the draft model's prompt feed)
         for q in gr.piece_sizes:
@@ -584,3 +586,23 @@ class Engine:
                 d = self.drafter.cached_length(r)
                 if d is not None and d > want:
                     raise AssertionError(f"request {r.req_id}: draft cache holds {d} tokens > committed {want}")
+
+
+def _warm_chain_sample(batches, qs, vocab: int, device) -> None:
+    """Compile the fused chain sampler's kernel variants before serving (a variant compiled mid-run stalls a
+    round for ~0.5 s): one call per (batch bucket, rows per request), with and without draft probabilities."""
+    from ..kernels.chain_sample import chain_sample
+
+    for b in batches:
+        for q in sorted(set(qs) | {1}):
+            n = b * q
+            logits = torch.zeros(n, vocab, device=device)
+            ids = torch.full((n,), -1, dtype=torch.int64, device=device)
+            first = torch.arange(b, device=device) * q
+            lens = torch.full((b,), q, dtype=torch.int64, device=device)
+            temp = torch.ones(b, device=device)
+            coins = torch.rand(n, 2, device=device)
+            for probs in (None, torch.full((n, vocab), 1.0 / vocab, device=device)) if q > 1 else (None,):
+                chain_sample(logits, ids, first, lens, temp, coins, draft_probs=probs, max_seqlen=q)
+    torch.cuda.synchronize(device)
+

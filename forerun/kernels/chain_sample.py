@@ -285,8 +285,11 @@ def chain_sample(
     if num_req == 0:
         return ChainSampleOutput(out, num_acc)
 
-    # split the vocabulary so that requests x rows x splits fills the machine about twice
-    nsplit = max(1, min(triton.cdiv(vocab, _STATS_BLOCK), triton.cdiv(2 * _num_sms(dev), num_req * max_seqlen)))
+    # split the vocabulary so that requests x rows x splits fills the machine about twice. The split counts follow
+    # powers of two of the batch (not the batch itself): they set constexpr paddings, and every new value would
+    # compile the kernels again in the middle of serving (Engine.warmup runs each power of two once)
+    nsplit = max(1, min(triton.cdiv(vocab, _STATS_BLOCK),
+                        triton.cdiv(2 * _num_sms(dev), triton.next_power_of_2(num_req * max_seqlen))))
     chunk = triton.cdiv(triton.cdiv(vocab, nsplit), _STATS_BLOCK) * _STATS_BLOCK
     nsplit = triton.cdiv(vocab, chunk)
     part_max = torch.empty(num_rows, nsplit, dtype=torch.float32, device=dev)
@@ -300,7 +303,7 @@ def chain_sample(
     q = draft_probs if draft_probs is not None else target_logits  # dummy pointer when HAS_Q is off
     ids = draft_token_ids.to(torch.int64)
     # the final row's sampling mass per split of the vocabulary: about 2 programs per SM in all
-    ns = max(1, min(triton.cdiv(vocab, _SAMPLE_BLOCK), triton.cdiv(2 * _num_sms(dev), num_req)))
+    ns = max(1, min(triton.cdiv(vocab, _SAMPLE_BLOCK), triton.cdiv(2 * _num_sms(dev), triton.next_power_of_2(num_req))))
     ns_chunk = triton.cdiv(triton.cdiv(vocab, ns), _SAMPLE_BLOCK) * _SAMPLE_BLOCK
     ns = triton.cdiv(vocab, ns_chunk)
     wsum = torch.empty(num_req, ns, 2, dtype=torch.float64, device=dev)

@@ -92,11 +92,21 @@ def test_pieces_not_used_where_one_bucket_fits_or_a_chunk_cannot_be_cut():
     assert g.plan_pieces([Chunk(0, list(range(20)), logits=3)]) is None  # several logits rows of a long chunk
     assert g.plan_pieces([Chunk(0, list(range(20)), positions=list(range(20)))]) is None
     assert len(g.plan_pieces([Chunk(0, list(range(700)))])) == 2  # 512 + an overlapping 256
-    assert g.plan_pieces([Chunk(i, list(range(20))) for i in range(2)]) is None  # 2 x (16 + 4): over 3 replays
+    assert g.plan_pieces([Chunk(i, list(range(20))) for i in range(3)]) is None  # 3 x 16, then (3 x 4): 4 replays
     g.max_pieces = 8
     plan = g.plan_pieces([Chunk(0, list(range(10))), Chunk(1, [1]), Chunk(2, [2]), Chunk(3, [4, 5], logits=2)])
+    assert [(tuple(i), q, m, w) for i, q, m, w in plan] == [  # replay r holds the r-th pieces, grouped
+        ((0,), 8, 0, [(0, 8)]), ((1, 2), 1, 1, [(0, 1), (0, 1)]), ((3,), 2, 2, [(0, 2)]), ((0,), 2, 1, [(8, 2)])]
+
+
+def test_a_catch_up_of_many_requests_is_a_few_grouped_replays():
+    """A drafter's catch-up: requests missing 3..6 tokens each (no logits) replay as power-of-two pieces of all of
+    them at once, round by round (the remainders in the second round)."""
+    g = _runner(max_q_len=8).graphs
+    plan = g.plan_pieces([Chunk(i, list(range(n)), logits="none") for i, n in enumerate((3, 3, 5, 6))])
     assert [(tuple(i), q, m, w) for i, q, m, w in plan] == [
-        ((0,), 8, 0, [(0, 8)]), ((0,), 2, 1, [(8, 2)]), ((1, 2), 1, 1, [(0, 1), (0, 1)]), ((3,), 2, 2, [(0, 2)])]
+        ((0, 1), 2, 0, [(0, 2), (0, 2)]), ((2, 3), 4, 0, [(0, 4), (0, 4)]),
+        ((0, 1, 2), 1, 0, [(2, 1), (2, 1), (4, 1)]), ((3,), 2, 0, [(4, 2)])]
 
 
 def test_engine_greedy_equal_with_pieces():

@@ -8,6 +8,8 @@ Plain decoding on CUDA graphs runs overlapped (engine/overlap.py) while nothing 
 """
 from __future__ import annotations
 
+import atexit
+import gc
 import itertools
 import os
 import time
@@ -183,7 +185,9 @@ class Engine:
                 for q in (1, 2):
                     if q <= dgr.max_q_len:
                         dgr.capture(b, q, 1)
-                dgr.capture(b, 1, 0)  # the catch-up of requests missing one token, beside a new prompt's pieces
+                for q in dgr.piece_sizes:  # catch-ups of many requests (forward_pieces groups their pieces)
+                    if q <= dgr.max_q_len:
+                        dgr.capture(b, q, 0)
         if self.device.type == "cuda" and self.spec.rule == "auto":  # the fused sampler's kernels, per power of two
             _warm_chain_sample(sizes, qs, self.model.config.vocab_size, self.device)
         # prefill pieces (GraphRunner.forward_pieces): one sequence x every piece length, with logits for the
@@ -191,8 +195,13 @@ class Engine:
         for q in gr.piece_sizes:
             for m in (0, 1):
                 gr.capture(1, q, m, hidden_layers=hidden)
-            if dgr is not None and self.spec.method == "draft":
+            if dgr is not None and self.spec.method == "draft" and q > dgr.max_q_len:
                 dgr.capture(1, q, 0)
+        # what is alive now (models, graphs, buffers) is never garbage: keep the collector from walking it again
+        # (a full collection over it paused serving for ~0.4 s now and then)
+        gc.collect()
+        gc.freeze()
+        atexit.register(gc.unfreeze)  # (at exit the objects are collectable again: no leak reports at shutdown)
         return len(gr.graphs) - before + (len(dgr.graphs) - dbefore if dgr is not None else 0)
 
     @classmethod

@@ -274,9 +274,15 @@ class GraphRunner:
     # -- ragged steps as a few replays ------------------------------------------------------------------
     def plan_pieces(self, chunks: list[Chunk]) -> list[tuple[list[int], int, int, list[tuple[int, int]]]] | None:
         """How `forward_pieces` would replay these chunks: a list of (chunk indices, q, logits per sequence,
-        per chunk its (start, length) window), one entry per replay; None when the chunks fit one bucket
-        as they are, or cannot be replayed (trees, explicit positions, several logits rows of a long chunk,
-        more than max_pieces replays)."""
+        per chunk its (start, length) window), one entry per replay, in order; None when the chunks fit one
+        bucket as they are, or cannot be replayed (trees, explicit positions, several logits rows of a chunk
+        longer than max_q_len, more than max_pieces replays).
+
+        Each chunk is cut with `split_pieces` (a short chunk wanting logits for several rows, a verify-like
+        row, stays whole). Replay r holds the r-th pieces of the chunks, grouped by (length, logits): pieces of
+        up to max_q_len tokens of several sequences share one (batch, q) bucket, so a catch-up of many requests
+        missing a few tokens each is a few replays of the power-of-two buckets Engine.warmup captures; longer
+        pieces replay one sequence each."""
         if not chunks:
             return None
         ms = [c.logit_count() for c in chunks]
@@ -285,23 +291,28 @@ class GraphRunner:
             return None
         if len(set(ns)) == 1 and len(set(ms)) == 1 and ns[0] <= self.max_q_len and self.bucket(len(chunks)):
             return None  # one bucket already: the ordinary replay
-        groups: dict[tuple[int, int], list[int]] = {}
-        plan = []
-        for i, (n, m) in enumerate(zip(ns, ms)):
-            if n <= self.max_q_len:
-                groups.setdefault((n, m), []).append(i)
+        cuts: list[list[tuple[int, int, int]]] = []  # per chunk: (start, length, logits) of its pieces
+        for n, m in zip(ns, ms):
+            if m > 1 and n <= self.max_q_len:
+                cuts.append([(0, n, m)])
             elif m <= 1:
                 cut = split_pieces(n, self.piece_sizes)
-                for j, (a, q) in enumerate(cut):
-                    plan.append(([i], q, m if j == len(cut) - 1 else 0, [(a, q)]))
+                cuts.append([(a, q, m if j == len(cut) - 1 else 0) for j, (a, q) in enumerate(cut)])
             else:
                 return None
-        for (n, m), idx in groups.items():
-            for at in range(0, len(idx), self.batch_sizes[-1]):
-                part = idx[at: at + self.batch_sizes[-1]]
-                plan.append((part, n, m, [(0, n)] * len(part)))
-        if len(plan) > self.max_pieces:
-            return None
+        plan, top = [], self.batch_sizes[-1]
+        for r in range(max(map(len, cuts))):
+            groups: dict[tuple[int, int], list[int]] = {}
+            for i, cut in enumerate(cuts):
+                if r < len(cut):
+                    groups.setdefault(cut[r][1:], []).append(i)
+            for (q, m), idx in groups.items():
+                step = top if q <= self.max_q_len else 1
+                for at in range(0, len(idx), step):
+                    part = idx[at: at + step]
+                    plan.append((part, q, m, [cuts[i][r][:2] for i in part]))
+                    if len(plan) > self.max_pieces:
+                        return None
         return plan
 
     def forward_pieces(self, chunks: list[Chunk], num_layers: int | None = None,

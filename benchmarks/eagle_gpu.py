@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+from dataclasses import replace
+from types import SimpleNamespace
 import json
 import math
 import os
@@ -57,7 +59,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from forerun.config import CacheConfig, ModelConfig  # noqa: E402
-from forerun.devices import h2d  # noqa: E402
 from forerun.drafters.eagle import EagleDrafter  # noqa: E402
 from forerun.drafters.eagle_budget import TreeBudget, TreeBudgetPolicy  # noqa: E402
 from forerun.models.eagle_head import EagleConfig, EagleHead  # noqa: E402
@@ -66,7 +67,9 @@ from forerun.models.llama import LlamaForCausalLM  # noqa: E402
 from forerun.request import Request  # noqa: E402
 from forerun.runtime.runner import Chunk, ModelRunner  # noqa: E402
 from forerun.sampling_params import SamplingParams  # noqa: E402
-from forerun.verify import SamplingTensors, verify_tree  # noqa: E402
+from forerun.drafters.base import TreeProposal  # noqa: E402
+from forerun.engine.round import RoundItem, TreeRound  # noqa: E402
+from forerun.engine.sampler import RoundSampler, Verdict  # noqa: E402
 
 QWEN3_8B = dict(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
                 num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=True, rope_theta=1e6,
@@ -274,70 +277,96 @@ def prefill(runner: ModelRunner, drafter: EagleDrafter | None, reqs: list[Reques
     flush()
 
 
-def tree_round(runner: ModelRunner, drafter: EagleDrafter, reqs: list[Request], q: list[float],
-               rng: np.random.Generator) -> tuple[int, float, float]:
-    """One round as the engine's TreeRound runs it (propose_tree -> one target forward with the tree masks and
-    the head's feature layers -> tree verification -> move / truncate -> target states to the drafter), with
-    the drawn path instead of the verdict. Returns (tokens committed, expected tokens of the trees, seconds of
-    the drafting phase: propose_tree's wall time, which ends with its one host read)."""
-    kv = runner.kv
-    device = runner.device
-    t0 = time.perf_counter()
-    prop = drafter.propose_tree(reqs)
-    draft_s = time.perf_counter() - t0
-    chunks, bases, expect = [], [], 0.0
-    for r, toks, par in zip(reqs, prop.tokens, prop.parents):
-        base = kv.length(r.req_id)
-        bases.append(base)
-        catch = r.all_tokens[base:-1]
-        c, n, root = len(catch), len(toks), r.num_tokens - 1
-        depth = [0] * n
-        anc = torch.zeros(n, n, dtype=torch.bool)
-        for j in range(n):
-            depth[j] = 0 if par[j] < 0 else depth[par[j]] + 1
-            a = j
-            while a >= 0:
-                anc[j, a] = True
-                a = par[a]
-        full = torch.zeros(c + n, c + n, dtype=torch.bool)
-        full[:c, :c] = torch.ones(c, c, dtype=torch.bool).tril()
-        full[c:, :c] = True
-        full[c:, c:] = anc
-        chunks.append(Chunk(r.req_id, catch + toks, positions=list(range(root - c, root)) + [root + d for d in depth],
-                            tree_mask=full if n > 1 or c else None, logits=n))
-        expect += expected_tokens(par, q)
-    out, starts = runner.forward(chunks, hidden_layers=drafter.target_hidden_layers)
-    flat_tok = h2d([t for toks in prop.tokens for t in toks], device, torch.long)
-    flat_par = h2d([p for par in prop.parents for p in par], device, torch.long)
-    # the real verification (its verdict is then replaced by the drawn path)
-    res = verify_tree(out.logits, flat_tok, flat_par, h2d(starts, device, torch.long),
-                      h2d([len(t) for t in prop.tokens], device, torch.long),
-                      SamplingTensors.from_params([r.params for r in reqs], device),
-                      torch.rand(flat_tok.numel(), 2, device=device),
-                      draft_probs=torch.cat([p.to(device) for p in prop.probs]), rule="auto")
-    bonus = res.output_token_ids[:, 0].tolist()  # one host read, as the engine's verdict
-    states, committed = [], 0
-    hs = out.hidden_states
-    for i, (r, toks, par) in enumerate(zip(reqs, prop.tokens, prop.parents)):
-        path = draw_path(par, q, rng)
-        a = len(path) - 1
-        root = r.num_tokens - 1
-        c = len(chunks[i].token_ids) - len(toks)
-        kv.move(r.req_id, [root + j for j in path[1:]], [root + m for m in range(1, a + 1)])
-        kv.truncate(r.req_id, root + a + 1)
-        drafter.rollback(r, root + a + 1)
-        rows = list(range(starts[i] - c, starts[i])) + [starts[i] + j for j in path]
-        states.append(rows)
-        r.output_token_ids.extend([toks[j] for j in path[1:]] + [max(bonus[i], 0)])
-        committed += a + 1
-    flat_rows = h2d([x for rows in states for x in rows], device, torch.long)
-    sel = {l: h[flat_rows] for l, h in hs.items()}
-    per, at = [], 0
-    for rows in states:
-        per.append({l: h[at: at + len(rows)] for l, h in sel.items()})
-        at += len(rows)
-    drafter.observe_target(reqs, per, bases)
-    return committed, expect, draft_s
+class SyntheticTreeSampler(RoundSampler):
+    """The engine's verifier (the real tree verification runs), whose verdict is then replaced by a path drawn from
+    the synthetic acceptance model over the tree really drafted: on the device for a batch of equal trees (before
+    the round moves the accepted path's keys and gathers its states, so those follow the drawn path), else on the
+    host. The final token is the real verdict's first output token."""
+
+    def __init__(self, q: list[float], device: torch.device, max_depth: int, seed: int = 0) -> None:
+        super().__init__("auto")
+        self.q, self.max_depth = q, max_depth
+        self.rng = np.random.default_rng(seed)
+        self.gen = torch.Generator(device=device).manual_seed(seed)
+        self.cumq = torch.tensor(np.cumsum(q).tolist(), dtype=torch.float64, device=device)
+        self.trees: list[list[list[int]]] = []  # parents of every tree verified since the last reset
+
+    @property
+    def expect(self) -> float:
+        """Expected tokens of the trees verified since the last reset (exact under the synthetic model)."""
+        return sum(expected_tokens(par, self.q) for pars in self.trees for par in pars)
+
+    def tree_launch(self, logits, requests, rows, starts, tokens, parents, draft_probs, depths):
+        pending = super().tree_launch(logits, requests, rows, starts, tokens, parents, draft_probs, depths)
+        b, n = len(rows), max(rows)
+        if any(x != n for x in rows) or tokens.shape[0] != b * n:
+            return pending  # drawn on the host in tree_finish
+        dev = tokens.device
+        par, tok = parents.view(b, n), tokens.view(b, n)
+        j = torch.arange(n, device=dev)
+        rank = ((par[:, :, None] == par[:, None, :]) & (j[None, None, :] < j[None, :, None])).sum(-1)  # sibling rank
+        nodes = torch.full((b, n), -1, dtype=torch.long, device=dev)
+        nodes[:, 0] = 0
+        cur = torch.zeros(b, dtype=torch.long, device=dev)
+        alive = torch.ones(b, dtype=torch.bool, device=dev)
+        for d in range(1, min(n, self.max_depth + 1)):
+            u = torch.rand(b, 1, generator=self.gen, device=dev, dtype=torch.float64)
+            r = torch.searchsorted(self.cumq, u, right=True)  # [b, 1]: the rank caught (len(q): none)
+            hit = (par == cur[:, None]) & (rank == r) & (j > 0)
+            alive = alive & hit.any(-1)
+            cur = torch.where(alive, hit.long().argmax(-1), cur)
+            nodes[:, d] = torch.where(alive, cur, -1)
+        acc = (nodes >= 0).sum(-1) - 1
+        out = torch.where(nodes[:, 1:] >= 0, tok.gather(1, nodes[:, 1:].clamp(min=0)), -1)
+        out = torch.cat([out, torch.full_like(out[:, :1], -1)], 1)
+        out.scatter_(1, acc[:, None], pending.res.output_token_ids[:, :1].clamp(min=0))
+        res = SimpleNamespace(num_accepted=acc, accepted_nodes=nodes, output_token_ids=out)
+        host, event = self.verdict_to_host(res, pending.bad)
+        return replace(pending, res=res, host=host, event=event)
+
+    def tree_finish(self, pending, prop: TreeProposal):
+        verdict, paths = super().tree_finish(pending, prop)
+        self.trees.append(prop.parents)  # (their expected tokens are summed after the timing: `expect`)
+        if isinstance(pending.res, SimpleNamespace):
+            return Verdict(verdict.num_accepted, verdict.emitted, [None] * len(paths)), paths
+        emitted, acc, paths = [], [], []  # ragged trees: the drawn path on the host
+        for toks, par, e in zip(prop.tokens, prop.parents, verdict.emitted):
+            path = draw_path(par, self.q, self.rng)
+            paths.append(path)
+            acc.append(len(path) - 1)
+            emitted.append([toks[j] for j in path[1:]] + [max(e[0], 0)])
+        return Verdict(acc, emitted, [None] * len(emitted)), paths
+
+
+def tree_round(tr: TreeRound, reqs: list[Request]) -> tuple[int, float]:
+    """One round of the engine's TreeRound (propose_tree -> one target forward with the tree masks and the head's
+    feature layers -> tree verification -> move / truncate -> target states to the drafter), the verdict replaced
+    by the drawn path (SyntheticTreeSampler); the emitted tokens committed as the engine commits them. Returns
+    (tokens committed, seconds of the drafting phase as the round measured it)."""
+    res = tr.run([RoundItem(r, 1, True, 1) for r in reqs])
+    committed = 0
+    for r, e in zip(reqs, res.emitted):
+        r.output_token_ids.extend(e)
+        committed += len(e)
+    return committed, res.draft_seconds
+
+
+def count_syncs(fn, device: torch.device) -> int | None:
+    """Synchronising CUDA calls (a blocking copy, .item(), .tolist() of a device tensor, ...) that torch's sync debug
+    mode flags while fn runs (the round's deliberate waits on CUDA events are not flagged); None on the CPU."""
+    if device.type != "cuda":
+        return None
+    import warnings
+
+    sync(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
 
 
 def plain_round(runner: ModelRunner, reqs: list[Request]) -> int:
@@ -496,7 +525,10 @@ def main() -> None:
     calibrate_head(head, q, seed=3)
     max_b, max_nodes = max(batches), max(t.nodes for t in trees)
     # every tree runs on the same requests, one after the other: room for all of their rounds
-    per_seq = context + len(trees) * (rounds + warm + 4) * (max(t.steps for t in trees) + 1) + 2 * max_nodes + 64
+    # (each tree x drafting mode runs warm + timed rounds of up to steps + 1 tokens, plus the drafting-alone
+    # calls, which commit nothing; the run died at b=64, tree 1,4,5 [eager] when modes were not counted)
+    per_seq = context + len(trees) * len(modes) * (rounds + warm + 4) * (max(t.steps for t in trees) + 1) \
+        + 2 * max_nodes + 64
     max_tokens = max(4096 if not tiny else 512, max_b * max_nodes, max_b * 8)
     runner = ModelRunner(target, CacheConfig(block_size=16, num_blocks=max_b * (-(-per_seq // 16) + 2) + 64), device,
                          dtype, max_batch_tokens=max_tokens, max_seqs=max_b)
@@ -573,19 +605,22 @@ def main() -> None:
                     f"alone {head_k_ms:.3f} ms: {100 * head_k_ms / draft_alone:.1f}%)")
                 if args.draft_only:
                     continue
-                rng = np.random.default_rng(1000 * b + shape_t.nodes)
+                sampler = SyntheticTreeSampler(q, device, shape_t.steps, seed=1000 * b + shape_t.nodes)
+                tr = TreeRound(runner, drafter, sampler)
                 for _ in range(warm):
-                    tree_round(runner, drafter, reqs, q, rng)
+                    tree_round(tr, reqs)
                 sync(device)
+                sampler.trees.clear()
                 t = time.perf_counter()
-                committed, expect, draft_s = 0, 0.0, 0.0
+                committed, draft_s = 0, 0.0
                 for _ in range(rounds):
-                    c_, e_, d_ = tree_round(runner, drafter, reqs, q, rng)
+                    c_, d_ = tree_round(tr, reqs)
                     committed += c_
-                    expect += e_
                     draft_s += d_
                 sync(device)
                 secs = time.perf_counter() - t
+                expect = sampler.expect
+                syncs = count_syncs(lambda: tree_round(tr, reqs), device)
                 tok_round = committed / (rounds * b)
                 exp_round = expect / (rounds * b)
                 round_ms = tv[shape_t.nodes] + head_ms
@@ -595,7 +630,7 @@ def main() -> None:
                 row = dict(batch=b, topk=shape_t.topk, steps=shape_t.steps, nodes=shape_t.nodes, mode=mode,
                            tok_s=committed / secs, round_ms=1e3 * secs / rounds, ideal_round_ms=round_ms,
                            ideal_head_ms=head_ms, ideal_verify_ms=tv[shape_t.nodes],
-                           draft_ms=1e3 * draft_s / rounds,
+                           draft_ms=1e3 * draft_s / rounds, flagged_syncs_per_round=syncs,
                            expected_tokens_per_round=exp_round, tokens_per_round=tok_round,
                            ideal_tok_s=ideal, fraction_of_ideal=committed / secs / ideal,
                            ideal_realized_tok_s=ideal_real, fraction_realized=committed / secs / ideal_real,
@@ -608,7 +643,8 @@ def main() -> None:
                     f"{row['round_ms']:.2f} ms/round (ideal {round_ms:.2f}; drafting {row['draft_ms']:.2f}, ideal "
                     f"{head_ms:.2f}), {tok_round:.2f} tok/round (E {exp_round:.2f}); "
                     f"{100 * row['fraction_realized']:.1f}% of ideal ({100 * row['fraction_realized_kernels']:.1f}% of "
-                    f"the kernels-alone ideal {kernel_round_ms:.2f} ms), {row['speedup_vs_plain']:.2f}x plain")
+                    f"the kernels-alone ideal {kernel_round_ms:.2f} ms), {row['speedup_vs_plain']:.2f}x plain"
+                    + (f"; {syncs} synchronising calls flagged in a round" if syncs is not None else ""))
             drafter.cuda_graphs = None
         release(runner, drafter, reqs)
         if drafter.static is not None:

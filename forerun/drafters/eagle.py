@@ -125,6 +125,59 @@ class EagleDrafter(Drafter):
             if long:
                 self._feed_rows(long)
 
+    def observe_target_batch(self, requests: list[Request], states: dict[int, torch.Tensor], counts: list[int],
+                             starts: list[int]) -> None:
+        """`observe_target` for rows laid out [R, m, H] per layer (states[layer][i, :counts[i]] are request i's
+        newly committed rows, from position starts[i]): the features made in one call, and, when every request
+        keeps the same number of earlier rows (the common case after a tree round: the root's), joined with
+        them in one copy; rows past counts[i] are ignored."""
+        b = len(requests)
+        if not b:
+            return
+        some = next(iter(states.values()))
+        m = some.shape[1]
+        with torch.inference_mode():
+            feats = self.head.target_feature({layer: h.reshape(b * m, -1) for layer, h in states.items()})
+            feats = feats.to(self.head_dtype).view(b, m, -1)
+        keep = []
+        for r, s in zip(requests, starts):
+            cur = self._feats.get(r.req_id)
+            keep.append(s - cur[0] if cur is not None and cur[0] <= s <= cur[0] + cur[1].shape[0] else -1)
+        if keep[0] < 0 or any(k != keep[0] for k in keep):  # the general bookkeeping, request by request
+            return self._observe_features(requests, [feats[i, :c] for i, c in enumerate(counts)], starts)
+        self._record_target(requests, counts)
+        k = keep[0]
+        with torch.inference_mode():
+            if k:
+                prev = torch.stack([self._feats[r.req_id][1][:k] for r in requests])
+                feats = torch.cat([prev, feats], 1)
+        for i, (r, s, c) in enumerate(zip(requests, starts, counts)):
+            self._feats[r.req_id] = (s - k, feats[i, : k + c])
+        long = [r for r in requests if self._pending(r) >= self.eager_rows]
+        if long:
+            self._feed_rows(long)
+
+    def _record_target(self, requests: list[Request], counts: list[int]) -> None:
+        if self._proposed is not None and self.budget is not None and self.budget.target_cost is None:
+            t, rows = self._proposed  # the round's target forward (+ verification) since the proposal
+            tokens = sum(rows.get(r.req_id) or c or 1 for r, c in zip(requests, counts))
+            self.budget.record_target(tokens, time.perf_counter() - t)
+        self._proposed = None
+
+    def _observe_features(self, requests: list[Request], feats: list[torch.Tensor], starts: list[int]) -> None:
+        """observe_target with the features already made (one [n_i, F] tensor per request)."""
+        self._record_target(requests, [f.shape[0] for f in feats])
+        with torch.inference_mode():
+            for r, f, s in zip(requests, feats, starts):
+                cur = self._feats.get(r.req_id)
+                if cur is not None and cur[0] <= s <= cur[0] + cur[1].shape[0]:
+                    f = torch.cat([cur[1][: s - cur[0]], f])
+                    s = cur[0]
+                self._feats[r.req_id] = (s, f)
+            long = [r for r in requests if self._pending(r) >= self.eager_rows]
+            if long:
+                self._feed_rows(long)
+
     def _pending(self, r: Request) -> int:
         """Rows whose feature and token are both known but that the cache lacks."""
         have = self._feats.get(r.req_id)
@@ -257,54 +310,85 @@ class EagleDrafter(Drafter):
 
     # -- trees ----------------------------------------------------------------------------------------------
     def propose_tree(self, requests: list[Request]) -> TreeProposal:
+        return self.propose_tree_async(requests).result()
+
+    @property
+    def supports_async_tree(self) -> bool:
+        """TreeRound may call `propose_tree_async` (not when a subclass drafts its trees another way)."""
+        return type(self).propose_tree is EagleDrafter.propose_tree
+
+    def propose_tree_async(self, requests: list[Request]) -> "TreeDraft":
+        """Launch the drafting of every request's tree; the host read is deferred to `TreeDraft.result()` (its copy
+        to the host is queued at once), so a round can launch the verification from the device tree first.
+        `TreeDraft.device`: the tree batch on the device when every request drafted a tree of the same node count
+        (all greedy, or all sampled), else None."""
         v = self.head.vocab_size
         ranges = [self._feed_range(r) for r in requests]
         live = [i for i, rng in enumerate(ranges) if rng is not None]
-        toks = [[r.all_tokens[-1]] for r in requests]
-        parents: list[list[int]] = [[-1] for _ in requests]
-        probs: list[torch.Tensor | None] = [None] * len(requests)
         shape = self.budget.choose(len(live)) if self.budget is not None and live else \
             TreeBudget(self.tree_topk, self.tree_steps, self.tree_nodes)
         self.last_tree = None
+        tree = lay = marks = None
+        dev_batch = None
+        sizes = [1] * len(requests)
         if live and shape.drafts:
             group = [requests[i] for i in live]
             lay = TreeLayout.get(min(shape.topk, self.head.draft_vocab_size), shape.steps, shape.nodes)
             marks = Marks(self.cache.device)
-            t0 = marks.mark()
+            marks.mark()  # 0: drafting starts (1: launched)
             tree = self._draft_tree(group, [ranges[i] for i in live], lay)
-            t1 = marks.mark()
+            marks.mark()
+            tree.start_host_copy()
             self._settle(group)
-            host = tree.host  # the one host read of the drafting phase
-            n_out = tree.nodes.shape[1]
-            sampled_values = 0
-            for a, (i, r) in enumerate(zip(live, group)):
-                row = host[a]
-                n = lay.greedy_nodes if r.params.temperature == 0 else len(lay.s_nodes)
-                toks[i] = [r.all_tokens[-1]] + [int(x) for x in row[1:n]]
-                parents[i] = [-1] + [int(x) for x in row[n_out + 1: n_out + n]]
-                if r.params.temperature > 0:
-                    probs[i] = tree.probs[a, :n]
-                elif self.budget is not None and n > 1:
-                    base = 2 * n_out
-                    self._outcome[r.req_id] = (r.num_tokens, sum(math.exp(s) for s in row[base + 1: base + n]))
-                    if sampled_values < self.budget.sample_trees:  # V of every sub-shape of this tree
-                        m = lay.num_slots
-                        score = row[base + n_out: base + n_out + m]
-                        par = [int(x) for x in row[base + n_out + m: base + n_out + 2 * m]]
-                        self.budget.record_values(self.budget.tree_values(par, lay.depth, score, lay.rank))
-                        sampled_values += 1
-            if self.budget is not None:  # head cost: the mean step (extend + tree steps) at its mean rows
-                steps = 1 + tree.steps_run
-                rows = sum(n - lo for lo, n in (ranges[i] for i in live)) + len(live) * lay.topk * sum(
-                    range(1, tree.steps_run + 1))
-                self.budget.record_head_step(rows / steps, marks.seconds(t0, t1) / steps)
+            for i, r in zip(live, group):
+                sizes[i] = lay.greedy_nodes if r.params.temperature == 0 else len(lay.s_nodes)
+            n = sizes[live[0]]
+            if len(live) == len(requests) and n > 1 and all(sizes[i] == n for i in live):
+                roots = h2d([r.all_tokens[-1] for r in requests], self.cache.device, torch.int64)
+                dev_batch = DeviceTreeBatch(
+                    n, torch.cat([roots[:, None], tree.tokens[:, 1:n]], 1), tree.parents[:, :n],
+                    tree.mask[:, :n, :n], tree.depth[:, :n], None if tree.probs is None else tree.probs[:, :n],
+                    lay.steps)
             self.last_tree = tree
-        for i, r in enumerate(requests):
-            if probs[i] is None:  # greedy (never read): one zero row, broadcast, on the device
-                probs[i] = torch.zeros(1, v, device=self.cache.device).expand(len(toks[i]), v)
         if self.budget is not None:
-            self._proposed = (time.perf_counter(), {r.req_id: len(t) for r, t in zip(requests, toks)})
-        return TreeProposal(toks, parents, probs)
+            self._proposed = (time.perf_counter(), {r.req_id: s for r, s in zip(requests, sizes)})
+
+        def finish() -> TreeProposal:
+            toks = [[r.all_tokens[-1]] for r in requests]
+            parents: list[list[int]] = [[-1] for _ in requests]
+            probs: list[torch.Tensor | None] = [None] * len(requests)
+            if tree is not None:
+                host = tree.host  # the one host read of the drafting phase
+                n_out = tree.nodes.shape[1]
+                sampled_values = 0
+                for a, i in enumerate(live):
+                    r, row, n = requests[i], host[a], sizes[i]
+                    toks[i] = [r.all_tokens[-1]] + [int(x) for x in row[1:n]]
+                    parents[i] = [-1] + [int(x) for x in row[n_out + 1: n_out + n]]
+                    if r.params.temperature > 0:
+                        probs[i] = tree.probs[a, :n]
+                    elif self.budget is not None and n > 1:
+                        base = 2 * n_out
+                        self._outcome[r.req_id] = (r.num_tokens, sum(math.exp(s) for s in row[base + 1: base + n]))
+                        if sampled_values < self.budget.sample_trees:  # V of every sub-shape of this tree
+                            m = lay.num_slots
+                            score = row[base + n_out: base + n_out + m]
+                            par = [int(x) for x in row[base + n_out + m: base + n_out + 2 * m]]
+                            self.budget.record_values(self.budget.tree_values(par, lay.depth, score, lay.rank))
+                            sampled_values += 1
+                if self.budget is not None:  # head cost: the mean step (extend + tree steps) at its mean rows
+                    steps = 1 + tree.steps_run
+                    rows = sum(n - lo for lo, n in (ranges[i] for i in live)) + len(live) * lay.topk * sum(
+                        range(1, tree.steps_run + 1))
+                    self.budget.record_head_step(rows / steps, marks.seconds(0, 1) / steps)
+            zero = None
+            for i in range(len(requests)):
+                if probs[i] is None:  # greedy (never read): one zero row, broadcast, on the device
+                    zero = torch.zeros(1, v, device=self.cache.device) if zero is None else zero
+                    probs[i] = zero.expand(len(toks[i]), v)
+            return TreeProposal(toks, parents, probs)
+
+        return TreeDraft(finish, dev_batch)
 
     def capture_graphs(self, batch_sizes=(1,), shapes: list[tuple[int, int, int]] | None = None,
                        extend_rows: list[int] | None = None) -> int:
@@ -509,6 +593,29 @@ class _Sampling:
         self.all_sampled = all_sampled  # no greedy request: stop once the sampled trees' budget is spent
 
 
+class DeviceTreeBatch:
+    """R trees of n nodes each, on the device, as the verification wants them: tokens [R, n] (root included),
+    parents [R, n] (local, -1 at the root), mask [R, n, n] (ancestor-or-self), depth [R, n], probs [R, n, V]
+    (sampled batches; None for greedy ones), max_depth (a bound on any node's depth)."""
+
+    def __init__(self, n, tokens, parents, mask, depth, probs, max_depth) -> None:
+        self.n, self.tokens, self.parents, self.mask, self.depth = n, tokens, parents, mask, depth
+        self.probs, self.max_depth = probs, max_depth
+
+
+class TreeDraft:
+    """A launched tree proposal: `device` (a DeviceTreeBatch, or None when the trees' sizes differ) at once,
+    the host TreeProposal from `result()` (which waits for the drafting phase's one host read)."""
+
+    def __init__(self, finish, device: DeviceTreeBatch | None) -> None:
+        self._finish, self.device, self._prop = finish, device, None
+
+    def result(self) -> TreeProposal:
+        if self._prop is None:
+            self._prop = self._finish()
+        return self._prop
+
+
 class DeviceTree:
     """A drafted tree batch on the device (fixed shapes), plus its host copy after the one read.
 
@@ -539,10 +646,24 @@ class DeviceTree:
         self.mask
         return self._mask[1]
 
+    def start_host_copy(self) -> None:
+        """Queue the copy of `packed` to (pinned) host memory now; `host` then waits for this copy only, not for
+        work queued after it (the verification launched from the device tree)."""
+        if self.packed.device.type != "cuda" or self._host is not None:
+            return
+        self._pinned = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
+        self._pinned.copy_(self.packed, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
     @property
     def host(self) -> list[list[float]]:
         if self._host is None:
-            self._host = self.packed.tolist()  # the drafting phase's only synchronisation
+            if getattr(self, "_event", None) is not None:
+                self._event.synchronize()
+                self._host = self._pinned.tolist()
+            else:
+                self._host = self.packed.tolist()  # the drafting phase's only synchronisation
         return self._host
 
 
@@ -879,16 +1000,17 @@ class _StaticDrafting:
         body = self._extend_body(b, qe, max(lo for lo, _ in ranges) + qe) if cap is None else None
         ids, feats = [], []
         zf = self.feats[:0]
+        zero = torch.zeros(max(qe, (b - n) * qe), zf.shape[1], dtype=zf.dtype, device=zf.device)  # padding rows
         for r, (lo, hi) in zip(reqs, ranges):
             s0, f = d._feats[r.req_id]
             m = hi - lo
             ids += r.all_tokens[lo + 1: hi + 1] + [0] * (qe - m)
             feats.append(f[lo - s0: hi - s0])
             if m < qe:
-                feats.append(torch.zeros(qe - m, f.shape[1], dtype=zf.dtype, device=zf.device))
+                feats.append(zero[: qe - m])
         if b > n:
             ids += [0] * ((b - n) * qe)
-            feats.append(torch.zeros((b - n) * qe, zf.shape[1], dtype=zf.dtype, device=zf.device))
+            feats.append(zero[: (b - n) * qe])
         self.ids[: b * qe].copy_(h2d(ids, self.device, torch.long))
         self.feats[: b * qe].copy_(torch.cat(feats))
         self._fill_ints(n, b, [lo for lo, _ in ranges], [hi - lo - 1 for lo, hi in ranges],

@@ -14,7 +14,7 @@ proposal. Sampling, coins, the coupling and the choice of verifier live in `engi
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -25,7 +25,7 @@ from ..models.llama import ForwardOutput
 from ..runtime.runner import Chunk, ModelRunner
 from ..verify import tree_attention_mask
 from ..structured import commit_emitted, cut_drafts, grammar_of, mask_request_rows_  # issue 14
-from .sampler import RoundSampler, Verdict, _depths
+from .sampler import RoundSampler, Verdict, _depths, is_coupled
 
 
 @dataclass(frozen=True)
@@ -225,16 +225,88 @@ class TreeRound(Round):
     """Target cache: the round writes [missing committed tokens before the root] + tree nodes; node j sits at
     cache position root + j while its RoPE position is root + depth(j). The accepted path's keys were computed
     at positions root + 1, root + 2, ... (depth = index on the path), so moving them there (`KVPool.move`) makes
-    the cache exactly what a chain would have written; then it is truncated to root + accepted + 1."""
+    the cache exactly what a chain would have written; then it is truncated to root + accepted + 1.
+
+    The common round (every request decoding, feed 1, trees of one node count, no grammar, a drafter with
+    `propose_tree_async`) runs on the device from the drafted tree: token ids, RoPE positions and the tree mask
+    of the verify step, the verification, the KV move of every accepted path and the gather of the committed
+    rows' hidden states are queued without reading the device; the host reads the drafted tree and the verdict
+    (each copied to the host as soon as it is made) once the verification is queued. Other rounds take the
+    general path (host-built chunks)."""
 
     def run(self, items: list[RoundItem]) -> RoundResult:
-        kv = self.target.kv
         marks = Marks(self.target.device)
         t0 = marks.mark()
         self._feed_drafter(items)
         trees = [i for i, it in enumerate(items) if it.final and it.k > 0]
-        prop = self.drafter.propose_tree([items[i].request for i in trees]) if trees else None
-        t1 = marks.mark()
+        reqs = [items[i].request for i in trees]
+        if (trees and len(trees) == len(items) and all(it.feed == 1 for it in items)
+                and getattr(self.drafter, "supports_async_tree", False) and all(grammar_of(r) is None for r in reqs)):
+            pend = self.drafter.propose_tree_async(reqs)
+            t1 = marks.mark()
+            if pend.device is not None:
+                return self._run_device(items, pend, marks, t0, t1)
+            prop = pend.result()
+        else:
+            prop = self.drafter.propose_tree(reqs) if trees else None
+            t1 = marks.mark()
+        return self._run_host(items, trees, prop, marks, t0, t1)
+
+    # -- the device path -----------------------------------------------------------------------------
+    def _run_device(self, items: list[RoundItem], pend, marks: Marks, t0: int, t1: int) -> RoundResult:
+        kv, dev = self.target.kv, self.target.device
+        tree = pend.device
+        reqs = [it.request for it in items]
+        b, n = len(reqs), tree.n
+        roots = [r.num_tokens - 1 for r in reqs]  # feed 1: the cache holds everything before the root
+        # the verify step: placeholders laid out on the host (slots, lengths, tables), then ids, positions and the
+        # tree mask from the device tree
+        step = self.target.prepare([Chunk(r.req_id, [0] * n, logits=n) for r in reqs])
+        step.input_ids.copy_(tree.tokens.reshape(-1))
+        step.positions.copy_((h2d(roots, dev, torch.int64)[:, None] + tree.depth).reshape(-1))
+        step = replace(step, meta=replace(step.meta, tree_mask=tree.mask.reshape(b * n, n)))
+        layers = self.drafter.target_hidden_layers
+        executor = self.target.graphs if self.target.graphs is not None else self.target
+        out = executor.execute(step, None, layers)
+        t2 = marks.mark()
+        coupled = any(is_coupled(r, self.sampler.rule) for r in reqs)
+        prop = pend.result() if coupled else None  # coupled requests key their rows by the nodes' depths
+        rows = [n] * b
+        starts = step.starts
+        pending = self.sampler.tree_launch(
+            out.logits, reqs, rows, starts, tree.tokens.reshape(-1), tree.parents.reshape(-1),
+            None if tree.probs is None else (lambda: tree.probs.reshape(b * n, -1)),
+            [_depths(p) for p in prop.parents] if coupled else None)
+        # before the verdict is read: every accepted path's keys to root + 1.. (a path has at most max_depth
+        # drafts; slots past it copy onto themselves) and the committed rows' hidden states gathered
+        s = min(n - 1, tree.max_depth)
+        nodes = pending.res.accepted_nodes[:, : s + 1]  # [b, s + 1], root first, -1 past the path
+        ar = torch.arange(s + 1, device=dev)
+        nodes = torch.where(nodes >= 0, nodes, ar)
+        slots = step.meta.slot_mapping.view(b, n)
+        kv.move(None, slots.gather(1, nodes[:, 1:]).reshape(-1), slots[:, 1: s + 1].reshape(-1))
+        flat = (torch.arange(b, device=dev)[:, None] * n + nodes).reshape(-1)
+        hidden = {layer: h[flat].view(b, s + 1, -1) for layer, h in out.hidden_states.items()}
+        prop = pend.result()  # the drafting phase's host read (the draft is done; the verification runs)
+        verdict, paths = self.sampler.tree_finish(pending, prop)
+        accepted = verdict.num_accepted
+        for r, a, root in zip(reqs, accepted, roots):
+            kv.truncate(r.req_id, root + a + 1)
+            self.drafter.rollback(r, root + a + 1)
+        if self.drafter.target_hidden_layers:
+            self.drafter.observe_target_batch(reqs, hidden, [a + 1 for a in accepted], roots)
+        depth = [max(_depths(p)) for p in prop.parents]
+        steps = max(depth, default=0)
+        draft_s, target_s = marks.seconds(t0, t1), marks.seconds(t1, t2)
+        return RoundResult(verdict.emitted, depth, accepted, verdict.logprobs,
+                           draft_step_seconds=draft_s / steps if steps else None, target_seconds=target_s,
+                           draft_seconds=draft_s, target_tokens=b * n, sampled_rows=b * n,
+                           drafted_nodes=[len(t) - 1 for t in prop.tokens])
+
+    # -- the general path ----------------------------------------------------------------------------
+    def _run_host(self, items: list[RoundItem], trees: list[int], prop: TreeProposal | None, marks: Marks,
+                  t0: int, t1: int) -> RoundResult:
+        kv = self.target.kv
         # a tree of the root alone (the drafter had nothing to add) is a plain decoding row
         tree_of = {i: j for j, i in enumerate(trees) if len(prop.tokens[j]) > 1}
         bases = [kv.length(it.request.req_id) for it in items]

@@ -21,7 +21,7 @@ import torch
 from ..devices import h2d
 from ..drafters.base import TreeProposal
 from ..request import Request
-from ..verify import SamplingTensors, compute_logprobs, tree_positions, verify_chain, verify_tree
+from ..verify import SamplingTensors, compute_logprobs, verify_chain, verify_tree
 from ..verify.coupling import coupled_scores, row_key
 from ..verify.probs import logits_to_probs
 
@@ -141,22 +141,72 @@ class RoundSampler:
         per request, the accepted path (node indices, root first)."""
         device = logits.device
         rows = [len(t) for t in prop.tokens]
+        pending = self.tree_launch(
+            logits, requests, rows, starts, h2d([t for toks in prop.tokens for t in toks], device, torch.int64),
+            h2d([p for ps in prop.parents for p in ps], device, torch.int64),
+            lambda: torch.cat([q.to(device) for q in prop.probs]), [_depths(p) for p in prop.parents])
+        return self.tree_finish(pending, prop)
+
+    def tree_launch(self, logits: torch.Tensor, requests: list[Request], rows: list[int], starts: list[int],
+                    tokens: torch.Tensor, parents: torch.Tensor, draft_probs, depths: list[list[int]] | None
+                    ) -> "TreePending":
+        """Queue the tree verification without reading the device back. tokens / parents: [sum rows] int64 on the
+        device (request i's nodes at its rows, root first; local parents, -1 at roots); draft_probs: [sum rows, V],
+        or a callable making it (called only when a rule reads it), or None (greedy batches); depths[i][j]: node
+        j's depth (read only for coupled requests: None is allowed when there are none). The verdict is copied
+        to the host asynchronously; `tree_finish` waits for it (the round's one host read)."""
+        device = logits.device
         logits, starts = _compact(logits, starts, rows)
         raw = logits
-        st, coins, logits, coupled = self._prepare(logits, requests, starts, rows, [_depths(p) for p in prop.parents])
-        res = verify_tree(
-            logits, h2d([t for toks in prop.tokens for t in toks], device, torch.int64),
-            h2d([p for ps in prop.parents for p in ps], device, torch.int64),
-            h2d(starts, device, torch.int64), h2d(rows, device, torch.int64), st, coins,
-            draft_probs=torch.cat([q.to(device) for q in prop.probs]), rule=self.rule if self.rule != "auto" else "auto",
-        )
-        num_acc = res.num_accepted.tolist()
-        nodes = res.accepted_nodes.tolist()
-        out_ids = res.output_token_ids.tolist()
-        emitted = [row[: a + 1] for row, a in zip(out_ids, num_acc)]
-        paths = [path[: a + 1] for path, a in zip(nodes, num_acc)]
-        lp_rows = [[s + n for n in path] for s, path in zip(starts, paths)]
-        return Verdict(num_acc, emitted, self._logprobs(raw, requests, emitted, lp_rows)), paths
+        coupled = [is_coupled(r, self.rule) for r in requests]
+        if any(coupled) and depths is None:
+            raise ValueError("coupled requests need the nodes' depths")
+        st, coins, logits, coupled = self._prepare(logits, requests, starts, rows, depths)
+        # temperature > 0 after coupling (coupled requests are verified greedily on perturbed scores)
+        any_sampled = any(r.params.temperature > 0 and not c for r, c in zip(requests, coupled))
+        need_q = self.rule == "exact" or (self.rule == "auto" and any_sampled)
+        q = draft_probs() if need_q and callable(draft_probs) else (draft_probs if need_q else None)
+        width = max(rows)
+        # no host reads: sizes from the host, the input checks folded into the one read (re-run on failure)
+        res = verify_tree(logits, tokens, parents, h2d(starts, device, torch.int64), h2d(rows, device, torch.int64),
+                          st, coins, draft_probs=q, rule=self.rule, max_nodes=width, check=False,
+                          any_sampled=any_sampled)
+        bad = ~torch.isfinite(logits.amax(-1)).all()
+        host, event = self.verdict_to_host(res, bad)
+        return TreePending(res, host, event, raw, logits, requests, starts, rows, tokens, parents, st, coins, q, width,
+                           bad)
+
+    @staticmethod
+    def verdict_to_host(res, bad: torch.Tensor):
+        """Queue the copy of a tree verdict (num_accepted [R], accepted_nodes [R, n], output_token_ids [R, n]) and
+        the non-finite flag to the host: (host tensor [R, 2 + 2 n], CUDA event after the copy or None)."""
+        both = torch.cat([res.num_accepted.unsqueeze(1), res.accepted_nodes, res.output_token_ids,
+                          bad.long().expand(res.num_accepted.shape[0], 1)], 1)
+        if both.device.type != "cuda":
+            return both, None
+        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+        host.copy_(both, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def tree_finish(self, pending: "TreePending", prop: TreeProposal | None = None) -> tuple[Verdict, list[list[int]]]:
+        """Wait for the verdict of `tree_launch` (one host read); (Verdict, per request the accepted path, node
+        indices root first). prop: the host proposal (unused here; subclasses, e.g. a benchmark's, read it)."""
+        if pending.event is not None:
+            pending.event.synchronize()
+        both = pending.host.tolist()
+        w = pending.width
+        if any(row[-1] for row in both):  # non-finite target logits: the checked verification raises the error
+            verify_tree(pending.logits, pending.tokens, pending.parents,
+                        h2d(pending.starts, pending.logits.device, torch.int64),
+                        h2d(pending.rows, pending.logits.device, torch.int64), pending.st, pending.coins,
+                        draft_probs=pending.q, rule=self.rule, check=True)
+        num_acc = [row[0] for row in both]
+        paths = [row[1: 2 + a] for row, a in zip(both, num_acc)]
+        emitted = [row[1 + w: 2 + w + a] for row, a in zip(both, num_acc)]
+        lp_rows = [[s + n for n in path] for s, path in zip(pending.starts, paths)]
+        return Verdict(num_acc, emitted, self._logprobs(pending.raw, pending.requests, emitted, lp_rows)), paths
 
     # -- logprobs ------------------------------------------------------------------------------------
     @staticmethod
@@ -189,10 +239,34 @@ class RoundSampler:
         return out
 
 
+@dataclass
+class TreePending:
+    """A tree verification queued by `RoundSampler.tree_launch`, its verdict on its way to the host."""
+
+    res: object  # forerun.verify.TreeVerifyResult (device tensors)
+    host: torch.Tensor  # [R, 2 + 2 n]: accepted, path nodes, output tokens, non-finite flag (pinned on CUDA)
+    event: object  # CUDA event after the copy (None on the CPU)
+    raw: torch.Tensor  # the compacted raw logits (logprobs)
+    logits: torch.Tensor  # as verified (coupled rows perturbed)
+    requests: list
+    starts: list[int]
+    rows: list[int]
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    st: SamplingTensors
+    coins: torch.Tensor
+    q: torch.Tensor | None
+    width: int
+    bad: torch.Tensor  # [] bool: a non-finite target row
+
+
 def _depths(parents: list[int]) -> list[int]:
-    """Depth of each node of one tree (root 0): forerun.verify's tree_positions."""
-    n = len(parents)
-    return tree_positions(torch.tensor(parents), torch.tensor([0]), torch.tensor([n]), n).tolist()
+    """Depth of each node of one tree (root 0; a parent precedes its children): forerun.verify's tree_positions."""
+    depth = [0] * len(parents)
+    for j, p in enumerate(parents):
+        if p >= 0:
+            depth[j] = depth[p] + 1
+    return depth
 
 
 def _compact(logits: torch.Tensor, starts: list[int], rows: list[int]) -> tuple[torch.Tensor, list[int]]:

@@ -135,13 +135,23 @@ class KVPool:
         self.k[layer].view(-1, *self.k.shape[-2:])[slots] = k
         self.v[layer].view(-1, *self.v.shape[-2:])[slots] = v
 
-    def move(self, seq_id: int, src_positions: list[int], dst_positions: list[int]) -> None:
+    def move(self, seq_id: int | None, src_positions, dst_positions) -> None:
         """Copy keys/values of logical positions src -> dst (all layers), e.g. compacting an accepted tree path
-        into contiguous positions. Gathered before scattering, so overlapping moves are safe."""
-        if not src_positions:
-            return
-        src = torch.cat([self.slots(seq_id, p, p + 1) for p in src_positions]).to(self.k.device)
-        dst = torch.cat([self.slots(seq_id, p, p + 1) for p in dst_positions]).to(self.k.device)
+        into contiguous positions. Gathered before scattering, so overlapping moves are safe.
+        seq_id None: src / dst are flat cache slots already (int64 tensors on the cache's device, dst distinct),
+        e.g. every request's path of a round at once; nothing is read back to the host."""
+        if seq_id is None:
+            src, dst = src_positions, dst_positions
+            if src.numel() == 0:
+                return
+        else:
+            if not src_positions:
+                return
+            blocks, bs = self._seqs[seq_id].blocks, self.block_size
+            src = torch.tensor([blocks[p // bs] * bs + p % bs for p in src_positions], dtype=torch.int64)
+            dst = torch.tensor([blocks[p // bs] * bs + p % bs for p in dst_positions], dtype=torch.int64)
+            if self.k.device.type == "cuda":
+                src, dst = src.to(self.k.device, non_blocking=True), dst.to(self.k.device, non_blocking=True)
         for cache in (self.k, self.v):
             flat = cache.view(cache.shape[0], -1, *cache.shape[-2:])  # [L, slots, Hkv, D]
-            flat[:, dst] = flat[:, src].clone()
+            flat.index_copy_(1, dst, flat.index_select(1, src))

@@ -208,11 +208,15 @@ def verify_tree(
     typical_delta: float = 0.3,
     max_nodes: int | None = None,
     check: bool = True,
+    any_sampled: bool | None = None,
 ) -> TreeVerifyResult:
     """Verify a flattened batch of draft trees. rule: "greedy" (exact argmax walk), "target_only"
     (SGLang; exact only for thresholds 1 and distinct siblings), "exact" (recursive rejection sampling;
     needs draft_probs and the drafting scheme of `exact_pick`), "typical" (lossy), "auto" (greedy for
-    temperature-0 requests, exact otherwise). Temperature-0 requests are greedy under every rule."""
+    temperature-0 requests, exact otherwise). Temperature-0 requests are greedy under every rule.
+    Host synchronisations: none with check=False, max_nodes given and (rule "auto") any_sampled given (whether
+    any request has temperature > 0, as the caller knows from its parameters), for rules greedy / auto on
+    greedy batches; the sampled rules read a few sizes back."""
     if rule not in TREE_RULES:
         raise ValueError(f"rule must be one of {TREE_RULES}, got {rule!r}")
     if draft_scheme not in ("with_replacement", "without_replacement"):
@@ -229,7 +233,9 @@ def verify_tree(
         argmax = target_logits.argmax(-1)  # [T]
         final = _deepest_on_path(greedy_tree_pick(argmax, tokens, lay), lay)
         final_token = argmax[lay.node_row.gather(1, final.unsqueeze(1)).squeeze(1)]
-    if rule != "greedy" and (rule != "auto" or bool((~greedy_req).any())):
+    if any_sampled is None and rule == "auto":
+        any_sampled = bool((~greedy_req).any())
+    if rule != "greedy" and (rule != "auto" or any_sampled):
         probs = sampling.probs(target_logits, row_to_req, check=False)  # [T, V]
         if rule in ("auto", "exact"):
             if draft_probs is None:
@@ -277,6 +283,8 @@ def _tree_result(lay: TreeLayout, final: Tensor, final_token: Tensor, tokens: Te
     depth = lay.depth.gather(1, final.unsqueeze(1)).squeeze(1)  # [R]
     out = torch.where(nodes[:, 1:] >= 0, tokens.gather(1, nodes[:, 1:].clamp(min=0)), -1)
     out = torch.cat([out, torch.full_like(out[:, :1], -1)], 1).scatter_(1, depth.unsqueeze(1), final_token.unsqueeze(1))
-    accepted_mask = torch.zeros(num_rows, dtype=torch.bool, device=final.device)
-    accepted_mask[lay.node_row[on_path & lay.is_child]] = True
+    flag = on_path & lay.is_child  # (a scatter, not a boolean index: no host sync)
+    idx = torch.where(flag, lay.node_row, num_rows).reshape(-1)
+    accepted_mask = torch.zeros(num_rows + 1, dtype=torch.bool, device=final.device).scatter_(
+        0, idx, flag.reshape(-1))[:num_rows]
     return TreeVerifyResult(depth, nodes, rows, out, depth + 1, final_token, final, accepted_mask, seqlens, depth + 1)

@@ -1,0 +1,130 @@
+"""TreeRound's device path (every request decoding, one tree size: ids, positions, mask, verification, KV move and
+the committed rows' states on the device, one host read of the verdict) against its host path and plain decoding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forerun.config import CacheConfig, SpecConfig
+from forerun.engine.engine import Engine
+from forerun.engine.round import TreeRound
+from forerun.sampling_params import SamplingParams
+
+from tiny import hf_model, model_from_hf, ours_from_hf, random_eagle_head_dir, tiny_tokenizer
+
+PROMPTS = [[5, 9, 13, 22, 40, 7], [3, 4], list(range(10, 60, 3)), [70, 71, 72, 70, 71]]
+
+
+def _engine(hf, head_dir, tree=(3, 3, 8), budget: bool = True) -> Engine:
+    runner = ours_from_hf(hf)
+    spec = SpecConfig(method="eagle", eagle_head=head_dir, k=3, eagle_tree=tree)
+    eng = Engine.from_model(runner.model, tiny_tokenizer(hf.config.vocab_size), spec=spec, device="cpu",
+                            check_invariants=True, cache=CacheConfig(block_size=4, num_blocks=2048))
+    if not budget:  # the configured tree every round (the budget follows measured times: not replayable)
+        eng.drafter.budget = None
+    return eng
+
+
+def _run(eng: Engine, params: list[SamplingParams], host_only: bool = False) -> tuple[list[list[int]], dict]:
+    calls = {"device": 0, "host": 0}
+    run_device, run_host = TreeRound._run_device, TreeRound._run_host
+
+    def dev(self, *a, **k):
+        calls["device"] += 1
+        return run_device(self, *a, **k)
+
+    def host(self, *a, **k):
+        calls["host"] += 1
+        return run_host(self, *a, **k)
+
+    eng.round._run_device = dev.__get__(eng.round)
+    eng.round._run_host = host.__get__(eng.round)
+    if host_only:  # the general path for every round: the proposal's device tree is ignored
+        prop_async = eng.drafter.propose_tree_async
+
+        def no_device(reqs):
+            d = prop_async(reqs)
+            d.device = None
+            return d
+
+        eng.drafter.propose_tree_async = no_device
+    for i, (p, sp) in enumerate(zip(PROMPTS, params)):
+        eng.add_request(p, sp, request_id=str(i))
+    out: dict[str, list[int]] = {}
+    while eng.has_unfinished():
+        for d in eng.step():
+            out.setdefault(d.request_id, []).extend(d.new_token_ids)
+    assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
+    return [out[str(i)] for i in range(len(params))], calls
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    hf = hf_model("qwen2")
+    return hf, random_eagle_head_dir(model_from_hf(hf), tmp_path_factory.mktemp("head") / "head")
+
+
+@pytest.mark.parametrize("budget", [False, True])
+def test_device_round_greedy_equals_plain(setup, budget):
+    """budget: the engine's tree budget (shapes from measured costs: the drafter's budget bookkeeping runs too)."""
+    hf, head = setup
+    greedy = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    got, calls = _run(_engine(hf, head, budget=budget), [greedy] * len(PROMPTS))
+    plain = Engine.from_model(ours_from_hf(hf).model, tiny_tokenizer(hf.config.vocab_size), device="cpu",
+                              cache=CacheConfig(block_size=4, num_blocks=2048))
+    for i, p in enumerate(PROMPTS):
+        plain.add_request(p, greedy, request_id=str(i))
+    out: dict[str, list[int]] = {}
+    while plain.has_unfinished():
+        for d in plain.step():
+            out.setdefault(d.request_id, []).extend(d.new_token_ids)
+    want = [out[str(i)] for i in range(len(PROMPTS))]
+    assert got == want
+    assert calls["device"] > 0 or budget
+
+
+@pytest.mark.parametrize("kind", ["greedy", "seeded", "sampled", "mixed"])
+def test_device_round_equals_host_round(setup, kind):
+    """The same requests (same seeds, same generators) through the device path and the host path: identical
+    output, greedy, coupled (seeded) sampling, exact tree sampling; a mixed batch (greedy + sampled trees of
+    different sizes) takes the host path."""
+    hf, head = setup
+    mk = {"greedy": lambda i: SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+          "seeded": lambda i: SamplingParams(temperature=0.8, seed=10 + i, max_tokens=12, ignore_eos=True),
+          "sampled": lambda i: SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True),
+          "mixed": lambda i: SamplingParams(temperature=1.0 if i % 2 else 0.0, max_tokens=12, ignore_eos=True)}[kind]
+    params = [mk(i) for i in range(len(PROMPTS))]
+    torch.manual_seed(0)
+    a, ca = _run(_engine(hf, head, budget=False), params)
+    torch.manual_seed(0)
+    b, cb = _run(_engine(hf, head, budget=False), params, host_only=True)
+    assert a == b
+    assert cb["device"] == 0
+    if kind != "mixed":
+        assert ca["device"] > 0
+
+
+def test_batched_kv_move_equals_per_sequence_move():
+    from forerun.config import ModelConfig
+    from forerun.kvcache.pool import KVPool
+
+    cfg = ModelConfig(arch="llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+                      num_kv_heads=1, head_dim=8)
+    pools = [KVPool(cfg, CacheConfig(block_size=4, num_blocks=16), torch.float32, "cpu") for _ in range(2)]
+    g = torch.Generator().manual_seed(0)
+    init = torch.randn(pools[0].k.shape, generator=g)
+    for p in pools:
+        p.k.copy_(init)
+        p.v.copy_(-init)
+        for s in (1, 2):
+            p.add_sequence(s)
+            p.reserve(s, 13)
+            p.set_length(s, 13)
+    moves = {1: ([5, 7, 9], [4, 5, 6]), 2: ([3, 8], [2, 3])}
+    for s, (src, dst) in moves.items():
+        pools[0].move(s, src, dst)
+    src = torch.cat([pools[1].slots(s, p, p + 1) for s, (a, _) in moves.items() for p in a])
+    dst = torch.cat([pools[1].slots(s, p, p + 1) for s, (_, b) in moves.items() for p in b])
+    pools[1].move(None, src, dst)
+    assert torch.equal(pools[0].k, pools[1].k) and torch.equal(pools[0].v, pools[1].v)
+    assert not torch.equal(pools[0].k, init)

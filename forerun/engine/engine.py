@@ -8,8 +8,6 @@ Plain decoding on CUDA graphs runs overlapped (engine/overlap.py) while nothing 
 """
 from __future__ import annotations
 
-import atexit
-import gc
 import itertools
 import os
 import time
@@ -197,11 +195,6 @@ class Engine:
                 gr.capture(1, q, m, hidden_layers=hidden)
             if dgr is not None and self.spec.method == "draft" and q > dgr.max_q_len:
                 dgr.capture(1, q, 0)
-        # what is alive now (models, graphs, buffers) is never garbage: keep the collector from walking it again
-        # (a full collection over it paused serving for ~0.4 s now and then)
-        gc.collect()
-        gc.freeze()
-        atexit.register(gc.unfreeze)  # (at exit the objects are collectable again: no leak reports at shutdown)
         return len(gr.graphs) - before + (len(dgr.graphs) - dbefore if dgr is not None else 0)
 
     @classmethod

@@ -7,6 +7,8 @@ in-flight requests run for --shutdown-timeout seconds, abort what is left (strea
 from __future__ import annotations
 
 import argparse
+import atexit
+import gc
 import logging
 import signal
 import sys
@@ -104,6 +106,12 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         n = engine.warmup()
         print(f"[forerun] captured {n} CUDA graphs in {time.perf_counter() - t:.1f}s", file=sys.stderr)
+    # the server holds this engine for its whole life: what is alive now (models, graphs, tokenizer) never becomes
+    # garbage, so keep the cyclic collector from walking it on every full collection (a pause in some step).
+    # Not in Engine itself: a process that builds several engines (tests, benchmarks) must get them collected.
+    gc.collect()
+    gc.freeze()
+    atexit.register(gc.unfreeze)
     config = ServerConfig(model_names=tuple(a.served_model_name or [a.model]), api_key=a.api_key,
                           max_num_seqs=a.max_num_seqs, max_queue=a.max_queue, max_body_bytes=a.max_body_bytes,
                           default_max_tokens=a.default_max_tokens, drain_seconds=a.shutdown_timeout)

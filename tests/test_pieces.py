@@ -136,3 +136,5 @@ def test_engine_greedy_equal_with_pieces():
     got = [o.token_ids for o in spec.generate(prompts, params)]
     assert got == want
     assert eng.runner.graphs.pieces_steps > 0 and eng.drafter.runner.graphs.pieces_steps > 0
+    # draft steps 1.. ran device-prepared (run_uniform: no host preparation), the rollback invariant checked
+    assert any(key.device_prep for key in eng.drafter.runner.graphs.graphs)

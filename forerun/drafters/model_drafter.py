@@ -125,23 +125,49 @@ class ModelDrafter(Drafter):
         steps: list[tuple[list[int], torch.Tensor]] = []  # per step: the drafting requests, their tokens [A]
         marks, first = Marks(dev), None
         step = 0
+        # Steps 1.. of a batch drafting one k on CUDA graphs need no host preparation: the graph computes positions
+        # and cache slots from the context lengths on the device (GraphRunner.run_uniform), the blocks for every
+        # step are reserved up front and the host lengths are set once at the end.
+        gr = self.runner.graphs
+        uniform = (gr is not None and not self.shares_target_cache and len(active) > 0
+                   and len({ks[i] for i in active}) == 1 and ks[active[0]] >= 2 and gr.bucket(len(active)) is not None)
+        ctx, ctx0 = None, []
         while active:
+            logits = None
             if step == 0:
                 chunks = [Chunk(requests[i].req_id, requests[i].all_tokens[kv.length(requests[i].req_id):]) for i in active]
                 fed = None
+            elif uniform:
+                if step == 1:
+                    first = marks.mark()
+                    ids = [requests[i].req_id for i in active]
+                    ctx0 = [kv.length(rid) for rid in ids]
+                    for rid, n in zip(ids, ctx0):
+                        kv.reserve(rid, n + ks[active[0]] - 1)
+                    table = kv.block_table(ids)
+                    bt = self.runner.buffers.block_tables
+                    bt[: len(ids)].zero_()
+                    bt[: len(ids), : table.shape[1]].copy_(h2d(table, dev))
+                    ctx = h2d(ctx0, dev, torch.int64)
+                logits = gr.run_uniform(steps[-1][1].view(-1, 1), ctx, 1, self.num_layers)
+                ctx = ctx + 1
             else:
                 chunks = [Chunk(requests[i].req_id, [0]) for i in active]  # placeholders: ids come from the device
                 rows, prev = steps[-1]
                 fed = (None, prev if rows == active else prev[h2d([rows.index(i) for i in active], dev, torch.int64)])
                 if step == 1:
                     first = marks.mark()  # pure draft steps (one token each) from here
-            out, _ = self.runner.forward(chunks, num_layers=self.num_layers, device_tokens=fed)
-            picked, q, soft = self._pick(out.logits, [requests[i] for i in active], step)
+            if logits is None:
+                logits = self.runner.forward(chunks, num_layers=self.num_layers, device_tokens=fed)[0].logits
+            picked, q, soft = self._pick(logits, [requests[i] for i in active], step)
             steps.append((list(active), picked))
             for j, row in enumerate(soft):
                 probs[active[row]].append(q[j])
             step += 1
             active = [i for i in active if step < ks[i]]
+        if ctx0:  # the device-prepared steps wrote step - 1 tokens per request
+            for i, n in zip(steps[0][0], ctx0):
+                kv.set_length(requests[i].req_id, n + step - 1)
         timer = None
         if step >= 2:
             last, n = marks.mark(), step - 1

@@ -183,6 +183,7 @@ class Engine:
                 for q in (1, 2):
                     if q <= dgr.max_q_len:
                         dgr.capture(b, q, 1)
+                dgr.capture(b, 1, 1, device_prep=True)  # draft steps 1.. (ModelDrafter, run_uniform)
                 for q in dgr.piece_sizes:  # catch-ups of many requests (forward_pieces groups their pieces)
                     if q <= dgr.max_q_len:
                         dgr.capture(b, q, 0)

@@ -138,3 +138,40 @@ def test_engine_greedy_equal_with_pieces():
     assert eng.runner.graphs.pieces_steps > 0 and eng.drafter.runner.graphs.pieces_steps > 0
     # draft steps 1.. ran device-prepared (run_uniform: no host preparation), the rollback invariant checked
     assert any(key.device_prep for key in eng.drafter.runner.graphs.graphs)
+
+
+@pytest.mark.parametrize("method", ["draft", "tree", "eagle"])
+def test_warmup_covers_every_replay_a_run_needs(method, tmp_path):
+    """Engine.warmup captures every bucket a run then replays (prefill pieces, catch-ups, device-prepared draft
+    steps, chain and tree verify steps): nothing is captured while serving, where a capture stalls a round. Eager
+    GraphRunners (CPU) record the same keys as CUDA graphs would; tests/test_gpu.py checks the draft case on CUDA."""
+    from forerun.config import CacheConfig, SpecConfig
+    from forerun.engine.llm import LLM
+    from forerun.sampling_params import SamplingParams
+    from tiny import random_eagle_head_dir, sharpen, tiny_tokenizer
+
+    tok = tiny_tokenizer(97)
+
+    def build():
+        return ours_from_hf(sharpen(hf_model("llama"), 3.0)).model
+
+    spec = {"draft": lambda: SpecConfig(method="draft", draft_model=(build(), tok), k=3),
+            "tree": lambda: SpecConfig(method="draft", draft_model=(build(), tok), tree=(2, 2, 1)),
+            "eagle": lambda: SpecConfig(method="eagle", eagle_head=random_eagle_head_dir(build(), tmp_path),
+                                        eagle_tree=(2, 2, 4))}[method]()
+    llm = LLM.from_model(build(), tok, spec=spec, max_num_seqs=4, device="cpu",
+                         cache=CacheConfig(block_size=16, num_blocks=512))
+    eng = llm.engine
+    runners = {id(r): r for r in (eng.runner, getattr(eng.drafter, "runner", None)) if r is not None}.values()
+    for r in runners:
+        r.graphs = GraphRunner(r, batch_sizes=(1, 2, 4), max_q_len=eng.spec.max_draft_tokens + 1, use_graphs=False)
+    eng.scheduler.draft_prefill = False  # as on CUDA graphs
+    assert eng.warmup() > 0
+    before = {id(r): set(r.graphs.graphs) for r in runners}
+    prompts = [[5, 9, 13, 22, 40, 7, 5, 9, 13], [70, 71, 72, 70, 71, 72, 70], list(range(3, 40))]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    for r in runners:
+        if method == "tree" and r is not eng.runner:
+            continue  # (a fixed tree's level steps on the draft model are captured on first use: not warmed yet)
+        assert set(r.graphs.graphs) == before[id(r)], f"captured while serving: {set(r.graphs.graphs) - before[id(r)]}"
+    assert eng.runner.graphs.replays > 0

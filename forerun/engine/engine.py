@@ -177,6 +177,9 @@ class Engine:
             for q in qs:
                 if q <= gr.max_q_len:
                     gr.capture(b, q, q, hidden_layers=hidden)
+            n = self.spec.max_draft_tokens + 1  # a whole tree: the root and its nodes
+            if self.drafter is not None and self.spec.is_tree and n <= gr.max_q_len:
+                gr.capture(b, n, n, tree=True, hidden_layers=hidden)
             if self.overlap:
                 gr.capture(b, 1, 1, device_prep=True)
             if dgr is not None and self.spec.method == "draft":

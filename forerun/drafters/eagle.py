@@ -104,26 +104,9 @@ class EagleDrafter(Drafter):
     # -- target features -------------------------------------------------------------------------------
     def observe_target(self, requests: list[Request], states: list[dict[int, torch.Tensor] | None],
                        starts: list[int]) -> None:
-        if self._proposed is not None and self.budget is not None and self.budget.target_cost is None:
-            t, rows = self._proposed  # the round's target forward (+ verification) since the proposal
-            tokens = sum(rows.get(r.req_id) or (next(iter(st.values())).shape[0] if st else 1)
-                         for r, st in zip(requests, states))
-            self.budget.record_target(tokens, time.perf_counter() - t)
-        self._proposed = None
         with torch.inference_mode():
-            for r, st, s in zip(requests, states, starts):
-                if not st:
-                    continue
-                f = self.head.target_feature(st).to(self.head_dtype)  # [n, F]
-                cur = self._feats.get(r.req_id)
-                if cur is not None and cur[0] <= s <= cur[0] + cur[1].shape[0]:
-                    f = torch.cat([cur[1][: s - cur[0]], f])
-                    s = cur[0]
-                self._feats[r.req_id] = (s, f)
-            # long stretches (prefill chunks) go into the cache now, so their features need not be kept
-            long = [r for r in requests if self._pending(r) >= self.eager_rows]
-            if long:
-                self._feed_rows(long)
+            feats = [self.head.target_feature(st).to(self.head_dtype) if st else None for st in states]  # [n, F]
+        self._observe_features(requests, feats, starts)
 
     def observe_target_batch(self, requests: list[Request], states: dict[int, torch.Tensor], counts: list[int],
                              starts: list[int]) -> None:
@@ -164,11 +147,13 @@ class EagleDrafter(Drafter):
             self.budget.record_target(tokens, time.perf_counter() - t)
         self._proposed = None
 
-    def _observe_features(self, requests: list[Request], feats: list[torch.Tensor], starts: list[int]) -> None:
-        """observe_target with the features already made (one [n_i, F] tensor per request)."""
-        self._record_target(requests, [f.shape[0] for f in feats])
+    def _observe_features(self, requests: list[Request], feats: list[torch.Tensor | None], starts: list[int]) -> None:
+        """observe_target with the features already made (one [n_i, F] tensor per request; None: nothing new)."""
+        self._record_target(requests, [0 if f is None else f.shape[0] for f in feats])
         with torch.inference_mode():
             for r, f, s in zip(requests, feats, starts):
+                if f is None:
+                    continue
                 cur = self._feats.get(r.req_id)
                 if cur is not None and cur[0] <= s <= cur[0] + cur[1].shape[0]:
                     f = torch.cat([cur[1][: s - cur[0]], f])

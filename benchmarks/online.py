@@ -172,7 +172,10 @@ def _graph_counts(eng: Engine) -> dict:
     return out
 
 
-def run_grid(make_engine, prompts_for, new_tokens: int, concurrencies, configs, log) -> list[dict]:
+def run_grid(make_engine, prompts_for, new_tokens: int, concurrencies, configs, log, rates=(),
+             poisson_requests: int = 64) -> list[dict]:
+    """Per config: a closed loop at each concurrency (rows with `concurrency`), then Poisson arrivals at each rate
+    in requests/s (rows with `rate`, `concurrency` None), on the same engine."""
     rows = []
     for name, spec_kw in configs:
         eng = make_engine(spec_kw)
@@ -207,6 +210,18 @@ def run_grid(make_engine, prompts_for, new_tokens: int, concurrencies, configs, 
                 f"TPOT p50/p99 {r['tpot_p50'] * 1e3:6.2f}/{r['tpot_p99'] * 1e3:6.2f} ms  acc {r['acceptance']}  {r['graphs']}  "
                 f"steps {r['steps']} p50 {r['step_p50'] * 1e3:.2f} ms max {r['step_max'] * 1e3:.0f} ms "
                 f"stalls {r['stall_s']:.2f} s" + (f"  slowest {r['slowest_steps'][:3]}" if "slowest_steps" in r else ""))
+        for i, rate in enumerate(rates):
+            hist = getattr(eng, "_k_hist", None)
+            if hist is not None:
+                hist.clear()
+            r = drive(eng, prompts_for(poisson_requests), new_tokens, rate=rate, seed=11 + i)
+            r.update(config=name, concurrency=None, rate=rate)
+            if hist is not None:
+                r["batch_k_hist"] = dict(sorted(hist.items()))
+            rows.append(r)
+            log(f"{name:>26} Poisson {rate:g}/s {r['tok_s']:8.1f} tok/s  TTFT p50/p99 {r['ttft_p50'] * 1e3:7.1f}/"
+                f"{r['ttft_p99'] * 1e3:7.1f} ms  TPOT p50/p99 {r['tpot_p50'] * 1e3:6.2f}/{r['tpot_p99'] * 1e3:6.2f} ms  "
+                f"acc {r['acceptance']}")
         del eng
         free_memory()
     return rows
@@ -221,11 +236,19 @@ def free_memory() -> None:
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    plain = {r["concurrency"]: r["tok_s"] for r in rows if r["config"] == "plain"}
+    """Throughput vs plain at the same concurrency (closed loop), and TPOT of plain / TPOT of the config at the same
+    Poisson rate (the arrivals fix the throughput there; what speculation changes is the time per token)."""
+    plain = {r["concurrency"]: r["tok_s"] for r in rows if r["config"] == "plain" and r.get("concurrency")}
+    plain_tpot = {r["rate"]: r["tpot_p50"] for r in rows if r["config"] == "plain" and r.get("rate")}
     out = []
     for r in rows:
-        if r["config"] != "plain" and r["concurrency"] in plain:
+        if r["config"] == "plain":
+            continue
+        if r.get("concurrency") in plain:
             out.append(dict(config=r["config"], concurrency=r["concurrency"], vs_plain=r["tok_s"] / plain[r["concurrency"]]))
+        elif r.get("rate") in plain_tpot:
+            out.append(dict(config=r["config"], concurrency=f"Poisson {r['rate']:g}/s",
+                            vs_plain=plain_tpot[r["rate"]] / r["tpot_p50"]))
     return out
 
 
@@ -237,7 +260,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
     for name in dict.fromkeys(r["config"] for r in rows):
-        rs = [r for r in rows if r["config"] == name]
+        rs = [r for r in rows if r["config"] == name and r.get("concurrency")]  # (Poisson rows: the JSON only)
         ax[0].plot([r["concurrency"] for r in rs], [r["tok_s"] for r in rs], marker="o", label=name)
         ax[1].plot([r["concurrency"] for r in rs], [r["tpot_p50"] * 1e3 for r in rs], marker="o", label=name)
     for a, yl in zip(ax, ("throughput (tok/s)", "TPOT p50 (ms)")):
@@ -323,7 +346,8 @@ def gpu_main(args) -> dict:
     for a in args.acceptance:
         label = "useless draft" if a == 0 else f"a={a}"
         configs += [(f"k=4, {label}", (a, dict(k=4))), (f"adaptive, {label}", (a, dict(adaptive=True, k_max=8)))]
-    rows = run_grid(make_warm, lambda n: rng.sample(pool, min(n, len(pool))), new, args.concurrency, configs, log)
+    rows = run_grid(make_warm, lambda n: rng.sample(pool, min(n, len(pool))), new, args.concurrency, configs, log,
+                    rates=args.rates, poisson_requests=args.poisson_requests)
     if args.no_4k:
         return dict(rows=rows, ratios=ratios(rows), long_prompt=[], prompt_len=prompt_len, new_tokens=new)
     # chunked prefill: a 4k prompt arrives while 4 requests decode
@@ -396,7 +420,9 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=4_000)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rate", type=float, default=0.05)
-    ap.add_argument("--poisson-requests", type=int, default=4)
+    ap.add_argument("--poisson-requests", type=int, default=None, help="requests per Poisson run (CPU 4, GPU 64)")
+    ap.add_argument("--rates", type=float, nargs="*", default=None,
+                    help="GPU: Poisson arrival rates (requests/s) run after the closed loop (default 10 40 100)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true", help="GPU: profile one speculative run instead")
     ap.add_argument("--no-4k", action="store_true", help="GPU: only the concurrency sweep (no 4k-prompt check)")
@@ -404,12 +430,15 @@ def main() -> None:
     if args.gpu:
         args.concurrency = args.concurrency or [1, 2, 4, 8, 16, 32, 64]
         args.new_tokens = args.new_tokens or 96
+        args.rates = [10.0, 40.0, 100.0] if args.rates is None else args.rates
+        args.poisson_requests = args.poisson_requests or 64
         res = gpu_main(args)
         name = "online_gpu"
         res["device"] = torch.cuda.get_device_name()
     else:
         args.concurrency = args.concurrency or [1, 2]
         args.new_tokens = args.new_tokens or 32
+        args.poisson_requests = args.poisson_requests or 4
         res = cpu_main(args)
         name = "online_cpu"
         res["device"] = "cpu"

@@ -187,6 +187,10 @@ class Engine:
                     if q <= dgr.max_q_len:
                         dgr.capture(b, q, 1)
                 dgr.capture(b, 1, 1, device_prep=True)  # draft steps 1.. (ModelDrafter, run_uniform)
+                shape = getattr(self.drafter, "shape", None)  # a fixed tree: its level steps (TreeDrafter)
+                for d, level in enumerate(shape.levels[:-1] if shape is not None else []):
+                    if d and level[-1] + 1 <= dgr.max_q_len:
+                        dgr.capture(b, level[-1] + 1, len(level), tree=True)
                 for q in dgr.piece_sizes:  # catch-ups of many requests (forward_pieces groups their pieces)
                     if q <= dgr.max_q_len:
                         dgr.capture(b, q, 0)

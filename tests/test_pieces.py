@@ -143,8 +143,9 @@ def test_engine_greedy_equal_with_pieces():
 @pytest.mark.parametrize("method", ["draft", "tree", "eagle"])
 def test_warmup_covers_every_replay_a_run_needs(method, tmp_path):
     """Engine.warmup captures every bucket a run then replays (prefill pieces, catch-ups, device-prepared draft
-    steps, a fixed tree's level steps, chain and tree verify steps): nothing is captured while serving, where a capture stalls a round. Eager
-    GraphRunners (CPU) record the same keys as CUDA graphs would; tests/test_gpu.py checks the draft case on CUDA."""
+    steps, a fixed tree's level steps, chain and tree verify steps): nothing is captured while serving, where a
+    capture stalls a round. Eager GraphRunners (CPU) record the same keys as CUDA graphs would; tests/test_gpu.py
+    checks the draft case on CUDA."""
     from forerun.config import CacheConfig, SpecConfig
     from forerun.engine.llm import LLM
     from forerun.sampling_params import SamplingParams

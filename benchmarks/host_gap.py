@@ -129,27 +129,30 @@ def main() -> None:
     prompts = [torch.randint(0, vocab, (128,), generator=gen).tolist() for _ in range(max(args.concurrency))]
     log("models built")
 
-    def make(k):
+    def make(k, overlap_spec=False):
         if k == 0:
             return Engine.from_model(target, tok, cache=cache, max_num_seqs=64, **kw)
-        eng = Engine.from_model(target, tok, cache=cache, max_num_seqs=64,
+        eng = Engine.from_model(target, tok, cache=cache, max_num_seqs=64, overlap_spec=overlap_spec,
                                 spec=SpecConfig(method="draft", draft_model=(draft, tok), k=k), **kw)
         eng.round.sampler = eng.sampler = SyntheticSampler(0.8)
         return eng
 
     rows, text = [], ""
-    for k in (0, 4):
-        eng = make(k)
+    for k, ovs in ((0, False), (4, False), (4, True)):  # (k = 4 overlapped: engine/overlap_spec.py, CUDA graphs)
+        if ovs and not cuda:
+            continue
+        eng = make(k, ovs)
         run_steps(eng, prompts[:1], 64, 8, None, cuda)  # capture graphs
         for c in args.concurrency:
             run_steps(eng, prompts[:c], 400, 8, None, cuda)  # graphs for this batch size
             r = run_steps(eng, prompts[:c], 400, args.steps, 10 if cuda else None, cuda)
-            r.update(config="plain" if k == 0 else f"k={k}, synthetic a=0.8", concurrency=c)
+            r.update(config="plain" if k == 0 else f"k={k}, synthetic a=0.8" + (", overlapped" if ovs else ""),
+                     concurrency=c)
             rows.append(r)
             log(f"{r['config']:>22} c={c:<3} wall {r['wall_ms_per_step']:7.2f} ms/step  "
                 f"kernels {r['kernel_ms_per_step'] or float('nan'):7.2f}  gap {r['gap_ms_per_step'] or float('nan'):6.2f}  "
                 f"tokens/step {r['tokens_per_step']:.2f}")
-        if k:
+        if k and not ovs:
             text = host_profile(eng, prompts[:1], 400, args.steps)
         del eng
     print(text)

@@ -65,6 +65,22 @@ class SyntheticSampler(RoundSampler):
             emitted.append(d[:m] + [best[r]])
         return Verdict(acc, emitted, real.logprobs)
 
+    def device_verdict(self, logits, drafts):
+        """The same on the device, for overlapped speculative rounds (engine/overlap_spec.py): the greedy verdict
+        is computed (its cost paid), then each request accepts its drafts while coins < a."""
+        from forerun.engine.overlap_spec import greedy_chain_verdict
+
+        best, _ = greedy_chain_verdict(logits, drafts)
+        b, k = drafts.shape
+        if getattr(self, "_gen", None) is None:
+            self._gen = torch.Generator(device=drafts.device).manual_seed(self.rng.randrange(1 << 30))
+        u = torch.rand(b, k, device=drafts.device, generator=self._gen)
+        acc = (u < self.a).to(torch.int64).cumprod(1).sum(1)
+        keep = torch.arange(k, device=drafts.device)[None, :] < acc[:, None]
+        tokens = best.clone()
+        tokens[:, :k] = torch.where(keep, drafts, best[:, :k])
+        return tokens, acc
+
 
 def percentile(xs: list[float], q: float) -> float:
     if not xs:
@@ -297,7 +313,8 @@ def gpu_main(args) -> dict:
             return Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64)
         a, kw = spec_kw
         eng = Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64,
-                                spec=SpecConfig(method="draft", draft_model=(draft, tok), **kw))
+                                spec=SpecConfig(method="draft", draft_model=(draft, tok), **kw),
+                                overlap_spec=args.overlap_spec)
         if a > 0:
             eng.round.sampler = eng.sampler = SyntheticSampler(a)
         return eng
@@ -426,6 +443,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true", help="GPU: profile one speculative run instead")
     ap.add_argument("--no-4k", action="store_true", help="GPU: only the concurrency sweep (no 4k-prompt check)")
+    ap.add_argument("--overlap-spec", action="store_true",
+                    help="GPU: speculative rounds overlapped (Engine(overlap_spec=True), engine/overlap_spec.py)")
     args = ap.parse_args()
     if args.gpu:
         args.concurrency = args.concurrency or [1, 2, 4, 8, 16, 32, 64]

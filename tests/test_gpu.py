@@ -388,6 +388,45 @@ def test_engine_on_cuda_graphs_greedy_spec_equals_plain(method):
         assert llm.aggregate_stats(outs).position_acceptance_rate == 1.0
 
 
+def test_overlapped_speculative_rounds_on_cuda_graphs_equal_plain():
+    """Engine(overlap_spec=True) on CUDA graphs (device-prepared draft and verify steps, pinned verdict copies):
+    greedy output equals plain greedy output, and the overlapped sessions ran."""
+    import sys, os
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from tiny import hf_model, sharpen, tiny_tokenizer
+
+    import forerun.engine.engine as engine_module
+    from forerun.config import SpecConfig
+    from forerun.engine.llm import LLM
+    from forerun.sampling_params import SamplingParams
+
+    build = model_factory(sharpen(hf_model("llama"), 3.0), torch.float32)
+    tok = tiny_tokenizer()
+    kw = dict(device="cuda", dtype=torch.float32, cache=CacheConfig(block_size=16, num_blocks=512))
+    prompts = [[5, 9, 13, 22, 40, 7, 5, 9, 13], [70, 71, 72, 70, 71, 72, 70], list(range(3, 60))]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM.from_model(build(), tok, **kw).generate(prompts, sp)
+    sessions = []
+    real = engine_module.overlapped_spec_rounds
+
+    def counted(*args, **kwargs):
+        sessions.append(1)
+        return real(*args, **kwargs)
+
+    engine_module.overlapped_spec_rounds = counted
+    try:
+        llm = LLM.from_model(build(), tok, spec=SpecConfig(method="draft", draft_model=(build(), tok), k=3),
+                             check_invariants=True, overlap_spec=True, **kw)
+        llm.engine.warmup()
+        outs = llm.generate(prompts, sp)
+    finally:
+        engine_module.overlapped_spec_rounds = real
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert sessions
+    assert llm.aggregate_stats(outs).position_acceptance_rate == 1.0  # the draft is the target
+
+
 # -- fused layer kernels in bf16 (the interpreter tests in test_kernels.py cover float32 / float16) ----------
 @pytest.mark.parametrize("m", [1, 2, 4, 16])
 @pytest.mark.parametrize("glu", [False, True])

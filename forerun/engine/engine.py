@@ -32,6 +32,7 @@ from ..sampling_params import SamplingParams
 from ..stats import RequestStats
 from .k_policy import KPolicy
 from .overlap import overlap_applies, overlapped_decode
+from .overlap_spec import greedy_chain_verdict, overlapped_spec_rounds, spec_overlap_applies
 from .round import ChainRound, RoundItem, RoundResult, TreeRound
 from .sampler import RoundSampler, forcing, is_coupled
 from .scheduler import Scheduler
@@ -104,11 +105,14 @@ class Engine:
                  dtype: torch.dtype | None = None, cache: CacheConfig | None = None, max_num_seqs: int = 64,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 8192, seed: int = 0,
                  check_invariants: bool = False, cuda_graphs: bool = True, overlap: bool = True,
+                 overlap_spec: bool = False,
                  draft_cache: CacheConfig | None = None, quantize: str = "none", _loaded=None) -> None:
         """quantize: weights of models loaded by name / path: "none" (float), "int8" / "int4" (kept quantized,
         CPU; GGUF Q4 blocks exactly as int4), "auto" (GGUF files: int4 with forerun's AVX512-VNNI kernel, else int8).
-        See docs/quantization.md."""
+        See docs/quantization.md. overlap_spec: overlapped speculative rounds (engine/overlap_spec.py; greedy
+        requests, a separate draft model, CUDA graphs). Off by default until measured on a GPU."""
         self.quantize = quantize
+        self.overlap_spec = overlap_spec
         EngineConfig(max_num_seqs, max_model_len, max_num_batched_tokens)  # validated: a bad value is named here
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -182,6 +186,12 @@ class Engine:
                 gr.capture(b, n, n, tree=True, hidden_layers=hidden)
             if self.overlap:
                 gr.capture(b, 1, 1, device_prep=True)
+            if self.overlap_spec and dgr is not None and not self.spec.is_tree:  # engine/overlap_spec.py
+                for q in qs[1:]:
+                    if q <= gr.max_q_len:
+                        gr.capture(b, q, q, device_prep=True)
+                if dgr.max_q_len >= 2:
+                    dgr.capture(b, 2, 1, device_prep=True)
             if dgr is not None and self.spec.method == "draft":
                 for q in (1, 2):
                     if q <= dgr.max_q_len:
@@ -406,7 +416,7 @@ class Engine:
 
     def _round_step(self) -> list[Request]:
         sched = self.scheduler
-        if self._try_overlap():
+        if self._try_spec_overlap() or self._try_overlap():
             return self._overlap_step()
         t_start = time.perf_counter()
         self.round.feed_prefill = not self.k_policy.idle()  # adaptive k at 0: new prompts skip the drafter
@@ -493,7 +503,48 @@ class Engine:
         gen = overlapped_decode(self.runner, running, limit, self._commit_overlapped, max_steps=steps,
                                 should_stop=lambda: bool(sched.waiting) or any(r.finished for r in running),
                                 step_time=self.k_policy.cost.record_target if self.drafter is not None else None)
-        self._overlap = (gen, running)
+        self._overlap = (gen, running, False)
+        return True
+
+    def _try_spec_overlap(self) -> bool:
+        """Start a session of overlapped speculative rounds (engine/overlap_spec.py) when every running request
+        is past its prefill, nothing waits, the batch drafts one k > 0 and the session's scope fits."""
+        sched = self.scheduler
+        if (not self.overlap_spec or self.spec.method != "draft" or self.spec.is_tree or not self.spec.enabled
+                or sched.waiting or not sched.running):
+            return False
+        running = list(sched.running)
+        ks = self._k_for(running)
+        k = ks[0] if len(set(ks)) == 1 else 0
+        if not k or not spec_overlap_applies(self.runner, self.drafter, running, k, self.max_model_len):
+            self._ks_cache = {r.req_id: kk for r, kk in zip(running, ks)}  # this step's rounds reuse the decision
+            return False
+        n = len(running)
+        seen = {"t": time.perf_counter(), "tokens": sum(len(r.output_token_ids) for r in running)}
+
+        def commit(r: Request, tokens: list[int], accepted: int) -> int:
+            if r.finished:  # aborted while its round was in flight
+                return 0
+            self.k_policy.observe(r.req_id, k, accepted, wanted=k)
+            r.stats.record(k, accepted, len(tokens), k)
+            self._count_spec(k, accepted, k)
+            return self._commit(r, tokens, None)
+
+        def should_stop() -> bool:
+            if sched.waiting or any(r.finished for r in running):
+                return True
+            if not self.spec.adaptive:
+                return False
+            now, tokens = time.perf_counter(), sum(len(r.output_token_ids) for r in running)
+            if tokens > seen["tokens"]:  # what the rounds realized since the last look: the veto's input
+                self.k_policy.record_realized(n, tokens - seen["tokens"], now - seen["t"])
+                seen.update(t=now, tokens=tokens)
+            return self._k_for(running) != [k] * n  # the policy decides every round; a new k ends the session
+
+        verdict = getattr(self.sampler, "device_verdict", None) or greedy_chain_verdict
+        gen = overlapped_spec_rounds(self.runner, self.drafter, running, k, self.max_model_len, commit,
+                                     verdict=verdict, should_stop=should_stop)
+        self._overlap = (gen, running, True)
         return True
 
     def _commit_overlapped(self, r: Request, tokens: list[int], logprobs) -> int:
@@ -502,14 +553,16 @@ class Engine:
         return self._commit(r, tokens, logprobs)
 
     def _overlap_step(self) -> list[Request]:
-        gen, running = self._overlap
+        gen, running, spec = self._overlap
         try:
             next(gen)
             return list(running)
         except StopIteration as stop:
             launched = stop.value or 0
             self._overlap = None
-            if self.drafter is not None:
+            if self.check_invariants:
+                self._check(running)
+            if self.drafter is not None and not spec:
                 self.k_policy.skip_idle_rounds([r.req_id for r in running], max(0, launched - 1))
             for r in running:
                 if r.finished:

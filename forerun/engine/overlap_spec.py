@@ -1,0 +1,178 @@
+"""Overlapped speculative rounds: the device runs round n+1 while the host commits round n.
+
+A speculative round otherwise ends with a host read of the verdict, and the device idles while the host
+commits it (stop checks, detokenisation, the k policy) and prepares the next round: ~1.3 ms of an ~11 ms round
+at 4 requests on the H200 (issue 9, item 6; `online_h200_profile8_c4_k4.txt`). Here every input of the next
+round is computed on the device from the verdict before it is read (seed 000's zero-overhead scheduling, as
+engine/overlap.py does for plain decoding):
+
+* per request, the target's cached length L (every committed token but the newest) and the last two
+  committed tokens live on the device;
+* draft step 0 feeds those two tokens at positions L - 1 and L (re-feeding L - 1 rewrites a position the draft
+  holds with the same token, so the step has one shape whether the last round accepted everything or not);
+  steps 1..k-1 feed one draft each; the verify feeds [newest token, d_1..d_k] at L..L+k. All of them are
+  `GraphRunner.run_uniform` steps: positions and cache slots come from L inside the CUDA graph;
+* greedy verification on the device: the target's argmax per row, accepted = the leading drafts equal to it;
+  then L += accepted + 1 and the two newest tokens are updated on the device.
+
+The host reserves cache blocks two rounds ahead and commits a round while the next one runs. Exactness: the
+verdict is the greedy rule's (argmax, first index on ties, as plain decoding), so output equals the ordinary
+rounds' token for token. A request that finishes (stop token / string, max_tokens) ends the session; the round
+in flight is still committed for the others (its inputs were theirs), and the host lengths are set back to the
+rollback invariant (target: every committed token but the newest; draft: a prefix of that).
+
+Scope: a separate draft model (ModelDrafter, own cache, no confidence stop), CUDA graphs on both runners (or
+their eager stand-ins in tests), one k >= 1 for the batch, every request greedy, past its prefill, without
+grammar, logprobs or golden tokens. Elsewhere the engine runs ordinary rounds.
+"""
+from __future__ import annotations
+
+from typing import Callable, Generator
+
+import torch
+
+from ..devices import h2d
+from ..kvcache.pool import OutOfBlocks
+from ..request import Request
+from .sampler import forcing
+
+
+def spec_overlap_applies(target, drafter, requests: list[Request], k: int, limit: int) -> bool:
+    """Whether a session of overlapped speculative rounds may start for these requests at this k."""
+    gr = target.graphs
+    druns = getattr(drafter, "runner", None)
+    dgr = getattr(druns, "graphs", None)
+    if gr is None or dgr is None or druns is target or getattr(drafter, "shares_target_cache", True):
+        return False
+    if getattr(drafter, "confidence_threshold", 1.0) > 0 or not requests or k < 1:
+        return False
+    b = len(requests)
+    if gr.bucket(b) is None or dgr.bucket(b) is None or k + 1 > gr.max_q_len or dgr.max_q_len < 2:
+        return False
+    kv = target.kv
+    for r in requests:
+        p = r.params
+        if (p.temperature != 0 or p.logprobs is not None or getattr(r, "grammar", None) is not None or forcing(r)
+                or r.num_tokens < 2 or kv.length(r.req_id) != r.num_tokens - 1):
+            return False
+        if r.remaining < 2 * (k + 1) or r.num_tokens + 2 * (k + 1) + 1 >= limit:
+            return False
+    return True
+
+
+def greedy_chain_verdict(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy chain verification on the device. logits [B * (k+1), V] (request-major), drafts [B, k].
+    Returns (tokens [B, k+1]: row i emits tokens[i, :accepted[i] + 1], accepted [B])."""
+    b, k = drafts.shape
+    best = logits.view(b, k + 1, -1).argmax(-1)  # [B, k+1]
+    accepted = (best[:, :k] == drafts).to(torch.int64).cumprod(1).sum(1)  # leading matches
+    return best, accepted
+
+
+def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, limit: int,
+                           commit: Callable[[Request, list[int], int], int],
+                           verdict: Callable = greedy_chain_verdict,
+                           should_stop: Callable[[], bool] | None = None,
+                           max_rounds: int | None = None) -> Generator[int, None, int]:
+    """Speculative rounds of k drafts for `requests` with one round in flight. Yields the tokens committed per
+    round; returns the number of rounds launched. commit(request, tokens, accepted) commits one round's tokens
+    (stop checks included) and returns how many it took. verdict(logits, drafts) -> (tokens, accepted): the
+    verification rule (greedy; benchmarks substitute synthetic acceptance). Stops when a request has finished,
+    should_stop() says so, max_rounds rounds were launched, or another round could pass a request's limits."""
+    tkv, dkv = target.kv, drafter.runner.kv
+    gr, dgr = target.graphs, drafter.runner.graphs
+    dev = target.device
+    b = len(requests)
+    ids = [r.req_id for r in requests]
+    # the draft cache must hold a prefix reaching position L - 2 (step 0 feeds L - 1 and L)
+    drafter.feed(requests, [r.num_tokens - 2 for r in requests])
+    for r in requests:
+        dkv.truncate(r.req_id, min(dkv.length(r.req_id), r.num_tokens - 2))
+    host_len = [r.num_tokens - 1 for r in requests]  # L per request, as committed on the host
+    L = h2d(host_len, dev, torch.int64)  # [B] on the device
+    last2 = h2d([r.all_tokens[-2:] for r in requests], dev, torch.int64)  # [B, 2]
+    rows = torch.arange(b, device=dev)
+
+    def reserve() -> None:
+        """Blocks for two rounds past what the host has committed; the block-table rows follow."""
+        for kv, runner in ((tkv, target), (dkv, drafter.runner)):
+            for rid, n in zip(ids, host_len):
+                kv.reserve(rid, n + 2 * (k + 1))
+            table = kv.block_table(ids)
+            bt = runner.buffers.block_tables
+            bt[:b].zero_()
+            bt[:b, : table.shape[1]].copy_(h2d(table, dev))
+
+    def launch():
+        nonlocal L, last2
+        try:
+            reserve()
+        except OutOfBlocks:  # the pools ran out: the ordinary rounds preempt
+            return None
+        logits = dgr.run_uniform(last2, L - 1, 1, drafter.num_layers)  # [B, V]: feeds L - 1, L
+        drafts = [logits.argmax(-1)]
+        for j in range(1, k):
+            logits = dgr.run_uniform(drafts[-1].view(b, 1), L + j, 1, drafter.num_layers)
+            drafts.append(logits.argmax(-1))
+        d = torch.stack(drafts, 1)  # [B, k]
+        logits = gr.run_uniform(torch.cat([last2[:, 1:], d], 1), L, k + 1)  # [B * (k+1), V]
+        tokens, accepted = verdict(logits, d)
+        prev = torch.where(accepted > 0, d[rows, (accepted - 1).clamp(min=0)], last2[:, 1])
+        start = L.clone()
+        last2 = torch.stack([prev, tokens[rows, accepted]], 1)
+        L = L + accepted + 1
+        out = torch.cat([tokens, accepted.view(b, 1), start.view(b, 1)], 1)  # [B, k + 3]
+        if dev.type != "cuda":
+            return out, None
+        host = torch.empty(out.shape, dtype=torch.int64, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
+
+    last_round: dict[int, tuple[int, int]] = {}  # req_id -> (L at the round's start, accepted) of its last commit
+
+    def commit_round(step, only_unfinished: bool) -> int:
+        out, done = step
+        if done is not None:
+            done.synchronize()
+        produced = 0
+        for i, (r, row) in enumerate(zip(requests, out.tolist())):
+            if only_unfinished and r.finished:
+                continue
+            acc, start = row[k + 1], row[k + 2]
+            n = commit(r, row[: acc + 1], acc)
+            host_len[i] = start + acc + 1
+            last_round[r.req_id] = (start, acc)
+            produced += n
+        return produced
+
+    def room() -> bool:
+        """Another round fits every request even if the round in flight commits k + 1 tokens."""
+        ahead = k + 1 if pending is not None else 0
+        return all(r.remaining - ahead >= k + 1 and r.num_tokens + ahead + k + 1 < limit for r in requests)
+
+    pending, launched = None, 0
+    try:
+        while True:
+            go = room() and (max_rounds is None or launched < max_rounds) and not (should_stop and should_stop())
+            step = launch() if go else None
+            launched += step is not None
+            if pending is not None:
+                yield commit_round(pending, only_unfinished=False)
+                if any(r.finished for r in requests):
+                    if step is not None:  # computed for everyone: commit it for those still running
+                        yield commit_round(step, only_unfinished=True)
+                    return launched
+            if step is None:
+                return launched
+            pending = step
+    finally:  # the rollback invariant on the host: target = committed but the newest; draft = a prefix of it
+        for r in requests:
+            if r.finished or r.req_id not in last_round:
+                continue
+            start, acc = last_round[r.req_id]
+            tkv.set_length(r.req_id, r.num_tokens - 1)
+            # the draft wrote up to start + k - 1: drafts d_1..d_acc (accepted) at start + 1.., so it holds the
+            # committed prefix through start + min(acc, k - 1)
+            dkv.set_length(r.req_id, min(start + min(acc, k - 1) + 1, r.num_tokens - 1))

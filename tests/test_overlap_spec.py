@@ -1,0 +1,177 @@
+"""Overlapped speculative rounds (forerun/engine/overlap_spec.py) give exactly the ordinary rounds' outputs.
+
+The overlap pays only on CUDA, but its bookkeeping (round n+1 launched from device-side lengths and tokens
+before round n's verdict is read, blocks reserved ahead, the rollback invariant restored when a session ends,
+finishing and aborted requests, arrivals ending a session) is device-independent: it is checked here with eager
+GraphRunners standing in for the CUDA graphs (their `run_uniform` runs the same device-side preparation).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import forerun.engine.engine as engine_module
+from forerun.config import CacheConfig, SpecConfig
+from forerun.engine.engine import Engine
+from forerun.engine.overlap_spec import greedy_chain_verdict
+from forerun.runtime.cuda_graph import GraphRunner
+from forerun.runtime.runner import Chunk, ModelRunner
+from forerun.sampling_params import SamplingParams
+from tiny import hf_model, ours_from_hf, sharpen, tiny_tokenizer
+
+PROMPTS = [list(range(3, 3 + n)) for n in (5, 19, 40, 77)] + [[8, 8, 8], [70, 71, 72, 70, 71]]
+
+
+@pytest.fixture(scope="module")
+def models():
+    return sharpen(hf_model("llama"), 3.0), ours_from_hf(sharpen(hf_model("llama", seed=1, num_hidden_layers=1), 3.0))
+
+
+def make(models, spec_kw=None, overlap_spec=True, blocks=2048) -> Engine:
+    target, draft = models
+    tok = tiny_tokenizer(97)
+    spec = None if spec_kw is None else SpecConfig(method="draft", draft_model=(draft.model, tok), **spec_kw)
+    eng = Engine.from_model(ours_from_hf(target).model, tok, spec=spec, device="cpu", check_invariants=True,
+                            cache=CacheConfig(block_size=4, num_blocks=blocks), overlap_spec=overlap_spec)
+    if spec is not None:  # eager stand-ins for the CUDA graphs, on both runners (as enable_cuda_graphs does)
+        for runner in (eng.runner, eng.drafter.runner):
+            runner.graphs = GraphRunner(runner, batch_sizes=(1, 2, 4, 8), max_q_len=eng.spec.max_draft_tokens + 1,
+                                        use_graphs=False)
+        eng.scheduler.draft_prefill = False
+    return eng
+
+
+def _rows(kv, seq, n):
+    """K and V of positions 0..n-1 of a sequence, every layer."""
+    bs, blocks = kv.block_size, kv.blocks(seq)
+    slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(n)])
+    return [(k.reshape(-1, *k.shape[2:])[slots], v.reshape(-1, *v.shape[2:])[slots]) for k, v in zip(kv.k, kv.v)]
+
+
+@pytest.fixture
+def sessions(monkeypatch):
+    """Counts the overlapped speculative sessions and the rounds they committed, and checks after every session
+    that the draft cache holds what a fresh draft forward over the committed tokens gives (the overlapped rounds
+    write the draft cache from device-side tokens: a wrong token there would only cost acceptance, not output)."""
+    count = {"sessions": 0, "rounds": 0, "checked": 0}
+    real = engine_module.overlapped_spec_rounds
+
+    def counted(target, drafter, requests, *args, **kw):
+        count["sessions"] += 1
+        for n in real(target, drafter, requests, *args, **kw):  # (count what it yields)
+            count["rounds"] += 1
+            yield n
+        dkv = drafter.runner.kv
+        for r in requests:
+            if r.finished:
+                continue
+            n = dkv.length(r.req_id)
+            fresh = ModelRunner(drafter.runner.model, CacheConfig(block_size=4, num_blocks=64), "cpu", torch.float32)
+            fresh.kv.add_sequence(0)
+            fresh.forward([Chunk(0, r.all_tokens[:n], logits="none")])
+            for (k1, v1), (k2, v2) in zip(_rows(dkv, r.req_id, n), _rows(fresh.kv, 0, n)):
+                torch.testing.assert_close(k1, k2, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(v1, v2, atol=1e-4, rtol=1e-4)
+            count["checked"] += 1
+
+    monkeypatch.setattr(engine_module, "overlapped_spec_rounds", counted)
+    return count
+
+
+def run(eng: Engine, prompts, params, arrivals=None, aborts=()) -> dict[str, list[int]]:
+    """Step until done; prompt i joins at step arrivals[i] (default 0); `aborts`: (step, request id)."""
+    arrivals = arrivals or [0] * len(prompts)
+    out: dict[str, list[int]] = {}
+    step = 0
+    while step <= max(arrivals) or eng.has_unfinished():
+        for i, (p, at) in enumerate(zip(prompts, arrivals)):
+            if at == step:
+                eng.add_request(p, params[i] if isinstance(params, list) else params, request_id=str(i))
+        for s, rid in aborts:
+            if s == step:
+                eng.abort(rid)
+        for d in eng.step():
+            out.setdefault(d.request_id, []).extend(d.new_token_ids)
+        step += 1
+        assert step < 5000
+    return out
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(models):
+    return run(make(models), PROMPTS, GREEDY)
+
+
+@pytest.mark.parametrize("spec_kw", [dict(k=3), dict(k=1), dict(adaptive=True, k_max=4)])
+def test_overlapped_rounds_equal_plain_greedy(models, sessions, plain_greedy, spec_kw):
+    eng = make(models, spec_kw)
+    got = run(eng, PROMPTS, GREEDY)
+    assert got == plain_greedy
+    assert sessions["sessions"] > 0 and sessions["rounds"] > 5 and sessions["checked"] > 0
+    # greedy verification keeps the output exact whatever is drafted: the drafts themselves are checked by the
+    # acceptance, which must match ordinary rounds' (a wrong draft cache would draft worse)
+    ref = make(models, spec_kw, overlap_spec=False)
+    run(ref, PROMPTS, GREEDY)
+    a, b = eng.stats(), ref.stats()
+    rate = lambda st: st.spec_num_accepted_tokens / st.spec_num_draft_tokens  # noqa: E731
+    assert abs(rate(a) - rate(b)) < 0.03, (rate(a), rate(b))
+    assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
+    assert eng.drafter.kv.num_free_blocks == eng.drafter.kv.num_blocks - 1
+    assert eng.stats().spec_num_draft_tokens > 0
+
+
+def test_overlapped_rounds_with_arrivals_finishes_and_aborts(models, sessions):
+    """Requests joining mid-run end a session (the newcomer prefills in an ordinary round), different max_tokens
+    finish requests while a round is in flight, an abort lands inside a session: every other request's output
+    equals its plain greedy output and every block comes back."""
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (20, 7, 16, 11, 24, 9)]
+    arrivals = [0, 0, 3, 9, 12, 20]
+    want = run(make(models), PROMPTS, params, arrivals)
+    eng = make(models, dict(k=3))
+    got = run(eng, PROMPTS, params, arrivals, aborts=[(16, "4")])
+    assert {k: v for k, v in got.items() if k != "4"} == {k: v for k, v in want.items() if k != "4"}
+    assert got["4"] == want["4"][: len(got["4"])]  # the aborted request's output is a prefix of its own
+    assert sessions["sessions"] >= 2
+    assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
+    assert eng.drafter.kv.num_free_blocks == eng.drafter.kv.num_blocks - 1
+
+
+def test_sampled_requests_take_ordinary_rounds(models, sessions):
+    """Outside the scope (a sampled request in the batch): no session; ordinary rounds run."""
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),  # (finishes first)
+              SamplingParams(temperature=0.8, max_tokens=30, seed=3, ignore_eos=True)]
+    eng = make(models, dict(k=3))
+    run(eng, PROMPTS[:2], params)
+    assert sessions["sessions"] == 0
+
+
+def test_a_small_pool_ends_sessions_and_still_completes(models, sessions, plain_greedy):
+    """Blocks are reserved two rounds ahead; when the pool cannot give them the session stops and the ordinary
+    rounds preempt: outputs still equal plain greedy."""
+    eng = make(models, dict(k=3), blocks=90)
+    got = run(eng, PROMPTS[:4], GREEDY)
+    assert got == {k: v for k, v in plain_greedy.items() if int(k) < 4}
+    assert eng.scheduler.num_preemptions > 0 or sessions["sessions"] > 0
+
+
+def test_greedy_chain_verdict():
+    torch.manual_seed(0)
+    b, k, v = 5, 3, 11
+    logits = torch.randn(b * (k + 1), v)
+    best = logits.view(b, k + 1, v).argmax(-1)
+    rng = random.Random(1)
+    drafts = best[:, :k].clone()
+    want_acc = []
+    for i in range(b):  # break request i's chain after a random number of drafts
+        m = rng.randrange(k + 1)
+        if m < k:
+            drafts[i, m] = (drafts[i, m] + 1) % v
+        want_acc.append(m)
+    tokens, acc = greedy_chain_verdict(logits, drafts)
+    assert acc.tolist() == want_acc
+    assert torch.equal(tokens, best)

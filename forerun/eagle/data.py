@@ -110,6 +110,7 @@ def _functions(source: str) -> Iterator[tuple[str, str, str]]:
 class Sample:
     text: str | None  # raw text, or None for a chat sample
     messages: list[dict] | None
+    ids: tuple[int, ...] | None = None  # token ids as they are (a distilled sample: prompt + the target's answer)
 
 
 def corpus_samples(heldout: bool, fraction: float = 0.05, seed: int = 0, chat_share: float = 0.75
@@ -228,10 +229,175 @@ def mixed_samples(heldout: bool, fraction: float = 0.05, seed: int = 0) -> Itera
         streams = alive
 
 
-CORPORA = {"code": corpus_samples, "mix": mixed_samples}
+# -- self-distillation: the target's own greedy answers to instructions made from the offline corpus ---------
+
+def _bench_prompts() -> tuple[str, ...]:
+    from ..bench_prompts import CODE_PROMPTS
+
+    return tuple(CODE_PROMPTS)
+
+
+def _is_bench_like(prompt: str, bench: tuple[str, ...]) -> bool:
+    """The guard that keeps benchmark prompts out of the training data (exact or contained, case-insensitive)."""
+    low = prompt.lower()
+    return any(b.lower() in low or low in b.lower() for b in bench)
+
+
+def distill_prompts(heldout: bool, fraction: float = 0.05, seed: int = 0, max_body_lines: int = 24,
+                    max_body_chars: int = 900) -> Iterator[str]:
+    """Instructions for the target to answer, written from the offline corpus (never forerun's files, never a
+    benchmark prompt; held-out files by the same path hash as the other corpora): per documented function one
+    of "write a function that <doc>", "explain this function", "complete this code", "write a docstring for",
+    "add type hints / tests"; every fourth round also a question about a documentation page or an other-language
+    file. Deterministic for a seed."""
+    rng = random.Random(seed + 7)
+    bench = _bench_prompts()
+    py = [p for p in python_sources() if is_heldout(p, fraction) == heldout]
+    rng.shuffle(py)
+    langs = [p for p in other_sources(tuple(_LANG_EXT)) if is_heldout(p, fraction) == heldout]
+    docs = [p for p in other_sources(_DOC_EXT) if is_heldout(p, fraction) == heldout]
+    rng.shuffle(langs)
+    rng.shuffle(docs)
+    writes = ("Write a Python function `{name}` that {doc}", "Write a Python function that {doc}",
+              "Implement `{name}` in Python: {doc}", "Write a Python function `{name}`. {Doc}")
+    n = 0
+    for p in py:
+        try:
+            src = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        funcs = [f for f in _functions(src) if f[2].count("\n") < max_body_lines and len(f[2]) <= max_body_chars]
+        if not funcs:
+            continue
+        name, first, body = rng.choice(funcs)
+        doc = first.rstrip(".")
+        doc_l = doc[:1].lower() + doc[1:]
+        r = rng.random()
+        if r < 0.4:
+            prompt = rng.choice(writes).format(name=name, doc=doc_l + ".", Doc=doc + ".")
+        elif r < 0.6:
+            prompt = rng.choice(("Explain what this Python function does:", "Explain this function.",
+                                 "What does this code do?")) + f"\n\n```python\n{body}\n```"
+        elif r < 0.75:
+            head = body.split('"""')[0].split("\'\'\'")[0].rstrip()
+            prompt = f"Complete this Python function ({doc_l}):\n\n```python\n{head}\n```"
+        elif r < 0.9:
+            prompt = f"Write a docstring for this function:\n\n```python\n{_strip_docstring(body)}\n```"
+        else:
+            prompt = rng.choice(("Write unit tests for this function:", "Add type hints to this function:",
+                                 "Rewrite this function to be more readable:")) + f"\n\n```python\n{body}\n```"
+        n += 1
+        if not _is_bench_like(prompt, bench):
+            yield prompt
+        if n % 4 == 0 and (docs or langs):
+            if docs and (not langs or rng.random() < 0.6):
+                d = docs.pop()
+                topic = d.stem if d.stem.lower() not in ("readme", "index", "changelog") else d.parent.name
+                q = rng.choice(("Explain {t} briefly.", "What is {t} used for?", "Give an example of using {t}."))
+                q = q.format(t=topic)
+            else:
+                f = langs.pop()
+                lang = _LANG_EXT[f.suffix]
+                q = rng.choice(("Write a {lang} example in the style of `{n}`.",
+                                "Write a small {lang} program like `{n}`.")).format(lang=lang.capitalize(), n=f.name)
+            if not _is_bench_like(q, bench):
+                yield q
+
+
+def _strip_docstring(body: str) -> str:
+    """The function without its docstring (for "write a docstring" prompts)."""
+    for quote in ('"""', "'''"):
+        a = body.find(quote)
+        if a >= 0:
+            b = body.find(quote, a + 3)
+            if b >= 0:
+                line_start = body.rfind("\n", 0, a) + 1
+                line_end = body.find("\n", b + 3)
+                return body[:line_start] + (body[line_end + 1:] if line_end >= 0 else "")
+    return body
+
+
+def distill_path(out_dir: str | Path, split: str) -> Path:
+    return Path(out_dir) / "distill" / f"{split}.jsonl"
+
+
+def read_distilled(out_dir: str | Path, split: str) -> list[dict]:
+    """The cached answers of a split: [{'prompt', 'prompt_ids', 'answer_ids', 'finish'}] (a torn last line is
+    dropped)."""
+    f = distill_path(out_dir, split)
+    rows = []
+    if f.exists():
+        for line in f.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                break
+    return rows
+
+
+def generate_distilled(llm, out_dir: str | Path, split: str, max_tokens: int, *, max_new: int = 160,
+                       chunk: int = 32, heldout_fraction: float = 0.05, seed: int = 0, progress: bool = True,
+                       deadline: float | None = None) -> int:
+    """The target answers `distill_prompts` greedily (chat template, `max_new` new tokens at most) through
+    forerun's batched engine `llm` (an LLM: its max_num_seqs is the batch) until the split's cache holds
+    `max_tokens` answer tokens (or time.time() passes `deadline`). Cached as JSON lines under
+    out_dir/distill/<split>.jsonl, appended per chunk of prompts (resumable: a rerun skips the prompts already
+    answered). Generation time is added up in out_dir/distill/<split>.stats.json. Returns the answer tokens
+    cached."""
+    import time
+    from ..sampling_params import SamplingParams
+
+    f = distill_path(out_dir, split)
+    f.parent.mkdir(parents=True, exist_ok=True)
+    rows = read_distilled(out_dir, split)
+    if f.exists():  # rewrite without a torn line
+        f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    have = sum(len(r["answer_ids"]) for r in rows)
+    stats_f = f.with_suffix(".stats.json")
+    stats = json.loads(stats_f.read_text()) if stats_f.exists() else {"seconds": 0.0, "runs": []}
+    if have >= max_tokens:
+        return have
+    stream = distill_prompts(split == "heldout", heldout_fraction, seed)
+    for _ in range(len(rows)):
+        next(stream, None)
+    sp = SamplingParams(temperature=0, max_tokens=max_new)
+    bar = tqdm(total=max_tokens, initial=have, desc=f"distill answers ({split})", unit="tok", disable=not progress)
+    t0, have0 = time.perf_counter(), have
+    while have < max_tokens and (deadline is None or time.time() < deadline):
+        prompts = [p for _, p in zip(range(chunk), stream)]
+        if not prompts:
+            break
+        outs = llm.generate(prompts, sp, chat=True)
+        with f.open("a") as fh:
+            for p, o in zip(prompts, outs):
+                fh.write(json.dumps({"prompt": p, "prompt_ids": list(o.prompt_token_ids),
+                                     "answer_ids": list(o.token_ids), "finish": o.finish_reason}) + "\n")
+        n = sum(len(o.token_ids) for o in outs)
+        have += n
+        bar.update(n)
+        dt = time.perf_counter() - t0
+        run = {"tokens": have - have0, "seconds": round(dt, 1), "tok_per_s": round((have - have0) / max(dt, 1e-9), 1)}
+        stats_f.write_text(json.dumps({"seconds": round(stats["seconds"] + dt, 1), "tokens": have,
+                                       "runs": stats["runs"] + [run]}))
+    bar.close()
+    return have
+
+
+def distilled_samples(out_dir: str | Path):
+    """A corpus recipe over the cached answers of `out_dir` (prompt ids + answer ids, exactly the tokens the
+    target produced: no re-tokenization)."""
+    def samples(heldout: bool, fraction: float = 0.05, seed: int = 0) -> Iterator[Sample]:
+        for r in read_distilled(out_dir, "heldout" if heldout else "train"):
+            yield Sample(None, None, tuple(r["prompt_ids"]) + tuple(r["answer_ids"]))
+    return samples
+
+
+CORPORA = {"code": corpus_samples, "mix": mixed_samples, "distill": None}  # distill: distilled_samples(folder)
 
 
 def encode(tok, sample: Sample, max_len: int) -> list[int]:
+    if sample.ids is not None:
+        return list(sample.ids)[:max_len]
     if sample.messages is not None and getattr(tok, "chat_template", None):
         ids = tok.apply_chat_template(sample.messages, tokenize=True)
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
@@ -288,7 +454,8 @@ def extract(model, tok, out_dir: str | Path, layers: tuple[int, ...], split: str
     weight = model.model.embed_tokens.weight
     runner = ModelRunner(model, CacheConfig(block_size=16, num_blocks=max_len // 16 + 4), weight.device,
                          weight.dtype, max_batch_tokens=max_len, max_seqs=1)
-    stream = CORPORA[corpus](split == "heldout", heldout_fraction, seed)
+    recipe = distilled_samples(out_dir) if corpus == "distill" else CORPORA[corpus]
+    stream = recipe(split == "heldout", heldout_fraction, seed)
     buf_tok, buf_feat, offsets, n_samples, index = [], {i: [] for i in layers}, [0], 0, 0
     bar = tqdm(total=max_tokens, initial=stored, desc=f"target features ({split})", unit="tok", disable=not progress)
     for sample in stream:

@@ -9,6 +9,11 @@
    layout drafting runs against (--quantize auto: a GGUF stays int4 as `forerun bench` loads it), and the
    outputs of the head's feature layers and of the last layer are cached under --data (default OUT/data),
    resumable. On a shared machine use --threads 1 (two OpenMP threads stall when one core is busy).
+   --corpus distill (self-distillation): the target first answers instructions made from the same offline
+   corpus (never the benchmark prompts) greedily through forerun's batched engine; the answers are cached
+   under DATA/distill/ (resumable) and the features are extracted over prompt + answer. --extra-data DIR adds
+   other feature folders: their training splits join the training set, their held-out splits are evaluated
+   next to DATA's (reported under "extra").
 2. Head: EAGLE-3 by default (fc over three target layers, reduced draft vocabulary of the most frequent
    training tokens, draft lm_head and norm initialised from the target's), or EAGLE-1 (--version 1).
 3. Loss: cross-entropy against the target's next-token distribution (lm_head(norm(last layer)) restricted
@@ -223,12 +228,23 @@ def heldout_acceptance(head: EagleHead, teacher: Teacher, seqs: list[dict], k: i
             "on_policy_starts": n_on}
 
 
+def evaluate(head: EagleHead, teacher: Teacher, held: list[dict], k: int,
+             extra_held: dict[str, list[dict]] | None = None) -> dict:
+    """heldout_acceptance on `held`, plus the same on every extra held-out set under 'extra' (by name)."""
+    ev = heldout_acceptance(head, teacher, held, k)
+    if extra_held:
+        ev["extra"] = {name: heldout_acceptance(head, teacher, seqs, k) for name, seqs in extra_held.items()}
+    return ev
+
+
 def train(head: EagleHead, teacher: Teacher, train_seqs: list[dict], held: list[dict], *, steps: int,
           minutes: float | None, ttt: int, lr: float, max_len: int, accum: int, eval_every: int, eval_k: int,
           out: Path | None, save_every: int, state: dict | None = None, progress: bool = True,
-          train_lm_head: bool = False, log=print, deadline: float | None = None) -> dict:
+          train_lm_head: bool = False, log=print, deadline: float | None = None,
+          extra_held: dict[str, list[dict]] | None = None) -> dict:
     """AdamW with warmup then cosine decay; returns the last evaluation (and the history under 'history').
-    minutes: training time summed over resumed runs; deadline: a time.time() at which this run stops."""
+    minutes: training time summed over resumed runs; deadline: a time.time() at which this run stops;
+    extra_held: more held-out sets evaluated with `held` (each evaluation's 'extra')."""
     if not train_lm_head and head.lm_head is not None:
         head.lm_head.weight.requires_grad_(False)
     params = [p for p in head.parameters() if p.requires_grad]
@@ -248,14 +264,14 @@ def train(head: EagleHead, teacher: Teacher, train_seqs: list[dict], held: list[
     history = list(state.get("history", [])) if state else []
     if history:  # a resumed run: evaluate first (the held-out set or the features may have changed)
         head.eval()
-        ev = heldout_acceptance(head, teacher, held, eval_k)
+        ev = evaluate(head, teacher, held, eval_k, extra_held)
         ev.update(step=step0, tokens=history[-1].get("tokens", 0), seconds=history[-1].get("seconds", 0.0),
                   resumed=True)
         history.append(ev)
         log(f"[train-eagle] step {step0} (resumed): held-out {json.dumps(ev)}")
     else:
         head.eval()
-        ev = heldout_acceptance(head, teacher, held, eval_k)
+        ev = evaluate(head, teacher, held, eval_k, extra_held)
         ev.update(step=step0, tokens=0, seconds=0.0)
         history.append(ev)
         log(f"[train-eagle] step {step0}: held-out {json.dumps(ev)}")
@@ -289,7 +305,7 @@ def train(head: EagleHead, teacher: Teacher, train_seqs: list[dict], held: list[
         last = step == steps
         if step % eval_every == 0 or last:
             head.eval()
-            ev = heldout_acceptance(head, teacher, held, eval_k)
+            ev = evaluate(head, teacher, held, eval_k, extra_held)
             ev.update(step=step, loss=round(loss_sum, 4), tokens=tokens,
                       seconds=round(seconds0 + time.perf_counter() - t_start, 1))
             history.append(ev)
@@ -299,7 +315,7 @@ def train(head: EagleHead, teacher: Teacher, train_seqs: list[dict], held: list[
     bar.close()
     head.eval()
     if history[-1]["step"] != step:
-        ev = heldout_acceptance(head, teacher, held, eval_k)
+        ev = evaluate(head, teacher, held, eval_k, extra_held)
         ev.update(step=step, tokens=tokens, seconds=round(seconds0 + time.perf_counter() - t_start, 1))
         history.append(ev)
         log(f"[train-eagle] step {step}: held-out {json.dumps(ev)}")
@@ -350,6 +366,25 @@ def training_summary(out: Path, data_dir: Path, a, n_train: int, n_held: int, fe
     return summary
 
 
+def generate_answers(target, tok, data_dir: Path, a, device, deadline: float | None) -> tuple[int, int]:
+    """--corpus distill: the target's greedy answers (forerun's batched engine over the loaded target), cached
+    under DATA/distill/ (data.generate_distilled); returns the (train, held-out) answer tokens cached."""
+    import gc
+
+    from ..engine.llm import LLM
+
+    llm = LLM.from_model(target, tok, device=str(device), max_num_seqs=a.distill_batch)
+    kw = dict(max_new=a.distill_max_new, chunk=2 * a.distill_batch, seed=a.seed, progress=not a.quiet,
+              deadline=deadline)
+    try:
+        held = D.generate_distilled(llm, data_dir, "heldout", a.distill_heldout_tokens or a.heldout_tokens, **kw)
+        train = D.generate_distilled(llm, data_dir, "train", a.distill_tokens or a.train_tokens, **kw)
+    finally:
+        del llm
+        gc.collect()
+    return train, held
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="forerun train-eagle", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="target model: known name, GGUF file or HF folder")
@@ -359,7 +394,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-tokens", type=int, default=30000, help="target tokens of training features")
     p.add_argument("--heldout-tokens", type=int, default=3000, help="target tokens of held-out features")
     p.add_argument("--corpus", default="mix", choices=sorted(D.CORPORA),
-                   help="training text recipe (forerun/eagle/data.py): mix (default) or code (Python only)")
+                   help="training text recipe (forerun/eagle/data.py): mix (default), code (Python only) or distill "
+                        "(the target's own greedy answers to instructions made from the corpus)")
+    p.add_argument("--extra-data", action="append", default=[], metavar="DIR",
+                   help="another feature folder (same target and layers): its train split joins training, its "
+                        "held-out split is evaluated too (repeatable)")
+    p.add_argument("--distill-tokens", type=int, default=None,
+                   help="--corpus distill: answer tokens to generate for training (default: --train-tokens)")
+    p.add_argument("--distill-heldout-tokens", type=int, default=None,
+                   help="--corpus distill: answer tokens to generate for held-out (default: --heldout-tokens)")
+    p.add_argument("--distill-max-new", type=int, default=160, help="--corpus distill: new tokens per answer")
+    p.add_argument("--distill-batch", type=int, default=16, help="--corpus distill: sequences decoded at once")
+    p.add_argument("--distill-minutes", type=float, default=None,
+                   help="--corpus distill: bound this run's generation time (what was generated is kept)")
     p.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="the target's weights for the features, as `forerun bench` loads them (default auto: a GGUF "
                         "stays int4 where the kernel runs); drafting should run against the same layout")
@@ -388,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
-    for name in ("train_tokens", "heldout_tokens", "seq_len", "draft_vocab", "steps", "ttt", "accum",
+    for name in ("train_tokens", "heldout_tokens", "distill_max_new", "distill_batch", "seq_len", "draft_vocab", "steps", "ttt", "accum",
                  "eval_every", "eval_k", "save_every"):
         if getattr(a, name) < 1:
             print(f"forerun train-eagle: error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
@@ -424,6 +471,12 @@ def main(argv=None) -> int:
     target.requires_grad_(False)
     cfg = EagleConfig.for_target(target.config, version=a.version, intermediate_size=a.intermediate)
     layers = D.feature_layers(target.config.num_layers, cfg.aux_layers)
+    t_gen = time.perf_counter()
+    if a.corpus == "distill":
+        gen_deadline = time.time() + 60 * a.distill_minutes if a.distill_minutes else feat_deadline
+        n_gen = generate_answers(target, tok, data_dir, a, device, gen_deadline)
+        print(f"[train-eagle] distilled answers: {n_gen[0]} train + {n_gen[1]} held-out tokens "
+              f"({time.perf_counter() - t_gen:.0f}s)", file=sys.stderr)
     t_feat = time.perf_counter()
     kw = dict(max_len=a.seq_len, seed=a.seed, progress=not a.quiet, deadline=feat_deadline, corpus=a.corpus,
               quantize=layout)
@@ -450,11 +503,28 @@ def main(argv=None) -> int:
         head = init_head(target, cfg, draft_ids, a.seed, lm_w).to(device)
     teacher = Teacher(target, head, lm_w)
     train_seqs, held = D.load_split(data_dir, "train"), D.load_split(data_dir, "heldout")
+    if not train_seqs or not held:
+        print(f"forerun train-eagle: error: no {'training' if not train_seqs else 'held-out'} features in {data_dir} "
+              f"(samples shorter than 24 tokens are skipped)", file=sys.stderr)
+        return 2
+    extra_held = {}
+    for extra in a.extra_data:
+        ed = Path(extra).expanduser()
+        meta = json.loads((ed / "train" / "meta.json").read_text()) if (ed / "train" / "meta.json").exists() else {}
+        if meta and sorted(meta.get("layers", [])) != sorted(layers):
+            print(f"forerun train-eagle: error: {ed} holds features of layers {meta.get('layers')}, not {list(layers)}",
+                  file=sys.stderr)
+            return 2
+        extra_train = D.load_split(ed, "train")
+        train_seqs += extra_train
+        extra_held[ed.name] = D.load_split(ed, "heldout")
+        print(f"[train-eagle] + {ed}: {sum(x['tokens'].numel() for x in extra_train)} train tokens, "
+              f"{sum(x['tokens'].numel() for x in extra_held[ed.name])} held-out tokens", file=sys.stderr)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     res = train(head, teacher, train_seqs, held, steps=a.steps, minutes=a.minutes, ttt=a.ttt, lr=a.lr,
                 max_len=a.seq_len, accum=a.accum, eval_every=a.eval_every, eval_k=a.eval_k, out=out,
                 save_every=a.save_every, state=state, progress=not a.quiet, log=log, train_lm_head=a.train_lm_head,
-                deadline=deadline)
+                deadline=deadline, extra_held=extra_held)
     summary = training_summary(out, data_dir, a, n_train, n_held, feat_s, res, time.perf_counter() - t0,
                                step0=state["step"] if state else 0)
     (out / "training_summary.json").write_text(json.dumps(summary, indent=2))

@@ -1,0 +1,113 @@
+"""Self-distillation for EAGLE training (forerun/eagle/data.py, `forerun train-eagle --corpus distill`):
+prompts from the offline corpus (never a bench prompt), the target's greedy answers through forerun's engine,
+cached and resumable, features over prompt + answer, extra feature folders in training and evaluation."""
+from __future__ import annotations
+
+import itertools
+import json
+
+import torch
+
+from forerun.eagle import data as D
+from forerun.sampling_params import SamplingParams
+
+from tiny import hf_model, sharpen, tiny_llm, tiny_tokenizer
+
+CHAT = ("{% for m in messages %}t2 {{ m['content'] }} t3 {% endfor %}"
+        "{% if add_generation_prompt %}t4 {% endif %}")
+
+
+def _tok():
+    tok = tiny_tokenizer()
+    tok.chat_template = CHAT
+    return tok
+
+
+def _fake_prompts(heldout, fraction=0.05, seed=0):
+    base = 50 if heldout else 5
+    for i in itertools.count():
+        yield " ".join(f"t{base + (i * 7 + j) % 40}" for j in range(20 + i % 4))
+
+
+def test_distill_prompts_kinds_split_and_no_bench_prompts():
+    from forerun.bench_prompts import CODE_PROMPTS
+
+    train = list(itertools.islice(D.distill_prompts(False), 80))
+    held = list(itertools.islice(D.distill_prompts(True), 20))
+    assert len(train) == 80 and len(held) == 20
+    assert not set(train) & set(held)  # held-out prompts come from other files
+    for kind in ("Write a Python function", "Explain", "Complete this Python function", "Write a docstring"):
+        assert any(p.startswith(kind) or kind in p for p in train), kind
+    assert not any(D._is_bench_like(p, CODE_PROMPTS) for p in train + held)
+    assert D._is_bench_like(CODE_PROMPTS[3], CODE_PROMPTS)  # the guard itself
+    assert train == list(itertools.islice(D.distill_prompts(False), 80))  # deterministic
+
+
+def test_generate_distilled_is_greedy_resumable_and_extracts(tmp_path, monkeypatch):
+    monkeypatch.setattr(D, "distill_prompts", _fake_prompts)
+    hf = sharpen(hf_model("qwen2", seed=3), 4.0)
+    tok = _tok()
+    llm = tiny_llm(hf, tokenizer=tok, max_num_seqs=3)
+    n = D.generate_distilled(llm, tmp_path, "train", 20, max_new=6, chunk=4, progress=False)
+    rows = D.read_distilled(tmp_path, "train")
+    assert n >= 20 and len(rows) % 4 == 0 and n == sum(len(r["answer_ids"]) for r in rows)
+    # the answers are the engine's greedy answers to the chat-templated prompt
+    ref = llm.generate([r["prompt"] for r in rows], SamplingParams(temperature=0, max_tokens=6), chat=True)
+    assert [r["answer_ids"] for r in rows] == [o.token_ids for o in ref]
+    assert [r["prompt_ids"] for r in rows] == [o.prompt_token_ids for o in ref]
+    # resumable: a torn last line is dropped, a rerun continues with the next prompts
+    with D.distill_path(tmp_path, "train").open("a") as f:
+        f.write('{"prompt": "t9')
+    n2 = D.generate_distilled(llm, tmp_path, "train", n + 10, max_new=6, chunk=4, progress=False)
+    rows2 = D.read_distilled(tmp_path, "train")
+    assert rows2[:len(rows)] == rows and n2 >= n + 10
+    assert [r["prompt"] for r in rows2] == list(itertools.islice(_fake_prompts(False), len(rows2)))
+    stats = json.loads(D.distill_path(tmp_path, "train").with_suffix(".stats.json").read_text())
+    assert stats["tokens"] == n2 and len(stats["runs"]) == 2
+    # features over prompt + answer, token for token
+    layers = (0, 2)
+    stored = D.extract(llm.model, tok, tmp_path, layers, "train", 10 ** 6, max_len=64, min_len=2, progress=False,
+                       corpus="distill")
+    seqs = D.load_split(tmp_path, "train")
+    assert stored == sum(len(r["prompt_ids"]) + len(r["answer_ids"]) for r in rows2)
+    assert [s["tokens"].tolist() for s in seqs] == [r["prompt_ids"] + r["answer_ids"] for r in rows2]
+
+
+def test_train_eagle_distill_cli_with_extra_data(tmp_path, monkeypatch):
+    """End to end on a tiny HF folder: generation, features, an extra feature folder (its train split joins,
+    its held-out split is evaluated under 'extra'), a checkpoint and the summary."""
+    from forerun.eagle import train as T
+
+    monkeypatch.setattr(D, "distill_prompts", _fake_prompts)
+    hf = sharpen(hf_model("qwen2", seed=3), 4.0)
+    model_dir = tmp_path / "model"
+    hf.save_pretrained(model_dir)
+    _tok().save_pretrained(model_dir)
+    from forerun.models import loader
+
+    monkeypatch.setattr(loader, "_dir_tokenizer", lambda d: _tok())  # the word-level one (AutoTokenizer: qwen2's)
+    common = ["--target", str(model_dir), "--seq-len", "48", "--draft-vocab", "64", "--intermediate", "64",
+              "--ttt", "2", "--accum", "1", "--eval-every", "2", "--eval-k", "2", "--save-every", "2", "--quiet",
+              "--quantize", "none", "--device", "cpu"]
+    # an extra folder made by the distill recipe too (a tiny model has no use for the mix corpus)
+    extra = tmp_path / "extra"
+    assert T.main(common + ["--out", str(tmp_path / "h0"), "--data", str(extra), "--corpus", "distill",
+                            "--train-tokens", "60", "--heldout-tokens", "30", "--distill-max-new", "5",
+                            "--distill-batch", "2", "--steps", "1"]) == 0
+    out = tmp_path / "head"
+    assert T.main(common + ["--out", str(out), "--data", str(tmp_path / "d"), "--corpus", "distill",
+                            "--train-tokens", "80", "--heldout-tokens", "30", "--distill-max-new", "6",
+                            "--distill-batch", "3", "--steps", "4", "--extra-data", str(extra)]) == 0
+    rows = D.read_distilled(tmp_path / "d", "train")
+    assert sum(len(r["answer_ids"]) for r in rows) >= 80 and D.read_distilled(tmp_path / "d", "heldout")
+    state = torch.load(out / "train_state.pt", weights_only=True)
+    assert state["step"] == 4
+    last = state["history"][-1]
+    assert set(last["extra"]) == {"extra"} and last["extra"]["extra"]["acc_len"] >= 1.0
+    assert json.loads((out / "training_summary.json").read_text())["steps"] == 4
+    # resuming with a cache that is already full generates nothing more
+    before = D.distill_path(tmp_path / "d", "train").read_text()
+    assert T.main(common + ["--out", str(out), "--data", str(tmp_path / "d"), "--corpus", "distill",
+                            "--train-tokens", "80", "--heldout-tokens", "30", "--distill-max-new", "6",
+                            "--distill-batch", "3", "--steps", "5", "--resume", "--extra-data", str(extra)]) == 0
+    assert D.distill_path(tmp_path / "d", "train").read_text() == before

@@ -20,6 +20,18 @@ def h2d(data, device: torch.device | str | None, dtype: torch.dtype | None = Non
     return t.to(device, non_blocking=True)
 
 
+def to_host_async(t: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+    """Queue a device tensor's copy into pinned host memory: (host tensor, CUDA event recorded after the copy:
+    synchronize it before reading). On the CPU: (t, None)."""
+    if t.device.type != "cuda":
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
 class Marks:
     """Time points in stream order without synchronising: CUDA events on a GPU (read after a later sync, e.g. the
     verification's), perf_counter on the CPU (where the host runs the work itself)."""

@@ -205,16 +205,22 @@ def _doc_samples(files: list[Path], rng: random.Random) -> Iterator[Sample]:
                                 {"role": "assistant", "content": text.strip()}])
 
 
-def mixed_samples(heldout: bool, fraction: float = 0.05, seed: int = 0) -> Iterator[Sample]:
-    """The "mix" recipe: per round 3 "code" samples, 2 code-then-prose turns, 1 other-language turn, 1 docs
-    sample (each source until it runs out). Held-out files by the same path hash as "code"."""
-    rng = random.Random(seed + 1)
+def _split_sources(heldout: bool, fraction: float, rng: random.Random) -> tuple[list[Path], list[Path], list[Path]]:
+    """Python, other-language and documentation files of one split (by path hash), each shuffled by rng."""
     py = [p for p in python_sources() if is_heldout(p, fraction) == heldout]
     rng.shuffle(py)
     langs = [p for p in other_sources(tuple(_LANG_EXT)) if is_heldout(p, fraction) == heldout]
     docs = [p for p in other_sources(_DOC_EXT) if is_heldout(p, fraction) == heldout]
     rng.shuffle(langs)
     rng.shuffle(docs)
+    return py, langs, docs
+
+
+def mixed_samples(heldout: bool, fraction: float = 0.05, seed: int = 0) -> Iterator[Sample]:
+    """The "mix" recipe: per round 3 "code" samples, 2 code-then-prose turns, 1 other-language turn, 1 docs
+    sample (each source until it runs out). Held-out files by the same path hash as "code"."""
+    rng = random.Random(seed + 1)
+    py, langs, docs = _split_sources(heldout, fraction, rng)
     streams = [(corpus_samples(heldout, fraction, seed), 3), (_code_prose_samples(py, rng), 2),
                (_lang_samples(langs, rng), 1), (_doc_samples(docs, rng), 1)]
     while streams:
@@ -252,12 +258,7 @@ def distill_prompts(heldout: bool, fraction: float = 0.05, seed: int = 0, max_bo
     file. Deterministic for a seed."""
     rng = random.Random(seed + 7)
     bench = _bench_prompts()
-    py = [p for p in python_sources() if is_heldout(p, fraction) == heldout]
-    rng.shuffle(py)
-    langs = [p for p in other_sources(tuple(_LANG_EXT)) if is_heldout(p, fraction) == heldout]
-    docs = [p for p in other_sources(_DOC_EXT) if is_heldout(p, fraction) == heldout]
-    rng.shuffle(langs)
-    rng.shuffle(docs)
+    py, langs, docs = _split_sources(heldout, fraction, rng)
     writes = ("Write a Python function `{name}` that {doc}", "Write a Python function that {doc}",
               "Implement `{name}` in Python: {doc}", "Write a Python function `{name}`. {Doc}")
     n = 0

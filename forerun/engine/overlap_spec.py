@@ -31,7 +31,7 @@ from typing import Callable, Generator
 
 import torch
 
-from ..devices import h2d
+from ..devices import h2d, to_host_async
 from ..kvcache.pool import OutOfBlocks
 from ..request import Request
 from .sampler import forcing
@@ -121,14 +121,7 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
         start = L.clone()
         last2 = torch.stack([prev, tokens[rows, accepted]], 1)
         L = L + accepted + 1
-        out = torch.cat([tokens, accepted.view(b, 1), start.view(b, 1)], 1)  # [B, k + 3]
-        if dev.type != "cuda":
-            return out, None
-        host = torch.empty(out.shape, dtype=torch.int64, pin_memory=True)
-        host.copy_(out, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return host, done
+        return to_host_async(torch.cat([tokens, accepted.view(b, 1), start.view(b, 1)], 1))  # [B, k + 3]
 
     last_round: dict[int, tuple[int, int]] = {}  # req_id -> (L at the round's start, accepted) of its last commit
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..devices import h2d
+from ..devices import h2d, to_host_async
 from ..drafters.base import TreeProposal
 from ..request import Request
 from ..verify import SamplingTensors, compute_logprobs, verify_chain, verify_tree
@@ -180,15 +180,8 @@ class RoundSampler:
     def verdict_to_host(res, bad: torch.Tensor):
         """Queue the copy of a tree verdict (num_accepted [R], accepted_nodes [R, n], output_token_ids [R, n]) and
         the non-finite flag to the host: (host tensor [R, 2 + 2 n], CUDA event after the copy or None)."""
-        both = torch.cat([res.num_accepted.unsqueeze(1), res.accepted_nodes, res.output_token_ids,
-                          bad.long().expand(res.num_accepted.shape[0], 1)], 1)
-        if both.device.type != "cuda":
-            return both, None
-        host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
-        host.copy_(both, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return host, event
+        return to_host_async(torch.cat([res.num_accepted.unsqueeze(1), res.accepted_nodes, res.output_token_ids,
+                                        bad.long().expand(res.num_accepted.shape[0], 1)], 1))
 
     def tree_finish(self, pending: "TreePending", prop: TreeProposal | None = None) -> tuple[Verdict, list[list[int]]]:
         """Wait for the verdict of `tree_launch` (one host read); (Verdict, per request the accepted path, node

@@ -144,10 +144,7 @@ class ModelDrafter(Drafter):
                     ctx0 = [kv.length(rid) for rid in ids]
                     for rid, n in zip(ids, ctx0):
                         kv.reserve(rid, n + ks[active[0]] - 1)
-                    table = kv.block_table(ids)
-                    bt = self.runner.buffers.block_tables
-                    bt[: len(ids)].zero_()
-                    bt[: len(ids), : table.shape[1]].copy_(h2d(table, dev))
+                    self.runner.load_block_tables(ids)
                     ctx = h2d(ctx0, dev, torch.int64)
                 logits = gr.run_uniform(steps[-1][1].view(-1, 1), ctx, 1, self.num_layers)
                 ctx = ctx + 1

@@ -62,9 +62,7 @@ def overlapped_decode(runner: ModelRunner, requests: list[Request], limit: int,
     b = len(requests)
     ids = torch.tensor([[r.all_tokens[-1]] for r in requests], device=dev)  # [B, 1] next input, fed on device
     ctx = torch.tensor([kv.length(r.req_id) for r in requests], device=dev)  # [B] cached tokens before a step
-    table = kv.block_table([r.req_id for r in requests])
-    runner.buffers.block_tables[:b].zero_()
-    runner.buffers.block_tables[:b, : table.shape[1]].copy_(table)  # row i = requests[i] (run_uniform's rows)
+    runner.load_block_tables([r.req_id for r in requests])  # row i = requests[i] (run_uniform's rows)
     coupled = [i for i, r in enumerate(requests) if r.coupled]  # seeded: greedy on log p + g(seed, position)
     temps = [0.0 if r.coupled else r.params.temperature for r in requests]
     sampling = SamplingTensors(torch.tensor(temps, device=dev), torch.zeros(b, dtype=torch.int64, device=dev),

@@ -98,10 +98,7 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
         for kv, runner in ((tkv, target), (dkv, drafter.runner)):
             for rid, n in zip(ids, host_len):
                 kv.reserve(rid, n + 2 * (k + 1))
-            table = kv.block_table(ids)
-            bt = runner.buffers.block_tables
-            bt[:b].zero_()
-            bt[:b, : table.shape[1]].copy_(h2d(table, dev))
+            runner.load_block_tables(ids)
 
     def launch():
         nonlocal L, last2

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.metadata import AttnMetadata
+from ..devices import h2d
 from ..config import CacheConfig
 from ..kvcache.pool import KVPool
 from ..models.llama import ForwardOutput, LlamaForCausalLM
@@ -132,6 +133,14 @@ class ModelRunner:
             max_query_len=max_q, max_seq_len=max(lens), tree_mask=tree,
         )
         return PreparedStep(buf.input_ids[:t], buf.positions[:t], meta, rows, [c.seq_id for c in chunks], lens, starts)
+
+    def load_block_tables(self, seq_ids: list[int]) -> None:
+        """Rows 0..B-1 of the static block tables = these sequences' blocks (padded with block 0), queued without
+        waiting for the device: the layout `GraphRunner.run_uniform` reads."""
+        table = self.kv.block_table(seq_ids)
+        bt = self.buffers.block_tables
+        bt[: len(seq_ids)].zero_()
+        bt[: len(seq_ids), : table.shape[1]].copy_(h2d(table, self.device))
 
     def execute(self, step: PreparedStep, num_layers: int | None = None, hidden_layers=()) -> ForwardOutput:
         """Run the model over a prepared step and commit its tokens to the cache."""

@@ -89,6 +89,43 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
+class _StallProbe:
+    """What a slow step spent its time on besides kernels (ONLINE_TRACE_SLOW=1): Python garbage collections
+    (gc.callbacks) and Triton JIT compiles (triton.knobs.runtime.jit_post_compile_hook) since the last take()."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self.gc_s, self.compiles, self._t = 0.0, [], None
+        gc.callbacks.append(self._gc)
+        try:
+            import triton.knobs as knobs
+
+            knobs.runtime.jit_post_compile_hook = self._compiled
+        except Exception:  # (older Triton: compiles go unreported)
+            pass
+
+    def _gc(self, phase, info) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        elif self._t is not None:
+            self.gc_s += time.perf_counter() - self._t
+            self._t = None
+
+    def _compiled(self, *a, **kw) -> None:
+        fn = kw.get("fn")
+        self.compiles.append(getattr(getattr(fn, "fn", fn), "__name__", "?"))
+        return None
+
+    def take(self) -> tuple[float, list[str]]:
+        out = (self.gc_s, self.compiles)
+        self.gc_s, self.compiles = 0.0, []
+        return out
+
+
+_PROBE: _StallProbe | None = None
+
+
 def drive(eng: Engine, prompts: list[list[int]], new_tokens: int, *, concurrency: int | None = None,
           rate: float | None = None, seed: int = 0, late: tuple[float, list[int]] | None = None) -> dict:
     """Run the engine until every request is done. Closed loop (`concurrency` outstanding at all times) or
@@ -109,6 +146,9 @@ def drive(eng: Engine, prompts: list[list[int]], new_tokens: int, *, concurrency
     late_id = None
     steps, slow = [], []  # seconds of each engine step; (seconds, deltas, graph counts, k) when tracing
     trace_slow = os.environ.get("ONLINE_TRACE_SLOW") == "1"
+    global _PROBE
+    if trace_slow and _PROBE is None:
+        _PROBE = _StallProbe()
 
     def add(prompt, now):
         nonlocal outstanding
@@ -132,12 +172,15 @@ def drive(eng: Engine, prompts: list[list[int]], new_tokens: int, *, concurrency
             continue
         ts0 = time.perf_counter()
         g0 = _graph_counts(eng) if trace_slow else None
+        if trace_slow:
+            _PROBE.take()
         deltas = eng.step()
         dt = time.perf_counter() - ts0
         steps.append(dt)
         if trace_slow:  # what a step that took long did: graph replays / eager steps / captures, requests, k
+            gc_s, compiles = _PROBE.take()
             slow.append((dt, len(deltas), {k: v - g0.get(k, 0) for k, v in _graph_counts(eng).items()
-                                           if v != g0.get(k, 0)}, getattr(eng.round, "last_k", None)))
+                                           if v != g0.get(k, 0)}, round(gc_s, 4), compiles[:4]))
         for d in deltas:
             t = time.perf_counter() - t0
             info[d.request_id]["times"].extend([t] * len(d.new_token_ids))
@@ -169,8 +212,8 @@ def drive(eng: Engine, prompts: list[list[int]], new_tokens: int, *, concurrency
     res.update(steps=len(steps), step_p50=med, step_max=max(steps),
                stall_s=sum(x - med for x in steps if x > 5 * med))
     if trace_slow:
-        res["slowest_steps"] = [dict(seconds=round(a, 4), deltas=b, graphs=c, k=k)
-                                for a, b, c, k in sorted(slow, key=lambda r: -r[0])[:6]]
+        res["slowest_steps"] = [dict(seconds=round(a, 4), deltas=b, graphs=c, gc_s=g, compiles=k)
+                                for a, b, c, g, k in sorted(slow, key=lambda r: -r[0])[:6]]
     if late is not None:
         res.update(step_gap_p50=percentile(gaps, 50), step_gap_p99=percentile(gaps, 99), step_gap_max=max(gaps),
                    long_prompt_ttft=info[late_id]["times"][0] - info[late_id]["arrive"] if late_id else None)
@@ -311,10 +354,10 @@ def gpu_main(args) -> dict:
     def make(spec_kw):
         if spec_kw is None:
             return Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64)
-        a, kw = spec_kw
+        a, kw, overlapped = spec_kw
         eng = Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64,
                                 spec=SpecConfig(method="draft", draft_model=(draft, tok), **kw),
-                                overlap_spec=args.overlap_spec)
+                                overlap_spec=overlapped)
         if a > 0:
             eng.round.sampler = eng.sampler = SyntheticSampler(a)
         return eng
@@ -342,7 +385,7 @@ def gpu_main(args) -> dict:
         import cProfile
         import pstats
 
-        eng = make((0.8, dict(k=4)))
+        eng = make((0.8, dict(k=4), args.overlap_spec != "off"))
         eng.warmup(max_batch=8)
         drive(eng, pool[:8], 64, concurrency=4)
         r0 = drive(eng, pool[8:16], 96, concurrency=4)
@@ -362,7 +405,11 @@ def gpu_main(args) -> dict:
     configs = [("plain", None)]
     for a in args.acceptance:
         label = "useless draft" if a == 0 else f"a={a}"
-        configs += [(f"k=4, {label}", (a, dict(k=4))), (f"adaptive, {label}", (a, dict(adaptive=True, k_max=8)))]
+        modes = {"on": (("", True),), "off": (("", False),),
+                 "both": (("", True), (", not overlapped", False))}[args.overlap_spec]
+        for tag, ovs in modes:
+            configs += [(f"k=4, {label}{tag}", (a, dict(k=4), ovs)),
+                        (f"adaptive, {label}{tag}", (a, dict(adaptive=True, k_max=8), ovs))]
     rows = run_grid(make_warm, lambda n: rng.sample(pool, min(n, len(pool))), new, args.concurrency, configs, log,
                     rates=args.rates, poisson_requests=args.poisson_requests)
     if args.no_4k:
@@ -443,8 +490,9 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--profile", action="store_true", help="GPU: profile one speculative run instead")
     ap.add_argument("--no-4k", action="store_true", help="GPU: only the concurrency sweep (no 4k-prompt check)")
-    ap.add_argument("--overlap-spec", action="store_true",
-                    help="GPU: speculative rounds overlapped (Engine(overlap_spec=True), engine/overlap_spec.py)")
+    ap.add_argument("--overlap-spec", choices=["on", "off", "both"], default="on",
+                    help="GPU: speculative rounds overlapped (Engine(overlap_spec=True), engine/overlap_spec.py, the "
+                         "default), not, or both side by side in the same run")
     args = ap.parse_args()
     if args.gpu:
         args.concurrency = args.concurrency or [1, 2, 4, 8, 16, 32, 64]

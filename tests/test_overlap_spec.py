@@ -99,7 +99,8 @@ def run(eng: Engine, prompts, params, arrivals=None, aborts=()) -> dict[str, lis
     return out
 
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+GREEDY = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (30, 22, 30, 17, 30, 26)]
+# (different lengths: a session runs until a request finishes, so the others are checked when it ends)
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +155,7 @@ def test_a_small_pool_ends_sessions_and_still_completes(models, sessions, plain_
     """Blocks are reserved two rounds ahead; when the pool cannot give them the session stops and the ordinary
     rounds preempt: outputs still equal plain greedy."""
     eng = make(models, dict(k=3), blocks=90)
-    got = run(eng, PROMPTS[:4], GREEDY)
+    got = run(eng, PROMPTS[:4], GREEDY[:4])
     assert got == {k: v for k, v in plain_greedy.items() if int(k) < 4}
     assert eng.scheduler.num_preemptions > 0 or sessions["sessions"] > 0
 
@@ -175,3 +176,27 @@ def test_greedy_chain_verdict():
     tokens, acc = greedy_chain_verdict(logits, drafts)
     assert acc.tolist() == want_acc
     assert torch.equal(tokens, best)
+
+
+def test_realized_rate_leaves_out_rounds_that_prefill(models):
+    """batch_k's veto compares what speculative rounds realized with plain decoding's predicted step, which
+    counts no prefill: a round carrying a new prompt's prefill must not enter the realized rate (plain pays
+    that prefill too), while speculative rounds without one do."""
+    eng = make(models, dict(adaptive=True, k_max=4), overlap_spec=False)
+    rounds, calls = [], []
+    real_run, real_record = eng.round.run, eng.k_policy.record_realized
+
+    def run_round(items):
+        res = real_run(items)
+        rounds.append((any(it.feed > 1 for it in items), any(res.num_drafted)))
+        return res
+
+    def record(*args):
+        calls.append(rounds[-1])
+        real_record(*args)
+
+    eng.round.run, eng.k_policy.record_realized = run_round, record
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (20, 7, 16, 11, 24, 9)]
+    run(eng, PROMPTS, params, [0, 0, 3, 9, 12, 20])
+    assert any(p and d for p, d in rounds), "no speculative round carried a prefill: the check would be vacuous"
+    assert calls and not any(p for p, _ in calls)

@@ -197,7 +197,7 @@ class KPolicy:
     REALIZED_WINDOW = 32  # batch_k: recent speculative rounds whose realized rate is compared with plain decoding
     REALIZED_MIN = 8  # ... once there are this many since the last probe
     # drafting is overruled when it realizes less than this times plain's predicted rate. Not below 1: the
-    # comparison already favours plain decoding (its own prefill steps are not counted), and on the H200 a margin
+    # comparison already favours plain decoding (its host work is not counted), and on the H200 a margin
     # of 0.95 let adaptive k run at 0.94x plain at 16 requests (rounds realizing 0.95-1.0x plain's step)
     REALIZED_MARGIN = 1.0
     OUTLIER = 20.0  # a round longer than this many median rounds (a kernel compile) is left out of the rate
@@ -208,8 +208,9 @@ class KPolicy:
 
     def record_realized(self, requests: int, tokens: int, seconds: float) -> None:
         """A speculative round of `requests` requests committed `tokens` tokens in `seconds` of wall time,
-        everything included: the prefill chunks of requests that joined (which a drafter makes dearer: it
-        prefills too), host work, stalls. The cost model sees only pure verify rounds and can miss these."""
+        everything included but a new prompt's prefill (the engine leaves those rounds out: plain decoding
+        pays it alike): host work, the draft's catch-up over new prompts, stalls. The cost model sees only
+        the kernels of pure verify rounds and can miss these."""
         if requests > 0 and seconds > 0:
             self.realized.setdefault(self._bucket(requests), deque(maxlen=self.REALIZED_WINDOW)).append(
                 (tokens / requests, seconds))

@@ -29,10 +29,10 @@ class LLM:
                  dtype: torch.dtype | None = None, cache: CacheConfig | None = None, max_num_seqs: int = 64,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 8192, seed: int = 0,
                  check_invariants: bool = False, cuda_graphs: bool = True, overlap: bool = True,
-                 overlap_spec: bool = False,
+                 overlap_spec: bool = True,
                  draft_cache: CacheConfig | None = None, quantize: str = "none", _loaded=None) -> None:
         """overlap: with CUDA graphs, run plain decoding steps overlapped with the host's commits (engine/overlap.py);
-        overlap_spec: speculative rounds too (engine/overlap_spec.py; off by default until measured on a GPU)."""
+        overlap_spec: speculative rounds too (engine/overlap_spec.py; CUDA graphs, greedy, a separate draft model)."""
         self.engine = Engine(model, spec=spec, device=device, dtype=dtype, cache=cache, max_num_seqs=max_num_seqs,
                              max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, seed=seed,
                              check_invariants=check_invariants, cuda_graphs=cuda_graphs, overlap=overlap,

@@ -55,7 +55,7 @@ def spec_overlap_applies(target, drafter, requests: list[Request], k: int, limit
         if (p.temperature != 0 or p.logprobs is not None or getattr(r, "grammar", None) is not None or forcing(r)
                 or r.num_tokens < 2 or kv.length(r.req_id) != r.num_tokens - 1):
             return False
-        if r.remaining < 2 * (k + 1) or r.num_tokens + 2 * (k + 1) + 1 >= limit:
+        if r.finished or r.num_tokens + 2 * (k + 1) + 1 >= limit:  # (near max_tokens is fine: see room())
             return False
     return True
 
@@ -138,9 +138,13 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
         return produced
 
     def room() -> bool:
-        """Another round fits every request even if the round in flight commits k + 1 tokens."""
+        """Another round fits every request's context even if the round in flight commits k + 1 tokens. A request
+        near its max_tokens still runs: commit drops what lies past its end, and once it finishes the session
+        ends after the round in flight is committed for the others (a session that stopped at the first request
+        within 2(k + 1) tokens of its end ran ordinary rounds for the whole batch ~40 % of the time at 4
+        staggered requests of 96 tokens)."""
         ahead = k + 1 if pending is not None else 0
-        return all(r.remaining - ahead >= k + 1 and r.num_tokens + ahead + k + 1 < limit for r in requests)
+        return all(r.num_tokens + ahead + k + 1 < limit for r in requests)
 
     pending, launched = None, 0
     try:

@@ -120,6 +120,8 @@ def run_forerun(args, prompts) -> tuple[list[dict], dict]:
         llm = LLM.from_model(target[0], target[1], spec=spec, device="cpu")
         if label.endswith(" budget"):  # the per-round tree budget from the engine's measured costs
             llm.engine.drafter.use_target_cost(llm.engine.k_policy.cost)
+        elif tree:  # the fixed tree (the engine turns the budget on for every dynamic tree)
+            llm.engine.drafter.budget = None
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), chat=True)  # warm-up
         outs, seconds = [], 0.0
         for p in tqdm(prompts, desc=label, file=sys.stderr):
@@ -135,6 +137,7 @@ def run_forerun(args, prompts) -> tuple[list[dict], dict]:
                "tok_per_s": round(tokens / seconds, 3), "identical_to_plain": ids == plain_ids, **agg.as_dict()}
         if spec.method == "eagle":
             row["eagle_head"] = spec.eagle_head
+            row["eagle_head_layout"] = llm.engine.drafter.head_layout
             budget = getattr(llm.engine.drafter, "budget", None)
             if budget is not None:
                 row["eagle_budget_chosen"] = dict(sorted(budget.chosen.items(), key=lambda kv: -kv[1]))
@@ -363,8 +366,11 @@ def main(argv=None) -> int:
                     help="EAGLE dynamic-tree rows: ';'-separated TOPK,STEPS,NODES shapes ('' for none)")
     ap.add_argument("--eagle-budget", action="store_true",
                     help="also an EAGLE tree row per shape with the per-round budget (forerun/drafters/eagle_budget.py)")
+    ap.add_argument("--eagle-head-quantize", default="auto", choices=["auto", "none", "int8", "int4"],
+                    help="the EAGLE head's linears (auto: the target's layout when it is quantized; none: fp32)")
     ap.add_argument("--out", default="benchmarks/results/cpu_pair.json")
     args = ap.parse_args(argv)
+    __import__("os").environ["FORERUN_EAGLE_QUANTIZE"] = args.eagle_head_quantize  # read by EagleDrafter
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = list(CODE_PROMPTS[: args.num_prompts])

@@ -49,6 +49,48 @@ from .base import DraftProposal, Drafter, TreeProposal
 from .eagle_budget import TreeBudget, TreeBudgetPolicy
 
 MAX_EXTEND = 16  # draft extends of up to this many rows per request run from static buffers (graphs on CUDA)
+HEAD_QUANTIZE_CHOICES = ("auto", "none", "int8", "int4")
+
+
+def head_layout(target: ModelRunner, quantize: str | None = None) -> str:
+    """The layout an EAGLE head's linears get next to this target (see EagleDrafter's `quantize`)."""
+    choice = quantize or os.environ.get("FORERUN_EAGLE_QUANTIZE") or "auto"
+    if choice not in HEAD_QUANTIZE_CHOICES:
+        raise ValueError(f"EAGLE head quantize must be one of {', '.join(HEAD_QUANTIZE_CHOICES)}; got {choice!r}")
+    if choice == "auto":
+        layout = getattr(target.model, "quantization", "none")
+        return layout if layout in ("int4", "int8") and torch.device(target.device).type == "cpu" else "none"
+    if choice != "none" and torch.device(target.device).type != "cpu":
+        raise ValueError(f"EAGLE head quantize={choice!r} is a CPU layout (the head is on {target.device})")
+    return choice
+
+
+def quantize_eagle_head(head: EagleHead, layout: str) -> EagleHead:
+    """Hold the head's linears (fc, the layer's q/k/v and o, its MLP, the draft lm_head) quantized on the CPU,
+    in place: every nn.Linear becomes what `forerun.models.quant.make_quantized_linear` builds for the target's
+    own layers in `layout` ("int4": group-wise int4 through forerun's C kernel (Q4Linear) where it runs,
+    else torch's int4pack, int8 for shapes int4 cannot take; "int8": per-row W8A8). Why: a drafting step streams
+    the head's weights like a target decode streams the target's; fp32 made a head step (~220 MB) a large
+    fraction of an int4 target decode (~1 GB). The norms, the target's embedding and a v1 head's target lm_head
+    are left as they are. Training needs the float head (a quantized head is inference only)."""
+    from torch import nn
+
+    from ..models.quant import make_quantized_linear
+
+    if layout not in ("int4", "int8"):
+        raise ValueError(f"quantize_eagle_head: layout must be int4 or int8, got {layout!r}")
+    if head.device.type != "cpu":
+        raise ValueError(f"quantize_eagle_head: quantized linears are CPU modules (the head is on {head.device})")
+    with torch.no_grad():
+        for path, mod in list(head.named_modules()):
+            if type(mod) is not nn.Linear:
+                continue
+            bias = None if mod.bias is None else mod.bias.detach().float()
+            q = make_quantized_linear([mod.weight.detach().float()], bias, layout)
+            parent, _, leaf = path.rpartition(".")
+            setattr(head.get_submodule(parent) if parent else head, leaf, q)
+    head.quantization = layout
+    return head
 
 
 class EagleDrafter(Drafter):
@@ -58,7 +100,7 @@ class EagleDrafter(Drafter):
     def __init__(self, target: ModelRunner, head: EagleHead | str | Path, *, cache: CacheConfig | None = None,
                  dtype: torch.dtype | None = None, tree_topk: int = 4, tree_steps: int = 4, tree_nodes: int = 16,
                  max_seqs: int = 256, max_batch_tokens: int = 8192, adaptive_budget: bool = False,
-                 target_cost=None, cuda_graphs: bool | None = None) -> None:
+                 target_cost=None, cuda_graphs: bool | None = None, quantize: str | None = None) -> None:
         """target: the target's runner (its model supplies embedding, final norm and, for EAGLE-1 heads,
         the lm_head). head: a loaded EagleHead or a checkpoint folder. cache: the head's KV pool (default
         sized like a 1-layer slice of the target's). Tree budget: tree_steps levels, tree_topk children per
@@ -66,9 +108,16 @@ class EagleDrafter(Drafter):
         adaptive_budget (or a target_cost: anything with target_time(tokens), the engine's CostModel) the
         maximum of a per-round budget chosen from the batch size and measured costs (forerun/drafters/eagle_budget.py).
         cuda_graphs: None (default) captures the tree drafting on CUDA when the attention backend allows it;
-        False runs the same device code eagerly (debugging; or FORERUN_EAGLE_GRAPHS=0 in the environment)."""
+        False runs the same device code eagerly (debugging; or FORERUN_EAGLE_GRAPHS=0 in the environment).
+        quantize: the head's linears on the CPU (`head_layout`): None / "auto" (default; FORERUN_EAGLE_QUANTIZE in
+        the environment overrides it) = the target's layout when the target is a quantized CPU model (int4 / int8,
+        forerun.models.quant, the same modules and kernels), else as loaded; "none" keeps the head as loaded (fp32);
+        "int4" / "int8" pick one. A head passed in as a module is quantized in place."""
         if isinstance(head, (str, Path)):
             head = load_eagle_head(head, target.model, dtype=dtype or target.dtype, device=target.device)
+        self.head_layout = head_layout(target, quantize)
+        if self.head_layout != "none":
+            quantize_eagle_head(head, self.head_layout)
         if tree_topk < 1 or tree_steps < 1 or tree_nodes < 2:
             raise ValueError(f"EAGLE tree needs topk >= 1, steps >= 1, nodes >= 2 (got {tree_topk}, {tree_steps}, {tree_nodes})")
         self.head = head.eval()
@@ -261,20 +310,28 @@ class EagleDrafter(Drafter):
         if not active:
             return DraftProposal(tokens, [None] * len(requests))
         group = [requests[i] for i in active]
+        # greedy batches without grammars: argmax over the draft vocabulary, no target-vocabulary distributions
+        # (greedy verification never reads q: probs None, a point mass, as the draft model's greedy rows)
+        argmax_only = all(r.params.temperature == 0 and grammar_of(r) is None for r in group)
         out, logits = self._extend(group, ranges)
         step_times = []
         while True:
-            full, q = self._probs(group, logits, grammar=True)
-            greedy = torch.tensor([r.params.temperature == 0 for r in group], device=q.device)
-            u = torch.stack([torch.rand((), generator=r.generator) for r in group]).to(q.device)
-            picked = torch.where(greedy, full.argmax(-1), sample_from_probs(q, u)).tolist()
+            if argmax_only:
+                q = None
+                picked = self.head.draft_to_target[logits.argmax(-1)].tolist()
+            else:
+                full, q = self._probs(group, logits, grammar=True)
+                greedy = torch.tensor([r.params.temperature == 0 for r in group], device=q.device)
+                u = torch.stack([torch.rand((), generator=r.generator) for r in group]).to(q.device)
+                picked = torch.where(greedy, full.argmax(-1), sample_from_probs(q, u)).tolist()
             still = []
             for row, i in enumerate(active):
                 g = grammar_of(requests[i])
                 if g is not None and not g.draft_accept(picked[row]):
                     continue  # issue 14: the grammar has ended (only a stop token was left)
                 tokens[i].append(picked[row])
-                probs[i].append(q[row])
+                if q is not None:
+                    probs[i].append(q[row])
                 if len(tokens[i]) < ks[i]:
                     still.append(row)
             if not still:

@@ -150,10 +150,19 @@ class EagleHead(nn.Module):
             return self.target.model.norm(x)
         return torch.cat([states[i] for i in self.eagle.aux_layers], dim=-1)
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the head computes in (its norms'; the linears may be quantized: forerun.drafters.eagle)."""
+        return self.layer.post_attention_layernorm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.layer.post_attention_layernorm.weight.device
+
     def _input(self, input_ids: torch.Tensor, feats: torch.Tensor, from_target: bool):
         """(attention input [.., 2H or H], residual [.., H])."""
-        emb = self.target.model.embed_tokens(input_ids).to(self.fc.weight.dtype)
-        feats = feats.to(self.fc.weight.dtype)
+        emb = self.target.model.embed_tokens(input_ids).to(self.compute_dtype)
+        feats = feats.to(self.compute_dtype)
         if self.eagle.version == 1:
             x = self.fc(torch.cat([emb, feats], dim=-1))
             return x, x
@@ -173,7 +182,10 @@ class EagleHead(nn.Module):
     @staticmethod
     def _head_dtype(head: nn.Module) -> torch.dtype:
         w = getattr(head, "weight", None)
-        return w.dtype if w is not None else getattr(head, "packed").dtype
+        if w is not None:
+            return w.dtype
+        packed = getattr(head, "packed", None)  # PackedLinear: fp32 / bf16; quantized linears take float32
+        return packed.dtype if packed is not None and packed.is_floating_point() else torch.float32
 
     def to_target_vocab(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """[R, Vd] -> [R, V]: -inf on target tokens the draft vocabulary lacks."""
@@ -210,7 +222,7 @@ class EagleHead(nn.Module):
         [B, Hkv, T, D] (the new step's k, v are appended); mask: [T, T * (len(cache) + 1)] bool."""
         attn, lc = self.layer.self_attn, self.eagle.layer
         b, t, _ = x.shape
-        qkv = F.linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        qkv = attn.qkv_proj(x)
         q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
         q = q.reshape(b * t, lc.num_heads, lc.head_dim)
         k = k.reshape(b * t, lc.num_kv_heads, lc.head_dim)

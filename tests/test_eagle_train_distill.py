@@ -111,3 +111,18 @@ def test_train_eagle_distill_cli_with_extra_data(tmp_path, monkeypatch):
                             "--train-tokens", "80", "--heldout-tokens", "30", "--distill-max-new", "6",
                             "--distill-batch", "3", "--steps", "5", "--resume", "--extra-data", str(extra)]) == 0
     assert D.distill_path(tmp_path / "d", "train").read_text() == before
+    # --restart-schedule: a fresh warmup + cosine at --lr from the resumed step (5) to --steps (7)
+    assert T.main(common + ["--out", str(out), "--data", str(tmp_path / "d"), "--corpus", "distill",
+                            "--train-tokens", "80", "--heldout-tokens", "30", "--distill-max-new", "6",
+                            "--distill-batch", "3", "--steps", "7", "--resume", "--restart-schedule", "--lr", "1e-3",
+                            "--extra-data", str(extra)]) == 0
+    group = torch.load(out / "train_state.pt", weights_only=True)["optimizer"]["param_groups"][0]
+    assert group["initial_lr"] == 1e-3
+    assert abs(group["lr"] - 1e-4) < 1e-10  # span 2, warmup 1: the cosine's end (0.1 x lr) after 2 steps
+
+
+def test_functions_skips_whitespace_only_docstrings():
+    """A docstring of whitespace that survives cleaning (a no-break space line) raised IndexError mid-generation."""
+    src = ('def f(x):\n    """\n    \xa0\n    """\n    a = 1\n    b = 2\n    return x\n\n'
+           'def g(x):\n    """Doc."""\n    a = 1\n    b = 2\n    return x\n')
+    assert [name for name, *_ in D._functions(src)] == ["g"]

@@ -97,7 +97,10 @@ def _functions(source: str) -> Iterator[tuple[str, str, str]]:
             doc = ast.get_docstring(node)
             if not doc or node.end_lineno is None:
                 continue
-            first = doc.strip().splitlines()[0].strip()
+            doc_lines = doc.strip().splitlines()
+            if not doc_lines:  # whitespace only (e.g. a lone form feed or \x1c)
+                continue
+            first = doc_lines[0].strip()
             start = min([d.lineno for d in node.decorator_list] + [node.lineno]) - 1
             body = "\n".join(lines[start:node.end_lineno])
             indent = len(body) - len(body.lstrip())

@@ -138,7 +138,7 @@ def _on(seq: dict, device: torch.device) -> dict:
 def unrolled_outputs(head: EagleHead, seq: dict, steps: int, crop: tuple[int, int] | None = None):
     """Head outputs of `steps` training-time-test steps over one sequence: list of [T-1, H] (row t = token
     x_{t+1} with feature f_t). Step s row t continues the chain that left the committed rows at t - s."""
-    seq = _on(seq, head.fc.weight.device)
+    seq = _on(seq, head.device)
     toks = seq["tokens"]
     a, b = crop or (0, toks.numel())
     ids = toks[a + 1:b].unsqueeze(0)  # [1, T'] x_{t+1}
@@ -173,7 +173,7 @@ def sequence_loss(head: EagleHead, teacher: Teacher, seq: dict, steps: int, max_
     a = int(torch.randint(0, max(1, n - max_len) + 1, (1,), generator=gen)) if n > max_len else 0
     b = min(n, a + max_len)
     outs = unrolled_outputs(head, seq, steps, (a, b))
-    last = seq["feats"][teacher.last][a:b].to(head.fc.weight.device)
+    last = seq["feats"][teacher.last][a:b].to(head.device)
     target_p = teacher.draft_logits(last[1:]).softmax(-1)  # row t: distribution of x_{t+2} = target at t+1
     total, weight = 0.0, 0.0
     for s, out in enumerate(outs):
@@ -200,7 +200,7 @@ def heldout_acceptance(head: EagleHead, teacher: Teacher, seqs: list[dict], k: i
         if n < k + 4:
             continue
         outs = unrolled_outputs(head, seq, k)
-        dev = head.fc.weight.device
+        dev = head.device
         if "_argmax" not in seq:
             seq["_argmax"] = teacher.argmax(seq["feats"][teacher.last].to(dev))  # [n] the target's choice after p
         tgt = seq["_argmax"]
@@ -241,10 +241,12 @@ def train(head: EagleHead, teacher: Teacher, train_seqs: list[dict], held: list[
           minutes: float | None, ttt: int, lr: float, max_len: int, accum: int, eval_every: int, eval_k: int,
           out: Path | None, save_every: int, state: dict | None = None, progress: bool = True,
           train_lm_head: bool = False, log=print, deadline: float | None = None,
-          extra_held: dict[str, list[dict]] | None = None) -> dict:
+          extra_held: dict[str, list[dict]] | None = None, restart_schedule: bool = False) -> dict:
     """AdamW with warmup then cosine decay; returns the last evaluation (and the history under 'history').
     minutes: training time summed over resumed runs; deadline: a time.time() at which this run stops;
-    extra_held: more held-out sets evaluated with `held` (each evaluation's 'extra')."""
+    extra_held: more held-out sets evaluated with `held` (each evaluation's 'extra'); restart_schedule: a resumed
+    run starts a fresh schedule at `lr` (warmup, then cosine from the resumed step to `steps`) instead of
+    continuing the old one (the optimizer's moments are kept)."""
     if not train_lm_head and head.lm_head is not None:
         head.lm_head.weight.requires_grad_(False)
     params = [p for p in head.parameters() if p.requires_grad]
@@ -253,10 +255,15 @@ def train(head: EagleHead, teacher: Teacher, train_seqs: list[dict], held: list[
     if state is not None:
         opt.load_state_dict(state["optimizer"])
         step0 = state["step"]
-    warm = max(1, min(50, steps // 10))
+    origin = step0 if restart_schedule else 0  # the schedule's step 0
+    if restart_schedule:
+        for group in opt.param_groups:
+            group["lr"] = group["initial_lr"] = lr
+    span = max(1, steps - origin)
+    warm = max(1, min(50, span // 10))
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min(1.0, (i + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i / steps, 1.0)))))
-    for _ in range(step0):
+        opt, lambda i: min(1.0, (i + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i / span, 1.0)))))
+    for _ in range(step0 - origin):
         sched.step()
     gen = torch.Generator().manual_seed(1234 + step0)
     order = torch.randperm(len(train_seqs), generator=gen).tolist()
@@ -426,6 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--train-lm-head", action="store_true", help="also train the draft lm_head (default: frozen)")
     p.add_argument("--resume", action="store_true", help="continue from OUT's head and train_state.pt")
+    p.add_argument("--restart-schedule", action="store_true",
+                   help="with --resume: a fresh warmup + cosine schedule at --lr from the resumed step to --steps "
+                        "(default: continue the old schedule)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--seed", type=int, default=0)
@@ -524,7 +534,7 @@ def main(argv=None) -> int:
     res = train(head, teacher, train_seqs, held, steps=a.steps, minutes=a.minutes, ttt=a.ttt, lr=a.lr,
                 max_len=a.seq_len, accum=a.accum, eval_every=a.eval_every, eval_k=a.eval_k, out=out,
                 save_every=a.save_every, state=state, progress=not a.quiet, log=log, train_lm_head=a.train_lm_head,
-                deadline=deadline, extra_held=extra_held)
+                deadline=deadline, extra_held=extra_held, restart_schedule=a.restart_schedule and state is not None)
     summary = training_summary(out, data_dir, a, n_train, n_held, feat_s, res, time.perf_counter() - t0,
                                step0=state["step"] if state else 0)
     (out / "training_summary.json").write_text(json.dumps(summary, indent=2))

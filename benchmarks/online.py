@@ -114,7 +114,9 @@ class _StallProbe:
 
     def _compiled(self, *a, **kw) -> None:
         fn = kw.get("fn")
-        self.compiles.append(getattr(getattr(fn, "fn", fn), "__name__", "?"))
+        what = f"{getattr(fn, 'name', '?')} {kw.get('repr', '')}"[:600]
+        self.compiles.append(what)
+        print(f"[triton compile] {what}", file=sys.stderr, flush=True)
         return None
 
     def take(self) -> tuple[float, list[str]]:

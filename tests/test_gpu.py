@@ -192,6 +192,35 @@ def test_chain_sample_greedy_exact():
         assert acc.sum() > 0  # the test exercises acceptances
 
 
+def test_chain_sample_compiles_no_variant_for_unaligned_views():
+    """The sampler uploads (first rows, row counts) as one [2, R] tensor: with R odd the second row's address is
+    8 bytes off 16, and Triton specialises on pointer alignment. chain_sample re-aligns such views, so a call
+    after the warm-up compiles nothing (under Poisson arrivals each new variant stalled a round ~1 s)."""
+    import triton.knobs as knobs
+
+    from forerun.kernels.chain_sample import chain_sample
+
+    r, q, vocab = 5, 3, 1000
+    logits = torch.randn(r * q, vocab, device="cuda")
+    ids = torch.full((r * q,), -1, dtype=torch.int64, device="cuda")
+    temp = torch.zeros(r, device="cuda")
+    coins = torch.rand(r * q, 2, device="cuda")
+    aligned = [torch.arange(r, device="cuda") * q, torch.full((r,), q, dtype=torch.int64, device="cuda")]
+    want = chain_sample(logits, ids, *aligned, temp, coins, max_seqlen=q)  # compiles the aligned variants
+    both = torch.stack(aligned).contiguous()
+    assert both[1].data_ptr() % 16 == 8  # the unaligned view the sampler passes
+    compiled = []
+    knobs.runtime.jit_post_compile_hook = lambda *a, **kw: compiled.append(kw.get("repr"))
+    try:
+        got = chain_sample(logits, ids, both[0], both[1], temp, coins, max_seqlen=q)
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.jit_post_compile_hook = None
+    assert compiled == []
+    assert torch.equal(got.num_accepted, want.num_accepted)
+    assert torch.equal(got.output_token_ids, want.output_token_ids)
+
+
 @pytest.mark.parametrize("with_q", [True, False])
 def test_chain_sample_sampling_matches_reference(with_q):
     seqlens = [1, 2, 3, 5, 7, 7, 4, 1, 6, 2, 3, 5]

@@ -137,3 +137,16 @@ def test_fused_layer_ops_model_forward(arch):
     outs = [[r.forward(s)[0].logits for s in steps] for r in runners]
     for ref, got in zip(*outs):
         assert rel_err(got, ref) < 1e-5
+
+
+def test_chain_sample_realigns_unaligned_views():
+    """Pointer alignment is part of a Triton kernel's specialisation: chain_sample passes 16-byte aligned
+    copies of views that are not (the [2, R] upload's second row with R odd), the same tensor otherwise."""
+    from forerun.kernels.chain_sample import _aligned
+
+    both = torch.arange(10, dtype=torch.int64).view(2, 5).clone()
+    view = both[1]
+    assert view.data_ptr() % 16 == 8
+    fixed = _aligned(view)
+    assert fixed.data_ptr() % 16 == 0 and torch.equal(fixed, view)
+    assert _aligned(both[0]) is both[0] or _aligned(both[0]).data_ptr() == both[0].data_ptr()

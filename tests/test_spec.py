@@ -566,6 +566,16 @@ def test_batch_k_is_overruled_when_speculative_rounds_realize_less_than_plain():
         pol.record_realized(8, 24, 3 / 190)
     assert pol.batch_k(ids, room) == 0 and pol.vetoes == 1
 
+    pol = policy()  # rounds that prefill a new prompt: compared with the same round without drafting
+    for _ in range(KPolicy.REALIZED_MIN):  # 3 tokens per request in 30 ms, where plain would give 1 in 20 ms
+        pol.record_realized(8, 24, 0.030, plain=(8, 0.020))
+    assert abs(pol.plain_rate(8) - 50.0) < 1e-9  # (not plain's bare 5 ms step: 200 tok/s)
+    assert pol.batch_k(ids, room) >= 3 and pol.vetoes == 0
+    pol = policy()  # ... while 1.5 tokens per request in 40 ms loses to it
+    for _ in range(KPolicy.REALIZED_MIN):
+        pol.record_realized(8, 12, 0.040, plain=(8, 0.020))
+    assert pol.batch_k(ids, room) == 0 and pol.vetoes == 1
+
     pol = policy()  # drafting that delivers: 3 tokens per request in 10 ms (300 tok/s against plain's 200)
     for _ in range(KPolicy.REALIZED_WINDOW):
         pol.record_realized(8, 24, 0.010)

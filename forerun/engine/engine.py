@@ -453,16 +453,24 @@ class Engine:
                 and res.sampled_rows:
             # no overlapped decoding: plain and speculative rounds pay the host work alike, once per round
             self.k_policy.cost.record_round_overhead(time.perf_counter() - t_start - res.target_seconds - res.draft_seconds)
-        if self.spec.adaptive and self.runner.graphs is not None and any(res.num_drafted) \
-                and res.target_tokens == res.sampled_rows:
+        if self.spec.adaptive and self.runner.graphs is not None and any(res.num_drafted):
             # what the round delivered, host work, the draft's catch-up over new prompts and stalls included:
             # batch_k overrules its cost model when speculative rounds realize less than plain decoding would.
-            # Rounds carrying a new prompt's prefill are left out: plain decoding pays that prefill too, and its
-            # predicted step (the comparison) does not count it (with them counted, 16 requests arriving every
-            # few rounds vetoed drafting that paid: adaptive 0.94x plain where fixed k = 4 ran at 1.03x)
+            # A round carrying a new prompt's prefill is compared with the same round without drafting (plain
+            # pays that prefill too): against plain's bare predicted step, 16 requests arriving every few rounds
+            # vetoed drafting that paid (adaptive 0.94x plain where fixed k = 4 ran at 1.03x); left out, the veto
+            # saw few rounds at 64 requests (1-2 arrivals per round) and never fired (0.94x plain)
+            wall = time.perf_counter() - t_start
             committed = sum(len(res.emitted[i]) for i, it in enumerate(items) if it.final)
-            self.k_policy.record_realized(len({it.request.req_id for it in items}), committed,
-                                          time.perf_counter() - t_start)
+            n = len({it.request.req_id for it in items})
+            plain = None
+            if res.target_tokens != res.sampled_rows:
+                cost = self.k_policy.cost
+                finals = sum(1 for it in items if it.final)
+                rows = sum(res.drafted_nodes or res.num_drafted)  # verify rows beyond one per request
+                extra = max(0.0, cost.target_time(finals + rows) - cost.target_time(finals))
+                plain = (finals, max(wall - res.draft_seconds - extra, 0.05 * wall))
+            self.k_policy.record_realized(n, committed, wall, plain)
         if self.check_invariants:
             self._check([it.request for it in items if it.final])
         for it in items:
@@ -525,7 +533,16 @@ class Engine:
             self._ks_cache = {r.req_id: kk for r, kk in zip(running, ks)}  # this step's rounds reuse the decision
             return False
         n = len(running)
-        seen = {"t": time.perf_counter(), "tokens": sum(len(r.output_token_ids) for r in running)}
+        seen = {"t": time.perf_counter(), "tokens": sum(len(r.output_token_ids) for r in running), "kernels": None,
+                "steady": False}
+        cost = self.k_policy.cost
+
+        def timing(draft_s: float, verify_s: float) -> None:
+            # the cost model learns from these rounds as from ordinary ones: without them a session left the
+            # draft-step cost unmeasured (drafting looked free: a useless draft ran at k = 8, 0.65-0.84x plain)
+            cost.record_draft_step(draft_s / k)
+            cost.record_target(n * (k + 1), verify_s)
+            seen["kernels"] = draft_s + verify_s
 
         def commit(r: Request, tokens: list[int], accepted: int) -> int:
             if r.finished:  # aborted while its round was in flight
@@ -543,12 +560,18 @@ class Engine:
             now, tokens = time.perf_counter(), sum(len(r.output_token_ids) for r in running)
             if tokens > seen["tokens"]:  # what the rounds realized since the last look: the veto's input
                 self.k_policy.record_realized(n, tokens - seen["tokens"], now - seen["t"])
-                seen.update(t=now, tokens=tokens)
+                if seen["kernels"] is not None and seen["steady"]:  # one round committed since the last look:
+                    # its wall time beyond its kernels (mostly hidden). Not the session's first commit: that look
+                    # spans the session's start (draft catch-up, two launches); counted, it made every short
+                    # session (a warm-up, a probe) report a whole round of overhead, and adaptive k stayed at 0
+                    cost.record_spec_overhead(now - seen["t"] - seen["kernels"])
+                seen.update(t=now, tokens=tokens, kernels=None, steady=True)
             return self._k_for(running) != [k] * n  # the policy decides every round; a new k ends the session
 
         verdict = getattr(self.sampler, "device_verdict", None) or greedy_chain_verdict
         gen = overlapped_spec_rounds(self.runner, self.drafter, running, k, self.max_model_len, commit,
-                                     verdict=verdict, should_stop=should_stop)
+                                     verdict=verdict, should_stop=should_stop,
+                                     timing=timing if self.spec.adaptive else None)
         self._overlap = (gen, running, True)
         return True
 
@@ -658,19 +681,30 @@ class Engine:
 
 def _warm_chain_sample(batches, qs, vocab: int, device) -> None:
     """Compile the fused chain sampler's kernel variants before serving (a variant compiled mid-run stalls a
-    round for ~0.5 s): one call per (batch bucket, rows per request), with and without draft probabilities."""
+    round for ~0.5-1 s): one call per (batch size, rows per request), with and without draft probabilities.
+    Every batch size up to the largest bucket, not only the buckets (b = 3, q = 5 pads its splits like 16 rows,
+    which no power-of-two batch does at q = 5); sizes giving the same split counts are called once."""
     from ..kernels.chain_sample import chain_sample
 
-    for b in batches:
-        for q in sorted(set(qs) | {1}):
+    qs = sorted(set(qs) | {1})
+    top = max(batches) * max(qs)
+    logits = torch.zeros(top, vocab, device=device)
+    probs = torch.full((top, vocab), 1.0 / vocab, device=device)
+    seen = set()
+    for b in range(1, max(batches) + 1):
+        for q in qs:
             n = b * q
-            logits = torch.zeros(n, vocab, device=device)
+            key = (1 << (b - 1).bit_length(), 1 << (n - 1).bit_length(), q)  # what the variant depends on:
+            if key in seen:  # the split counts (powers of two of b and b * q) and the rows per request
+                continue
+            seen.add(key)
             ids = torch.full((n,), -1, dtype=torch.int64, device=device)
             first = torch.arange(b, device=device) * q
             lens = torch.full((b,), q, dtype=torch.int64, device=device)
             temp = torch.ones(b, device=device)
             coins = torch.rand(n, 2, device=device)
-            for probs in (None, torch.full((n, vocab), 1.0 / vocab, device=device)) if q > 1 else (None,):
-                chain_sample(logits, ids, first, lens, temp, coins, draft_probs=probs, max_seqlen=q)
+            for p in (None, probs[:n]) if q > 1 else (None,):
+                chain_sample(logits[:n], ids, first, lens, temp, coins, draft_probs=p, max_seqlen=q)
+    del logits, probs
     torch.cuda.synchronize(device)
 

@@ -196,8 +196,8 @@ class KPolicy:
     PROBE_HOLD = 8  # batch_k: a probe is accepted when drafting then lasts this many rounds
     REALIZED_WINDOW = 32  # batch_k: recent speculative rounds whose realized rate is compared with plain decoding
     REALIZED_MIN = 8  # ... once there are this many since the last probe
-    # drafting is overruled when it realizes less than this times plain's predicted rate. Not below 1: the
-    # comparison already favours plain decoding (its host work is not counted), and on the H200 a margin
+    # drafting is overruled when it realizes less than this times plain's rate over the same rounds. Not below 1:
+    # the comparison favours plain decoding (its host work in pure rounds is not counted), and on the H200 a margin
     # of 0.95 let adaptive k run at 0.94x plain at 16 requests (rounds realizing 0.95-1.0x plain's step)
     REALIZED_MARGIN = 1.0
     OUTLIER = 20.0  # a round longer than this many median rounds (a kernel compile) is left out of the rate
@@ -206,30 +206,49 @@ class KPolicy:
     def _bucket(n: int) -> int:
         return 1 << max(0, n - 1).bit_length()
 
-    def record_realized(self, requests: int, tokens: int, seconds: float) -> None:
+    def record_realized(self, requests: int, tokens: int, seconds: float, plain: tuple[float, float] | None = None) -> None:
         """A speculative round of `requests` requests committed `tokens` tokens in `seconds` of wall time,
-        everything included but a new prompt's prefill (the engine leaves those rounds out: plain decoding
-        pays it alike): host work, the draft's catch-up over new prompts, stalls. The cost model sees only
-        the kernels of pure verify rounds and can miss these."""
+        everything included: host work, the draft's catch-up over new prompts, stalls, a new prompt's prefill.
+        The cost model sees only the kernels of pure verify rounds and can miss these.
+        plain: (tokens, seconds) that plain decoding would have given in the same round, for a round carrying a
+        new prompt's prefill (plain pays that prefill too: the engine passes the round minus its drafting and
+        its extra verify rows); None for a pure round: one token per request in plain's predicted step."""
         if requests > 0 and seconds > 0:
+            p = None if plain is None else (plain[0] / requests, max(plain[1], 1e-9))
             self.realized.setdefault(self._bucket(requests), deque(maxlen=self.REALIZED_WINDOW)).append(
-                (tokens / requests, seconds))
+                (tokens / requests, seconds, p))
+
+    def _kept(self, requests: int) -> list[tuple] | None:
+        """Recent speculative rounds at this batch size, rounds over OUTLIER x the median left out (None: too few
+        rounds since the last probe)."""
+        obs = self.realized.get(self._bucket(requests))
+        if not obs or len(obs) < self.REALIZED_MIN:
+            return None
+        cut = self.OUTLIER * _median([o[1] for o in obs])
+        return [o for o in obs if o[1] <= cut]
 
     def realized_rate(self, requests: int) -> float | None:
         """Tokens per second per request that speculative rounds realized at this batch size (None: too few
         rounds since the last probe). Rounds over OUTLIER x the median are left out."""
-        obs = self.realized.get(self._bucket(requests))
-        if not obs or len(obs) < self.REALIZED_MIN:
+        kept = self._kept(requests)
+        if kept is None:
             return None
-        cut = self.OUTLIER * _median([s for _, s in obs])
-        kept = [(t, s) for t, s in obs if s <= cut]
-        return sum(t for t, _ in kept) / sum(s for _, s in kept)
+        return sum(o[0] for o in kept) / sum(o[1] for o in kept)
+
+    def plain_rate(self, requests: int) -> float:
+        """What plain decoding would have realized over the same rounds: one token per request in its predicted
+        step for a pure round, the round's own plain equivalent for a round that prefilled a new prompt."""
+        kept = self._kept(requests) or []
+        step = self.cost.target_time(requests)
+        tokens = sum(1.0 if o[2] is None else o[2][0] for o in kept)
+        seconds = sum(step if o[2] is None else o[2][1] for o in kept)
+        return tokens / seconds if seconds > 0 else 1.0 / step
 
     def _overruled(self, n: int) -> bool:
-        """Whether speculative rounds at this batch size realize less than plain decoding would: the measured
-        tokens per second per request against 1 / target_time(n), plain decoding's step."""
+        """Whether speculative rounds at this batch size realize less than plain decoding would over the same
+        rounds (plain_rate)."""
         rate = self.realized_rate(n)
-        return rate is not None and rate < self.REALIZED_MARGIN / self.cost.target_time(n)
+        return rate is not None and rate < self.REALIZED_MARGIN * self.plain_rate(n)
 
     def ks(self, req_ids: list[int], room: list[int]) -> list[int]:
         """k per request this round; room[i] caps it (context and max_tokens left)."""
@@ -261,8 +280,8 @@ class KPolicy:
         requests that flipping ran at 0.72x plain while fixed k = 4 ran at 1.31x)."""
         self.batch_mode = True
         kmax = min(self.spec.k_max, max(room, default=0))
-        if len(self.cost.target_obs) < 2:
-            k = min(self.spec.k, kmax)
+        if len(self.cost.target_obs) < 2 or not self.cost.draft_obs:  # nothing measured yet: the configured k
+            k = min(self.spec.k, kmax)  # (with no draft step timed, drafting would look free)
         else:
             ests = [self._estimate(rid) for rid in req_ids]
             n = len(req_ids)

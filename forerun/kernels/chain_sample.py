@@ -249,6 +249,14 @@ def _final_kernel(
         tl.store(Out + r * stride_o + c, -1)
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy of it at a 16-byte aligned address. Triton specialises kernels on whether each pointer is
+    16-byte aligned, and a view such as the second row of a [2, R] int64 upload (R odd) is not: each such
+    argument compiled another variant in the middle of serving (~1 s rounds under Poisson arrivals on the H200,
+    which Engine.warmup cannot foresee). These are small per-request tensors; the copy costs a launch."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
@@ -277,8 +285,9 @@ def chain_sample(
         uniforms = uniforms.contiguous()
     greedy = (temperature <= 0).to(torch.int8)  # [R]
     inv_t = torch.where(greedy.bool(), 1.0, 1.0 / temperature)  # [R]; greedy rows use the raw logits
-    first = first_token_positions.to(torch.int64)
-    lens = seqlens_q.to(torch.int64)
+    first = _aligned(first_token_positions.to(torch.int64))
+    lens = _aligned(seqlens_q.to(torch.int64))
+    uniforms = _aligned(uniforms)
     dev = target_logits.device
     out = torch.empty(num_req, max_seqlen, dtype=torch.int64, device=dev)
     num_acc = torch.empty(num_req, dtype=torch.int64, device=dev)
@@ -301,7 +310,7 @@ def chain_sample(
         BLOCK=_STATS_BLOCK, num_warps=8,
     )
     q = draft_probs if draft_probs is not None else target_logits  # dummy pointer when HAS_Q is off
-    ids = draft_token_ids.to(torch.int64)
+    ids = _aligned(draft_token_ids.to(torch.int64))
     # the final row's sampling mass per split of the vocabulary: about 2 programs per SM in all
     ns = max(1, min(triton.cdiv(vocab, _SAMPLE_BLOCK), triton.cdiv(2 * _num_sms(dev), triton.next_power_of_2(num_req))))
     ns_chunk = triton.cdiv(triton.cdiv(vocab, ns), _SAMPLE_BLOCK) * _SAMPLE_BLOCK

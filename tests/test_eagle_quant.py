@@ -145,8 +145,8 @@ def test_greedy_is_lossless_real_smollm2_quantized(tree):
 
     model, tok, _ = load_model("smollm2-135m-instruct", "cpu", torch.float32, quantize="auto", progress=False)
     target = ModelRunner(model, CacheConfig(block_size=16, num_blocks=64), "cpu", torch.float32)
-    drafter = EagleDrafter(target, random_head(model, 3, draft_vocab=4096), cache=CacheConfig(block_size=16, num_blocks=64),
-                           tree_topk=3, tree_steps=3, tree_nodes=10)
+    drafter = EagleDrafter(target, random_head(model, 3, draft_vocab=4096),
+                           cache=CacheConfig(block_size=16, num_blocks=64), tree_topk=3, tree_steps=3, tree_nodes=10)
     assert drafter.head_layout == model.quantization != "none"
     prompts = [tok(p)["input_ids"] for p in REAL_PROMPTS]
     reqs = [_request(i, p) for i, p in enumerate(prompts)]

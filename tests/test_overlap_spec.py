@@ -228,3 +228,41 @@ def test_adaptive_k_learns_costs_inside_sessions_and_drops_a_useless_draft(model
     assert sessions["sessions"] > 0 and len(eng.k_policy.cost.draft_obs) > 0
     assert st.spec_num_accepted_tokens <= 0.05 * st.spec_num_draft_tokens  # (it is useless)
     assert st.spec_num_draft_tokens < 0.2 * sum(map(len, out.values())), st.spec_num_draft_tokens
+
+
+def test_a_probe_in_a_session_drafts(models, monkeypatch):
+    """After a stretch of k = 0, adaptive k probes with k = 1, and the probe starts a session. The session must
+    launch the probe's round: asking the policy again before the first launch spent the probe (the session
+    ended with no round, the acceptance was never re-measured, and each such probe doubled the wait)."""
+    target, _ = models
+    tok = tiny_tokenizer(97)
+    same = ours_from_hf(target)  # the draft is the target: every draft is right
+    eng = Engine.from_model(ours_from_hf(target).model, tok, device="cpu", overlap_spec=True,
+                            spec=SpecConfig(method="draft", draft_model=(same.model, tok), adaptive=True, k_max=4),
+                            cache=CacheConfig(block_size=16, num_blocks=1024))
+    for runner in (eng.runner, eng.drafter.runner):
+        runner.graphs = GraphRunner(runner, batch_sizes=(1, 2, 4, 8), max_q_len=9, use_graphs=False)
+    eng.scheduler.draft_prefill = False
+    for _ in range(300):  # a past stretch where drafting failed: the policy starts at k = 0, then probes
+        eng.k_policy.overall.update(4, 0)
+    launched = []
+    real = engine_module.overlapped_spec_rounds
+
+    def counted(target_, drafter, requests, k, *args, **kw):
+        n = 0
+        gen = real(target_, drafter, requests, k, *args, **kw)
+        try:
+            while True:
+                yield next(gen)
+                n += 1
+        except StopIteration as stop:
+            launched.append((k, n))
+            return stop.value
+
+    monkeypatch.setattr(engine_module, "overlapped_spec_rounds", counted)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 90) for _ in range(20)] for _ in range(2)]
+    run(eng, prompts, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    probes = [n for k, n in launched if k == 1]
+    assert probes, launched  # a probe ran as a session
+    assert all(n >= 1 for _, n in launched), launched

@@ -590,3 +590,21 @@ def test_engine_records_realized_speculative_rounds_only_with_cuda_graphs():
     llm = tiny_llm(target, spec=draft_spec(hf_model("llama", seed=3, num_hidden_layers=1), adaptive=True, k_max=4))
     llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert llm.engine.runner.graphs is None and not llm.engine.k_policy.realized
+
+
+def test_batch_k_drafts_until_a_draft_step_is_timed():
+    """Until a draft step has been timed, batch_k drafts at the configured k, and at least 2: with no draft cost
+    measured drafting would look free, and k = 0 / 1 rounds time no draft step (ModelDrafter times steps 1..),
+    so a configured k of 0 or 1 would never learn the cost and never adapt."""
+    from forerun.engine.k_policy import KPolicy
+
+    for k, k_max, want in ((0, 4, 2), (1, 4, 2), (4, 8, 4), (4, 1, 1)):
+        pol = KPolicy(SpecConfig(method="draft", draft_model="x", adaptive=True, k=k, k_max=k_max))
+        for tokens in (1, 4):
+            pol.cost.record_target(tokens, 0.005)
+        assert pol.batch_k([0, 1], [100, 100]) == want, (k, k_max)
+        pol.cost.record_draft_step(0.004)  # timed: the cost model decides (a dear draft: plain decoding)
+        for rid in (0, 1):
+            for _ in range(20):
+                pol.observe(rid, 4, 0, wanted=4)
+        assert pol.batch_k([0, 1], [100, 100]) == 0

@@ -155,6 +155,7 @@ class Engine:
         self._ids = itertools.count()
         self.requests: dict[str, Request] = {}  # unfinished requests by external id
         self._overlap = None  # (generator, requests) of an overlapped decoding session in progress
+        self._clock_in, self._clock_t0 = 0.0, 0.0  # seconds spent inside overlapped sessions' steps (_clock)
         self._ks_cache: dict[int, int] | None = None
         self._spec_totals = RequestStats()
         self._spec_num_drafts = 0
@@ -468,7 +469,8 @@ class Engine:
                 cost = self.k_policy.cost
                 finals = sum(1 for it in items if it.final)
                 rows = sum(res.drafted_nodes or res.num_drafted)  # verify rows beyond one per request
-                extra = max(0.0, cost.target_time(finals + rows) - cost.target_time(finals))
+                tokens = res.target_tokens  # (on top of the prefill: a flat slope at small counts would undercount)
+                extra = max(0.0, cost.target_time(tokens) - cost.target_time(max(1, tokens - rows)))
                 plain = (finals, max(wall - res.draft_seconds - extra, 0.05 * wall))
             self.k_policy.record_realized(n, committed, wall, plain)
         if self.check_invariants:
@@ -533,8 +535,10 @@ class Engine:
             self._ks_cache = {r.req_id: kk for r, kk in zip(running, ks)}  # this step's rounds reuse the decision
             return False
         n = len(running)
-        seen = {"t": time.perf_counter(), "tokens": sum(len(r.output_token_ids) for r in running), "kernels": None,
-                "steady": False}
+        # times are read from the engine's own clock (time spent inside step(): what the caller does between
+        # steps is not the rounds' cost); the first look comes after the draft's catch-up at the session start
+        seen = {"t": self._clock_in, "tokens": sum(len(r.output_token_ids) for r in running), "kernels": None,
+                "steady": False, "asked": False}
         cost = self.k_policy.cost
 
         def timing(draft_s: float, verify_s: float) -> None:
@@ -557,7 +561,7 @@ class Engine:
                 return True
             if not self.spec.adaptive:
                 return False
-            now, tokens = time.perf_counter(), sum(len(r.output_token_ids) for r in running)
+            now, tokens = self._clock(), sum(len(r.output_token_ids) for r in running)
             if tokens > seen["tokens"]:  # what the rounds realized since the last look: the veto's input
                 self.k_policy.record_realized(n, tokens - seen["tokens"], now - seen["t"])
                 if seen["kernels"] is not None and seen["steady"]:  # one round committed since the last look:
@@ -566,6 +570,9 @@ class Engine:
                     # session (a warm-up, a probe) report a whole round of overhead, and adaptive k stayed at 0
                     cost.record_spec_overhead(now - seen["t"] - seen["kernels"])
                 seen.update(t=now, tokens=tokens, kernels=None, steady=True)
+            if not seen["asked"]:  # the look before the first launch: the start's decision covers round 1 (asking
+                seen["asked"] = True  # again spent a due probe: it ended before drafting and only doubled the wait)
+                return False
             return self._k_for(running) != [k] * n  # the policy decides every round; a new k ends the session
 
         verdict = getattr(self.sampler, "device_verdict", None) or greedy_chain_verdict
@@ -580,22 +587,29 @@ class Engine:
             return 0
         return self._commit(r, tokens, logprobs)
 
+    def _clock(self) -> float:
+        """Seconds spent inside overlapped sessions' steps (valid while one runs)."""
+        return self._clock_in + time.perf_counter() - self._clock_t0
+
     def _overlap_step(self) -> list[Request]:
         gen, running, spec = self._overlap
+        self._clock_t0 = time.perf_counter()
         try:
             next(gen)
             return list(running)
-        except StopIteration as stop:
+        except StopIteration as stop:  # the session has ended
             launched = stop.value or 0
-            self._overlap = None
-            if self.check_invariants:
-                self._check(running)
-            if self.drafter is not None and not spec:
-                self.k_policy.skip_idle_rounds([r.req_id for r in running], max(0, launched - 1))
-            for r in running:
-                if r.finished:
-                    self._finish(r)
-            return list(running)
+        finally:
+            self._clock_in += time.perf_counter() - self._clock_t0
+        self._overlap = None
+        if self.check_invariants:
+            self._check(running)
+        if self.drafter is not None and not spec:
+            self.k_policy.skip_idle_rounds([r.req_id for r in running], max(0, launched - 1))
+        for r in running:
+            if r.finished:
+                self._finish(r)
+        return list(running)
 
     # -- commit -----------------------------------------------------------------------------------------
     def _commit(self, r: Request, tokens: list[int], logprobs: list[dict] | None) -> int:

@@ -281,7 +281,9 @@ class KPolicy:
         self.batch_mode = True
         kmax = min(self.spec.k_max, max(room, default=0))
         if len(self.cost.target_obs) < 2 or not self.cost.draft_obs:  # nothing measured yet: the configured k
-            k = min(self.spec.k, kmax)  # (with no draft step timed, drafting would look free)
+            # (with no draft step timed, drafting would look free), at least 2: k = 1 rounds time no draft step
+            # in ordinary rounds (ModelDrafter times steps 1..), so k = 0 or 1 would never measure one
+            k = min(max(self.spec.k, 2), kmax)
         else:
             ests = [self._estimate(rid) for rid in req_ids]
             n = len(req_ids)

@@ -31,7 +31,7 @@ from typing import Callable, Generator
 
 import torch
 
-from ..devices import h2d, to_host_async
+from ..devices import Marks, h2d, to_host_async
 from ..kvcache.pool import OutOfBlocks
 from ..request import Request
 from .sampler import forcing
@@ -73,12 +73,15 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
                            commit: Callable[[Request, list[int], int], int],
                            verdict: Callable = greedy_chain_verdict,
                            should_stop: Callable[[], bool] | None = None,
-                           max_rounds: int | None = None) -> Generator[int, None, int]:
+                           max_rounds: int | None = None,
+                           timing: Callable[[float, float], None] | None = None) -> Generator[int, None, int]:
     """Speculative rounds of k drafts for `requests` with one round in flight. Yields the tokens committed per
     round; returns the number of rounds launched. commit(request, tokens, accepted) commits one round's tokens
     (stop checks included) and returns how many it took. verdict(logits, drafts) -> (tokens, accepted): the
     verification rule (greedy; benchmarks substitute synthetic acceptance). Stops when a request has finished,
-    should_stop() says so, max_rounds rounds were launched, or another round could pass a request's limits."""
+    should_stop() says so, max_rounds rounds were launched, or another round could pass a request's limits.
+    timing(draft_seconds, verify_seconds): each committed round's k draft steps and verify forward, timed in stream
+    order (CUDA events, read once the round's verdict is on the host): the k policy's cost model."""
     tkv, dkv = target.kv, drafter.runner.kv
     gr, dgr = target.graphs, drafter.runner.graphs
     dev = target.device
@@ -106,26 +109,36 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
             reserve()
         except OutOfBlocks:  # the pools ran out: the ordinary rounds preempt
             return None
+        marks = Marks(dev) if timing is not None else None
+        if marks is not None:
+            marks.mark()
         logits = dgr.run_uniform(last2, L - 1, 1, drafter.num_layers)  # [B, V]: feeds L - 1, L
         drafts = [logits.argmax(-1)]
         for j in range(1, k):
             logits = dgr.run_uniform(drafts[-1].view(b, 1), L + j, 1, drafter.num_layers)
             drafts.append(logits.argmax(-1))
         d = torch.stack(drafts, 1)  # [B, k]
+        if marks is not None:
+            marks.mark()
         logits = gr.run_uniform(torch.cat([last2[:, 1:], d], 1), L, k + 1)  # [B * (k+1), V]
+        if marks is not None:
+            marks.mark()
         tokens, accepted = verdict(logits, d)
         prev = torch.where(accepted > 0, d[rows, (accepted - 1).clamp(min=0)], last2[:, 1])
         start = L.clone()
         last2 = torch.stack([prev, tokens[rows, accepted]], 1)
         L = L + accepted + 1
-        return to_host_async(torch.cat([tokens, accepted.view(b, 1), start.view(b, 1)], 1))  # [B, k + 3]
+        out, done = to_host_async(torch.cat([tokens, accepted.view(b, 1), start.view(b, 1)], 1))  # [B, k + 3]
+        return out, done, marks
 
     last_round: dict[int, tuple[int, int]] = {}  # req_id -> (L at the round's start, accepted) of its last commit
 
     def commit_round(step, only_unfinished: bool) -> int:
-        out, done = step
+        out, done, marks = step
         if done is not None:
             done.synchronize()
+        if marks is not None:
+            timing(marks.seconds(0, 1), marks.seconds(1, 2))
         produced = 0
         for i, (r, row) in enumerate(zip(requests, out.tolist())):
             if only_unfinished and r.finished:

@@ -16,6 +16,7 @@ import argparse
 import datetime
 import gc
 import json
+import os
 import platform
 import sys
 import time
@@ -370,7 +371,7 @@ def main(argv=None) -> int:
                     help="the EAGLE head's linears (auto: the target's layout when it is quantized; none: fp32)")
     ap.add_argument("--out", default="benchmarks/results/cpu_pair.json")
     args = ap.parse_args(argv)
-    __import__("os").environ["FORERUN_EAGLE_QUANTIZE"] = args.eagle_head_quantize  # read by EagleDrafter
+    os.environ["FORERUN_EAGLE_QUANTIZE"] = args.eagle_head_quantize  # read by EagleDrafter
     if args.threads:
         torch.set_num_threads(args.threads)
     prompts = list(CODE_PROMPTS[: args.num_prompts])

@@ -212,14 +212,8 @@ def test_adaptive_k_learns_costs_inside_sessions_and_drops_a_useless_draft(model
     right, adaptive k falls to 0 after its first rounds. (When sessions fed the cost model nothing, no draft
     step was ever timed, drafting looked free, and a useless draft ran at k = 4..8 throughout.)"""
     target, _ = models
-    tok = tiny_tokenizer(97)
     useless = ours_from_hf(hf_model("llama", seed=7, num_hidden_layers=1))
-    eng = Engine.from_model(ours_from_hf(target).model, tok, device="cpu", overlap_spec=True,
-                            spec=SpecConfig(method="draft", draft_model=(useless.model, tok), adaptive=True, k_max=8),
-                            cache=CacheConfig(block_size=16, num_blocks=1024))
-    for runner in (eng.runner, eng.drafter.runner):
-        runner.graphs = GraphRunner(runner, batch_sizes=(1, 2, 4, 8), max_q_len=9, use_graphs=False)
-    eng.scheduler.draft_prefill = False
+    eng = make((target, useless), dict(adaptive=True, k_max=8), blocks=4096)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 90) for _ in range(20)] for _ in range(8)]
     sp = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
@@ -235,14 +229,8 @@ def test_a_probe_in_a_session_drafts(models, monkeypatch):
     launch the probe's round: asking the policy again before the first launch spent the probe (the session
     ended with no round, the acceptance was never re-measured, and each such probe doubled the wait)."""
     target, _ = models
-    tok = tiny_tokenizer(97)
     same = ours_from_hf(target)  # the draft is the target: every draft is right
-    eng = Engine.from_model(ours_from_hf(target).model, tok, device="cpu", overlap_spec=True,
-                            spec=SpecConfig(method="draft", draft_model=(same.model, tok), adaptive=True, k_max=4),
-                            cache=CacheConfig(block_size=16, num_blocks=1024))
-    for runner in (eng.runner, eng.drafter.runner):
-        runner.graphs = GraphRunner(runner, batch_sizes=(1, 2, 4, 8), max_q_len=9, use_graphs=False)
-    eng.scheduler.draft_prefill = False
+    eng = make((target, same), dict(adaptive=True, k_max=4), blocks=4096)
     for _ in range(300):  # a past stretch where drafting failed: the policy starts at k = 0, then probes
         eng.k_policy.overall.update(4, 0)
     launched = []

@@ -1,0 +1,64 @@
+"""forerun.eagle.tree_sim: replaying chains and trees against a known greedy continuation gives the acceptance a
+real round (draft -> target forward -> greedy verification) gives."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forerun.config import CacheConfig
+from forerun.drafters.eagle import EagleDrafter
+from forerun.eagle.tree_sim import accepted_in_chain, accepted_in_tree, decode_ids, parse_shapes, replay
+
+from test_eagle import _request, random_head, run_rounds
+from tiny import hf_model, ours_from_hf
+
+
+def test_accepted_counts():
+    # root 0 -> 1 (a), 2 (b); 1 -> 3 (c); 3 -> 4 (d); 2 -> 5 (c)
+    toks, par = [9, 1, 2, 3, 4, 3], [-1, 0, 0, 1, 3, 2]
+    assert accepted_in_tree(toks, par, [1, 3, 4, 7]) == 3
+    assert accepted_in_tree(toks, par, [2, 3, 4]) == 2
+    assert accepted_in_tree(toks, par, [5]) == 0
+    assert accepted_in_tree(toks, par, [1, 3]) == 2  # the truth ends first
+    assert accepted_in_chain([1, 2, 3], [1, 2, 4]) == 2
+    assert accepted_in_chain([1, 2], [1, 2, 4]) == 2
+    assert parse_shapes("4,4,16; 2,3,5") == [(4, 4, 16), (2, 3, 5)]
+
+
+def half_right_head(target):
+    """An EAGLE-1 head that drafts the target's own next token from the feature, blurred by a random layer: the
+    tiny target repeats its last token, and this head gets about half its drafts accepted."""
+    head = random_head(target, 1)
+    h = head.fc.weight.shape[0]
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.bias.zero_()
+        head.fc.weight[:, h:] = torch.eye(h)
+    return head
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_replay_matches_real_rounds(tree):
+    """The same head through the mini engine of test_eagle (a target forward verifies every draft) and through
+    the replay: the same accepted drafts and rounds."""
+    hf = hf_model("qwen2")
+    target = ours_from_hf(hf, num_blocks=512)
+    head = half_right_head(target.model)
+    n = 20
+    prompts = [[5, 6, 7, 8, 9], [11, 3, 90, 2, 2, 2, 40, 41], [60, 61]]
+    kw = dict(tree_topk=3, tree_steps=3, tree_nodes=8)
+    real = EagleDrafter(target, head, cache=CacheConfig(block_size=4, num_blocks=512), **kw)
+    stats = {"accepted": 0, "rounds": 0}
+    for i, p in enumerate(prompts):  # one request at a time (the replay's batch)
+        s = run_rounds(target, real, [_request(i, p)], n, k=3, tree=tree)
+        stats["accepted"] += s["accepted"]
+        stats["rounds"] += s["rounds"]
+    layers = real.target_hidden_layers
+    samples = [dict(decode_ids(target, p, n + 8, layers), limit=n) for p in prompts]
+    trace: list = []
+    got = replay(target, head, samples, k=3, shape=(3, 3, 8) if tree else None,
+                 cache=CacheConfig(block_size=4, num_blocks=512), trace=trace)
+    assert got["accepted"] == stats["accepted"]
+    assert got["rounds"] == stats["rounds"]
+    assert 0 < got["accepted"] < 3 * got["rounds"], "the check needs a head that is right only sometimes"
+    assert sum(map(sum, trace)) == got["accepted"]

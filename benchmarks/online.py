@@ -147,10 +147,13 @@ def drive(eng: Engine, prompts: list[list[int]], new_tokens: int, *, concurrency
     outstanding = 0
     late_id = None
     steps, slow = [], []  # seconds of each engine step; (seconds, deltas, graph counts, k) when tracing
+    kinds: dict[str, list] = {}  # where the time went: kind of step -> [steps, seconds, tokens]
     trace_slow = os.environ.get("ONLINE_TRACE_SLOW") == "1"
     global _PROBE
     if trace_slow and _PROBE is None:
         _PROBE = _StallProbe()
+
+    rounds = _RoundTrace(eng) if os.environ.get("ONLINE_TRACE_ROUNDS") == "1" else None
 
     def add(prompt, now):
         nonlocal outstanding
@@ -176,9 +179,14 @@ def drive(eng: Engine, prompts: list[list[int]], new_tokens: int, *, concurrency
         g0 = _graph_counts(eng) if trace_slow else None
         if trace_slow:
             _PROBE.take()
+        kind = _step_kind(eng)
         deltas = eng.step()
         dt = time.perf_counter() - ts0
         steps.append(dt)
+        if kind == "round" and getattr(eng, "_overlap", None) is not None:
+            kind = "session start"
+        k = kinds.setdefault(kind, [0, 0.0, 0])
+        k[0], k[1], k[2] = k[0] + 1, k[1] + dt, k[2] + sum(len(d.new_token_ids) for d in deltas)
         if trace_slow:  # what a step that took long did: graph replays / eager steps / captures, requests, k
             gc_s, compiles = _PROBE.take()
             slow.append((dt, len(deltas), {k: v - g0.get(k, 0) for k, v in _graph_counts(eng).items()
@@ -212,7 +220,10 @@ def drive(eng: Engine, prompts: list[list[int]], new_tokens: int, *, concurrency
                split_rounds=getattr(eng.round, "split_rounds", 0))
     med = percentile(steps, 50)  # stalls: time of steps that took > 5x the median step, beyond the median
     res.update(steps=len(steps), step_p50=med, step_max=max(steps),
-               stall_s=sum(x - med for x in steps if x > 5 * med))
+               stall_s=sum(x - med for x in steps if x > 5 * med),
+               step_kinds={k: dict(steps=v[0], seconds=round(v[1], 4), tokens=v[2]) for k, v in sorted(kinds.items())})
+    if rounds is not None:
+        res["round_trace"] = rounds.close()
     if trace_slow:
         res["slowest_steps"] = [dict(seconds=round(a, 4), deltas=b, graphs=c, gc_s=g, compiles=k)
                                 for a, b, c, g, k in sorted(slow, key=lambda r: -r[0])[:6]]
@@ -220,6 +231,50 @@ def drive(eng: Engine, prompts: list[list[int]], new_tokens: int, *, concurrency
         res.update(step_gap_p50=percentile(gaps, 50), step_gap_p99=percentile(gaps, 99), step_gap_max=max(gaps),
                    long_prompt_ttft=info[late_id]["times"][0] - info[late_id]["arrive"] if late_id else None)
     return res
+
+
+class _RoundTrace:
+    """ONLINE_TRACE_ROUNDS=1: where ordinary rounds spend their time, rounds carrying prefill apart from pure ones
+    (the device is synchronised around each round: wall times, and the round's own draft / target phase times)."""
+
+    def __init__(self, eng: Engine) -> None:
+        self.eng, self.run = eng, eng.round.run
+        self.acc: dict[str, list[float]] = {}
+        eng.round.run = self._run
+
+    def _run(self, items):
+        sync = torch.cuda.synchronize if self.eng.device.type == "cuda" else (lambda: None)
+        sync()
+        t = time.perf_counter()
+        res = self.run(items)
+        sync()
+        wall = time.perf_counter() - t
+        pre = [it for it in items if it.feed > 1]  # prompt chunks (a prompt's last chunk samples: final)
+        key = "prefill" if pre else "pure"
+        a = self.acc.setdefault(key, [0] * 8)
+        vals = (1, wall, res.draft_seconds, res.target_seconds, sum(it.feed for it in pre), len(pre),
+                len(items) - len(pre), max((it.k for it in items), default=0))
+        for i, v in enumerate(vals):
+            a[i] += v
+        return res
+
+    def close(self) -> dict:
+        self.eng.round.run = self.run
+        names = ("rounds", "wall_s", "draft_s", "target_s", "prefill_tokens", "prefill_items", "final_items", "sum_max_k")
+        return {k: {n: round(v, 4) for n, v in zip(names, a)} for k, a in self.acc.items()}
+
+
+def _step_kind(eng: Engine) -> str:
+    """What the next step will be: inside an overlapped session ("session": plain or speculative), or an
+    ordinary round that carries prefill (a waiting request or a prompt not fully read: "round + prefill") or not
+    ("round"; one that starts a session is counted as "session start" afterwards)."""
+    ov = getattr(eng, "_overlap", None)
+    if ov is not None:
+        return "spec session" if len(ov) > 2 and ov[2] else "plain session"
+    sched, kv = eng.scheduler, eng.runner.kv
+    if sched.waiting or any(not kv.has(r.req_id) or kv.length(r.req_id) < r.num_tokens - 1 for r in sched.running):
+        return "round + prefill"
+    return "round"
 
 
 def _graph_counts(eng: Engine) -> dict:
@@ -270,7 +325,7 @@ def run_grid(make_engine, prompts_for, new_tokens: int, concurrencies, configs, 
             log(f"{name:>26} c={c:<3} {r['tok_s']:8.1f} tok/s  TTFT p50 {r['ttft_p50'] * 1e3:7.1f} ms  "
                 f"TPOT p50/p99 {r['tpot_p50'] * 1e3:6.2f}/{r['tpot_p99'] * 1e3:6.2f} ms  acc {r['acceptance']}  {r['graphs']}  "
                 f"steps {r['steps']} p50 {r['step_p50'] * 1e3:.2f} ms max {r['step_max'] * 1e3:.0f} ms "
-                f"stalls {r['stall_s']:.2f} s" + (f"  slowest {r['slowest_steps'][:3]}" if "slowest_steps" in r else ""))
+                f"stalls {r['stall_s']:.2f} s  kinds {r['step_kinds']} {r.get('round_trace', '')}" + (f"  slowest {r['slowest_steps'][:3]}" if "slowest_steps" in r else ""))
         for i, rate in enumerate(rates):
             hist = getattr(eng, "_k_hist", None)
             if hist is not None:
@@ -282,7 +337,7 @@ def run_grid(make_engine, prompts_for, new_tokens: int, concurrencies, configs, 
             rows.append(r)
             log(f"{name:>26} Poisson {rate:g}/s {r['tok_s']:8.1f} tok/s  TTFT p50/p99 {r['ttft_p50'] * 1e3:7.1f}/"
                 f"{r['ttft_p99'] * 1e3:7.1f} ms  TPOT p50/p99 {r['tpot_p50'] * 1e3:6.2f}/{r['tpot_p99'] * 1e3:6.2f} ms  "
-                f"acc {r['acceptance']}")
+                f"acc {r['acceptance']}  kinds {r['step_kinds']} {r.get('round_trace', '')}")
         del eng
         free_memory()
     return rows
@@ -412,6 +467,8 @@ def gpu_main(args) -> dict:
         for tag, ovs in modes:
             configs += [(f"k=4, {label}{tag}", (a, dict(k=4), ovs)),
                         (f"adaptive, {label}{tag}", (a, dict(adaptive=True, k_max=8), ovs))]
+    if args.only:  # e.g. --only plain adaptive: a shorter run
+        configs = [c for c in configs if any(c[0].startswith(o) for o in args.only)]
     rows = run_grid(make_warm, lambda n: rng.sample(pool, min(n, len(pool))), new, args.concurrency, configs, log,
                     rates=args.rates, poisson_requests=args.poisson_requests)
     if args.no_4k:
@@ -490,6 +547,8 @@ def main() -> None:
     ap.add_argument("--rates", type=float, nargs="*", default=None,
                     help="GPU: Poisson arrival rates (requests/s) run after the closed loop (default 10 40 100)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--only", nargs="+", default=None, help="GPU: run only the configs whose names start so "
+                    "(plain, k=4, adaptive)")
     ap.add_argument("--profile", action="store_true", help="GPU: profile one speculative run instead")
     ap.add_argument("--no-4k", action="store_true", help="GPU: only the concurrency sweep (no 4k-prompt check)")
     ap.add_argument("--overlap-spec", choices=["on", "off", "both"], default="on",

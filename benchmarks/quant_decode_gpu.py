@@ -160,6 +160,7 @@ def whole_model(bw: float, quick: bool, ctx0: int = 512) -> dict:
             del side.graphs
         if label == "q4_no_pdl":
             n = quantize_model_cuda(model)
+            model.ops.pdl_norms = True  # as enable_cuda_graphs sets it for int4 models
             log(f"quantized {n} linears to int4")
             torch.cuda.empty_cache()
         bytes_ = model_bytes(model)

@@ -387,7 +387,9 @@ def enable_cuda_graphs(runner: ModelRunner, max_q_len: int, batch_sizes: tuple[i
     if fused:
         from ..kernels.layer_ops import FusedLayerOps
 
-        runner.model.ops = FusedLayerOps()
+        # int4 products (CudaQ4Linear) fetch weights before waiting on the norm before them: the norm waits too
+        runner.model.ops = FusedLayerOps(pdl_norms=True if any(hasattr(m, "qw32") for m in runner.model.modules())
+                                         else None)
     else:
         compile_elementwise(runner.model)
     sizes = tuple(b for b in batch_sizes if b <= runner.buffers.max_seqs and b * max_q_len <= runner.buffers.max_tokens)

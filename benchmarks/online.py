@@ -411,10 +411,10 @@ def gpu_main(args) -> dict:
     def make(spec_kw):
         if spec_kw is None:
             return Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64)
-        a, kw, overlapped = spec_kw
+        a, kw, overlapped, mixed = (*spec_kw, True)[:4]
         eng = Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64,
                                 spec=SpecConfig(method="draft", draft_model=(draft, tok), **kw),
-                                overlap_spec=overlapped)
+                                overlap_spec=overlapped, mixed_prefill=mixed)
         if a > 0:
             eng.round.sampler = eng.sampler = SyntheticSampler(a)
         return eng
@@ -464,9 +464,12 @@ def gpu_main(args) -> dict:
         label = "useless draft" if a == 0 else f"a={a}"
         modes = {"on": (("", True),), "off": (("", False),),
                  "both": (("", True), (", not overlapped", False))}[args.overlap_spec]
+        mixes = {"on": ((True, ""),), "off": ((False, ", prompts alone"),),
+                 "both": ((True, ""), (False, ", prompts alone"))}[args.mixed_prefill]
         for tag, ovs in modes:
-            configs += [(f"k=4, {label}{tag}", (a, dict(k=4), ovs)),
-                        (f"adaptive, {label}{tag}", (a, dict(adaptive=True, k_max=8), ovs))]
+            for mixed, mtag in mixes:
+                configs += [(f"k=4, {label}{tag}{mtag}", (a, dict(k=4), ovs, mixed)),
+                            (f"adaptive, {label}{tag}{mtag}", (a, dict(adaptive=True, k_max=8), ovs, mixed))]
     if args.only:  # e.g. --only plain adaptive: a shorter run
         configs = [c for c in configs if any(c[0].startswith(o) for o in args.only)]
     rows = run_grid(make_warm, lambda n: rng.sample(pool, min(n, len(pool))), new, args.concurrency, configs, log,
@@ -547,6 +550,9 @@ def main() -> None:
     ap.add_argument("--rates", type=float, nargs="*", default=None,
                     help="GPU: Poisson arrival rates (requests/s) run after the closed loop (default 10 40 100)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--mixed-prefill", choices=["on", "off", "both"], default="on",
+                    help="GPU: new prompts share rounds with verify rows (on, the default) or are read alone while "
+                         "the others run overlapped sessions (off: Engine(mixed_prefill=False))")
     ap.add_argument("--only", nargs="+", default=None, help="GPU: run only the configs whose names start so "
                     "(plain, k=4, adaptive)")
     ap.add_argument("--profile", action="store_true", help="GPU: profile one speculative run instead")

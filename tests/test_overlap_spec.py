@@ -29,12 +29,13 @@ def models():
     return sharpen(hf_model("llama"), 3.0), ours_from_hf(sharpen(hf_model("llama", seed=1, num_hidden_layers=1), 3.0))
 
 
-def make(models, spec_kw=None, overlap_spec=True, blocks=2048) -> Engine:
+def make(models, spec_kw=None, overlap_spec=True, blocks=2048, mixed_prefill=True) -> Engine:
     target, draft = models
     tok = tiny_tokenizer(97)
     spec = None if spec_kw is None else SpecConfig(method="draft", draft_model=(draft.model, tok), **spec_kw)
     eng = Engine.from_model(ours_from_hf(target).model, tok, spec=spec, device="cpu", check_invariants=True,
-                            cache=CacheConfig(block_size=4, num_blocks=blocks), overlap_spec=overlap_spec)
+                            cache=CacheConfig(block_size=4, num_blocks=blocks), overlap_spec=overlap_spec,
+                            mixed_prefill=mixed_prefill)
     if spec is not None:  # eager stand-ins for the CUDA graphs, on both runners (as enable_cuda_graphs does)
         for runner in (eng.runner, eng.drafter.runner):
             runner.graphs = GraphRunner(runner, batch_sizes=(1, 2, 4, 8), max_q_len=eng.spec.max_draft_tokens + 1,
@@ -142,6 +143,46 @@ def test_overlapped_rounds_with_arrivals_finishes_and_aborts(models, sessions):
     assert sessions["sessions"] >= 2
     assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
     assert eng.drafter.kv.num_free_blocks == eng.drafter.kv.num_blocks - 1
+
+
+@pytest.mark.parametrize("budget", [8192, 24])
+def test_prompts_read_alone_between_sessions_keep_outputs(models, sessions, budget):
+    """mixed_prefill=False: while the others run overlapped sessions, an arrival's prompt is read in a round of its
+    own (the running requests sit it out); outputs still equal plain greedy, every block comes back. With a
+    24-token budget the 40- and 77-token prompts are read in chunks: after the first chunk the rounds mix again."""
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (20, 7, 16, 11, 24, 9)]
+    arrivals = [0, 0, 3, 9, 12, 20]
+    want = run(make(models), PROMPTS, params, arrivals)
+    eng = make(models, dict(k=3), mixed_prefill=False)
+    eng.scheduler.budget = budget
+    alone = []
+    real = eng.scheduler.schedule
+
+    def spy(k_for, prefill_only=False):
+        out = real(k_for, prefill_only)
+        if prefill_only and out.items:
+            alone.append([(it.request.external_id, it.feed, it.k) for it in out.items])
+        return out
+
+    eng.scheduler.schedule = spy
+    got = run(eng, PROMPTS, params, arrivals)
+    assert got == want
+    # requests arriving while others run: their rounds read prompts only (nothing past its prefill, no drafts)
+    ids = [rid for items in alone for rid, _, _ in items]
+    assert set(ids) >= ({"2", "4", "5"} if budget > 100 else {"2", "5"}), alone
+    assert all(k == 0 for items in alone for _, _, k in items)
+    if budget == 24:  # a prompt read in chunks: only its first chunk is read alone, the rest mixes
+        assert all(feed <= 24 for items in alone for _, feed, _ in items) and ids.count("3") <= 1, alone
+    assert sessions["sessions"] >= 3
+    assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
+    assert eng.drafter.kv.num_free_blocks == eng.drafter.kv.num_blocks - 1
+    # mixed (the default): no round reads prompts alone
+    eng2 = make(models, dict(k=3))
+    flags = []
+    real2 = eng2.scheduler.schedule
+    eng2.scheduler.schedule = lambda k_for, prefill_only=False: (flags.append(prefill_only), real2(k_for, prefill_only))[1]
+    assert run(eng2, PROMPTS, params, arrivals) == want
+    assert flags and not any(flags)
 
 
 def test_sampled_requests_take_ordinary_rounds(models, sessions):

@@ -105,15 +105,19 @@ class Engine:
                  dtype: torch.dtype | None = None, cache: CacheConfig | None = None, max_num_seqs: int = 64,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 8192, seed: int = 0,
                  check_invariants: bool = False, cuda_graphs: bool = True, overlap: bool = True,
-                 overlap_spec: bool = True,
+                 overlap_spec: bool = True, mixed_prefill: bool = True,
                  draft_cache: CacheConfig | None = None, quantize: str = "none", _loaded=None) -> None:
         """quantize: weights of models loaded by name / path: "none" (float), "int8" / "int4" (kept quantized,
         CPU; GGUF Q4 blocks exactly as int4), "auto" (GGUF files: int4 with forerun's AVX512-VNNI kernel, else int8).
         See docs/quantization.md. overlap_spec: overlapped speculative rounds (engine/overlap_spec.py; greedy
         requests, a separate draft model, CUDA graphs; on by default since the eighth session's H200 run:
-        1.41-1.77x plain at 1-4 requests against 1.17-1.54x without it, `benchmarks/online.py --overlap-spec`)."""
+        1.41-1.77x plain at 1-4 requests against 1.17-1.54x without it, `benchmarks/online.py --overlap-spec`).
+        mixed_prefill: new prompts share a round with the running requests' verify rows (chunked prefill as vLLM
+        mixes it). False: while the running requests draft in overlapped sessions, arrivals prefill in a round of
+        their own (as SGLang runs prefill batches apart), so the others' next round is a session round again
+        instead of a split forward with eager drafting (see `_prefill_alone`; not yet measured on the H200)."""
         self.quantize = quantize
-        self.overlap_spec = overlap_spec
+        self.overlap_spec, self.mixed_prefill = overlap_spec, mixed_prefill
         EngineConfig(max_num_seqs, max_model_len, max_num_batched_tokens)  # validated: a bad value is named here
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
@@ -422,7 +426,9 @@ class Engine:
             return self._overlap_step()
         t_start = time.perf_counter()
         self.round.feed_prefill = not self.k_policy.idle()  # adaptive k at 0: new prompts skip the drafter
-        out = sched.schedule(self._k_for)
+        out = sched.schedule(self._k_for, prefill_only=True) if self._prefill_alone() else None
+        if out is None or not (out.items or out.failed):  # (no prompt could start: the usual round)
+            out = sched.schedule(self._k_for)
         self._ks_cache = None
         touched = []
         for r, msg in out.failed:
@@ -520,6 +526,20 @@ class Engine:
                                 step_time=self.k_policy.cost.record_target if self.drafter is not None else None)
         self._overlap = (gen, running, False)
         return True
+
+    def _prefill_alone(self) -> bool:
+        """Whether this round reads new prompts without the running requests (mixed_prefill off): they all run
+        greedy overlapped speculative rounds and would otherwise pay a mixed round (a split forward, the draft
+        catching up eagerly, one host wait) for ~2.5 tokens each. A prompt read alone costs its prefill; the
+        session that follows gives the others their tokens. Prompts still being read in chunks (a long one) keep
+        mixing, so the running requests are never held for more than one chunk."""
+        sched = self.scheduler
+        if (self.mixed_prefill or not self.overlap_spec or self.spec.method != "draft" or self.spec.is_tree
+                or not sched.waiting or not sched.running or self.runner.graphs is None or self.k_policy.idle()):
+            return False
+        running = list(sched.running)
+        k = self.spec.k if not self.spec.adaptive else max(1, self.spec.k)  # (the scope check only)
+        return spec_overlap_applies(self.runner, self.drafter, running, k, self.max_model_len)
 
     def _try_spec_overlap(self) -> bool:
         """Start a session of overlapped speculative rounds (engine/overlap_spec.py) when every running request

@@ -73,11 +73,12 @@ class Scheduler:
         return r.num_tokens - (self.kv.length(r.req_id) if self.kv.has(r.req_id) else 0)
 
     # -- one step --------------------------------------------------------------------------------------
-    def schedule(self, k_for: Callable[[list[Request]], list[int]]) -> SchedulerOutput:
-        """k_for(requests) -> drafts per request (capped by room) for the requests that sample this step."""
+    def schedule(self, k_for: Callable[[list[Request]], list[int]], prefill_only: bool = False) -> SchedulerOutput:
+        """k_for(requests) -> drafts per request (capped by room) for the requests that sample this step.
+        prefill_only: running requests past their prefill sit this step out (a round of prompts alone)."""
         out = SchedulerOutput()
         while True:
-            items = self._plan(k_for)
+            items = self._plan(k_for, prefill_only)
             need_t, need_d = self._blocks(items)
             if need_t <= self.kv.num_free_blocks and need_d <= self._draft_free():
                 break
@@ -134,10 +135,10 @@ class Scheduler:
         out.items = items
         return out
 
-    def _plan(self, k_for) -> list[RoundItem]:
+    def _plan(self, k_for, prefill_only: bool = False) -> list[RoundItem]:
         """Items for the running requests: decodes / verifies first, then prefill chunks, within the budget."""
         left = self.budget
-        steady = [r for r in self.running if self._missing(r) == 1]
+        steady = [] if prefill_only else [r for r in self.running if self._missing(r) == 1]
         ks = k_for(steady) if steady else []
         items: list[RoundItem] = []
         for r, k in zip(steady, ks):

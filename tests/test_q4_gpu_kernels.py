@@ -43,6 +43,13 @@ def test_cuda_q4_linear_dequantizes_its_groups_and_falls_back_off_gpu():
     assert lin.weight_bytes == 48 * 256 // 2 + 2 * 2 * 48 * 8
 
 
+def _in_interpreter(code: str) -> None:
+    """Run `code` (which prints "ok" at its end) in a fresh process under Triton's CPU interpreter."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
 def test_word_layout_kernels_in_interpreter():
     code = """
 import numpy as np
@@ -69,9 +76,7 @@ for m in (1, 2, 3, 16):
                 assert err < 5e-3, ("glu", fn.__name__, m, dot, bk, err)
 print("ok")
 """
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+    _in_interpreter(code)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX: CUDA only (run on the GPU machine)")
@@ -211,9 +216,7 @@ assert got.shape == (n, k)
 assert torch.equal(got, ref.reshape(n, k)), (got - ref.reshape(n, k)).abs().max()
 print("ok")
 """
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+    _in_interpreter(code)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (run on the GPU machine)")

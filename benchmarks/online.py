@@ -162,40 +162,43 @@ def drive(eng: Engine, prompts: list[list[int]], new_tokens: int, *, concurrency
         outstanding += 1
         return rid
 
-    while queue or eng.has_unfinished() or (late is not None and late_id is None):
-        now = time.perf_counter() - t0
-        if rate is None:
-            while queue and outstanding < concurrency:
-                add(queue.pop(0), now)
-        else:
-            while queue and arrivals[len(prompts) - len(queue)] <= now:
-                add(queue.pop(0), now)
-        if late is not None and late_id is None and now >= late[0]:
-            late_id = add(late[1], now)
-        if not eng.has_unfinished():
-            time.sleep(0.0005)
-            continue
-        ts0 = time.perf_counter()
-        g0 = _graph_counts(eng) if trace_slow else None
-        if trace_slow:
-            _PROBE.take()
-        kind = _step_kind(eng)
-        deltas = eng.step()
-        dt = time.perf_counter() - ts0
-        steps.append(dt)
-        if kind == "round" and getattr(eng, "_overlap", None) is not None:
-            kind = "session start"
-        k = kinds.setdefault(kind, [0, 0.0, 0])
-        k[0], k[1], k[2] = k[0] + 1, k[1] + dt, k[2] + sum(len(d.new_token_ids) for d in deltas)
-        if trace_slow:  # what a step that took long did: graph replays / eager steps / captures, requests, k
-            gc_s, compiles = _PROBE.take()
-            slow.append((dt, len(deltas), {k: v - g0.get(k, 0) for k, v in _graph_counts(eng).items()
-                                           if v != g0.get(k, 0)}, round(gc_s, 4), compiles[:4]))
-        for d in deltas:
-            t = time.perf_counter() - t0
-            info[d.request_id]["times"].extend([t] * len(d.new_token_ids))
-            if d.finished:
-                outstanding -= 1
+    try:
+        while queue or eng.has_unfinished() or (late is not None and late_id is None):
+            now = time.perf_counter() - t0
+            if rate is None:
+                while queue and outstanding < concurrency:
+                    add(queue.pop(0), now)
+            else:
+                while queue and arrivals[len(prompts) - len(queue)] <= now:
+                    add(queue.pop(0), now)
+            if late is not None and late_id is None and now >= late[0]:
+                late_id = add(late[1], now)
+            if not eng.has_unfinished():
+                time.sleep(0.0005)
+                continue
+            ts0 = time.perf_counter()
+            g0 = _graph_counts(eng) if trace_slow else None
+            if trace_slow:
+                _PROBE.take()
+            kind = _step_kind(eng)
+            deltas = eng.step()
+            dt = time.perf_counter() - ts0
+            steps.append(dt)
+            if kind == "round" and getattr(eng, "_overlap", None) is not None:
+                kind = "session start"
+            k = kinds.setdefault(kind, [0, 0.0, 0])
+            k[0], k[1], k[2] = k[0] + 1, k[1] + dt, k[2] + sum(len(d.new_token_ids) for d in deltas)
+            if trace_slow:  # what a step that took long did: graph replays / eager steps / captures, requests, k
+                gc_s, compiles = _PROBE.take()
+                slow.append((dt, len(deltas), {k: v - g0.get(k, 0) for k, v in _graph_counts(eng).items()
+                                               if v != g0.get(k, 0)}, round(gc_s, 4), compiles[:4]))
+            for d in deltas:
+                t = time.perf_counter() - t0
+                info[d.request_id]["times"].extend([t] * len(d.new_token_ids))
+                if d.finished:
+                    outstanding -= 1
+    finally:  # the engine's round.run back as it was, even if a step raised
+        trace = rounds.close() if rounds is not None else None
     end = time.perf_counter() - t0
     ttft, tpot, gaps = [], [], []
     for rid, v in info.items():
@@ -222,8 +225,8 @@ def drive(eng: Engine, prompts: list[list[int]], new_tokens: int, *, concurrency
     res.update(steps=len(steps), step_p50=med, step_max=max(steps),
                stall_s=sum(x - med for x in steps if x > 5 * med),
                step_kinds={k: dict(steps=v[0], seconds=round(v[1], 4), tokens=v[2]) for k, v in sorted(kinds.items())})
-    if rounds is not None:
-        res["round_trace"] = rounds.close()
+    if trace is not None:
+        res["round_trace"] = trace
     if trace_slow:
         res["slowest_steps"] = [dict(seconds=round(a, 4), deltas=b, graphs=c, gc_s=g, compiles=k)
                                 for a, b, c, g, k in sorted(slow, key=lambda r: -r[0])[:6]]

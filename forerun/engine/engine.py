@@ -161,6 +161,8 @@ class Engine:
         self._overlap = None  # (generator, requests) of an overlapped decoding session in progress
         self._clock_in, self._clock_t0 = 0.0, 0.0  # seconds spent inside overlapped sessions' steps (_clock)
         self._ks_cache: dict[int, int] | None = None
+        self._no_session = False  # the last speculative session launched nothing (no blocks): skip one start
+        self._alone = False  # the last round read prompts alone (mixed_prefill off): the next one includes all
         self._spec_totals = RequestStats()
         self._spec_num_drafts = 0
 
@@ -423,11 +425,15 @@ class Engine:
     def _round_step(self) -> list[Request]:
         sched = self.scheduler
         if self._try_spec_overlap() or self._try_overlap():
+            self._alone = False  # (the running requests take part in the session)
             return self._overlap_step()
         t_start = time.perf_counter()
         self.round.feed_prefill = not self.k_policy.idle()  # adaptive k at 0: new prompts skip the drafter
-        out = sched.schedule(self._k_for, prefill_only=True) if self._prefill_alone() else None
-        if out is None or not (out.items or out.failed):  # (no prompt could start: the usual round)
+        out = None
+        if self._prefill_alone():  # (prompts read alone draft nothing: the k policy is not asked)
+            out = sched.schedule(lambda reqs: [0] * len(reqs), prefill_only=True)
+        self._alone = out is not None and bool(out.items or out.failed)
+        if not self._alone:  # the usual round (also when no prompt could start alone)
             out = sched.schedule(self._k_for)
         self._ks_cache = None
         touched = []
@@ -531,13 +537,20 @@ class Engine:
         """Whether this round reads new prompts without the running requests (mixed_prefill off): they all run
         greedy overlapped speculative rounds and would otherwise pay a mixed round (a split forward, the draft
         catching up eagerly, one host wait) for ~2.5 tokens each. A prompt read alone costs its prefill; the
-        session that follows gives the others their tokens. Prompts still being read in chunks (a long one) keep
-        mixing, so the running requests are never held for more than one chunk."""
+        session that follows gives the others their tokens. At most one such round runs between two rounds of
+        the running requests, and only for an arrival that can join their session (greedy, in the session's
+        scope, a graph for the larger batch); a prompt read in chunks mixes after its first chunk."""
         sched = self.scheduler
+        if self._alone:  # the running requests sat the last round out: they take part in this one
+            return False
         if (self.mixed_prefill or not self.overlap_spec or self.spec.method != "draft" or self.spec.is_tree
                 or not sched.waiting or not sched.running or self.runner.graphs is None or self.k_policy.idle()):
             return False
-        running = list(sched.running)
+        running, new = list(sched.running), sched.waiting[0]
+        p = new.params
+        if (p.temperature != 0 or p.logprobs is not None or getattr(new, "grammar", None) is not None
+                or forcing(new) or self.runner.graphs.bucket(len(running) + 1) is None):
+            return False
         k = self.spec.k if not self.spec.adaptive else max(1, self.spec.k)  # (the scope check only)
         return spec_overlap_applies(self.runner, self.drafter, running, k, self.max_model_len)
 
@@ -545,6 +558,9 @@ class Engine:
         """Start a session of overlapped speculative rounds (engine/overlap_spec.py) when every running request
         is past its prefill, nothing waits, the batch drafts one k > 0 and the session's scope fits."""
         sched = self.scheduler
+        if self._no_session:  # the last session could not launch a round: one ordinary round first
+            self._no_session = False
+            return False
         if (not self.overlap_spec or self.spec.method != "draft" or self.spec.is_tree or not self.spec.enabled
                 or sched.waiting or not sched.running):
             return False
@@ -622,6 +638,8 @@ class Engine:
         finally:
             self._clock_in += time.perf_counter() - self._clock_t0
         self._overlap = None
+        if spec and not launched:  # its first round found no blocks (OutOfBlocks): the next step runs an
+            self._no_session = True  # ordinary round, which preempts; starting the session again would spin
         if self.check_invariants:
             self._check(running)
         if self.drafter is not None and not spec:

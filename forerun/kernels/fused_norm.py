@@ -26,14 +26,14 @@ USE_PDL = [False]
 def _add_rmsnorm_kernel(
     X, Res, W, Y, S,  # [T, H] each (W: [H])
     H, eps, stride_x, stride_r, stride_y, stride_s,
-    BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_RES: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr,
 ):
     if PDL:  # a following matrix product may launch now and fetch its weights (forerun/kernels/pdl.py)
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < H
-    if PDL:  # launched early too: X and Res are written by the kernels before
+    if WAIT:  # launched early too (with launch_pdl): X and Res are written by the kernels before
         gdc_wait()
     s = tl.load(X + row * stride_x + offs, mask=ok, other=0.0)
     if HAS_RES:
@@ -50,18 +50,20 @@ def _add_rmsnorm_kernel(
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                 pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual: [T, H]. Returns (rmsnorm(x + residual), x + residual); without a residual, (rmsnorm(x), x).
-    pdl: launch with programmatic dependent launch where supported (None: USE_PDL)."""
+    pdl: launch with programmatic dependent launch, waiting on the kernel before (None: USE_PDL); where PDL is
+    supported the kernel always lets the next one launch early."""
     t, h = x.shape
     y = torch.empty_like(x)
     s = torch.empty_like(x) if residual is not None else x
     if t:
         block = triton.next_power_of_2(h)
-        pdl = (USE_PDL[0] if pdl is None else pdl) and pdl_enabled(x)
+        trigger = pdl_enabled(x)  # (always: a kernel launched without PDL may trigger its successor)
+        wait = (USE_PDL[0] if pdl is None else pdl) and trigger
         _add_rmsnorm_kernel[(t,)](
             x, residual if residual is not None else x, weight, y, s, h, eps,
             x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0), s.stride(0),
-            BLOCK=block, HAS_RES=residual is not None, PDL=pdl, num_warps=max(1, min(16, block // 256)),
-            **launch_kwargs(pdl),
+            BLOCK=block, HAS_RES=residual is not None, PDL=trigger, WAIT=wait,
+            num_warps=max(1, min(16, block // 256)), **launch_kwargs(wait),
         )
     return y, s
 

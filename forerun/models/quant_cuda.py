@@ -2,8 +2,9 @@
 
 `CudaQ4Linear` holds a matrix in the word layout of forerun/kernels/quant_gemm.py (int32 words of 8 codes, a
 bf16 scale and offset per 32 weights: 5 bits per weight, w = q * scale + zero). Products with at most 16 rows
-(decode, verification) run the Triton kernel `q4w_linear`, which streams the 4-bit codes once; larger ones
-(prefill) dequantize the matrix to bf16 and use cuBLAS. A fused gate/up matrix also offers `glu(x)`: the
+(decode, verification) run one of the Triton kernels (`KERNELS`), which stream the 4-bit codes once; up to
+`CudaQ4Linear.CHUNKED_ROWS` rows run as 16-row calls; larger ones (prefill) dequantize the matrix to bf16 in one
+pass (`dequantize_int4_w32`) and use cuBLAS. A fused gate/up matrix also offers `glu(x)`: the
 SwiGLU in the kernel's epilogue, as FusedLayerOps does for bf16.
 
 `quantize_model_cuda(model)` replaces every decoder linear (and the head) of a bf16 model on the GPU by its
@@ -13,7 +14,6 @@ forerun/kernels/q4_configs.json (written by benchmarks/quant_decode_gpu.py) per 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -97,8 +97,8 @@ class CudaQ4Linear(nn.Module):
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qw32, self.scale, self.zero))
 
-    def dequantized(self) -> torch.Tensor:  # [N, K] in self.dtype (products of more than MAX_ROWS rows)
-        if self.qw32.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+    def dequantized(self) -> torch.Tensor:  # [N, K] in self.dtype (products of more than CHUNKED_ROWS rows)
+        if self.qw32.is_cuda:  # the one-pass kernel (tests run it under the interpreter directly)
             return dequantize_int4_w32(self.qw32, self.scale, self.zero, self.dtype)
         return self.dequantized_reference()
 

@@ -191,13 +191,16 @@ def test_prompts_read_alone_between_sessions_keep_outputs(models, sessions, budg
     assert flags and not any(flags)
 
 
-def test_a_session_that_finds_no_blocks_gives_way_to_an_ordinary_round(models, sessions):
-    """Arrivals fill a small pool: a session whose first round cannot reserve its blocks ends empty, and the next
-    step runs an ordinary round, which preempts (starting the session again spun forever, no preemption)."""
+@pytest.mark.parametrize("spec_kw,blocks", [(dict(k=3), 60), (dict(adaptive=True, k_max=4), 50),
+                                            (dict(adaptive=True, k_max=4), 60)])
+def test_a_session_that_finds_no_blocks_gives_way_to_an_ordinary_round(models, sessions, spec_kw, blocks):
+    """Arrivals fill a small pool: a session whose first step cannot reserve its blocks ends empty, and the next
+    step runs an ordinary round, which preempts. Speculative sessions (k = 3) used to start again forever with no
+    preemption; plain overlapped sessions (adaptive k, which falls to 0 with this pair) raised OutOfBlocks."""
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (30, 22, 30, 17, 30, 26)]
     arrivals = [0, 0, 2, 4, 6, 8]
     want = run(make(models), PROMPTS, params, arrivals)
-    eng = make(models, dict(k=3), blocks=60)
+    eng = make(models, spec_kw, blocks=blocks)
     assert run(eng, PROMPTS, params, arrivals) == want  # (run() fails past 5000 steps)
     assert eng.stats().num_preemptions > 0
     assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1

@@ -161,7 +161,7 @@ class Engine:
         self._overlap = None  # (generator, requests) of an overlapped decoding session in progress
         self._clock_in, self._clock_t0 = 0.0, 0.0  # seconds spent inside overlapped sessions' steps (_clock)
         self._ks_cache: dict[int, int] | None = None
-        self._no_session = False  # the last speculative session launched nothing (no blocks): skip one start
+        self._no_session = False  # the last overlapped session launched nothing (no blocks): skip one start
         self._alone = False  # the last round read prompts alone (mixed_prefill off): the next one includes all
         self._spec_totals = RequestStats()
         self._spec_num_drafts = 0
@@ -424,7 +424,9 @@ class Engine:
 
     def _round_step(self) -> list[Request]:
         sched = self.scheduler
-        if self._try_spec_overlap() or self._try_overlap():
+        if self._no_session:  # the last session could not launch a step (no blocks): an ordinary round, which
+            self._no_session = False  # preempts; starting a session again would end at once, forever
+        elif self._try_spec_overlap() or self._try_overlap():
             self._alone = False  # (the running requests take part in the session)
             return self._overlap_step()
         t_start = time.perf_counter()
@@ -558,9 +560,6 @@ class Engine:
         """Start a session of overlapped speculative rounds (engine/overlap_spec.py) when every running request
         is past its prefill, nothing waits, the batch drafts one k > 0 and the session's scope fits."""
         sched = self.scheduler
-        if self._no_session:  # the last session could not launch a round: one ordinary round first
-            self._no_session = False
-            return False
         if (not self.overlap_spec or self.spec.method != "draft" or self.spec.is_tree or not self.spec.enabled
                 or sched.waiting or not sched.running):
             return False
@@ -638,8 +637,8 @@ class Engine:
         finally:
             self._clock_in += time.perf_counter() - self._clock_t0
         self._overlap = None
-        if spec and not launched:  # its first round found no blocks (OutOfBlocks): the next step runs an
-            self._no_session = True  # ordinary round, which preempts; starting the session again would spin
+        if not launched:  # its first step found no blocks (OutOfBlocks): the next step runs an ordinary round
+            self._no_session = True
         if self.check_invariants:
             self._check(running)
         if self.drafter is not None and not spec:

@@ -26,6 +26,7 @@ from typing import Callable, Generator
 
 import torch
 
+from ..kvcache.pool import OutOfBlocks
 from ..request import Request
 from ..verify import SamplingTensors, verify_chain
 from ..verify.coupling import coupled_scores, row_key
@@ -51,8 +52,8 @@ def overlapped_decode(runner: ModelRunner, requests: list[Request], limit: int,
                       max_steps: int | None = None, should_stop: Callable[[], bool] | None = None,
                       step_time: Callable[[int, float], None] | None = None) -> Generator[int, None, int]:
     """Decode steps for `requests` with one step in flight; yields tokens committed per step; stops when a
-    request has finished, another step would pass a request's limits, max_steps steps have run or should_stop()
-    says so (new arrivals, an abort), and returns
+    request has finished, another step would pass a request's limits, the pool has no block for another step,
+    max_steps steps have run or should_stop() says so (new arrivals, an abort), and returns
     the number of steps run (each committed for every request still unfinished). On return every unfinished
     request holds the round invariant (its cache has every committed token but the newest).
     step_time(tokens, seconds): each step's device time (CUDA events, read when its tokens are), for the k
@@ -73,14 +74,18 @@ def overlapped_decode(runner: ModelRunner, requests: list[Request], limit: int,
 
     def launch() -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Reserve a slot per request, replay the step, sample, feed the tokens back; start the token copy."""
-        keys = []
+        keys, before = [], []
+        try:  # every request's slot first: a full pool ends the session before anything moved
+            for r in requests:
+                before.append(len(kv.blocks(r.req_id)))
+                kv.reserve(r.req_id, kv.length(r.req_id) + 1)
+        except OutOfBlocks:  # the engine's next ordinary round preempts
+            return None
         for i, r in enumerate(requests):
             n = kv.length(r.req_id)
             if r.coupled:  # the token sampled now sits at index n + 1 of the sequence
                 keys.append(row_key(r.params.seed, n + 1))
-            before = len(kv.blocks(r.req_id))
-            kv.reserve(r.req_id, n + 1)
-            for j, blk in enumerate(kv.blocks(r.req_id)[before:], start=before):
+            for j, blk in enumerate(kv.blocks(r.req_id)[before[i]:], start=before[i]):
                 runner.buffers.block_tables[i, j] = blk
             kv.set_length(r.req_id, n + 1)
         coins = torch.cat([torch.rand(1, 2, generator=r.generator) for r in requests])  # as speculative_round

@@ -62,3 +62,17 @@ def test_replay_matches_real_rounds(tree):
     assert got["rounds"] == stats["rounds"]
     assert 0 < got["accepted"] < 3 * got["rounds"], "the check needs a head that is right only sometimes"
     assert sum(map(sum, trace)) == got["accepted"]
+
+
+def test_engine_tail_decodes_the_end_plainly():
+    """engine_tail: once fewer than `steps` + 1 tokens are left, rounds are plain (the engine's _k_for)."""
+    hf = hf_model("qwen2")
+    target = ours_from_hf(hf, num_blocks=512)
+    head = half_right_head(target.model)
+    layers = (target.model.config.num_layers - 1,)
+    samples = [dict(decode_ids(target, [5, 6, 7, 8, 9], 30, layers), limit=20)]
+    cache = CacheConfig(block_size=4, num_blocks=512)
+    free, tail = [], []
+    replay(target, head, samples, shape=(3, 3, 8), cache=cache, trace=free)
+    replay(target, head, samples, shape=(3, 3, 8), cache=cache, trace=tail, engine_tail=True)
+    assert tail[0][-3:] == [0, 0, 0] and len(tail[0]) > len(free[0])

@@ -135,10 +135,12 @@ class TableCost:
 
 def replay(target, head, samples: list[dict], *, k: int | None = None, shape: tuple[int, int, int] | None = None,
            quantize: str | None = None, cache: "CacheConfig | None" = None, trace: list | None = None,
-           budget_cost=None) -> dict:
+           budget_cost=None, engine_tail: bool = False) -> dict:
     """One chain (k) or fixed tree (shape) replayed over every sample (a head folder or module); see the module
     docstring. trace: a list that receives, per sample, the accepted drafts of each round after the prefill.
-    budget_cost: a tree with the per-round budget (shape its maximum) fed this target cost (TableCost)."""
+    budget_cost: a tree with the per-round budget (shape its maximum) fed this target cost (TableCost).
+    engine_tail: as the engine's `_k_for` (forerun/engine/engine.py): a tree round only while the request has
+    room for the whole tree's depth (remaining - 1 >= steps), plain rounds after that."""
     from ..config import CacheConfig
     from ..drafters.eagle import EagleDrafter
     from ..request import Request
@@ -168,7 +170,10 @@ def replay(target, head, samples: list[dict], *, k: int | None = None, shape: tu
             c = len(r.output_token_ids)
             truth = gen[c:]
             t = time.perf_counter()
-            if shape is None:
+            if shape is not None and engine_tail and limit - c - 1 < steps:
+                a, depth = 0, 0  # a plain round
+                nodes_verified += 1
+            elif shape is None:
                 prop = d.propose([r], [k])
                 drafts = prop.tokens[0]
                 a = accepted_in_chain(drafts, truth)
@@ -182,7 +187,8 @@ def replay(target, head, samples: list[dict], *, k: int | None = None, shape: tu
                     dep[i] = dep[par[i]] + 1
                 depth = max(dep)
                 nodes_verified += len(par)
-            draft_s.append(time.perf_counter() - t)
+            if depth:
+                draft_s.append(time.perf_counter() - t)
             while len(at_depth) < depth:
                 at_depth.append([0, 0])
             for i in range(depth):
@@ -224,6 +230,8 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="4,4,16", help="tree rows TOPK,STEPS,NODES;...")
     p.add_argument("--budget-shapes", default="", help="tree rows with the per-round budget (TableCost of the "
                    "measured verify times + --overhead-ms), the shape its maximum")
+    p.add_argument("--engine-tail", action="store_true", help="trees: plain rounds once a request has less room "
+                   "than the tree's depth, as the engine does (forerun/engine/engine.py _k_for)")
     p.add_argument("--prompts", type=int, default=20)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=1)
@@ -263,7 +271,7 @@ def main(argv=None) -> int:
     for label, k, shape, rows, bcost in configs:
         t = time.perf_counter()
         row = {"config": label, **replay(target, head_dir, samples, k=k, shape=shape, quantize=a.head_quantize,
-                                         budget_cost=bcost)}
+                                         budget_cost=bcost, engine_tail=a.engine_tail)}
         if rows is None:  # budget rows: the mean verify rows, at the measured cost line
             rows = row["mean_verify_rows"]
             verify = 1000 * TableCost(cost).target_time(rows)

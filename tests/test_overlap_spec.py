@@ -316,3 +316,23 @@ def test_a_probe_in_a_session_drafts(models, monkeypatch):
     probes = [n for k, n in launched if k == 1]
     assert probes, launched  # a probe ran as a session
     assert all(n >= 1 for _, n in launched), launched
+
+
+@pytest.mark.parametrize("overlap_spec", [True, False])
+def test_stats_count_the_tokens_committed(models, overlap_spec):
+    """A round near max_tokens drafts the batch's k anyway (CUDA graphs replay uniform steps) and commit drops
+    what lies past the end: the request's stats count what was committed, not what the round emitted. (The
+    target drafts for itself here: every draft is accepted, so rounds end past max_tokens.)"""
+    eng = make((models[0], ours_from_hf(models[0])), dict(k=3), overlap_spec=overlap_spec)
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(p, GREEDY[i], request_id=str(i))
+    final = {}
+    while eng.has_unfinished():
+        for d in eng.step():
+            if d.finished:
+                final[d.request_id] = d
+    assert len(final) == len(PROMPTS)
+    for d in final.values():
+        assert d.num_output_tokens == GREEDY[int(d.request_id)].max_tokens
+        assert d.stats.emitted == d.num_output_tokens, (d.request_id, d.stats.emitted, d.num_output_tokens)
+        assert d.stats.accepted >= d.stats.rounds  # (drafts were accepted: the rounds emitted several tokens)

@@ -454,9 +454,9 @@ class Engine:
                 continue
             if self.drafter is not None:
                 self.k_policy.observe(r.req_id, res.num_drafted[i], res.num_accepted[i], wanted=it.k)
-            r.stats.record(res.num_drafted[i], res.num_accepted[i], len(res.emitted[i]), res.drafted_nodes[i])
             self._count_spec(res.num_drafted[i], res.num_accepted[i], res.drafted_nodes[i])
-            self._commit(r, res.emitted[i], res.logprobs[i])
+            n = self._commit(r, res.emitted[i], res.logprobs[i])  # (a stop or max_tokens may cut the round)
+            r.stats.record(res.num_drafted[i], res.num_accepted[i], n, res.drafted_nodes[i])
             touched.append(r)
         if self.spec.adaptive and self.overlap and self.runner.graphs is not None and any(res.num_drafted) \
                 and res.target_tokens == res.sampled_rows:
@@ -587,9 +587,10 @@ class Engine:
             if r.finished:  # aborted while its round was in flight
                 return 0
             self.k_policy.observe(r.req_id, k, accepted, wanted=k)
-            r.stats.record(k, accepted, len(tokens), k)
             self._count_spec(k, accepted, k)
-            return self._commit(r, tokens, None)
+            n = self._commit(r, tokens, None)
+            r.stats.record(k, accepted, n, k)  # tokens committed: a stop or max_tokens may cut the round
+            return n
 
         def should_stop() -> bool:
             if sched.waiting or any(r.finished for r in running):

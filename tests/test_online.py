@@ -126,37 +126,53 @@ def test_a_request_that_can_never_fit_is_refused_before_anything_runs(target):
     assert llm.generate([PROMPTS[0]], GREEDY)[0].token_ids == alone(target, PROMPTS[0], GREEDY)
 
 
+def random_ops(eng: Engine, rng: random.Random, ops: int, p_add: float, p_abort: float, params, drain: int = 0) -> int:
+    """`ops` random operations: add a random prompt (params(rng) -> SamplingParams) with probability p_add, abort a
+    live request with p_abort, else step. Then abort what is left, step up to `drain` times (an abort inside an
+    overlapped session frees the request when the session ends), and check that every block came back.
+    Returns the steps taken inside overlapped sessions."""
+    live, in_session = [], 0
+    free0 = eng.runner.kv.num_free_blocks
+    dkv = eng.drafter.kv if eng.drafter is not None else None
+    dfree0 = dkv.num_free_blocks if dkv is not None else None
+    for _ in range(ops):
+        op = rng.random()
+        if op < p_add:
+            p = [rng.randrange(2, 96) for _ in range(rng.randrange(1, 30))]
+            live.append(eng.add_request(p, params(rng)))
+        elif op < p_add + p_abort and live:
+            eng.abort(live.pop(rng.randrange(len(live))))
+        else:
+            for d in eng.step():
+                if d.finished and d.request_id in live:
+                    live.remove(d.request_id)
+            in_session += eng._overlap is not None
+    for rid in list(live):
+        eng.abort(rid)
+    for _ in range(drain):
+        if not eng.has_unfinished():
+            break
+        eng.step()
+    assert not eng.has_unfinished()
+    assert eng.runner.kv.num_free_blocks == free0
+    if dfree0 is not None:
+        assert dkv.num_free_blocks == dfree0
+    return in_session
+
+
 def test_random_add_abort_step_sequences_never_leak(target):
     """>= 1000 random operations over several engines: no block leaks, invariant checked every round."""
     rng = random.Random(0)
-    ops = 0
-    for spec in (None, SpecConfig(method="ngram", k=3), draft_spec(hf_model("llama", seed=7, num_hidden_layers=1), k=2)):
+
+    def params(rng):
+        return SamplingParams(temperature=rng.choice([0.0, 0.9]), max_tokens=rng.randrange(1, 25),
+                              seed=rng.choice([None, 5]), ignore_eos=True)
+
+    specs = (None, SpecConfig(method="ngram", k=3), draft_spec(hf_model("llama", seed=7, num_hidden_layers=1), k=2))
+    for spec in specs:
         eng = engine(target, spec, cache=CacheConfig(block_size=4, num_blocks=40), max_num_batched_tokens=24)
-        live, n = [], 0
-        free0 = eng.runner.kv.num_free_blocks
-        dfree0 = eng.drafter.kv.num_free_blocks if eng.drafter is not None and eng.drafter.kv is not None else None
-        for _ in range(400):
-            op = rng.random()
-            if op < 0.3:
-                p = [rng.randrange(2, 96) for _ in range(rng.randrange(1, 30))]
-                sp = SamplingParams(temperature=rng.choice([0.0, 0.9]), max_tokens=rng.randrange(1, 25),
-                                    seed=rng.choice([None, 5]), ignore_eos=True)
-                live.append(eng.add_request(p, sp))
-                n += 1
-            elif op < 0.4 and live:
-                eng.abort(live.pop(rng.randrange(len(live))))
-            else:
-                for d in eng.step():
-                    if d.finished and d.request_id in live:
-                        live.remove(d.request_id)
-            ops += 1
-        for rid in list(live):
-            eng.abort(rid)
-        assert not eng.has_unfinished()
-        assert eng.runner.kv.num_free_blocks == free0
-        if dfree0 is not None:
-            assert eng.drafter.kv.num_free_blocks == dfree0
-    assert ops >= 1000
+        random_ops(eng, rng, 400, 0.3, 0.1, params)
+    assert 400 * len(specs) >= 1000
 
 
 def test_random_add_abort_step_sequences_with_overlapped_sessions_never_leak(target):
@@ -166,44 +182,21 @@ def test_random_add_abort_step_sequences_with_overlapped_sessions_never_leak(tar
     from forerun.runtime.cuda_graph import GraphRunner
 
     rng = random.Random(1)
-    ops = 0
     draft = hf_model("llama", seed=7, num_hidden_layers=1)
-    for spec, kw in ((None, {}), (draft_spec(draft, k=2), {}), (draft_spec(draft, adaptive=True, k_max=3), {}),
-                     (draft_spec(draft, k=2), dict(mixed_prefill=False))):
+
+    def params(rng):  # greedy requests (sessions run for greedy batches; sampled ones: the test above)
+        return SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 40), ignore_eos=True)
+
+    configs = ((None, {}), (draft_spec(draft, k=2), {}), (draft_spec(draft, adaptive=True, k_max=3), {}),
+               (draft_spec(draft, k=2), dict(mixed_prefill=False)))
+    for spec, kw in configs:
         eng = engine(target, spec, cache=CacheConfig(block_size=4, num_blocks=30), max_num_batched_tokens=48, **kw)
         q = eng.spec.max_draft_tokens + 1 if spec is not None else 2
         for runner in {id(r): r for r in (eng.runner, getattr(eng.drafter, "runner", None)) if r}.values():
             runner.graphs = GraphRunner(runner, batch_sizes=(1, 2, 4), max_q_len=q, use_graphs=False)
         eng.scheduler.draft_prefill = False
-        live, in_session = [], 0
-        free0 = eng.runner.kv.num_free_blocks
-        dfree0 = eng.drafter.kv.num_free_blocks if eng.drafter is not None else None
-        for _ in range(300):
-            op = rng.random()
-            if op < 0.15:  # greedy requests (sessions run for greedy batches; sampled ones: the test above)
-                p = [rng.randrange(2, 96) for _ in range(rng.randrange(1, 30))]
-                sp = SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 40), ignore_eos=True)
-                live.append(eng.add_request(p, sp))
-            elif op < 0.2 and live:
-                eng.abort(live.pop(rng.randrange(len(live))))
-            else:
-                for d in eng.step():
-                    if d.finished and d.request_id in live:
-                        live.remove(d.request_id)
-                in_session += eng._overlap is not None
-            ops += 1
-        for rid in list(live):
-            eng.abort(rid)
-        for _ in range(10):  # an abort inside a session frees the request when the session ends
-            if not eng.has_unfinished():
-                break
-            eng.step()
-        assert not eng.has_unfinished()
-        assert in_session > 0, spec
-        assert eng.runner.kv.num_free_blocks == free0
-        if dfree0 is not None:
-            assert eng.drafter.kv.num_free_blocks == dfree0
-    assert ops >= 1000
+        assert random_ops(eng, rng, 300, 0.15, 0.05, params, drain=10) > 0, spec
+    assert 300 * len(configs) >= 1000
 
 
 def test_seeded_sampling_does_not_depend_on_k_tree_or_neighbours(target):

@@ -32,7 +32,7 @@ from ..sampling_params import SamplingParams
 from ..stats import RequestStats
 from .k_policy import KPolicy
 from .overlap import overlap_applies, overlapped_decode
-from .overlap_spec import greedy_chain_verdict, overlapped_spec_rounds, spec_overlap_applies
+from .overlap_spec import greedy_chain_verdict, overlapped_spec_rounds, samples_in_scope, spec_overlap_applies
 from .round import ChainRound, RoundItem, RoundResult, TreeRound
 from .sampler import RoundSampler, forcing, is_coupled
 from .scheduler import Scheduler
@@ -548,10 +548,8 @@ class Engine:
         if (self.mixed_prefill or not self.overlap_spec or self.spec.method != "draft" or self.spec.is_tree
                 or not sched.waiting or not sched.running or self.runner.graphs is None or self.k_policy.idle()):
             return False
-        running, new = list(sched.running), sched.waiting[0]
-        p = new.params
-        if (p.temperature != 0 or p.logprobs is not None or getattr(new, "grammar", None) is not None
-                or forcing(new) or self.runner.graphs.bucket(len(running) + 1) is None):
+        running = list(sched.running)
+        if not samples_in_scope(sched.waiting[0]) or self.runner.graphs.bucket(len(running) + 1) is None:
             return False
         k = self.spec.k if not self.spec.adaptive else max(1, self.spec.k)  # (the scope check only)
         return spec_overlap_applies(self.runner, self.drafter, running, k, self.max_model_len)

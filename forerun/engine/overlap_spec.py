@@ -37,6 +37,12 @@ from ..request import Request
 from .sampler import forcing
 
 
+def samples_in_scope(r: Request) -> bool:
+    """Whether a request samples as the sessions do: greedy, no logprobs, grammar or golden tokens."""
+    p = r.params
+    return p.temperature == 0 and p.logprobs is None and getattr(r, "grammar", None) is None and not forcing(r)
+
+
 def spec_overlap_applies(target, drafter, requests: list[Request], k: int, limit: int) -> bool:
     """Whether a session of overlapped speculative rounds may start for these requests at this k."""
     gr = target.graphs
@@ -51,9 +57,7 @@ def spec_overlap_applies(target, drafter, requests: list[Request], k: int, limit
         return False
     kv = target.kv
     for r in requests:
-        p = r.params
-        if (p.temperature != 0 or p.logprobs is not None or getattr(r, "grammar", None) is not None or forcing(r)
-                or r.num_tokens < 2 or kv.length(r.req_id) != r.num_tokens - 1):
+        if not samples_in_scope(r) or r.num_tokens < 2 or kv.length(r.req_id) != r.num_tokens - 1:
             return False
         if r.finished or r.num_tokens + 2 * (k + 1) + 1 >= limit:  # (near max_tokens is fine: see room())
             return False

@@ -18,6 +18,7 @@ from .skinny_gemm import MAX_ROWS, GemmConfig, config_key, default_config, load_
 
 class FusedLayerOps(LayerOps):
     PDL_NORM_ROWS = 8  # pdl_norms applies to steps of up to this many tokens
+
     def __init__(self, max_skinny_rows: int = MAX_ROWS, devices: tuple[str, ...] = ("cuda",),
                  device_name: str | None = None, pdl_norms: bool | None = None) -> None:
         """pdl_norms: add + RMSNorm launched with PDL (True for models whose products are int4 kernels, which fetch

@@ -117,9 +117,10 @@ class CudaQ4Linear(nn.Module):
     CHUNKED_ROWS = 64
 
     def _kernel_ok(self, x: torch.Tensor) -> bool:
-        """The Triton kernels take x: CUDA, K a multiple of 64 (K steps are powers of two from 64 up: every GGUF
-        model's widths, e.g. 576, 896, 1536, 4864, 8960)."""
-        return x.is_cuda and x.dtype == self.dtype and x.stride(-1) == 1 and self.in_features % 64 == 0
+        """The Triton kernels take x [M, K]: CUDA, 1..CHUNKED_ROWS rows, K a multiple of 64 (K steps are powers of
+        two from 64 up: every GGUF model's widths, e.g. 576, 896, 1536, 4864, 8960)."""
+        return x.is_cuda and 1 <= x.shape[0] <= self.CHUNKED_ROWS and x.dtype == self.dtype and x.stride(-1) == 1 \
+            and self.in_features % 64 == 0
 
     def _product(self, x: torch.Tensor, glu: bool) -> torch.Tensor:
         """x [M, K] through the kernels, 16 rows per call."""
@@ -134,7 +135,7 @@ class CudaQ4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if 1 <= x2.shape[0] <= self.CHUNKED_ROWS and self._kernel_ok(x2):
+        if self._kernel_ok(x2):
             y = self._product(x2, False)
             if self.bias is not None:
                 y = y + self.bias
@@ -144,7 +145,7 @@ class CudaQ4Linear(nn.Module):
 
     def glu(self, x: torch.Tensor) -> torch.Tensor:
         """This matrix as gate rows then up rows: silu(x @ gate^T) * (x @ up^T), [T, N/2]."""
-        if self.bias is None and 1 <= x.shape[0] <= self.CHUNKED_ROWS and self._kernel_ok(x):
+        if self.bias is None and self._kernel_ok(x):
             return self._product(x, True)
         g, u = self(x).chunk(2, dim=-1)
         return nn.functional.silu(g) * u

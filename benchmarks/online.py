@@ -467,8 +467,8 @@ def gpu_main(args) -> dict:
         label = "useless draft" if a == 0 else f"a={a}"
         modes = {"on": (("", True),), "off": (("", False),),
                  "both": (("", True), (", not overlapped", False))}[args.overlap_spec]
-        mixes = {"on": ((True, ""),), "off": ((False, ", prompts alone"),),
-                 "both": ((True, ""), (False, ", prompts alone"))}[args.mixed_prefill]
+        mixes = {"on": ((True, ", mixed prefill"),), "off": ((False, ""),),
+                 "both": ((False, ""), (True, ", mixed prefill"))}[args.mixed_prefill]
         for tag, ovs in modes:
             for mixed, mtag in mixes:
                 configs += [(f"k=4, {label}{tag}{mtag}", (a, dict(k=4), ovs, mixed)),
@@ -553,9 +553,9 @@ def main() -> None:
     ap.add_argument("--rates", type=float, nargs="*", default=None,
                     help="GPU: Poisson arrival rates (requests/s) run after the closed loop (default 10 40 100)")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--mixed-prefill", choices=["on", "off", "both"], default="on",
-                    help="GPU: new prompts share rounds with verify rows (on, the default) or are read alone while "
-                         "the others run overlapped sessions (off: Engine(mixed_prefill=False))")
+    ap.add_argument("--mixed-prefill", choices=["on", "off", "both"], default="off",
+                    help="GPU: new prompts share rounds with verify rows (on: Engine(mixed_prefill=True)) or are read "
+                         "alone while the others run overlapped sessions (off, the engine's default)")
     ap.add_argument("--only", nargs="+", default=None, help="GPU: run only the configs whose names start so "
                     "(plain, k=4, adaptive)")
     ap.add_argument("--profile", action="store_true", help="GPU: profile one speculative run instead")

@@ -29,7 +29,7 @@ def models():
     return sharpen(hf_model("llama"), 3.0), ours_from_hf(sharpen(hf_model("llama", seed=1, num_hidden_layers=1), 3.0))
 
 
-def make(models, spec_kw=None, overlap_spec=True, blocks=2048, mixed_prefill=True) -> Engine:
+def make(models, spec_kw=None, overlap_spec=True, blocks=2048, mixed_prefill=False) -> Engine:
     target, draft = models
     tok = tiny_tokenizer(97)
     spec = None if spec_kw is None else SpecConfig(method="draft", draft_model=(draft.model, tok), **spec_kw)
@@ -129,14 +129,15 @@ def test_overlapped_rounds_equal_plain_greedy(models, sessions, plain_greedy, sp
     assert eng.stats().spec_num_draft_tokens > 0
 
 
-def test_overlapped_rounds_with_arrivals_finishes_and_aborts(models, sessions):
-    """Requests joining mid-run end a session (the newcomer prefills in an ordinary round), different max_tokens
-    finish requests while a round is in flight, an abort lands inside a session: every other request's output
-    equals its plain greedy output and every block comes back."""
+@pytest.mark.parametrize("mixed_prefill", [False, True])
+def test_overlapped_rounds_with_arrivals_finishes_and_aborts(models, sessions, mixed_prefill):
+    """Requests joining mid-run end a session (the newcomer prefills in an ordinary round: alone, or mixed with
+    the others' rows), different max_tokens finish requests while a round is in flight, an abort lands inside a
+    session: every other request's output equals its plain greedy output and every block comes back."""
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (20, 7, 16, 11, 24, 9)]
     arrivals = [0, 0, 3, 9, 12, 20]
     want = run(make(models), PROMPTS, params, arrivals)
-    eng = make(models, dict(k=3))
+    eng = make(models, dict(k=3), mixed_prefill=mixed_prefill)
     got = run(eng, PROMPTS, params, arrivals, aborts=[(16, "4")])
     assert {k: v for k, v in got.items() if k != "4"} == {k: v for k, v in want.items() if k != "4"}
     assert got["4"] == want["4"][: len(got["4"])]  # the aborted request's output is a prefix of its own
@@ -182,8 +183,8 @@ def test_prompts_read_alone_between_sessions_keep_outputs(models, sessions, budg
     assert sessions["sessions"] >= 3
     assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
     assert eng.drafter.kv.num_free_blocks == eng.drafter.kv.num_blocks - 1
-    # mixed (the default): no round reads prompts alone
-    eng2 = make(models, dict(k=3))
+    # mixed_prefill=True: no round reads prompts alone
+    eng2 = make(models, dict(k=3), mixed_prefill=True)
     flags = []
     real2 = eng2.scheduler.schedule
     eng2.scheduler.schedule = lambda k_for, prefill_only=False: (flags.append(prefill_only), real2(k_for, prefill_only))[1]
@@ -191,16 +192,18 @@ def test_prompts_read_alone_between_sessions_keep_outputs(models, sessions, budg
     assert flags and not any(flags)
 
 
+@pytest.mark.parametrize("mixed_prefill", [False, True])
 @pytest.mark.parametrize("spec_kw,blocks", [(dict(k=3), 60), (dict(adaptive=True, k_max=4), 50),
                                             (dict(adaptive=True, k_max=4), 60)])
-def test_a_session_that_finds_no_blocks_gives_way_to_an_ordinary_round(models, sessions, spec_kw, blocks):
+def test_a_session_that_finds_no_blocks_gives_way_to_an_ordinary_round(models, sessions, spec_kw, blocks,
+                                                                        mixed_prefill):
     """Arrivals fill a small pool: a session whose first step cannot reserve its blocks ends empty, and the next
     step runs an ordinary round, which preempts. Speculative sessions (k = 3) used to start again forever with no
     preemption; plain overlapped sessions (adaptive k, which falls to 0 with this pair) raised OutOfBlocks."""
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (30, 22, 30, 17, 30, 26)]
     arrivals = [0, 0, 2, 4, 6, 8]
     want = run(make(models), PROMPTS, params, arrivals)
-    eng = make(models, spec_kw, blocks=blocks)
+    eng = make(models, spec_kw, blocks=blocks, mixed_prefill=mixed_prefill)
     assert run(eng, PROMPTS, params, arrivals) == want  # (run() fails past 5000 steps)
     assert eng.stats().num_preemptions > 0
     assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1

@@ -105,17 +105,19 @@ class Engine:
                  dtype: torch.dtype | None = None, cache: CacheConfig | None = None, max_num_seqs: int = 64,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 8192, seed: int = 0,
                  check_invariants: bool = False, cuda_graphs: bool = True, overlap: bool = True,
-                 overlap_spec: bool = True, mixed_prefill: bool = True,
+                 overlap_spec: bool = True, mixed_prefill: bool = False,
                  draft_cache: CacheConfig | None = None, quantize: str = "none", _loaded=None) -> None:
         """quantize: weights of models loaded by name / path: "none" (float), "int8" / "int4" (kept quantized,
         CPU; GGUF Q4 blocks exactly as int4), "auto" (GGUF files: int4 with forerun's AVX512-VNNI kernel, else int8).
         See docs/quantization.md. overlap_spec: overlapped speculative rounds (engine/overlap_spec.py; greedy
         requests, a separate draft model, CUDA graphs; on by default since the eighth session's H200 run:
         1.41-1.77x plain at 1-4 requests against 1.17-1.54x without it, `benchmarks/online.py --overlap-spec`).
-        mixed_prefill: new prompts share a round with the running requests' verify rows (chunked prefill as vLLM
-        mixes it). False: while the running requests draft in overlapped sessions, arrivals prefill in a round of
-        their own (as SGLang runs prefill batches apart), so the others' next round is a session round again
-        instead of a split forward with eager drafting (see `_prefill_alone`; not yet measured on the H200)."""
+        mixed_prefill: True: new prompts share a round with the running requests' verify rows (chunked prefill as
+        vLLM mixes it). False (default): while the running requests draft in overlapped sessions, arrivals prefill
+        in a round of their own (as SGLang runs prefill batches apart), so the others' next round is a session
+        round again instead of a split forward with eager drafting (see `_prefill_alone`; H200 run 19, adaptive k
+        at acceptance 0.8: 0.985x plain at 64 requests against 0.942x mixed, 1.30x against 1.19x at 8; neutral
+        at 1-4 requests and with a useless draft). Prompts that do not qualify mix as before."""
         self.quantize = quantize
         self.overlap_spec, self.mixed_prefill = overlap_spec, mixed_prefill
         EngineConfig(max_num_seqs, max_model_len, max_num_batched_tokens)  # validated: a bad value is named here

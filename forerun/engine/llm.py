@@ -29,11 +29,12 @@ class LLM:
                  dtype: torch.dtype | None = None, cache: CacheConfig | None = None, max_num_seqs: int = 64,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 8192, seed: int = 0,
                  check_invariants: bool = False, cuda_graphs: bool = True, overlap: bool = True,
-                 overlap_spec: bool = True, mixed_prefill: bool = True,
+                 overlap_spec: bool = True, mixed_prefill: bool = False,
                  draft_cache: CacheConfig | None = None, quantize: str = "none", _loaded=None) -> None:
         """overlap: with CUDA graphs, run plain decoding steps overlapped with the host's commits (engine/overlap.py);
         overlap_spec: speculative rounds too (engine/overlap_spec.py; CUDA graphs, greedy, a separate draft model);
-        mixed_prefill: False reads new prompts in rounds of their own while the others run such sessions (Engine)."""
+        mixed_prefill: True mixes new prompts into the running requests' rounds; False (default) reads them in rounds
+        of their own while the others run such sessions (Engine)."""
         self.engine = Engine(model, spec=spec, device=device, dtype=dtype, cache=cache, max_num_seqs=max_num_seqs,
                              max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, seed=seed,
                              check_invariants=check_invariants, cuda_graphs=cuda_graphs, overlap=overlap,

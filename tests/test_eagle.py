@@ -241,9 +241,10 @@ def _request(rid, prompt, temperature=0.0, seed=0, max_tokens=64):
 
 
 def run_rounds(target: ModelRunner, drafter: EagleDrafter, requests: list[Request], new_tokens: int, k: int = 3,
-               tree: bool = False) -> dict:
+               tree: bool = False, max_drafts=None) -> dict:
     """A minimal engine: propose -> one target forward (with hidden states) -> greedy / exact verify ->
-    truncate caches -> hand the committed tokens' states to the drafter. Returns acceptance stats."""
+    truncate caches -> hand the committed tokens' states to the drafter. Returns acceptance stats.
+    max_drafts: request -> the node cap a tree round passes (as Engine._k_for does), None: none passed."""
     kv = target.kv
     layers = drafter.target_hidden_layers
     stats = {"rounds": 0, "accepted": 0, "drafted": 0, "request_rounds": 0}
@@ -253,7 +254,7 @@ def run_rounds(target: ModelRunner, drafter: EagleDrafter, requests: list[Reques
     while live:
         chunks, info = [], []
         if tree:
-            prop = drafter.propose_tree(live)
+            prop = drafter.propose_tree(live, None if max_drafts is None else [max_drafts(r) for r in live])
             for r, toks, par in zip(live, prop.tokens, prop.parents):
                 catch = r.all_tokens[kv.length(r.req_id):-1]
                 c, n, root = len(catch), len(toks), r.num_tokens - 1
@@ -401,9 +402,12 @@ def test_rows_pair_token_with_previous_feature():
 
 
 # -- sampled trees stay exact ----------------------------------------------------------------------------
-def _first_token_counts(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _first_token_counts(n: int, capped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """n independent single rounds at temperature 1 from one context, each with a fresh sampled EAGLE-3 tree
-    verified by the exact rule: counts of the token emitted right after the root, and the target's p."""
+    verified by the exact rule: counts of the token emitted right after the root, and the target's p.
+    capped: the counted request has 2 tokens left and a node cap of 2 (its tree: the root and the first 2 of the
+    3 children drawn, depth 1) while an uncapped request in the same batch grows the full layout (grow_tree's
+    per-request caps)."""
     hf = hf_model("llama", vocab_size=12)
     target = ours_from_hf(hf, num_blocks=128)
     head = random_head(target.model, 3, draft_vocab=10)
@@ -426,7 +430,17 @@ def _first_token_counts(n: int) -> tuple[torch.Tensor, torch.Tensor]:
         r.output_token_ids.append(7)
         target.kv.add_sequence(r.req_id)
         drafter.observe_target([r], [o.hidden_states], [0])
-        prop = drafter.propose_tree([r])
+        if capped:
+            r.params = SamplingParams(temperature=1.0, max_tokens=3, seed=s)
+            other = _request(10**5 + s, prompt, temperature=1.0, seed=s + 1)
+            other.output_token_ids.append(7)
+            drafter.observe_target([other], [o.hidden_states], [0])
+            prop = drafter.propose_tree([r, other], [2, 5])
+            drafter.release(other)
+            assert len(prop.tokens[1]) == 6 and max(_depths(prop.parents[1])) == 2
+            assert len(prop.tokens[0]) == 3 and prop.probs[0][1:].abs().sum() == 0  # leaves: zero rows
+        else:
+            prop = drafter.propose_tree([r])
         toks, par = prop.tokens[0], prop.parents[0]
         assert len(toks) <= 6
         sizes += len(toks)
@@ -438,7 +452,7 @@ def _first_token_counts(n: int) -> tuple[torch.Tensor, torch.Tensor]:
         counts[int(res.output_token_ids[0, 0])] += 1
         target.kv.free(r.req_id)
         drafter.release(r)
-    assert sizes > 4 * n  # real trees, not just roots
+    assert sizes > (2 if capped else 4) * n  # real trees, not just roots
     return counts, p
 
 
@@ -458,6 +472,14 @@ def test_sampled_tree_is_exact_chi_square(one_thread):
     from scipy.stats import chisquare
 
     counts, p = _first_token_counts(4000)
+    assert chisquare(counts.numpy(), (p * counts.sum()).numpy()).pvalue > 1e-3
+
+
+def test_capped_sampled_tree_is_exact_chi_square(one_thread):
+    """The same check for a tree cut to fit its request (depth and node caps, in a batch with an uncapped tree)."""
+    from scipy.stats import chisquare
+
+    counts, p = _first_token_counts(3000, capped=True)
     assert chisquare(counts.numpy(), (p * counts.sum()).numpy()).pvalue > 1e-3
 
 
@@ -497,15 +519,23 @@ class HostTreeDrafter(EagleDrafter):
     """The dynamic tree as it was built on the host before the device version (one host read per step, Python
     trees), kept here as the oracle: same nodes, parents, scores, draws."""
 
-    def propose_tree(self, requests: list[Request]) -> TreeProposal:
+    def propose_tree(self, requests: list[Request], max_drafts: list[int] | None = None) -> TreeProposal:
         v = self.head.vocab_size
         ranges = [self._feed_range(r) for r in requests]
-        live = [i for i, rng in enumerate(ranges) if rng is not None]
+        # each tree fits its request: at most remaining - 1 levels and max_drafts[i] nodes beyond the root
+        md = [None if max_drafts is None else max_drafts[i] for i in range(len(requests))]
+        dcap = [max(0, min(r.remaining - 1, 10**9 if m is None else m)) for r, m in zip(requests, md)]
+        live = [i for i, rng in enumerate(ranges) if rng is not None and dcap[i] > 0]
         trees = [_HostTree(r.all_tokens[-1]) for r in requests]
         t_steps = []
         shape = self.budget.choose(len(live)) if self.budget is not None and live else \
             TreeBudget(self.tree_topk, self.tree_steps, self.tree_nodes)
         topk, n_steps, n_nodes = shape.topk, shape.steps, shape.nodes
+        dcap = [min(d, n_steps) for d in dcap]
+        ncap = [n_nodes - 1 if m is None else min(n_nodes - 1, m) for m in md]
+        if live:  # the batch grows the deepest and largest tree any of its requests keeps
+            n_steps, n_nodes = max(dcap[i] for i in live), min(n_nodes, 1 + max(ncap[i] for i in live))
+        reduced = (n_steps, n_nodes) != (shape.steps, shape.nodes)
         if live and shape.drafts:
             group = [requests[i] for i in live]
             t = time.perf_counter()
@@ -546,11 +576,14 @@ class HostTreeDrafter(EagleDrafter):
             self._settle(group)
         toks, parents, probs = [], [], []
         sampled_values = 0
-        for r, tree in zip(requests, trees):
-            keep = tree.keep(n_nodes) if r.params.temperature == 0 else list(range(len(tree.tok)))
+        for r, tree, d, c in zip(requests, trees, dcap, ncap):
+            if r.params.temperature == 0:  # the best candidates of depth <= its cap
+                keep = tree.keep(min(n_nodes, 1 + c), d)
+            else:  # the first nodes drawn (their count fixed before the draws), no deeper than its cap
+                keep = [j for j in range(len(tree.tok)) if tree.depth[j] <= d][: 1 + c]
             if self.budget is not None and r.params.temperature == 0 and len(keep) > 1:
                 self._outcome[r.req_id] = (r.num_tokens, sum(math.exp(tree.score[j]) for j in keep[1:]))
-                if sampled_values < self.budget.sample_trees:  # V of every sub-shape of this tree
+                if sampled_values < self.budget.sample_trees and not reduced:  # V of every sub-shape of this tree
                     self.budget.record_values(self.budget.tree_values(tree.parent, tree.depth, tree.score, tree.rank))
                     sampled_values += 1
             index = {j: a for a, j in enumerate(keep)}
@@ -659,10 +692,11 @@ class _HostTree:
                 j = self.parent[j]
         return m
 
-    def keep(self, budget: int) -> list[int]:
-        """SGLang's final selection: the budget - 1 best non-root nodes, ancestor-closed (a parent scores at
-        least its child's score and sorts first on ties), returned breadth first."""
-        order = sorted(range(1, len(self.tok)), key=lambda j: (-self.score[j], self.depth[j], j))
+    def keep(self, budget: int, max_depth: int | None = None) -> list[int]:
+        """SGLang's final selection: the budget - 1 best non-root nodes (of depth <= max_depth), ancestor-closed (a
+        parent scores at least its child's score and sorts first on ties), returned breadth first."""
+        order = sorted((j for j in range(1, len(self.tok)) if max_depth is None or self.depth[j] <= max_depth),
+                       key=lambda j: (-self.score[j], self.depth[j], j))
         kept = {0}
         for j in order:
             if len(kept) >= budget:
@@ -683,13 +717,13 @@ class Twin:
         self.trees = 0
         self.sizes: list[int] = []
 
-    def propose_tree(self, requests):
+    def propose_tree(self, requests, max_drafts=None):
         states = [r.generator.get_state() for r in requests]
-        pd = self.d.propose_tree(requests)
+        pd = self.d.propose_tree(requests, max_drafts)
         after = [r.generator.get_state() for r in requests]
         for r, st in zip(requests, states):
             r.generator.set_state(st)
-        ph = self.h.propose_tree(requests)
+        ph = self.h.propose_tree(requests, max_drafts)
         for r, st in zip(requests, after):
             assert torch.equal(r.generator.get_state(), st)  # the same draws, in the same order
         assert pd.tokens == ph.tokens
@@ -803,6 +837,58 @@ def test_device_sampled_tree_equals_host_tree(topk, steps, nodes):
     assert len(lay.s_nodes) <= nodes
 
 
+@pytest.mark.parametrize("topk,steps,nodes", [(3, 3, 8), (4, 4, 16), (2, 5, 12), (4, 2, 30)])
+@pytest.mark.parametrize("kind", ["greedy", "mixed"])
+def test_capped_trees_equal_host_tree(topk, steps, nodes, kind):
+    """Trees cut to fit each request (issue 13, session 10): requests near their max_tokens (depth <= remaining - 1)
+    and node caps that vary round to round (the engine's context room), different in one batch, so one layout
+    serves trees of several depths and sizes (grow_tree's caps) and some rounds give a request its root alone:
+    the device trees equal the host oracle's, node for node (draws and q rows of sampled trees too), and greedy
+    output stays plain greedy."""
+    hf = hf_model("qwen2")
+    target = ours_from_hf(hf, num_blocks=512)
+    head = random_head(target.model, 3, draft_vocab=50)
+    twin = _twins(target, head, topk, steps, nodes)
+    prompts = [[5, 6, 7, 8, 9], [11, 3, 90, 2, 2, 2, 40, 41], [60, 61]]
+    new = 11
+    sampled = kind == "mixed"
+    reqs = [_request(0, prompts[0], max_tokens=new), _request(1, prompts[1], max_tokens=new,
+                                                             temperature=0.8 if sampled else 0.0, seed=5),
+            _request(2, prompts[2], max_tokens=new)]
+    run_rounds(target, twin, reqs, new, tree=True, max_drafts=lambda r: 1 + (r.num_tokens * 7 + r.req_id) % (nodes + 2))
+    assert twin.trees >= 6
+    assert len(set(twin.sizes)) >= 3  # trees of several sizes
+    for r, p in zip(reqs, prompts):
+        if r.params.temperature == 0:
+            assert r.output_token_ids == plain_greedy(target, p, new)
+
+
+def test_capped_tree_depth_and_size():
+    """A request with 3 tokens left drafts a tree of depth 2 (not none, and not deeper); a node cap of 2 keeps 3
+    nodes; one token left: the root alone."""
+    hf = hf_model("qwen2")
+    target = ours_from_hf(hf, num_blocks=512)
+    head = random_head(target.model, 3, draft_vocab=50)
+    d = EagleDrafter(target, head, cache=CacheConfig(block_size=4, num_blocks=512), tree_topk=3, tree_steps=4,
+                     tree_nodes=12)
+    r = _request(0, [5, 6, 7, 8, 9], max_tokens=4)
+    target.kv.add_sequence(0)
+    out, _ = target.forward([Chunk(0, r.all_tokens)], hidden_layers=d.target_hidden_layers)
+    r.output_token_ids.append(int(out.logits[-1].argmax()))
+    d.observe_target([r], [out.hidden_states], [0])
+    # (node cap, tokens left) -> (levels grown, nodes kept); 11 of the 12 candidates of depth <= 2 reach depth 2
+    for max_drafts, remaining, levels, nodes in [(None, 3, 2, 12), (None, 4, 3, 12), ([2], 4, 2, 3),
+                                                 ([1], 4, 1, 2), (None, 1, 0, 1), ([0], 4, 0, 1)]:
+        r.params = SamplingParams(temperature=0, max_tokens=len(r.output_token_ids) + remaining)
+        prop = d.propose_tree([r], max_drafts)
+        depth = max(_depths(prop.parents[0]))
+        assert len(prop.tokens[0]) == nodes and depth <= levels, (max_drafts, remaining)
+        if levels:
+            assert d.last_tree.steps_run == levels - 1  # no head step below the cap
+        if (max_drafts, remaining) in ((None, 3), ([1], 4)):
+            assert depth == levels
+
+
 def test_tree_layout_sampled_budget():
     """The sampled trees' static structure: the root's min(k, n - 1) children, then k children per frontier node
     while the budget lasts; node ids in the order the host tree added them."""
@@ -880,6 +966,8 @@ def test_drafting_bodies_are_shape_static(topk, steps, nodes, batch):
 
     assert tree_mask_and_depth(out["parents"], steps)[0].shape == (batch, n, n)
     assert out["packed"].shape == (batch, 3 * n + 2 * lay.num_slots)
+    capped = st._tree_body(lay, batch, capped=True)()  # per-request depth / node caps (their own graph)
+    assert {k: v.shape for k, v in capped.items() if v is not None} == {k: v.shape for k, v in out.items() if v is not None}
 
 
 # -- the real SmolLM2 ---------------------------------------------------------------------------------------

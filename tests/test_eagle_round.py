@@ -42,8 +42,8 @@ def _run(eng: Engine, params: list[SamplingParams], host_only: bool = False) -> 
     if host_only:  # the general path for every round: the proposal's device tree is ignored
         prop_async = eng.drafter.propose_tree_async
 
-        def no_device(reqs):
-            d = prop_async(reqs)
+        def no_device(reqs, max_drafts=None):
+            d = prop_async(reqs, max_drafts)
             d.device = None
             return d
 

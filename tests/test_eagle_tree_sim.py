@@ -50,7 +50,7 @@ def test_replay_matches_real_rounds(tree):
     real = EagleDrafter(target, head, cache=CacheConfig(block_size=4, num_blocks=512), **kw)
     stats = {"accepted": 0, "rounds": 0}
     for i, p in enumerate(prompts):  # one request at a time (the replay's batch)
-        s = run_rounds(target, real, [_request(i, p)], n, k=3, tree=tree)
+        s = run_rounds(target, real, [_request(i, p, max_tokens=n)], n, k=3, tree=tree)  # trees capped at the end
         stats["accepted"] += s["accepted"]
         stats["rounds"] += s["rounds"]
     layers = real.target_hidden_layers
@@ -65,7 +65,7 @@ def test_replay_matches_real_rounds(tree):
 
 
 def test_engine_tail_decodes_the_end_plainly():
-    """engine_tail: once fewer than `steps` + 1 tokens are left, rounds are plain (the engine's _k_for)."""
+    """engine_tail: once fewer than `steps` + 1 tokens are left, rounds are plain (the engine before session 10)."""
     hf = hf_model("qwen2")
     target = ours_from_hf(hf, num_blocks=512)
     head = half_right_head(target.model)

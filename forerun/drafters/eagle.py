@@ -47,6 +47,7 @@ from ..runtime.runner import Chunk, ModelRunner
 from ..verify.probs import SamplingTensors, logits_to_probs, sample_from_probs
 from .base import DraftProposal, Drafter, TreeProposal
 from .eagle_budget import TreeBudget, TreeBudgetPolicy
+from .tree_drafter import tree_depth_cap
 
 MAX_EXTEND = 16  # draft extends of up to this many rows per request run from static buffers (graphs on CUDA)
 HEAD_QUANTIZE_CHOICES = ("auto", "none", "int8", "int4")
@@ -351,39 +352,47 @@ class EagleDrafter(Drafter):
                              step_seconds=sum(step_times) / len(step_times) if step_times else None)
 
     # -- trees ----------------------------------------------------------------------------------------------
-    def propose_tree(self, requests: list[Request]) -> TreeProposal:
-        return self.propose_tree_async(requests).result()
+    def propose_tree(self, requests: list[Request], max_drafts: list[int] | None = None) -> TreeProposal:
+        return self.propose_tree_async(requests, max_drafts).result()
 
     @property
     def supports_async_tree(self) -> bool:
         """TreeRound may call `propose_tree_async` (not when a subclass drafts its trees another way)."""
         return type(self).propose_tree is EagleDrafter.propose_tree
 
-    def propose_tree_async(self, requests: list[Request]) -> "TreeDraft":
+    def propose_tree_async(self, requests: list[Request], max_drafts: list[int] | None = None) -> "TreeDraft":
         """Launch the drafting of every request's tree; the host read is deferred to `TreeDraft.result()` (its copy
         to the host is queued at once), so a round can launch the verification from the device tree first.
         `TreeDraft.device`: the tree batch on the device when every request drafted a tree of the same node count
-        (all greedy, or all sampled), else None."""
+        (all greedy, or all sampled), else None.
+
+        Each tree fits its request (`_tree_caps`): no deeper than its tokens left minus one (`tree_depth_cap`) and
+        at most max_drafts[i] nodes beyond the root (the engine's context room); a request with no room for one
+        draft gets its root alone (a plain row)."""
         v = self.head.vocab_size
         ranges = [self._feed_range(r) for r in requests]
-        live = [i for i, rng in enumerate(ranges) if rng is not None]
+        depth_caps = [tree_depth_cap(r, None if max_drafts is None else max_drafts[i]) for i, r in enumerate(requests)]
+        live = [i for i, rng in enumerate(ranges) if rng is not None and depth_caps[i] > 0]
         shape = self.budget.choose(len(live)) if self.budget is not None and live else \
             TreeBudget(self.tree_topk, self.tree_steps, self.tree_nodes)
         self.last_tree = None
         tree = lay = marks = None
         dev_batch = None
         sizes = [1] * len(requests)
+        reduced = False
         if live and shape.drafts:
             group = [requests[i] for i in live]
-            lay = TreeLayout.get(min(shape.topk, self.head.draft_vocab_size), shape.steps, shape.nodes)
+            lay, caps, live_sizes = self._tree_caps(group, shape, [depth_caps[i] for i in live],
+                                                    [None if max_drafts is None else max_drafts[i] for i in live])
+            reduced = lay.steps < shape.steps or lay.nodes < shape.nodes
             marks = Marks(self.cache.device)
             marks.mark()  # 0: drafting starts (1: launched)
-            tree = self._draft_tree(group, [ranges[i] for i in live], lay)
+            tree = self._draft_tree(group, [ranges[i] for i in live], lay, caps)
             marks.mark()
             tree.start_host_copy()
             self._settle(group)
-            for i, r in zip(live, group):
-                sizes[i] = lay.greedy_nodes if r.params.temperature == 0 else len(lay.s_nodes)
+            for i, n in zip(live, live_sizes):
+                sizes[i] = n
             n = sizes[live[0]]
             if len(live) == len(requests) and n > 1 and all(sizes[i] == n for i in live):
                 roots = h2d([r.all_tokens[-1] for r in requests], self.cache.device, torch.int64)
@@ -412,7 +421,7 @@ class EagleDrafter(Drafter):
                     elif self.budget is not None and n > 1:
                         base = 2 * n_out
                         self._outcome[r.req_id] = (r.num_tokens, sum(math.exp(s) for s in row[base + 1: base + n]))
-                        if sampled_values < self.budget.sample_trees:  # V of every sub-shape of this tree
+                        if sampled_values < self.budget.sample_trees and not reduced:  # V of every sub-shape
                             m = lay.num_slots
                             score = row[base + n_out: base + n_out + m]
                             par = [int(x) for x in row[base + n_out + m: base + n_out + 2 * m]]
@@ -431,6 +440,32 @@ class EagleDrafter(Drafter):
             return TreeProposal(toks, parents, probs)
 
         return TreeDraft(finish, dev_batch)
+
+    def _tree_caps(self, group: list[Request], shape: TreeBudget, depth_caps: list[int],
+                   max_drafts: list[int | None]) -> tuple["TreeLayout", tuple[list[int], list[int]] | None, list[int]]:
+        """The batch's layout and each tree's size when trees must fit their requests. The layout is the shape cut
+        to the deepest and largest tree any request takes (steps = max depth cap, nodes = max node cap); request i
+        keeps at most depth_caps[i] levels and 1 + max_drafts[i] nodes: a greedy tree its best candidates of depth
+        <= its cap, a sampled one the first of its static slots (ids are breadth first, so a prefix is
+        ancestor-closed; which slots are kept is fixed before any draw, as the exact rule needs).
+        Returns (layout, caps, sizes): caps = (depth caps, nodes kept, root included) for `grow_tree` when some
+        request keeps less than the layout gives it, else None; sizes = nodes kept per request."""
+        k = min(shape.topk, self.head.draft_vocab_size)
+        dc = [min(shape.steps, d) for d in depth_caps]
+        nc = [shape.nodes - 1 if m is None else min(shape.nodes - 1, m) for m in max_drafts]
+        lay = TreeLayout.get(k, max(dc), min(shape.nodes, 1 + max(nc)))
+        sizes, capped = [], False
+        for r, d, c in zip(group, dc, nc):
+            if r.params.temperature == 0:
+                full = lay.greedy_nodes
+                n = min(full, lay.slots_upto(d), 1 + c)
+                capped |= d < lay.steps
+            else:
+                full = len(lay.s_nodes)
+                n = min(full, lay.s_upto(d), 1 + c)
+            capped |= n < full
+            sizes.append(n)
+        return lay, ((dc, sizes) if capped else None), sizes
 
     def capture_graphs(self, batch_sizes=(1,), shapes: list[tuple[int, int, int]] | None = None,
                        extend_rows: list[int] | None = None) -> int:
@@ -460,10 +495,12 @@ class EagleDrafter(Drafter):
             return False
         return bool(getattr(self.target.model.backend, "supports_cuda_graphs", False))
 
-    def _draft_tree(self, group: list[Request], ranges: list[tuple[int, int]], lay: "TreeLayout") -> "DeviceTree":
+    def _draft_tree(self, group: list[Request], ranges: list[tuple[int, int]], lay: "TreeLayout",
+                    caps: tuple[list[int], list[int]] | None = None) -> "DeviceTree":
         """Draft extend + the whole dynamic tree on the device. Greedy batches without grammars replay one CUDA
-        graph for the extend (per batch bucket and extend length) and one for the tree (per bucket and shape)
-        when graphs are on; every other batch runs the same code eagerly."""
+        graph for the extend (per batch bucket and extend length) and one for the tree (per bucket and shape; trees
+        capped per request, `_tree_caps`, have their own) when graphs are on; every other batch runs the same code
+        eagerly."""
         if self.static is None:
             self.static = _StaticDrafting(self)
         st = self.static
@@ -480,8 +517,10 @@ class EagleDrafter(Drafter):
         for r, (lo, n) in zip(group, ranges):
             kv.set_length(r.req_id, n)
         max_len = max(n for _, n in ranges) + lay.topk * (lay.steps - 1)
+        if caps is not None:
+            st.set_caps(caps, len(group), lay)
         if tree_graph:
-            return st.tree_graph(lay, len(group), max_len)
+            return st.tree_graph(lay, len(group), max_len, capped=caps is not None)
         sample = None
         if sampled or constrained:
             dev = self.cache.device
@@ -495,7 +534,7 @@ class EagleDrafter(Drafter):
             hook = self._grammar_hook(group, states, lay) if constrained else None
             sample = _Sampling(greedy, SamplingTensors.from_params([r.params for r in group], dev), h2d(u, dev),
                                roots, hook)
-        return st.tree_eager(lay, len(group), sample, max_len)
+        return st.tree_eager(lay, len(group), sample, max_len, capped=caps is not None)
 
     def _grammar_hook(self, group: list[Request], states: list, lay: "TreeLayout"):
         """issue 14: each expanded node's children come from q masked by the grammar after its path (host work:
@@ -606,6 +645,15 @@ class TreeLayout:
         self.s_bank_children = [self.s_children[0][0] > 0] + [
             self.s_children[t][f] > 0 for t in range(1, steps) for f in range(k)]
         self._dev: dict = {}
+
+    def slots_upto(self, depth: int) -> int:
+        """Candidate slots of depth <= depth, root included (slots are in depth order)."""
+        d = min(depth, self.steps)
+        return self.lo[d] + self.size[d]
+
+    def s_upto(self, depth: int) -> int:
+        """A sampled tree's nodes of depth <= depth, root included (a prefix of `s_nodes`)."""
+        return sum(1 for j in self.s_nodes if self.depth[j] <= depth)
 
     def consts(self, device: torch.device) -> dict[str, torch.Tensor]:
         """Index tensors on the device (made once, outside any capture)."""
@@ -733,7 +781,8 @@ def _first(chosen: torch.Tensor, count: int, first: torch.Tensor | None = None) 
 
 def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root_logits: torch.Tensor,
               ctx: torch.Tensor, tables: torch.Tensor, block_size: int, max_seq_len: int,
-              sample: _Sampling | None = None) -> dict[str, torch.Tensor]:
+              sample: _Sampling | None = None,
+              caps: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The dynamic tree of R requests, with fixed-shape torch ops only (no host reads, no data-dependent shapes):
     capturable in one CUDA graph when `sample` is None (every request greedy, no grammar).
 
@@ -743,7 +792,10 @@ def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root
     t (cumulative log-probability, float64, ties to the lower id) and runs the head over every frontier node of
     steps 1..t (K t rows per request, at positions ctx - 1 + depth, each seeing the committed rows and its own
     ancestors: the tree mask), whose last K outputs give the next level. Greedy requests keep the n - 1 best
-    candidates (ancestor-closed: a parent never scores below its child and sorts first on ties)."""
+    candidates (ancestor-closed: a parent never scores below its child and sorts first on ties).
+    caps (depth [R], nodes [R], root included; `EagleDrafter._tree_caps`): request i keeps at most nodes[i] nodes
+    of depth <= depth[i] (greedy: its best such candidates; sampled: the first nodes[i] of its static slots); the
+    columns past nodes[i] of every output hold no node (id M) and are never read."""
     dev = root_out.device
     c = lay.consts(dev)
     r_, k, s = root_out.shape[0], lay.topk, lay.steps
@@ -838,7 +890,14 @@ def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root
     key = -score[:, 1:] + 0.0
     tri = c["ar"][None, : m_ - 1] < c["ar"][: m_ - 1, None]
     ng = lay.greedy_nodes
-    kept = _first(_rank(key, tri[None]) < ng - 1, ng - 1) + 1  # [R, n - 1] ascending ids
+    if caps is None:
+        kept = _first(_rank(key, tri[None]) < ng - 1, ng - 1) + 1  # [R, n - 1] ascending ids
+    else:  # candidates deeper than the request's cap rank last (their ids are higher: ties keep them last too)
+        dcap, ncap = caps
+        key = torch.where(c["depth"][None, 1:] <= dcap[:, None], key, torch.full_like(key, float("inf")))
+        want = ncap.clamp_max(ng)[:, None] - 1  # [R, 1] candidates kept
+        kept = _first(_rank(key, tri[None]) < want, ng - 1) + 1
+        kept = torch.where(c["ar"][None, : ng - 1] < want, kept, torch.full_like(kept, m_))
     nodes = torch.cat([torch.zeros(r_, 1, dtype=torch.long, device=dev), kept], 1)
     n_out = ng
     if sample is not None:
@@ -846,6 +905,8 @@ def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root
         n_out = max(ng, ns)
         pad = lambda x, fill: torch.cat([x, torch.full((r_, n_out - x.shape[1]), fill, dtype=x.dtype, device=dev)], 1)  # noqa: E731
         nodes = torch.where(sample.greedy[:, None], pad(nodes, m_), pad(c["s_nodes"][None].expand(r_, ns), m_))
+        if caps is not None:  # sampled trees: the first ncap slots (breadth first: ancestor-closed)
+            nodes = torch.where(c["ar"][None, :n_out] < ncap[:, None], nodes, torch.full_like(nodes, m_))
     nodes_c = nodes.clamp_max(m_ - 1)
     inv = torch.full((r_, m_ + 1), -1, dtype=torch.long, device=dev)
     inv.scatter_(1, nodes, torch.arange(n_out, device=dev).expand(r_, n_out))
@@ -862,6 +923,11 @@ def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root
             fslot.scatter_(1, front[:, :nf], 1 + torch.arange(nf, device=dev).expand(r_, nf))
         bslot = fslot.gather(1, nodes_c)  # bank slot of each kept node if it was expanded, else -1
         has = (bslot >= 0) & c["s_bank_children"][bslot.clamp_min(0)] & (nodes < m_)
+        if caps is not None:  # a kept node whose children were all cut is a leaf: its row is zero, as for any leaf
+            live_par = torch.where((nodes < m_) & (parents >= 0), parents, torch.full_like(parents, n_out))
+            has_child = torch.zeros(r_, n_out + 1, dtype=torch.bool, device=dev)
+            has_child.scatter_(1, live_par, torch.ones_like(live_par, dtype=torch.bool))
+            has = has & has_child[:, :n_out]
         probs = qbank.gather(1, bslot.clamp_min(0)[:, :, None].expand(r_, n_out, qbank.shape[-1]))
         probs = probs * has[:, :, None]
     packed = torch.cat([tokens.double(), parents.double(), score.gather(1, nodes_c), score, par.double()], 1)
@@ -918,6 +984,8 @@ class _StaticDrafting:
         self.tables = torch.zeros(self.max_seqs, self.width, **i64)
         self.root_out = torch.zeros(self.max_seqs, head.config.hidden_size, dtype=drafter.head_dtype, device=dev)
         self.root_logits = torch.zeros(self.max_seqs, head.draft_vocab_size, dtype=torch.float32, device=dev)
+        self.dcap = torch.zeros(self.max_seqs, **i64)  # per request: deepest level kept (trees capped per request)
+        self.ncap = torch.ones(self.max_seqs, **i64)  # per request: nodes kept, root included
         self.graphs: dict[tuple, _Captured] = {}
         self._pool = None
         self.replays = 0
@@ -948,12 +1016,24 @@ class _StaticDrafting:
 
         return body
 
-    def _tree_body(self, lay: TreeLayout, b: int, sample: _Sampling | None = None, max_seq_len: int | None = None):
+    def _tree_body(self, lay: TreeLayout, b: int, sample: _Sampling | None = None, max_seq_len: int | None = None,
+                   capped: bool = False):
+        """capped: per-request depth and node caps from `dcap` / `ncap` (set_caps)."""
         def body() -> dict[str, torch.Tensor]:
             return grow_tree(self.head, self.kv, lay, self.root_out[:b], self.root_logits[:b], self.ctx[:b],
-                             self.tables[:b], self.bs, max_seq_len or self.max_seq_len, sample)
+                             self.tables[:b], self.bs, max_seq_len or self.max_seq_len, sample,
+                             (self.dcap[:b], self.ncap[:b]) if capped else None)
 
         return body
+
+    def set_caps(self, caps: tuple[list[int], list[int]], n: int, lay: TreeLayout) -> None:
+        """Per-request caps of n requests (one host -> device copy); the padding rows of any bucket keep the root."""
+        dc, nc = caps
+        both = h2d(list(dc) + list(nc), self.device, torch.long)
+        self.dcap[:n].copy_(both[:n])
+        self.ncap[:n].copy_(both[n:])
+        self.dcap[n:].fill_(lay.steps)
+        self.ncap[n:].fill_(1)
 
     # -- capture ---------------------------------------------------------------------------------------------
     def _dummy(self, b: int, qe: int) -> None:
@@ -1065,26 +1145,26 @@ class _StaticDrafting:
         else:
             self._replay(cap)
 
-    def tree_graph(self, lay: TreeLayout, n: int, max_len: int | None = None) -> DeviceTree:
+    def tree_graph(self, lay: TreeLayout, n: int, max_len: int | None = None, capped: bool = False) -> DeviceTree:
         """The greedy tree of n requests from the static buffers: a graph replay (bucket padded; eager beyond the
-        largest bucket, with max_len bounding the KV lengths)."""
+        largest bucket, with max_len bounding the KV lengths). capped: per-request caps (set_caps), a graph of its own."""
         b = self.bucket(n)
         if b is None:
-            return self.tree_eager(lay, n, None, max_len)
-        key = ("tree", b, lay.topk, lay.steps, lay.nodes)
+            return self.tree_eager(lay, n, None, max_len, capped)
+        key = ("tree", b, lay.topk, lay.steps, lay.nodes) + (("capped",) if capped else ())
         cap = self.graphs.get(key)
         if cap is None:  # capture over a dummy batch, then put this round's inputs back
             saved = [x[:b].clone() for x in (self.lo, self.nlast, self.ctx, self.tables, self.root_out,
                                               self.root_logits)]
-            cap = self._get(key, self._tree_body(lay, b), b, 1)
+            cap = self._get(key, self._tree_body(lay, b, capped=capped), b, 1)
             for x, y in zip((self.lo, self.nlast, self.ctx, self.tables, self.root_out, self.root_logits), saved):
                 x[:b].copy_(y)
         return DeviceTree(self._replay(cap), n, lay.steps - 1)
 
-    def tree_eager(self, lay: TreeLayout, n: int, sample: _Sampling | None, max_seq_len: int | None = None
-                   ) -> DeviceTree:
+    def tree_eager(self, lay: TreeLayout, n: int, sample: _Sampling | None, max_seq_len: int | None = None,
+                   capped: bool = False) -> DeviceTree:
         with torch.inference_mode():
-            out = self._tree_body(lay, n, sample, max_seq_len)()
+            out = self._tree_body(lay, n, sample, max_seq_len, capped)()
         steps = lay.s_steps if sample is not None and sample.all_sampled else lay.steps - 1
         return DeviceTree(out, n, steps)
 

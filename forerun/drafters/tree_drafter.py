@@ -10,6 +10,10 @@ committed token. Children of a node are drawn from the draft distribution q at t
 Each depth is one batched draft forward over the whole tree so far with a tree mask (every node sees the
 committed prefix and its ancestors only); afterwards the draft cache is cut back to the committed prefix,
 and the accepted tokens are fed on the next proposal like any other catch-up.
+
+Near a request's end (or its context limit) the round drafts the tree's prefix that fits: no deeper than the
+request's tokens left minus one (`tree_depth_cap`) and, when the round passes `max_drafts`, at most that many
+nodes beyond the root (the deepest prefix within it), rather than no tree at all.
 """
 from __future__ import annotations
 
@@ -54,10 +58,31 @@ class TreeShape:
     def num_nodes(self) -> int:
         return len(self.parents)
 
+    def nodes_upto(self, depth: int) -> int:
+        """Nodes of the prefix of this depth (root included): breadth-first ids, so nodes 0 .. nodes_upto - 1."""
+        return self.levels[min(depth, len(self.levels) - 1)][-1] + 1
+
+    def prefix_depth(self, max_depth: int, max_drafts: int | None = None) -> int:
+        """The deepest prefix (<= max_depth) whose drafts (nodes beyond the root) number at most max_drafts."""
+        d = max(0, min(max_depth, len(self.levels) - 1))
+        while d > 0 and max_drafts is not None and self.nodes_upto(d) - 1 > max_drafts:
+            d -= 1
+        return d
+
     def mask(self, upto: int | None = None) -> torch.Tensor:
         """[m, m] bool over the first m nodes: node i sees j iff j is i or an ancestor of i."""
         m = self.num_nodes if upto is None else upto
         return tree_attention_mask(torch.tensor(self.parents[:m]), torch.tensor([0]), torch.tensor([m]), m)
+
+
+def tree_depth_cap(request: Request, max_drafts: int | None = None) -> int:
+    """Deepest draft worth drafting for `request` this round: a round commits its accepted path plus one token, and
+    nothing past max_tokens (`_commit` drops it), so remaining - 1; a tree of max_drafts drafts is never deeper
+    than max_drafts either (the engine's cap for the context room, `Engine._k_for`). 0: no tree (a plain row)."""
+    cap = request.remaining - 1
+    if max_drafts is not None:
+        cap = min(cap, max_drafts)
+    return max(0, cap)
 
 
 class TreeDrafter(ModelDrafter):
@@ -70,50 +95,62 @@ class TreeDrafter(ModelDrafter):
         super().__init__(runner)
         self.shape = TreeShape.from_branching(tuple(branching))
 
-    def propose_tree(self, requests: list[Request]) -> TreeProposal:
+    def propose_tree(self, requests: list[Request], max_drafts: list[int] | None = None) -> TreeProposal:
+        """Each request's tree is the prefix of the shape that fits it (`tree_depth_cap`, `TreeShape.prefix_depth`:
+        max_drafts[i] nodes beyond the root at most); a request with no room gets its root alone (a plain row)."""
         kv, shape = self.runner.kv, self.shape
-        n = shape.num_nodes
-        tokens = [[r.all_tokens[-1]] + [0] * (n - 1) for r in requests]
+        depths = [shape.prefix_depth(tree_depth_cap(r, None if max_drafts is None else max_drafts[i]),
+                                     None if max_drafts is None else max_drafts[i]) for i, r in enumerate(requests)]
+        sizes = [shape.nodes_upto(d) for d in depths]
+        tokens = [[r.all_tokens[-1]] + [0] * (n - 1) for r, n in zip(requests, sizes)]
         probs: list[torch.Tensor | None] = [None] * len(requests)
         self.feed(requests, [r.num_tokens - 1 for r in requests])  # catch-up in budget-sized forwards
         root_pos = [r.num_tokens - 1 for r in requests]
-        st = SamplingTensors.from_params([r.params for r in requests], self.runner.device)
-        greedy = [r.params.temperature == 0 for r in requests]
+        v = None
         for d, level in enumerate(shape.levels[:-1]):
+            act = [i for i, dep in enumerate(depths) if dep > d]  # requests whose prefix goes below this level
+            if not act:
+                break
+            reqs = [requests[i] for i in act]
+            st = SamplingTensors.from_params([r.params for r in reqs], self.runner.device)
             if d == 0:  # catch-up: committed tokens the draft cache lacks, the root last
-                chunks = [Chunk(r.req_id, r.all_tokens[kv.length(r.req_id):]) for r in requests]
+                chunks = [Chunk(r.req_id, r.all_tokens[kv.length(r.req_id):]) for r in reqs]
             else:  # the root and every node above depth d, with the tree mask
                 m = level[-1] + 1
-                chunks = [Chunk(r.req_id, tokens[i][:m], positions=[root_pos[i] + shape.depth[j] for j in range(m)],
-                                tree_mask=shape.mask(m), logits=len(level)) for i, r in enumerate(requests)]
+                chunks = [Chunk(requests[i].req_id, tokens[i][:m], positions=[root_pos[i] + shape.depth[j] for j in range(m)],
+                                tree_mask=shape.mask(m), logits=len(level)) for i in act]
             out, _ = self.runner.forward(chunks)
-            for r, pos in zip(requests, root_pos):
-                kv.truncate(r.req_id, pos)  # keep the committed prefix only (the root is re-fed)
+            for i in act:
+                kv.truncate(requests[i].req_id, root_pos[i])  # keep the committed prefix only (the root is re-fed)
             v = out.logits.shape[-1]
             rows = len(level)
-            states = [grammar_of(r) for r in requests]
+            states = [grammar_of(r) for r in reqs]
             if any(st_ is not None for st_ in states):  # issue 14: children drawn from the grammar-masked q, each
-                masks = [tree_node_masks(g, tokens[i], shape.parents, level) if g is not None  # the grammar after
-                         else torch.full((rows, bitmask_words(v)), ALL_ALLOWED, dtype=torch.int32)  # each node's path
-                         for i, g in enumerate(states)]
+                masks = [tree_node_masks(g, tokens[act[a]], shape.parents, level) if g is not None  # the grammar
+                         else torch.full((rows, bitmask_words(v)), ALL_ALLOWED, dtype=torch.int32)  # after each path
+                         for a, g in enumerate(states)]
                 apply_bitmask_(out.logits, torch.cat(masks))
             q = logits_to_probs(out.logits, st.temperature.repeat_interleave(rows), st.top_k.repeat_interleave(rows),
                                 st.top_p.repeat_interleave(rows), st.min_p.repeat_interleave(rows))  # [R*rows, V]
             children = len(shape.levels[d + 1]) // rows
-            for i, r in enumerate(requests):
+            for a, i in enumerate(act):
+                r = requests[i]
                 if probs[i] is None:
-                    probs[i] = torch.zeros(n, v, device=q.device)
-                qi = q[i * rows:(i + 1) * rows]  # [rows, V]
+                    probs[i] = torch.zeros(sizes[i], v, device=q.device)
+                qi = q[a * rows:(a + 1) * rows]  # [rows, V]
                 if r.coupled:  # seeded: top-b of log q + g(seed, position of the children)
                     keys = keys_for(r.params.seed, r.num_tokens + d, 1, q.device).expand(rows)
                     picked = coupled_scores(qi, keys).topk(children, dim=-1).indices
-                elif greedy[i]:
-                    picked = out.logits[i * rows:(i + 1) * rows].topk(children, dim=-1).indices  # distinct tokens
+                elif r.params.temperature == 0:
+                    picked = out.logits[a * rows:(a + 1) * rows].topk(children, dim=-1).indices  # distinct tokens
                 else:
                     u = torch.rand(rows, children, generator=r.generator).to(q.device)
                     picked = sample_from_probs(qi.repeat_interleave(children, 0), u.flatten()).view(rows, children)
-                for a, node in enumerate(level):
-                    probs[i][node] = qi[a]
+                for b, node in enumerate(level):
+                    probs[i][node] = qi[b]
                     for c in range(children):
-                        tokens[i][shape.levels[d + 1][a * children + c]] = int(picked[a, c])
-        return TreeProposal(tokens, [list(shape.parents)] * len(requests), probs)
+                        tokens[i][shape.levels[d + 1][b * children + c]] = int(picked[b, c])
+        for i, n in enumerate(sizes):
+            if probs[i] is None:  # the root alone (no room for a draft): never verified as a tree
+                probs[i] = torch.zeros(n, v or 1, device=self.runner.device)
+        return TreeProposal(tokens, [list(shape.parents[:n]) for n in sizes], probs)

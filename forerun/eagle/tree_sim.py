@@ -139,8 +139,9 @@ def replay(target, head, samples: list[dict], *, k: int | None = None, shape: tu
     """One chain (k) or fixed tree (shape) replayed over every sample (a head folder or module); see the module
     docstring. trace: a list that receives, per sample, the accepted drafts of each round after the prefill.
     budget_cost: a tree with the per-round budget (shape its maximum) fed this target cost (TableCost).
-    engine_tail: as the engine's `_k_for` (forerun/engine/engine.py): a tree round only while the request has
-    room for the whole tree's depth (remaining - 1 >= steps), plain rounds after that."""
+    engine_tail: as the engine's `_k_for` did before session 10: a tree round only while the request has room for
+    the whole tree's depth (remaining - 1 >= steps), plain rounds after that. Without it a tree's steps are capped
+    at remaining - 1 (`tree_depth_cap`, what the engine does now)."""
     from ..config import CacheConfig
     from ..drafters.eagle import EagleDrafter
     from ..request import Request
@@ -231,7 +232,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget-shapes", default="", help="tree rows with the per-round budget (TableCost of the "
                    "measured verify times + --overhead-ms), the shape its maximum")
     p.add_argument("--engine-tail", action="store_true", help="trees: plain rounds once a request has less room "
-                   "than the tree's depth, as the engine does (forerun/engine/engine.py _k_for)")
+                   "than the tree's depth, as the engine did before session 10 (now it caps the tree's depth)")
     p.add_argument("--prompts", type=int, default=20)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--threads", type=int, default=1)

@@ -23,7 +23,7 @@ from ..detokenizer import IncrementalDetokenizer
 from ..drafters.base import Drafter
 from ..drafters.model_drafter import DraftModelDrafter, EarlyExitDrafter
 from ..drafters.ngram import NgramDrafter
-from ..drafters.tree_drafter import TreeDrafter
+from ..drafters.tree_drafter import TreeDrafter, TreeShape
 from ..models.registry import load_model
 from ..request import FinishReason, Request
 from ..runtime.cuda_graph import enable_cuda_graphs
@@ -400,18 +400,16 @@ class Engine:
         return deltas
 
     def _k_for(self, reqs: list[Request]) -> list[int]:
-        """Drafts per request this round (0 = plain decoding), capped by the room each has left. Trees: the whole
-        tree (its node count) when it fits, else 0."""
+        """Drafts per request this round (0 = plain decoding), capped by the room each has left. Trees: the nodes
+        beyond the root of the tree that fits (`_tree_drafts`), 0 when not even one draft does."""
         if self._ks_cache is not None:  # decided already this step (by _try_overlap): asking again would
             cache, self._ks_cache = self._ks_cache, None  # count the round twice and lose a due probe
             if all(r.req_id in cache for r in reqs):
                 return [cache[r.req_id] for r in reqs]
         limit = self.max_model_len
         if self.spec.is_tree:
-            n = self.spec.max_draft_tokens
-            depth = len(self.spec.tree) if self.spec.tree is not None else self.spec.eagle_tree[1]
-            return [n if r.remaining - 1 >= depth and limit - r.num_tokens >= n and not forcing(r) else 0
-                    for r in reqs]  # golden tokens: plain rows (the chain verifier forces them)
+            return [0 if forcing(r) else self._tree_drafts(r) for r in reqs]  # golden tokens: plain rows (the chain
+            # verifier forces them)
         room = [max(0, min(r.remaining - 1, limit - r.num_tokens - 1)) for r in reqs]
         if self.runner.graphs is None or not self.spec.enabled:
             return self.k_policy.ks([r.req_id for r in reqs], room)
@@ -423,6 +421,24 @@ class Engine:
         else:
             k = min(self.spec.k, max(room, default=0))
         return [max(0, min(k, limit - r.num_tokens - 1)) for r in reqs]
+
+    def _tree_drafts(self, r: Request) -> int:
+        """Nodes beyond the root of the tree request r drafts this round: the configured tree cut to what fits, as
+        a chain is cut to its room. Its depth is at most remaining - 1 (a round commits its accepted path plus one
+        token; nothing past max_tokens is kept) and it holds at most limit - num_tokens - 1 drafts (the context
+        room: no node's position reaches max_model_len, nothing committed past it). A static tree (method 'draft')
+        takes its deepest prefix within both; a dynamic EAGLE tree keeps min(nodes - 1, room) nodes, and the drafter
+        caps its steps at the same depth (`tree_depth_cap`). 0: not even one draft fits (a plain row). Before,
+        a tree was drafted only when the whole of it fitted, so the last `steps` tokens of every request were
+        decoded one per round."""
+        room = self.max_model_len - r.num_tokens - 1
+        depth = min(r.remaining - 1, room)
+        if depth < 1:
+            return 0
+        if self.spec.tree is not None:
+            shape = getattr(self.drafter, "shape", None) or TreeShape.from_branching(self.spec.tree)
+            return shape.nodes_upto(shape.prefix_depth(depth, room)) - 1
+        return min(self.spec.max_draft_tokens, room)
 
     def _round_step(self) -> list[Request]:
         sched = self.scheduler

@@ -35,7 +35,9 @@ class RoundItem:
     request: Request
     feed: int  # committed tokens the target reads this round (>= 1), from its cached length on
     final: bool  # `feed` reaches the newest committed token: sample the next one (and verify drafts)
-    k: int = 0  # drafts wanted (chain rounds; 0 = plain decoding); a tree round drafts its tree when k > 0
+    # drafts wanted (chain rounds; 0 = plain decoding); a tree round drafts a tree of at most k nodes beyond the root
+    # when k > 0 (the drafter also keeps it no deeper than the request's tokens left: Engine._k_for, tree_depth_cap)
+    k: int = 0
 
 
 @dataclass
@@ -240,15 +242,16 @@ class TreeRound(Round):
         self._feed_drafter(items)
         trees = [i for i, it in enumerate(items) if it.final and it.k > 0]
         reqs = [items[i].request for i in trees]
+        caps = [items[i].k for i in trees]  # drafts (nodes beyond the root) each tree may hold: what fits the request
         if (trees and len(trees) == len(items) and all(it.feed == 1 for it in items)
                 and getattr(self.drafter, "supports_async_tree", False) and all(grammar_of(r) is None for r in reqs)):
-            pend = self.drafter.propose_tree_async(reqs)
+            pend = self.drafter.propose_tree_async(reqs, caps)
             t1 = marks.mark()
             if pend.device is not None:
                 return self._run_device(items, pend, marks, t0, t1)
             prop = pend.result()
         else:
-            prop = self.drafter.propose_tree(reqs) if trees else None
+            prop = self.drafter.propose_tree(reqs, caps) if trees else None
             t1 = marks.mark()
         return self._run_host(items, trees, prop, marks, t0, t1)
 

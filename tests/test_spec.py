@@ -1,6 +1,9 @@
 """Speculative generation: greedy identity for every drafter, exact sampling, rollback, stops, adaptive k."""
 from __future__ import annotations
 
+import random
+from collections import deque
+
 import numpy as np
 import pytest
 import torch
@@ -608,3 +611,43 @@ def test_batch_k_drafts_until_a_draft_step_is_timed():
             for _ in range(20):
                 pol.observe(rid, 4, 0, wanted=4)
         assert pol.batch_k([0, 1], [100, 100]) == 0
+
+
+def test_cost_model_memo_and_batched_expectations_equal_the_direct_computation():
+    """CostModel caches its medians and piecewise-linear points, and the k policy computes E[tokens] for every k in
+    one pass: both must give exactly what computing from scratch gives, after every new observation (also ones
+    appended to the deques directly, as tests do) and at every position, pooled or not."""
+    rng = random.Random(5)
+    cost = CostModel()
+    for step in range(300):
+        what = rng.randrange(5)
+        if what == 0:
+            cost.record_target(rng.choice([1, 4, 8, 16, 40]), rng.uniform(0.004, 0.02))
+        elif what == 1:
+            cost.record_draft_step(rng.uniform(0.0005, 0.002))
+        elif what == 2:
+            cost.record_spec_overhead(rng.uniform(0, 0.001))
+        elif what == 3:
+            cost.record_round_overhead(rng.uniform(0, 0.001))
+        else:
+            cost.target_obs.append((rng.choice([2, 5]), rng.uniform(0.004, 0.02)))
+        fresh = CostModel(deque(cost.target_obs, maxlen=64), deque(cost.draft_obs, maxlen=64),
+                          deque(cost.overhead_obs, maxlen=64), deque(cost.round_obs, maxlen=64))
+        for tokens in (1, 3, 8, 33, 100):
+            for k in (0, 2):
+                assert cost.round_seconds(tokens, k) == fresh.round_seconds(tokens, k)
+    pool = AcceptanceEstimate(decay=0.99)
+    est = AcceptanceEstimate(prior_weight=4.0, pool=pool)
+    alone = AcceptanceEstimate()
+    for _ in range(200):
+        d = rng.randint(1, 6)
+        a = rng.randint(0, d)
+        for e in (pool, est, alone):
+            e.update(d, a)
+            for k in range(10):
+                direct, reach = 1.0, 1.0
+                for i in range(k):
+                    reach *= e.rate(i)
+                    direct += reach
+                assert e.expected_tokens_upto(9)[k] == pytest.approx(direct, rel=1e-12)
+                assert e.expected_tokens(k) == pytest.approx(direct, rel=1e-12)

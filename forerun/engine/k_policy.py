@@ -73,11 +73,28 @@ class AcceptanceEstimate:
         return (self.accepted[i] + prior * self.prior_weight) / (self.tested[i] + self.prior_weight)
 
     def expected_tokens(self, k: int) -> float:
-        total, reach = 1.0, 1.0
-        for i in range(k):
-            reach *= self.rate(i)
-            total += reach
-        return total
+        return self.expected_tokens_upto(k)[k]
+
+    def rates(self, n: int) -> list[float]:
+        """rate(i) for i in 0..n-1 in one pass (the pool's rates computed once, not once per position)."""
+        prior = self.pool.rates(n) if self.pool is not None else [self.prior] * n
+        out = []
+        for i in range(n):
+            if i < len(self.tested):
+                out.append((self.accepted[i] + prior[i] * self.prior_weight) / (self.tested[i] + self.prior_weight))
+            elif self.tested and self.pool is None:  # never drafted this far: like the deepest position seen
+                out.append(out[-1] if out else self.rate(len(self.tested) - 1))
+            else:
+                out.append(prior[i])
+        return out
+
+    def expected_tokens_upto(self, k: int) -> list[float]:
+        """E[tokens] of a round drafting 0, 1, .., k tokens."""
+        out, reach = [1.0], 1.0
+        for a in self.rates(k):
+            reach *= a
+            out.append(out[-1] + reach)
+        return out
 
     @property
     def alpha(self) -> float:
@@ -95,26 +112,42 @@ class CostModel:
     overhead_obs: deque = field(default_factory=lambda: deque(maxlen=64))
     round_obs: deque = field(default_factory=lambda: deque(maxlen=64))
 
+    # the medians and piecewise-linear points, with the observations they were computed from (length, first and
+    # last): the k policy asks for them several times a round (at 64 requests batch_k spent ~0.5 ms of host time
+    # per call recomputing them on this CPU), new observations arrive at most once a round
+    _memo: dict = field(default_factory=dict)
+
+    def _cached(self, name: str, obs: deque, compute):
+        key = (len(obs), obs[0], obs[-1]) if obs else None
+        hit = self._memo.get(name)
+        if hit is None or hit[0] != key:
+            hit = self._memo[name] = (key, compute())
+        return hit[1]
+
     def record_target(self, tokens: int, seconds: float) -> None:
         self.target_obs.append((tokens, seconds))
 
     def record_draft_step(self, seconds: float) -> None:
         self.draft_obs.append(seconds)
 
+    def _target_points(self) -> list[tuple[int, float]]:
+        """The median measured time at each token count seen (timings are noisy), never decreasing with the count."""
+        by: dict[int, list[float]] = {}
+        for x, y in self.target_obs:
+            by.setdefault(x, []).append(y)
+        pts, top = [], 0.0
+        for x, ys in sorted(by.items()):
+            top = max(top, _median(ys))
+            pts.append((x, top))
+        return pts
+
     def target_time(self, tokens: int) -> float:
         """Piecewise linear through the median measured time at each token count seen (a forward costs about the
         same up to some count, then grows: a straight-line fit gets both ends wrong); beyond the counts seen, the
         nearest segment's slope."""
-        obs = list(self.target_obs)
-        if not obs:
+        if not self.target_obs:
             return 1.0
-        by: dict[int, list[float]] = {}
-        for x, y in obs:
-            by.setdefault(x, []).append(y)
-        pts, top = [], 0.0  # the median at each count (timings are noisy), never decreasing with the count
-        for x, ys in sorted(by.items()):
-            top = max(top, _median(ys))
-            pts.append((x, top))
+        pts = self._cached("target", self.target_obs, self._target_points)
         if len(pts) == 1:
             return max(pts[0][1], 1e-6)
         if tokens <= pts[0][0]:  # below what was seen: the first segment's slope (at least half the time seen)
@@ -128,7 +161,7 @@ class CostModel:
 
     def draft_step_time(self) -> float:
         """The median recent draft step (a mean let two slow outliers keep k at 0 on the CPU pair)."""
-        return _median(self.draft_obs)
+        return self._cached("draft", self.draft_obs, lambda: _median(self.draft_obs))
 
     def record_spec_overhead(self, seconds: float) -> None:
         """A speculative round's wall time beyond its target forward and draft steps (host work: verification
@@ -143,12 +176,12 @@ class CostModel:
         self.round_obs.append(max(0.0, seconds))
 
     def round_overhead(self) -> float:
-        return _median(self.round_obs)
+        return self._cached("round", self.round_obs, lambda: _median(self.round_obs))
 
     def spec_overhead(self) -> float:
         """The median recent overhead: one round that waited on a kernel compile or a graph capture measured
         1.1-1.2 s on the H200, and in a mean it kept adaptive k at 0 for the next 64 rounds."""
-        return _median(self.overhead_obs)
+        return self._cached("overhead", self.overhead_obs, lambda: _median(self.overhead_obs))
 
     def round_seconds(self, tokens: int, k: int) -> float:
         """Predicted wall time of a round whose target forward processes `tokens` tokens after k draft steps."""
@@ -160,12 +193,12 @@ def choose_k(acceptance: "float | AcceptanceEstimate", k_max: int, batch_size: i
     """The k in 0..k_max with the most expected tokens per second, the round being shared by batch_size
     requests that each verify k + 1 tokens (so extra verify tokens get dearer as the batch grows).
     acceptance: one rate for every position (seed 003's model) or per-position estimates."""
-    expected = acceptance.expected_tokens if isinstance(acceptance, AcceptanceEstimate) else \
-        (lambda k: expected_tokens_per_round(acceptance, k))
+    expected = acceptance.expected_tokens_upto(k_max) if isinstance(acceptance, AcceptanceEstimate) else \
+        [expected_tokens_per_round(acceptance, k) for k in range(k_max + 1)]
     best_k, best = 0, 0.0
     for k in range(k_max + 1):
         seconds = cost.round_seconds(batch_size * (k + 1), k)
-        rate = expected(k) / seconds
+        rate = expected[k] / seconds
         if rate > best * 1.0001:
             best_k, best = k, rate
     return best_k
@@ -285,12 +318,15 @@ class KPolicy:
             # in ordinary rounds (ModelDrafter times steps 1..), so k = 0 or 1 would never measure one
             k = min(max(self.spec.k, 2), kmax)
         else:
-            ests = [self._estimate(rid) for rid in req_ids]
             n = len(req_ids)
+            expected = [0.0] * (kmax + 1)  # summed over the batch, per k
+            for rid in req_ids:
+                for kk, e in enumerate(self._estimate(rid).expected_tokens_upto(kmax)):
+                    expected[kk] += e
             k, best = 0, 0.0
             for kk in range(kmax + 1):
                 seconds = self.cost.round_seconds(n * (kk + 1), kk)
-                rate = sum(e.expected_tokens(kk) for e in ests) / seconds
+                rate = expected[kk] / seconds
                 if rate > best * 1.0001:
                     k, best = kk, rate
         if self.batch_probing:

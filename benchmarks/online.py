@@ -128,12 +128,16 @@ class _StallProbe:
 _PROBE: _StallProbe | None = None
 
 
-def drive(eng: Engine, prompts: list[list[int]], new_tokens: int, *, concurrency: int | None = None,
-          rate: float | None = None, seed: int = 0, late: tuple[float, list[int]] | None = None) -> dict:
+def drive(eng: Engine, prompts: list[list[int]], new_tokens: "int | tuple[int, int]", *,
+          concurrency: int | None = None, rate: float | None = None, seed: int = 0,
+          late: tuple[float, list[int]] | None = None) -> dict:
     """Run the engine until every request is done. Closed loop (`concurrency` outstanding at all times) or
-    Poisson arrivals at `rate` requests/s. late: (time, prompt) of one extra request arriving mid-run."""
+    Poisson arrivals at `rate` requests/s. late: (time, prompt) of one extra request arriving mid-run.
+    new_tokens: every request's max_tokens, or (lo, hi): the i-th request added draws it uniformly from lo..hi
+    (a seeded draw: every config gets the same lengths in the same order)."""
     rng = random.Random(seed)
-    sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    spread = random.Random(1000 + seed) if isinstance(new_tokens, tuple) else None
+    same = None if spread else SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     queue = list(prompts)
     arrivals, t_next = [], 0.0
     if rate is not None:
@@ -157,6 +161,7 @@ def drive(eng: Engine, prompts: list[list[int]], new_tokens: int, *, concurrency
 
     def add(prompt, now):
         nonlocal outstanding
+        sp = same or SamplingParams(temperature=0, max_tokens=spread.randint(*new_tokens), ignore_eos=True)
         rid = eng.add_request(prompt, sp)
         info[rid] = {"arrive": now, "times": []}
         outstanding += 1
@@ -291,7 +296,7 @@ def _graph_counts(eng: Engine) -> dict:
     return out
 
 
-def run_grid(make_engine, prompts_for, new_tokens: int, concurrencies, configs, log, rates=(),
+def run_grid(make_engine, prompts_for, new_tokens: "int | tuple[int, int]", concurrencies, configs, log, rates=(),
              poisson_requests: int = 64) -> list[dict]:
     """Per config: a closed loop at each concurrency (rows with `concurrency`), then Poisson arrivals at each rate
     in requests/s (rows with `rate`, `concurrency` None), on the same engine."""
@@ -546,6 +551,10 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=None)
     ap.add_argument("--acceptance", type=float, nargs="+", default=[0.6, 0.8, 0.9, 0.0])
     ap.add_argument("--new-tokens", type=int, default=None)
+    ap.add_argument("--new-tokens-range", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                    help="GPU: each request's max_tokens drawn uniformly from LO..HI (seeded, the same for every "
+                         "config) instead of --new-tokens for all: plain decoding's requests then no longer finish "
+                         "on the same step")
     ap.add_argument("--blocks", type=int, default=4_000)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rate", type=float, default=0.05)
@@ -566,7 +575,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.gpu:
         args.concurrency = args.concurrency or [1, 2, 4, 8, 16, 32, 64]
-        args.new_tokens = args.new_tokens or 96
+        args.new_tokens = tuple(args.new_tokens_range) if args.new_tokens_range else (args.new_tokens or 96)
         args.rates = [10.0, 40.0, 100.0] if args.rates is None else args.rates
         args.poisson_requests = args.poisson_requests or 64
         res = gpu_main(args)

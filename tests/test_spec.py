@@ -387,11 +387,14 @@ def test_batch_k_speculates_small_batches_and_stops_where_verify_rows_are_dear()
     assert pol.batch_k([0], [100]) >= 3
     pol.batch_idle = 0
     ids = list(range(64))
-    ks = [pol.batch_k(ids, [100] * 64) for _ in range(KPolicy.PROBE_EVERY)]
-    assert ks[:-1] == [0] * (KPolicy.PROBE_EVERY - 1) and ks[-1] == 1  # the probe
+    # a probe's catch-up covers every request: at 64 requests the batch waits 64 / PROBE_BATCH times as long
+    wait = KPolicy.PROBE_EVERY * 64 // KPolicy.PROBE_BATCH
+    ks = [pol.batch_k(ids, [100] * 64) for _ in range(wait)]
+    assert ks[:-1] == [0] * (wait - 1) and ks[-1] == 1  # the probe
     assert pol.batch_k(ids, [100] * 64) == 0  # still not worth drafting: the next probe waits twice as long
     assert pol.batch_probe_every == 2 * KPolicy.PROBE_EVERY
-    assert pol.rounds_before_probe(ids) == 2 * KPolicy.PROBE_EVERY - 1
+    assert pol.rounds_before_probe(ids) == 2 * wait - 1
+    assert pol.rounds_before_probe(ids[:KPolicy.PROBE_BATCH]) == 2 * KPolicy.PROBE_EVERY - 1  # (small batches)
     assert pol.batch_k([0], [100]) >= 3 and pol.batch_idle == 0  # a batch where drafting pays
 
 

@@ -75,9 +75,11 @@ class AcceptanceEstimate:
     def expected_tokens(self, k: int) -> float:
         return self.expected_tokens_upto(k)[k]
 
-    def rates(self, n: int) -> list[float]:
-        """rate(i) for i in 0..n-1 in one pass (the pool's rates computed once, not once per position)."""
-        prior = self.pool.rates(n) if self.pool is not None else [self.prior] * n
+    def rates(self, n: int, pool_rates: list[float] | None = None) -> list[float]:
+        """rate(i) for i in 0..n-1 in one pass (the pool's rates computed once, not once per position).
+        pool_rates: the pool's rates(n) when the caller has them (one batch of requests shares one pool)."""
+        prior = (pool_rates if pool_rates is not None else self.pool.rates(n)) if self.pool is not None \
+            else [self.prior] * n
         out = []
         for i in range(n):
             if i < len(self.tested):
@@ -88,10 +90,10 @@ class AcceptanceEstimate:
                 out.append(prior[i])
         return out
 
-    def expected_tokens_upto(self, k: int) -> list[float]:
+    def expected_tokens_upto(self, k: int, pool_rates: list[float] | None = None) -> list[float]:
         """E[tokens] of a round drafting 0, 1, .., k tokens."""
         out, reach = [1.0], 1.0
-        for a in self.rates(k):
+        for a in self.rates(k, pool_rates):
             reach *= a
             out.append(out[-1] + reach)
         return out
@@ -227,6 +229,11 @@ class KPolicy:
     PROBE_EVERY = 16  # with k = 0 chosen this many rounds in a row, draft one token to re-measure acceptance
     PROBE_MAX = 256  # a probe that is rejected doubles the interval up to this; an accepted one resets it
     PROBE_HOLD = 8  # batch_k: a probe is accepted when drafting then lasts this many rounds
+    # batch_k: the plain rounds between probes grow with the batch, by a factor of batch size / PROBE_BATCH. A probe
+    # first feeds the draft model every token each request got while it did not draft (an eager catch-up whose
+    # cost grows with the batch: ~20-30 ms at 64 requests on the H200), while a plain round barely grows (4.4 ms
+    # at 1 request, 5.7 ms at 64); with a useless draft at 32-64 requests the probes cost 2-4 % of the time
+    PROBE_BATCH = 8
     REALIZED_WINDOW = 32  # batch_k: recent speculative rounds whose realized rate is compared with plain decoding
     REALIZED_MIN = 8  # ... once there are this many since the last probe
     # drafting is overruled when it realizes less than this times plain's rate over the same rounds. Not below 1:
@@ -238,6 +245,10 @@ class KPolicy:
     @staticmethod
     def _bucket(n: int) -> int:
         return 1 << max(0, n - 1).bit_length()
+
+    def _batch_probe_wait(self, n: int) -> int:
+        """Plain rounds before the batch probes, at batch size n (see PROBE_BATCH)."""
+        return self.batch_probe_every * max(1, n // self.PROBE_BATCH)
 
     def record_realized(self, requests: int, tokens: int, seconds: float, plain: tuple[float, float] | None = None) -> None:
         """A speculative round of `requests` requests committed `tokens` tokens in `seconds` of wall time,
@@ -320,8 +331,9 @@ class KPolicy:
         else:
             n = len(req_ids)
             expected = [0.0] * (kmax + 1)  # summed over the batch, per k
+            pool = self.overall.rates(kmax)  # (every request's estimate shrinks towards it)
             for rid in req_ids:
-                for kk, e in enumerate(self._estimate(rid).expected_tokens_upto(kmax)):
+                for kk, e in enumerate(self._estimate(rid).expected_tokens_upto(kmax, pool)):
                     expected[kk] += e
             k, best = 0, 0.0
             for kk in range(kmax + 1):
@@ -343,7 +355,7 @@ class KPolicy:
                 self.batch_probe_every = min(2 * self.batch_probe_every, self.PROBE_MAX)
                 self.batch_trial = None
             self.batch_idle += 1
-            if self.batch_idle >= self.batch_probe_every and kmax > 0:
+            if self.batch_idle >= self._batch_probe_wait(len(req_ids)) and kmax > 0:
                 k, self.batch_idle, self.batch_probing = 1, 0, True
                 self.realized.pop(self._bucket(len(req_ids)), None)  # the probe re-measures from scratch
         else:
@@ -366,7 +378,7 @@ class KPolicy:
         """After ks() gave k = 0 to all of these requests: how many more k = 0 rounds, this one included, run
         before one of them probes (the engine runs those rounds overlapped, without asking again)."""
         if self.batch_mode:
-            return max(1, self.batch_probe_every - self.batch_idle)
+            return max(1, self._batch_probe_wait(len(req_ids)) - self.batch_idle)
         return max(1, min(self.probe_every.get(rid, self.default_probe_every) - self.idle_rounds.get(rid, 0)
                           for rid in req_ids))
 

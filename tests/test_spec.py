@@ -537,9 +537,8 @@ def test_batch_k_is_overruled_when_speculative_rounds_realize_less_than_plain():
     """The cost model sees only pure verify rounds; the rounds the engine really runs (prefill chunks of joining
     requests, which a drafter makes dearer, stalls) can deliver less. batch_k compares what speculative rounds
     realized at this batch size with plain decoding's predicted step and decodes plainly when drafting loses (the
-    H200 at 64 requests: the model kept k = 2-3 at 0.46-0.75x plain); a probe re-measures acceptance and lifts
-    the veto only if it has risen; a batch where drafting delivers keeps drafting; a compile-length stall does
-    not count."""
+    H200 at 64 requests: the model kept k = 2-3 at 0.46-0.75x plain); a probe re-measures; a batch where
+    drafting delivers keeps drafting; a compile-length stall does not count."""
     from forerun.engine.k_policy import KPolicy
 
     def policy():
@@ -563,28 +562,10 @@ def test_batch_k_is_overruled_when_speculative_rounds_realize_less_than_plain():
     assert pol.batch_k(ids, room) == 0 and pol.vetoes == 1
     assert pol.batch_probe_every == 2 * KPolicy.PROBE_EVERY
     ks = [pol.batch_k(ids, room) for _ in range(2 * KPolicy.PROBE_EVERY - 1)]
-    assert ks[-1] == 1 and not any(ks[:-1])  # vetoed (once doubled) until the probe
+    assert ks[-1] == 1 and not any(ks[:-1])  # vetoed (once doubled) until the probe, a fresh measurement
     assert pol.batch_probe_every == 2 * KPolicy.PROBE_EVERY and pol.vetoes == 2 * KPolicy.PROBE_EVERY
-    state = (dict(pol.realized), pol.batch_idle, pol.batch_probe_every, pol.vetoes)
-    # the probe found the same acceptance: the veto stands (no REALIZED_MIN losing rounds drafted again), and the
-    # failed probe doubles the wait
-    for rid in ids:
-        pol.observe(rid, 1, 1, wanted=1)
-    assert pol.batch_k(ids, room) == 0 and pol.realized_rate(8) == 100.0
-    assert pol.batch_probe_every == 4 * KPolicy.PROBE_EVERY
-    # ... found acceptance risen (every draft accepted, many times): the veto and its rounds go, drafting resumes
-    pol = policy()
-    for _ in range(KPolicy.REALIZED_MIN):
-        pol.record_realized(8, 24, 0.030)
-    assert pol.batch_k(ids, room) == 0
-    assert [pol.batch_k(ids, room) for _ in range(2 * KPolicy.PROBE_EVERY - 1)][-1] == 1  # the probe
-    for _ in range(6):
-        for rid in ids:
-            pol.observe(rid, 4, 4, wanted=4)
-    assert pol.overall.expected_tokens(4) > (1 + KPolicy.PROBE_GAIN) * pol.veto_expected[8]
-    assert pol.batch_k(ids, room) >= 3 and pol.realized_rate(8) is None
+    assert pol.realized_rate(8) is None and pol.batch_k(ids, room) >= 3
     assert pol.realized_rate(1) is None  # another batch size has its own record
-    assert state[1:] == (0, 2 * KPolicy.PROBE_EVERY, 2 * KPolicy.PROBE_EVERY)
 
     pol = policy()  # drafting that realizes 0.95x plain (190 tok/s against 200) is overruled too
     for _ in range(KPolicy.REALIZED_MIN):

@@ -225,9 +225,6 @@ class KPolicy:
         # (committed tokens per request, wall seconds) of recent rounds that drafted
         self.realized: dict[int, deque] = {}
         self.vetoes = 0  # rounds where the realized rate overruled the cost model's k > 0
-        # per batch-size bucket: the engine-wide E[tokens] when the realized rate first vetoed drafting; a probe
-        # clears the veto (and its rounds) only when acceptance has risen by PROBE_GAIN since
-        self.veto_expected: dict[int, float] = {}
 
     PROBE_EVERY = 16  # with k = 0 chosen this many rounds in a row, draft one token to re-measure acceptance
     PROBE_MAX = 256  # a probe that is rejected doubles the interval up to this; an accepted one resets it
@@ -237,7 +234,6 @@ class KPolicy:
     # cost grows with the batch: ~20-30 ms at 64 requests on the H200), while a plain round barely grows (4.4 ms
     # at 1 request, 5.7 ms at 64); with a useless draft at 32-64 requests the probes cost 2-4 % of the time
     PROBE_BATCH = 8
-    PROBE_GAIN = 0.08  # a probe lifts a veto when E[tokens] (k_max, engine-wide) has risen this much since it
     REALIZED_WINDOW = 32  # batch_k: recent speculative rounds whose realized rate is compared with plain decoding
     REALIZED_MIN = 8  # ... once there are this many since the last probe
     # drafting is overruled when it realizes less than this times plain's rate over the same rounds. Not below 1:
@@ -249,10 +245,6 @@ class KPolicy:
     @staticmethod
     def _bucket(n: int) -> int:
         return 1 << max(0, n - 1).bit_length()
-
-    def _pool_expected(self) -> float:
-        """E[tokens] of a k_max round at the engine-wide acceptance: what a veto is compared against after a probe."""
-        return self.overall.expected_tokens(self.spec.k_max)
 
     def _batch_probe_wait(self, n: int) -> int:
         """Plain rounds before the batch probes, at batch size n (see PROBE_BATCH)."""
@@ -349,21 +341,12 @@ class KPolicy:
                 rate = expected[kk] / seconds
                 if rate > best * 1.0001:
                     k, best = kk, rate
-        bucket = self._bucket(len(req_ids))
         if self.batch_probing:
             self.batch_probing, self.batch_trial = False, 0
-            # the probe re-measured acceptance. A veto stands unless acceptance has risen since it was made: dropping
-            # it at every probe drafted REALIZED_MIN losing rounds (plus the catch-up) again each time (H200, a = 0.6:
-            # 0.78-0.87x plain at 16-64 requests)
-            then = self.veto_expected.get(bucket)
-            if then is None or self._pool_expected() > then * (1 + self.PROBE_GAIN):
-                self.realized.pop(bucket, None)
-                self.veto_expected.pop(bucket, None)
         if k > 0 and self._overruled(len(req_ids)):
             # the model says drafting pays, the rounds say it does not (on the H200 at 64 requests: k = 2-3
             # realized 0.46-0.75x plain): decode plainly, and wait twice as long before the next probe
             k, self.vetoes = 0, self.vetoes + 1
-            self.veto_expected.setdefault(bucket, self._pool_expected())
             if self.batch_idle == 0:  # the batch was drafting: this trial of drafting failed
                 self.batch_probe_every = min(2 * self.batch_probe_every, self.PROBE_MAX)
             self.batch_trial = None
@@ -373,7 +356,8 @@ class KPolicy:
                 self.batch_trial = None
             self.batch_idle += 1
             if self.batch_idle >= self._batch_probe_wait(len(req_ids)) and kmax > 0:
-                k, self.batch_idle, self.batch_probing = 1, 0, True  # (its outcome is read at the next call)
+                k, self.batch_idle, self.batch_probing = 1, 0, True
+                self.realized.pop(self._bucket(len(req_ids)), None)  # the probe re-measures from scratch
         else:
             self.batch_idle = 0
             if self.batch_trial is not None:

@@ -471,13 +471,14 @@ class EagleDrafter(Drafter):
                        extend_rows: list[int] | None = None) -> int:
         """Capture the drafting graphs before serving or timing (otherwise each is captured on its first use):
         the draft extend per batch bucket and extend length (default 1 .. steps + 2, what a round after an
-        accepted path feeds) and the tree per bucket and shape (default the configured one). Returns how many
-        graphs exist; 0 when graphs are off (CPU, an attention backend that cannot be captured, cuda_graphs=False)."""
+        accepted path feeds) and the tree per bucket and shape (default the configured one and the same cut to
+        each fewer number of steps, what a request near its end drafts: `_tree_caps`). Returns how many graphs
+        exist; 0 when graphs are off (CPU, an attention backend that cannot be captured, cuda_graphs=False)."""
         if not self._graphs_on():
             return 0
         if self.static is None:
             self.static = _StaticDrafting(self)
-        shapes = shapes or [(self.tree_topk, self.tree_steps, self.tree_nodes)]
+        shapes = shapes or [(self.tree_topk, s, self.tree_nodes) for s in range(self.tree_steps, 0, -1)]
         rows = extend_rows or list(range(1, max(s for _, s, _ in shapes) + 3))
         for b in batch_sizes:
             for qe in rows:

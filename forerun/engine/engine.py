@@ -191,9 +191,9 @@ class Engine:
             for q in qs:
                 if q <= gr.max_q_len:
                     gr.capture(b, q, q, hidden_layers=hidden)
-            n = self.spec.max_draft_tokens + 1  # a whole tree: the root and its nodes
-            if self.drafter is not None and self.spec.is_tree and n <= gr.max_q_len:
-                gr.capture(b, n, n, tree=True, hidden_layers=hidden)
+            for n in (self._tree_sizes() if self.drafter is not None and self.spec.is_tree else ()):
+                if n <= gr.max_q_len:  # a whole tree (the root and its nodes), or one cut near a request's end
+                    gr.capture(b, n, n, tree=True, hidden_layers=hidden)
             if self.overlap:
                 gr.capture(b, 1, 1, device_prep=True)
             if self.overlap_spec and dgr is not None and not self.spec.is_tree:  # engine/overlap_spec.py
@@ -439,6 +439,19 @@ class Engine:
             shape = getattr(self.drafter, "shape", None) or TreeShape.from_branching(self.spec.tree)
             return shape.nodes_upto(shape.prefix_depth(depth, room)) - 1
         return min(self.spec.max_draft_tokens, room)
+
+    def _tree_sizes(self) -> list[int]:
+        """Node counts (root included) of the trees `_tree_drafts` gives away from the context limit: the whole tree
+        and, near a request's end, the tree cut to each depth (a static tree's prefixes; a greedy EAGLE tree of
+        fewer steps keeps min(nodes, its candidates)). The verify steps warmup captures."""
+        if self.spec.tree is not None:
+            shape = getattr(self.drafter, "shape", None) or TreeShape.from_branching(self.spec.tree)
+            return [shape.nodes_upto(d) for d in range(1, len(self.spec.tree) + 1)]
+        from ..drafters.eagle import TreeLayout
+
+        k, steps, nodes = self.spec.eagle_tree
+        k = min(k, getattr(getattr(self.drafter, "head", None), "draft_vocab_size", k))
+        return sorted({TreeLayout.get(k, d, nodes).greedy_nodes for d in range(1, steps + 1)})
 
     def _round_step(self) -> list[Request]:
         sched = self.scheduler

@@ -454,10 +454,12 @@ def gpu_main(args) -> dict:
     def make(spec_kw):
         if spec_kw is None:
             return Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64)
-        a, kw, overlapped, mixed = (*spec_kw, True)[:4]
+        a, kw, overlapped, mixed, margin = (*spec_kw, False, None)[:5]
         eng = Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64,
                                 spec=SpecConfig(method="draft", draft_model=(draft, tok), **kw),
                                 overlap_spec=overlapped, mixed_prefill=mixed)
+        if margin is not None:  # KPolicy.SWITCH_MARGIN for this engine
+            eng.k_policy.SWITCH_MARGIN = margin
         if a > 0:
             eng.round.sampler = eng.sampler = SyntheticSampler(a)
         return eng
@@ -511,8 +513,11 @@ def gpu_main(args) -> dict:
                  "both": ((False, ""), (True, ", mixed prefill"))}[args.mixed_prefill]
         for tag, ovs in modes:
             for mixed, mtag in mixes:
-                configs += [(f"k=4, {label}{tag}{mtag}", (a, dict(k=4), ovs, mixed)),
-                            (f"adaptive, {label}{tag}{mtag}", (a, dict(adaptive=True, k_max=8), ovs, mixed))]
+                configs += [(f"k=4, {label}{tag}{mtag}", (a, dict(k=4), ovs, mixed))]
+                for margin in args.switch_margin or [None]:
+                    gtag = "" if margin is None else f", switch margin {margin:g}"
+                    configs += [(f"adaptive, {label}{tag}{mtag}{gtag}",
+                                 (a, dict(adaptive=True, k_max=8), ovs, mixed, margin))]
     if args.only:  # e.g. --only plain adaptive: a shorter run
         configs = [c for c in configs if any(c[0].startswith(o) for o in args.only)]
     if args.poisson_ab:
@@ -613,6 +618,9 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", default=None, help="GPU: run only the configs whose names start so "
                     "(plain, k=4, adaptive)")
     ap.add_argument("--profile", action="store_true", help="GPU: profile one speculative run instead")
+    ap.add_argument("--switch-margin", type=float, nargs="+", default=None, metavar="M",
+                    help="GPU: adaptive rows with KPolicy.SWITCH_MARGIN = M (several values: side by side; "
+                         "default: the policy's own)")
     ap.add_argument("--poisson-ab", type=int, default=0, metavar="REPS",
                     help="GPU: only Poisson arrivals, the configs interleaved (all engines built first), each rate "
                          "REPS times; reports the median over repetitions of plain TPOT / config TPOT")

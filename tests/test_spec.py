@@ -654,3 +654,26 @@ def test_cost_model_memo_and_batched_expectations_equal_the_direct_computation()
                     direct += reach
                 assert e.expected_tokens_upto(9)[k] == pytest.approx(direct, rel=1e-12)
                 assert e.expected_tokens(k) == pytest.approx(direct, rel=1e-12)
+
+
+@pytest.mark.parametrize("gain,margin,switches_on", [(1.1, 0.0, True), (1.1, 0.2, False), (1.5, 0.2, True)])
+def test_switch_margin_keeps_plain_decoding_where_drafting_barely_pays(gain, margin, switches_on):
+    """batch_k with SWITCH_MARGIN: from plain decoding (and right after a probe) drafting starts only when the model
+    predicts more than (1 + margin) x plain's rate; a batch already drafting keeps the model's k."""
+    from forerun.engine.k_policy import KPolicy
+
+    pol = KPolicy(SpecConfig(method="draft", draft_model="x", adaptive=True, k_max=1))
+    pol.SWITCH_MARGIN = margin
+    # k = 1 (every draft accepted: 2 tokens per round) costs 2 / gain plain steps: the model's gain is `gain`
+    for tokens in (4, 8):
+        pol.cost.record_target(tokens, 0.005)
+    pol.cost.record_draft_step(0.005 * (2 / gain - 1))
+    ids = list(range(4))
+    for rid in ids:
+        for _ in range(50):
+            pol.observe(rid, 1, 1, wanted=1)
+    assert pol.batch_k(ids, [100] * 4) == 1  # drafting already (the start): the model's k
+    pol.batch_idle = 1  # plain decoding
+    assert pol.batch_k(ids, [100] * 4) == int(switches_on)
+    pol.batch_idle, pol.batch_probing = 0, True  # the call after a probe
+    assert pol.batch_k(ids, [100] * 4) == int(switches_on)

@@ -234,6 +234,12 @@ class KPolicy:
     # cost grows with the batch: ~20-30 ms at 64 requests on the H200), while a plain round barely grows (4.4 ms
     # at 1 request, 5.7 ms at 64); with a useless draft at 32-64 requests the probes cost 2-4 % of the time
     PROBE_BATCH = 8
+    # batch_k: from plain decoding (or right after a probe) drafting starts only when the model predicts more than
+    # (1 + SWITCH_MARGIN) x plain's rate. Each switch on costs the draft's catch-up over every token it missed, and
+    # drafting spreads the steps at which requests finish (more join rounds), none of which the model sees; at
+    # a = 0.6 with 8-64 requests (H200 run 23: 0.78-0.96x plain) the policy switched on and off near break-even.
+    # 0 (off) until measured on the H200: `benchmarks/online.py --gpu --switch-margin 0.2 ...`
+    SWITCH_MARGIN = 0.0
     REALIZED_WINDOW = 32  # batch_k: recent speculative rounds whose realized rate is compared with plain decoding
     REALIZED_MIN = 8  # ... once there are this many since the last probe
     # drafting is overruled when it realizes less than this times plain's rate over the same rounds. Not below 1:
@@ -335,12 +341,16 @@ class KPolicy:
             for rid in req_ids:
                 for kk, e in enumerate(self._estimate(rid).expected_tokens_upto(kmax, pool)):
                     expected[kk] += e
-            k, best = 0, 0.0
+            k, best, plain = 0, 0.0, 0.0
             for kk in range(kmax + 1):
                 seconds = self.cost.round_seconds(n * (kk + 1), kk)
                 rate = expected[kk] / seconds
+                if kk == 0:
+                    plain = rate
                 if rate > best * 1.0001:
                     k, best = kk, rate
+            if k > 0 and (self.batch_idle > 0 or self.batch_probing) and best < plain * (1 + self.SWITCH_MARGIN):
+                k = 0  # switching drafting on must promise more than its catch-up and spread joins cost
         if self.batch_probing:
             self.batch_probing, self.batch_trial = False, 0
         if k > 0 and self._overruled(len(req_ids)):

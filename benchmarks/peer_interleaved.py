@@ -7,7 +7,8 @@ invisible in the load average), and `forerun bench` measures its rows one after 
 llama.cpp plain row measured 39.7 and 82.6 tok/s in two runs 10 minutes apart, 30-34 tok/s standalone in between.
 Interleaving makes the ratios meaningful. Writes JSON (per-prompt times too).
 
-    python benchmarks/peer_interleaved.py [--threads 2] [--num-prompts 20] [--k 4] [--out ...]
+    python benchmarks/peer_interleaved.py [--threads 2] [--num-prompts 20] [--k 4] [--also-k auto]
+        [--eagle ~/.cache/forerun/eagle/qwen1.5b --eagle-k 2,auto] [--out ...]
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--k", default="4")
     ap.add_argument("--also-k", default="", help="comma list of more draft k rows (e.g. auto), interleaved too")
+    ap.add_argument("--eagle", default=None, metavar="DIR", help="also rows with this EAGLE head (forerun train-eagle)")
+    ap.add_argument("--eagle-k", default="2,auto", help="comma list of k for the --eagle rows")
     ap.add_argument("--quantize", default="auto")
     ap.add_argument("--llamacpp-draft-max", type=int, default=4)
     ap.add_argument("--out", default="benchmarks/results/cpu_quant_llamacpp_interleaved.json")
@@ -59,6 +62,9 @@ def main() -> int:
     for k in [x for x in a.also_k.split(",") if x]:
         s2 = replace(SpecConfig.from_flags(a.draft, k, 0.0, "auto"), draft_model=(draft[0], draft[1]))
         more.append((f"forerun draft k={k}", LLM.from_model(target[0], target[1], spec=s2, device="cpu")))
+    for k in [x for x in a.eagle_k.split(",") if x] if a.eagle else []:
+        s2 = SpecConfig.from_flags(f"eagle:{os.path.expanduser(a.eagle)}", k, 0.0, "auto")
+        more.append((f"forerun EAGLE k={k}", LLM.from_model(target[0], target[1], spec=s2, device="cpu")))
     sp = SamplingParams(temperature=0, max_tokens=a.max_tokens)
     for llm in (plain, spec_llm, *[m for _, m in more]):
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), chat=True)  # warm-up
@@ -91,7 +97,7 @@ def main() -> int:
         r["vs_llamacpp_plain"] = round(r["tok_per_s"] / base["llama.cpp plain"], 3)
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "model": a.model, "draft": a.draft,
             "threads": a.threads, "prompts": len(prompts), "max_tokens": a.max_tokens, "quantize": a.quantize,
-            "layout": layout, "int4_others": quant.INT4_OTHERS, "k": a.k, "llamacpp": bench.llamacpp_bin_dir().as_posix(),
+            "layout": layout, "int4_others": quant.INT4_OTHERS, "k": a.k, "eagle": a.eagle, "llamacpp": bench.llamacpp_bin_dir().as_posix(),
             "spec_identical_to_plain": f"{identical}/{len(prompts)}",
             "loadavg_start": [round(x, 2) for x in load_start], "loadavg_end": [round(x, 2) for x in os.getloadavg()],
             "order": "per prompt: " + ", ".join(names)}

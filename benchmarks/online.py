@@ -365,6 +365,8 @@ def poisson_ab(make_engine, configs, prompts_for, new_tokens, rates, reps: int, 
     output token differs run to run by more than the effect measured (two runs of one config: 8.9 and 9.9 ms p50
     at 40 requests/s on the H200), so each config is compared with the plain run of the same repetition, minutes
     apart at most, and the median of those ratios is reported."""
+    if not any(name == "plain" for name, _ in configs):
+        raise SystemExit("--poisson-ab compares every config with plain: keep 'plain' in --only")
     engines = [(name, make_engine(kw)) for name, kw in configs]
     for _, eng in engines:  # every graph of these loads captured, every kernel compiled, before any measurement
         drive(eng, prompts_for(16), new_tokens, concurrency=8)
@@ -373,7 +375,7 @@ def poisson_ab(make_engine, configs, prompts_for, new_tokens, rates, reps: int, 
     for i, rate in enumerate(rates):
         for rep in range(reps):
             prompts = prompts_for(requests)
-            for name, eng in engines:
+            for name, eng in engines[rep % len(engines):] + engines[: rep % len(engines)]:  # (order rotates)
                 r = drive(eng, prompts, new_tokens, rate=rate, seed=101 * rep + 11 + i)
                 r.update(config=name, concurrency=None, rate=rate, rep=rep)
                 rows.append(r)
@@ -454,7 +456,7 @@ def gpu_main(args) -> dict:
     def make(spec_kw):
         if spec_kw is None:
             return Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64)
-        a, kw, overlapped, mixed, margin = (*spec_kw, False, None)[:5]
+        a, kw, overlapped, mixed, margin = (*spec_kw, *(False, None)[len(spec_kw) - 3:])  # (defaults by position)
         eng = Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64,
                                 spec=SpecConfig(method="draft", draft_model=(draft, tok), **kw),
                                 overlap_spec=overlapped, mixed_prefill=mixed)
@@ -521,9 +523,14 @@ def gpu_main(args) -> dict:
     if args.only:  # e.g. --only plain adaptive: a shorter run
         configs = [c for c in configs if any(c[0].startswith(o) for o in args.only)]
     if args.poisson_ab:
+        if len(configs) > 4:  # ~18 GB of weights and ~17 GB of caches per engine on the 141 GB card
+            raise SystemExit(f"--poisson-ab keeps every engine alive: at most 4 configs (got {len(configs)}; "
+                             "narrow with --acceptance / --only)")
+
         def make_own(spec_kw):  # engines alive side by side: each its own models (enable_cuda_graphs replaces a
             nonlocal target, draft  # model's attention backend, whose buffers another engine's graphs would read)
-            target, draft = build_model(QWEN3_8B, None, seed=0), build_model(QWEN3_06B, None, seed=3)
+            target = build_model(QWEN3_8B, None, seed=0)
+            draft = build_model(QWEN3_06B, None, seed=3) if spec_kw is not None else None
             return make_warm(spec_kw)
 
         ab = poisson_ab(make_own, configs, lambda n: rng.sample(pool, min(n, len(pool))), new, args.rates,

@@ -188,7 +188,7 @@ def test_random_add_abort_step_sequences_with_overlapped_sessions_never_leak(tar
         return SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 40), ignore_eos=True)
 
     configs = ((None, {}), (draft_spec(draft, k=2), {}), (draft_spec(draft, adaptive=True, k_max=3), {}),
-               (draft_spec(draft, k=2), dict(mixed_prefill=False)))
+               (draft_spec(draft, k=2), dict(mixed_prefill=True)))
     for spec, kw in configs:
         eng = engine(target, spec, cache=CacheConfig(block_size=4, num_blocks=30), max_num_batched_tokens=48, **kw)
         q = eng.spec.max_draft_tokens + 1 if spec is not None else 2

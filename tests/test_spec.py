@@ -639,6 +639,13 @@ def test_cost_model_memo_and_batched_expectations_equal_the_direct_computation()
         for tokens in (1, 3, 8, 33, 100):
             for k in (0, 2):
                 assert cost.round_seconds(tokens, k) == fresh.round_seconds(tokens, k)
+    # a full deque of equal values, then another value: evicting an equal first value keeps length, first and last
+    cost = CostModel()
+    for _ in range(64):
+        cost.record_spec_overhead(-1.0)  # (clipped to 0.0)
+    for i in range(41):
+        cost.record_spec_overhead(0.002)
+        assert cost.spec_overhead() == (0.002 if i >= 31 else 0.0)
     pool = AcceptanceEstimate(decay=0.99)
     est = AcceptanceEstimate(prior_weight=4.0, pool=pool)
     alone = AcceptanceEstimate()

@@ -114,13 +114,14 @@ class CostModel:
     overhead_obs: deque = field(default_factory=lambda: deque(maxlen=64))
     round_obs: deque = field(default_factory=lambda: deque(maxlen=64))
 
-    # the medians and piecewise-linear points, with the observations they were computed from (length, first and
-    # last): the k policy asks for them several times a round (at 64 requests batch_k spent ~0.5 ms of host time
-    # per call recomputing them on this CPU), new observations arrive at most once a round
-    _memo: dict = field(default_factory=dict)
+    # the medians and piecewise-linear points, with the observations they were computed from (all of them: a key of
+    # length, first and last went stale when a full deque evicted a value equal to its successor, e.g. repeated
+    # clipped 0.0 overheads): the k policy asks for them several times a round (at 64 requests batch_k spent
+    # ~0.5 ms of host time per call recomputing them on this CPU), new observations arrive at most once a round
+    _memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def _cached(self, name: str, obs: deque, compute):
-        key = (len(obs), obs[0], obs[-1]) if obs else None
+        key = tuple(obs)
         hit = self._memo.get(name)
         if hit is None or hit[0] != key:
             hit = self._memo[name] = (key, compute())

@@ -167,10 +167,19 @@ def test_warmup_covers_every_replay_a_run_needs(method, tmp_path):
     for r in runners:
         r.graphs = GraphRunner(r, batch_sizes=(1, 2, 4), max_q_len=eng.spec.max_draft_tokens + 1, use_graphs=False)
     eng.scheduler.draft_prefill = False  # as on CUDA graphs
+    if method == "eagle":  # the head's drafting graphs as on CUDA (eager bodies on the CPU, keyed the same)
+        eng.drafter._graphs_on = lambda: True
     assert eng.warmup() > 0
     before = {id(r): set(r.graphs.graphs) for r in runners}
+    static_before = set(eng.drafter.static.graphs) if method == "eagle" else None
+    if method == "eagle":
+        assert any(key[-1] == "capped" for key in static_before)
     prompts = [[5, 9, 13, 22, 40, 7, 5, 9, 13], [70, 71, 72, 70, 71, 72, 70], list(range(3, 40))]
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (24, 17, 9)])
     for r in runners:
         assert set(r.graphs.graphs) == before[id(r)], f"captured while serving: {set(r.graphs.graphs) - before[id(r)]}"
+    if method == "eagle":  # (different max_tokens: trees capped per request near their ends, mid-batch)
+        new = set(eng.drafter.static.graphs) - static_before
+        assert not new, f"EAGLE graphs captured while serving: {new}"
+        assert eng.drafter.static.replays > 0
     assert eng.runner.graphs.replays > 0

@@ -472,8 +472,10 @@ class EagleDrafter(Drafter):
         """Capture the drafting graphs before serving or timing (otherwise each is captured on its first use):
         the draft extend per batch bucket and extend length (default 1 .. steps + 2, what a round after an
         accepted path feeds) and the tree per bucket and shape (default the configured one and the same cut to
-        each fewer number of steps, what a request near its end drafts: `_tree_caps`). Returns how many graphs
-        exist; 0 when graphs are off (CPU, an attention backend that cannot be captured, cuda_graphs=False)."""
+        each fewer number of steps, what a request near its end drafts: `_tree_caps`), each also in its variant with
+        per-request caps (a batch whose requests are at different distances from their ends). Returns how many
+        graphs exist; 0 when graphs are off (CPU, an attention backend that cannot be captured,
+        cuda_graphs=False). `Engine.warmup` calls it for the engine's batch buckets."""
         if not self._graphs_on():
             return 0
         if self.static is None:
@@ -484,7 +486,8 @@ class EagleDrafter(Drafter):
             for qe in rows:
                 self.static.capture(b, qe=qe)
             for k, s, n in shapes:
-                self.static.capture(b, lay=TreeLayout.get(min(k, self.head.draft_vocab_size), s, n))
+                for capped in (False, True):
+                    self.static.capture(b, lay=TreeLayout.get(min(k, self.head.draft_vocab_size), s, n), capped=capped)
         return len(self.static.graphs)
 
     def _graphs_on(self) -> bool:
@@ -1069,16 +1072,18 @@ class _StaticDrafting:
         cap = self.graphs[key] = _Captured(graph, body, out)
         return cap
 
-    def capture(self, n: int, qe: int | None = None, lay: TreeLayout | None = None) -> None:
-        """Capture the extend graph (qe rows) or the tree graph (lay) of n requests' bucket ahead of use (between
-        rounds: the static inputs are refilled by every call)."""
+    def capture(self, n: int, qe: int | None = None, lay: TreeLayout | None = None, capped: bool = False) -> None:
+        """Capture the extend graph (qe rows) or the tree graph (lay; capped: its per-request-capped variant, as
+        `tree_graph` keys it) of n requests' bucket ahead of use (between rounds: the static inputs are refilled by
+        every call)."""
         b = self.bucket(n)
         if b is None:
             return
         if qe is not None and qe <= self.max_extend and b * qe <= self.ids.numel():
             self._get(("extend", b, qe), self._extend_body(b, qe), b, qe)
         if lay is not None:
-            self._get(("tree", b, lay.topk, lay.steps, lay.nodes), self._tree_body(lay, b), b, 1)
+            key = ("tree", b, lay.topk, lay.steps, lay.nodes) + (("capped",) if capped else ())
+            self._get(key, self._tree_body(lay, b, capped=capped), b, 1)
 
     def _replay(self, cap: _Captured):
         self.replays += 1

@@ -173,7 +173,8 @@ class Engine:
         Triton kernels compiled, by the first step of each shape: a stall of up to a second in the middle of
         serving). Target: every batch bucket up to max_batch (default max_num_seqs) x every verify length the
         spec can ask for (1 .. max_draft_tokens + 1; chains), plus the overlapped-decoding step; a separate draft
-        model: its draft step and its merged catch-up step. Returns how many graphs were captured."""
+        model: its draft step and its merged catch-up step; an EAGLE head: its extend and tree graphs
+        (`EagleDrafter.capture_graphs`). Returns how many graphs were captured."""
         gr = self.runner.graphs
         if gr is None:
             return 0
@@ -214,6 +215,11 @@ class Engine:
                 for q in dgr.piece_sizes:  # catch-ups of many requests (forward_pieces groups their pieces)
                     if q <= dgr.max_q_len:
                         dgr.capture(b, q, 0)
+        eagle_before = eagle_after = 0
+        if self.spec.method == "eagle" and hasattr(self.drafter, "capture_graphs"):  # its extend and tree graphs
+            static = getattr(self.drafter, "static", None)
+            eagle_before = len(static.graphs) if static is not None else 0
+            eagle_after = self.drafter.capture_graphs(batch_sizes=sizes) or eagle_before
         if self.device.type == "cuda" and self.spec.rule == "auto":  # the fused sampler's kernels, per power of two
             _warm_chain_sample(sizes, qs, self.model.config.vocab_size, self.device)
         # prefill pieces (GraphRunner.forward_pieces): one sequence x every piece length, with logits for the
@@ -223,7 +229,8 @@ class Engine:
                 gr.capture(1, q, m, hidden_layers=hidden)
             if dgr is not None and self.spec.method == "draft" and q > dgr.max_q_len:
                 dgr.capture(1, q, 0)
-        return len(gr.graphs) - before + (len(dgr.graphs) - dbefore if dgr is not None else 0)
+        return len(gr.graphs) - before + (len(dgr.graphs) - dbefore if dgr is not None else 0) \
+            + eagle_after - eagle_before
 
     @classmethod
     def from_model(cls, model, tokenizer, **kw) -> "Engine":

@@ -908,8 +908,9 @@ def test_bucketed_drafting_on_cpu(monkeypatch):
     head = random_head(target.model, 3, draft_vocab=50)
     twin = _twins(target, head, 3, 3, 8, cuda_graphs=True)
     monkeypatch.setattr(EagleDrafter, "_graphs_on", lambda self: True)
-    # extend rows 1..5 and the tree of 3, 2 and 1 steps (requests near their end), buckets 1 and 4
-    assert twin.d.capture_graphs([1, 3]) == 2 * (5 + 3)
+    # extend rows 1..5 and the tree of 3, 2 and 1 steps (requests near their end), each tree also in its variant
+    # capped per request, buckets 1 and 4
+    assert twin.d.capture_graphs([1, 3]) == 2 * (5 + 3 + 3)
     prompts = [[5, 6, 7, 8, 9], [11, 3, 90, 2, 2, 2, 40, 41], [60, 61]]
     reqs = [_request(i, p) for i, p in enumerate(prompts)]
     run_rounds(target, twin, reqs, 14, tree=True)

@@ -336,9 +336,10 @@ def run_rounds(target: ModelRunner, drafter: EagleDrafter, requests: list[Reques
             assert drafter.cached_length(r) <= kv.length(r.req_id)
         stats["rounds"] += 1
         stats["request_rounds"] += len(live)
-        done = [r for r in live if len(r.output_token_ids) >= new_tokens]
+        lim = {id(r): min(new_tokens, r.params.max_tokens or new_tokens) for r in live}  # (as _commit cuts)
+        done = [r for r in live if len(r.output_token_ids) >= lim[id(r)]]
         for r in done:
-            r.output_token_ids[:] = r.output_token_ids[:new_tokens]
+            r.output_token_ids[:] = r.output_token_ids[:lim[id(r)]]
             drafter.release(r)
             kv.free(r.req_id)
         live = [r for r in live if r not in done]
@@ -728,6 +729,11 @@ class Twin:
             assert torch.equal(r.generator.get_state(), st)  # the same draws, in the same order
         assert pd.tokens == ph.tokens
         assert pd.parents == ph.parents
+        for i, r in enumerate(requests):  # the caps, checked apart from the oracle (which shares grow_tree's rule)
+            if len(pd.tokens[i]) > 1:
+                assert max(_depths(pd.parents[i])) <= r.remaining - 1, (i, r.remaining, pd.parents[i])
+            if max_drafts is not None and max_drafts[i] is not None:
+                assert len(pd.tokens[i]) <= 1 + max_drafts[i], (i, max_drafts[i], len(pd.tokens[i]))
         tree = self.d.last_tree
         live = [i for i, t in enumerate(pd.tokens) if len(t) > 1]
         for a, i in enumerate(live):
@@ -838,7 +844,7 @@ def test_device_sampled_tree_equals_host_tree(topk, steps, nodes):
 
 
 @pytest.mark.parametrize("topk,steps,nodes", [(3, 3, 8), (4, 4, 16), (2, 5, 12), (4, 2, 30)])
-@pytest.mark.parametrize("kind", ["greedy", "mixed"])
+@pytest.mark.parametrize("kind", ["greedy", "mixed", "sharp"])
 def test_capped_trees_equal_host_tree(topk, steps, nodes, kind):
     """Trees cut to fit each request (issue 13, session 10): requests near their max_tokens (depth <= remaining - 1)
     and node caps that vary round to round (the engine's context room), different in one batch, so one layout
@@ -848,19 +854,23 @@ def test_capped_trees_equal_host_tree(topk, steps, nodes, kind):
     hf = hf_model("qwen2")
     target = ours_from_hf(hf, num_blocks=512)
     head = random_head(target.model, 3, draft_vocab=50)
+    if kind == "sharp":  # a confident head: deep candidates outrank shallow siblings, so the per-request depth
+        calibrate(head, [0.9, 0.06, 0.03][:topk])  # cap inside grow_tree decides which nodes a tree keeps
     twin = _twins(target, head, topk, steps, nodes)
     prompts = [[5, 6, 7, 8, 9], [11, 3, 90, 2, 2, 2, 40, 41], [60, 61]]
     new = 11
     sampled = kind == "mixed"
-    reqs = [_request(0, prompts[0], max_tokens=new), _request(1, prompts[1], max_tokens=new,
-                                                             temperature=0.8 if sampled else 0.0, seed=5),
-            _request(2, prompts[2], max_tokens=new)]
+    # different max_tokens: requests at different distances from their ends share a batch (per-request depth caps)
+    maxes = (new, 7, 4)
+    reqs = [_request(0, prompts[0], max_tokens=maxes[0]), _request(1, prompts[1], max_tokens=maxes[1],
+                                                                   temperature=0.8 if sampled else 0.0, seed=5),
+            _request(2, prompts[2], max_tokens=maxes[2])]
     run_rounds(target, twin, reqs, new, tree=True, max_drafts=lambda r: 1 + (r.num_tokens * 7 + r.req_id) % (nodes + 2))
     assert twin.trees >= 6
     assert len(set(twin.sizes)) >= 3  # trees of several sizes
-    for r, p in zip(reqs, prompts):
+    for r, p, m in zip(reqs, prompts, maxes):
         if r.params.temperature == 0:
-            assert r.output_token_ids == plain_greedy(target, p, new)
+            assert r.output_token_ids == plain_greedy(target, p, m)
 
 
 def test_capped_tree_depth_and_size():

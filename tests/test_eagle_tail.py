@@ -116,9 +116,27 @@ def test_eagle_tree_near_the_context_limit(eagle_setup):
     sp = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     plain = _llm(hf, None, max_model_len=limit).generate([prompt], sp)
     llm = _llm(hf, SpecConfig(method="eagle", eagle_head=head, eagle_tree=(3, 3, 8)), max_model_len=limit)
+    drafter = llm.engine.drafter
+    seen = []  # (root position, nodes) of every tree drafted: node j sits at cache position root + j
+    for name in ("propose_tree", "propose_tree_async"):
+        real = getattr(drafter, name, None)
+        if real is None:
+            continue
+
+        def spy(requests, max_drafts=None, _real=real, _async=name.endswith("async")):
+            out = _real(requests, max_drafts)
+            if not _async:
+                seen.extend((r.num_tokens - 1, len(t)) for r, t in zip(requests, out.tokens))
+            else:
+                seen.extend((r.num_tokens - 1, 1 + m) for r, m in zip(requests, max_drafts or [None] * len(requests))
+                            if m is not None)
+            return out
+
+        setattr(drafter, name, spy)
     (o,) = llm.generate([prompt], sp)
     assert o.token_ids == plain[0].token_ids and len(o.token_ids) == 6
     assert o.stats.drafted_nodes > 0  # before: a 7-node tree needed 7 free positions, so none was drafted
+    assert seen and all(root + n - 1 <= limit - 2 for root, n in seen), (limit, seen)  # no slot reaches the limit
 
 
 def test_eagle_sampled_trees_near_the_end_run(eagle_setup):

@@ -151,3 +151,25 @@ def test_eagle_sampled_trees_near_the_end_run(eagle_setup):
     outs = llm.generate(PROMPTS, sps)
     assert [len(o.token_ids) for o in outs] == [3, 4, 2, 5]
     assert sum(o.stats.drafted_nodes for o in outs) > 0
+
+
+def test_scheduler_reserves_blocks_for_the_tree_that_fits():
+    """A tree cut to fit its request (k nodes beyond the root) reserves blocks for those k nodes, as a chain of k
+    drafts does, not for the whole configured tree: near every request's end the whole tree's reservation made
+    small pools preempt for blocks no node would use."""
+    from forerun.engine.round import RoundItem
+
+    target = sharpen(hf_model("llama"), 3.0)
+    llm = _llm(target, draft_spec(target, tree=(2, 2, 1)))  # 6 nodes beyond the root
+    eng = llm.engine
+    kv, sched = eng.runner.kv, eng.scheduler
+    r = eng.make_request(list(range(3, 10)), SamplingParams(max_tokens=4))
+    kv.add_sequence(r.req_id)
+    kv.reserve(r.req_id, 7)
+    kv.set_length(r.req_id, 7)
+    r.output_token_ids.append(3)  # 8 tokens: the round feeds the newest and drafts a tree after it
+    bs = kv.block_size
+    need = lambda k: sched._blocks([RoundItem(r, feed=1, final=True, k=k)])[0]  # noqa: E731
+    have = -(-7 // bs)
+    for k in (0, 2, 6):
+        assert need(k) == max(0, -(-(8 + k) // bs) - have), k  # positions 0 .. 7 + k

@@ -36,8 +36,9 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv: KVPool, drafter: Drafter | None, max_num_seqs: int, max_num_batched_tokens: int,
                  max_draft_tokens: int, tree: bool = False) -> None:
-        """max_draft_tokens: most draft tokens one request feeds the target in a round; tree: k > 0 means a whole
-        tree of max_draft_tokens nodes."""
+        """max_draft_tokens: most draft tokens one request feeds the target in a round; tree: k is a tree's node
+        count beyond its root (the whole tree, or one cut to fit its request: `Engine._k_for`), drafted all or
+        nothing within the token budget."""
         self.kv, self.drafter, self.tree = kv, drafter, tree
         self.max_num_seqs, self.budget, self.max_draft = max_num_seqs, max_num_batched_tokens, max_draft_tokens
         self.waiting: deque[Request] = deque()
@@ -113,7 +114,7 @@ class Scheduler:
             k = 0
             if final and self.drafter is not None and (feed == 1 or self.draft_prefill):
                 k = self._fit(k_for([r])[0], left - feed)
-            extra = self.max_draft if self.tree and k else k
+            extra = k  # (a tree's k: its nodes beyond the root, the rows it adds)
             blocks = -(-(feed + extra) // self.kv.block_size)
             dkv = self.drafter.kv if self.drafter is not None else None
             dblocks = -(-(feed + extra + 1) // dkv.block_size) if dkv is not None else 0
@@ -160,7 +161,7 @@ class Scheduler:
         return items
 
     def _fit(self, k: int, room: int) -> int:
-        """Drafts that fit `room` tokens of the budget: a chain is cut, a tree is all or nothing."""
+        """Drafts that fit `room` tokens of the budget: a chain is cut, a tree (k nodes) is all or nothing."""
         if self.tree:
             return k if k <= room else 0
         return max(0, min(k, room))
@@ -172,11 +173,11 @@ class Scheduler:
         for it in items:
             r = it.request
             base = self.kv.length(r.req_id) if self.kv.has(r.req_id) else 0
-            tokens = base + it.feed + (self.max_draft if self.tree and it.k else it.k)
+            tokens = base + it.feed + it.k  # (a tree: node j at cache position root + j, j <= k)
             have = len(self.kv.blocks(r.req_id)) if self.kv.has(r.req_id) else 0
             t += max(0, -(-tokens // bs) - have)
             if dkv is not None and (it.k or not it.final):
-                d += self.drafter.blocks_needed(r, base + it.feed + (self.max_draft if self.tree and it.k else it.k) + 1)
+                d += self.drafter.blocks_needed(r, base + it.feed + it.k + 1)
         return t, d
 
     def _draft_free(self) -> int:

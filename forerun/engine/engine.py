@@ -23,7 +23,7 @@ from ..detokenizer import IncrementalDetokenizer
 from ..drafters.base import Drafter
 from ..drafters.model_drafter import DraftModelDrafter, EarlyExitDrafter
 from ..drafters.ngram import NgramDrafter
-from ..drafters.tree_drafter import TreeDrafter, TreeShape
+from ..drafters.tree_drafter import TreeDrafter, TreeShape, tree_depth_cap
 from ..models.registry import load_model
 from ..request import FinishReason, Request
 from ..runtime.cuda_graph import enable_cuda_graphs
@@ -439,21 +439,24 @@ class Engine:
         a tree was drafted only when the whole of it fitted, so the last `steps` tokens of every request were
         decoded one per round."""
         room = self.max_model_len - r.num_tokens - 1
-        depth = min(r.remaining - 1, room)
+        depth = tree_depth_cap(r, room)
         if depth < 1:
             return 0
         if self.spec.tree is not None:
-            shape = getattr(self.drafter, "shape", None) or TreeShape.from_branching(self.spec.tree)
-            return shape.nodes_upto(shape.prefix_depth(depth, room)) - 1
+            return self._tree_shape.nodes_upto(self._tree_shape.prefix_depth(depth, room)) - 1
         return min(self.spec.max_draft_tokens, room)
+
+    @property
+    def _tree_shape(self) -> TreeShape:
+        """The static tree (method 'draft' with a tree): the drafter's, else built from the configured branching."""
+        return getattr(self.drafter, "shape", None) or TreeShape.from_branching(self.spec.tree)
 
     def _tree_sizes(self) -> list[int]:
         """Node counts (root included) of the trees `_tree_drafts` gives away from the context limit: the whole tree
         and, near a request's end, the tree cut to each depth (a static tree's prefixes; a greedy EAGLE tree of
         fewer steps keeps min(nodes, its candidates)). The verify steps warmup captures."""
         if self.spec.tree is not None:
-            shape = getattr(self.drafter, "shape", None) or TreeShape.from_branching(self.spec.tree)
-            return [shape.nodes_upto(d) for d in range(1, len(self.spec.tree) + 1)]
+            return [self._tree_shape.nodes_upto(d) for d in range(1, len(self.spec.tree) + 1)]
         from ..drafters.eagle import TreeLayout
 
         k, steps, nodes = self.spec.eagle_tree

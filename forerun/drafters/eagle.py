@@ -371,7 +371,8 @@ class EagleDrafter(Drafter):
         draft gets its root alone (a plain row)."""
         v = self.head.vocab_size
         ranges = [self._feed_range(r) for r in requests]
-        depth_caps = [tree_depth_cap(r, None if max_drafts is None else max_drafts[i]) for i, r in enumerate(requests)]
+        node_caps = list(max_drafts) if max_drafts is not None else [None] * len(requests)
+        depth_caps = [tree_depth_cap(r, m) for r, m in zip(requests, node_caps)]
         live = [i for i, rng in enumerate(ranges) if rng is not None and depth_caps[i] > 0]
         shape = self.budget.choose(len(live)) if self.budget is not None and live else \
             TreeBudget(self.tree_topk, self.tree_steps, self.tree_nodes)
@@ -383,7 +384,7 @@ class EagleDrafter(Drafter):
         if live and shape.drafts:
             group = [requests[i] for i in live]
             lay, caps, live_sizes = self._tree_caps(group, shape, [depth_caps[i] for i in live],
-                                                    [None if max_drafts is None else max_drafts[i] for i in live])
+                                                    [node_caps[i] for i in live])
             reduced = lay.steps < shape.steps or lay.nodes < shape.nodes
             marks = Marks(self.cache.device)
             marks.mark()  # 0: drafting starts (1: launched)

@@ -99,8 +99,8 @@ class TreeDrafter(ModelDrafter):
         """Each request's tree is the prefix of the shape that fits it (`tree_depth_cap`, `TreeShape.prefix_depth`:
         max_drafts[i] nodes beyond the root at most); a request with no room gets its root alone (a plain row)."""
         kv, shape = self.runner.kv, self.shape
-        depths = [shape.prefix_depth(tree_depth_cap(r, None if max_drafts is None else max_drafts[i]),
-                                     None if max_drafts is None else max_drafts[i]) for i, r in enumerate(requests)]
+        caps = list(max_drafts) if max_drafts is not None else [None] * len(requests)
+        depths = [shape.prefix_depth(tree_depth_cap(r, m), m) for r, m in zip(requests, caps)]
         sizes = [shape.nodes_upto(d) for d in depths]
         tokens = [[r.all_tokens[-1]] + [0] * (n - 1) for r, n in zip(requests, sizes)]
         probs: list[torch.Tensor | None] = [None] * len(requests)

@@ -606,15 +606,16 @@ def main() -> None:
     g.add_argument("--gpu", action="store_true")
     g.add_argument("--cpu", action="store_true")
     ap.add_argument("--concurrency", type=int, nargs="+", default=None)
-    ap.add_argument("--acceptance", type=float, nargs="+", default=[0.6, 0.8, 0.9, 0.0])
+    ap.add_argument("--acceptance", type=float, nargs="+", default=None,
+                    help="GPU: synthetic acceptance rates (0: the useless draft); default 0.6 0.8 0.9 0")
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument("--new-tokens-range", type=int, nargs=2, default=None, metavar=("LO", "HI"),
                     help="GPU: each request's max_tokens drawn uniformly from LO..HI (seeded, the same for every "
                          "config) instead of --new-tokens for all: plain decoding's requests then no longer finish "
                          "on the same step")
-    ap.add_argument("--blocks", type=int, default=4_000)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rate", type=float, default=0.05)
+    ap.add_argument("--blocks", type=int, default=None, help="GPU: KV blocks per pool (default 4000)")
+    ap.add_argument("--threads", type=int, default=None, help="CPU: torch threads (default 2)")
+    ap.add_argument("--rate", type=float, default=None, help="CPU: the Poisson run's requests/s (default 0.05)")
     ap.add_argument("--poisson-requests", type=int, default=None, help="requests per Poisson run (CPU 4, GPU 64)")
     ap.add_argument("--rates", type=float, nargs="*", default=None,
                     help="GPU: Poisson arrival rates (requests/s) run after the closed loop (default 10 40 100)")
@@ -636,6 +637,22 @@ def main() -> None:
                     help="GPU: speculative rounds overlapped (Engine(overlap_spec=True), engine/overlap_spec.py, the "
                          "default), not, or both side by side in the same run")
     args = ap.parse_args()
+    if args.cpu:  # GPU-only flags are refused, not ignored
+        given = [f for f, v in (("--only", args.only), ("--profile", args.profile), ("--no-4k", args.no_4k),
+                                ("--new-tokens-range", args.new_tokens_range), ("--poisson-ab", args.poisson_ab),
+                                ("--switch-margin", args.switch_margin), ("--rates", args.rates),
+                                ("--mixed-prefill", args.mixed_prefill != "off"),
+                                ("--overlap-spec", args.overlap_spec != "on"), ("--acceptance", args.acceptance),
+                                ("--blocks", args.blocks)) if v]
+        if given:
+            ap.error(f"{', '.join(given)}: GPU only (--gpu)")
+        args.threads, args.rate = args.threads or 2, 0.05 if args.rate is None else args.rate
+    else:
+        given = [f for f, v in (("--threads", args.threads), ("--rate", args.rate is not None)) if v]
+        if given:
+            ap.error(f"{', '.join(given)}: CPU only (--cpu)")
+        args.acceptance = [0.6, 0.8, 0.9, 0.0] if args.acceptance is None else args.acceptance
+        args.blocks = args.blocks or 4_000
     if args.gpu:
         args.concurrency = args.concurrency or [1, 2, 4, 8, 16, 32, 64]
         args.new_tokens = tuple(args.new_tokens_range) if args.new_tokens_range else (args.new_tokens or 96)

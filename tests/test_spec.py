@@ -646,6 +646,12 @@ def test_cost_model_memo_and_batched_expectations_equal_the_direct_computation()
     for i in range(41):
         cost.record_spec_overhead(0.002)
         assert cost.spec_overhead() == (0.002 if i >= 31 else 0.0)
+    def rate(e, i):  # the per-position definition, written out on its own (a reference apart from `rates`)
+        prior = rate(e.pool, i) if e.pool is not None else e.prior
+        if i >= len(e.tested):  # never drafted this far: the pool's rate, else like the deepest position seen
+            return rate(e, len(e.tested) - 1) if e.tested and e.pool is None else prior
+        return (e.accepted[i] + prior * e.prior_weight) / (e.tested[i] + e.prior_weight)
+
     pool = AcceptanceEstimate(decay=0.99)
     est = AcceptanceEstimate(prior_weight=4.0, pool=pool)
     alone = AcceptanceEstimate()
@@ -654,10 +660,12 @@ def test_cost_model_memo_and_batched_expectations_equal_the_direct_computation()
         a = rng.randint(0, d)
         for e in (pool, est, alone):
             e.update(d, a)
+            for i in range(10):
+                assert e.rate(i) == pytest.approx(rate(e, i), rel=1e-12)
             for k in range(10):
                 direct, reach = 1.0, 1.0
                 for i in range(k):
-                    reach *= e.rate(i)
+                    reach *= rate(e, i)
                     direct += reach
                 assert e.expected_tokens_upto(9)[k] == pytest.approx(direct, rel=1e-12)
                 assert e.expected_tokens(k) == pytest.approx(direct, rel=1e-12)

@@ -155,7 +155,7 @@ class Engine:
         self.sampler = RoundSampler(self.spec.rule, self._verify_kwargs())
         round_cls = TreeRound if tree else ChainRound
         self.round = round_cls(self.runner, self.drafter, self.sampler)
-        self.scheduler = Scheduler(self.runner.kv, self.drafter, max_num_seqs, budget, self.spec.max_draft_tokens, tree)
+        self.scheduler = Scheduler(self.runner.kv, self.drafter, max_num_seqs, budget, tree)
         self.scheduler.draft_prefill = self.runner.graphs is None  # on graphs a prompt's chunk replays as pieces
         self.generator = torch.Generator().manual_seed(seed)
         self._ids = itertools.count()

@@ -67,10 +67,7 @@ class AcceptanceEstimate:
 
     def rate(self, i: int) -> float:
         """Conditional acceptance of draft position i (0-based)."""
-        prior = self.pool.rate(i) if self.pool is not None else self.prior
-        if i >= len(self.tested):  # never drafted this far: the pool's rate, else like the deepest position seen
-            return self.rate(len(self.tested) - 1) if self.tested and self.pool is None else prior
-        return (self.accepted[i] + prior * self.prior_weight) / (self.tested[i] + self.prior_weight)
+        return self.rates(i + 1)[i]
 
     def expected_tokens(self, k: int) -> float:
         return self.expected_tokens_upto(k)[k]
@@ -85,8 +82,8 @@ class AcceptanceEstimate:
             if i < len(self.tested):
                 out.append((self.accepted[i] + prior[i] * self.prior_weight) / (self.tested[i] + self.prior_weight))
             elif self.tested and self.pool is None:  # never drafted this far: like the deepest position seen
-                out.append(out[-1] if out else self.rate(len(self.tested) - 1))
-            else:
+                out.append(out[-1])
+            else:  # ... or, with a pool, the pool's rate
                 out.append(prior[i])
         return out
 

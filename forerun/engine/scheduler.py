@@ -35,12 +35,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVPool, drafter: Drafter | None, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_draft_tokens: int, tree: bool = False) -> None:
-        """max_draft_tokens: most draft tokens one request feeds the target in a round; tree: k is a tree's node
-        count beyond its root (the whole tree, or one cut to fit its request: `Engine._k_for`), drafted all or
-        nothing within the token budget."""
+                 tree: bool = False) -> None:
+        """tree: k is a tree's node count beyond its root (the whole tree, or one cut to fit its request:
+        `Engine._k_for`), drafted all or nothing within the token budget; a chain's k drafts are cut to fit."""
         self.kv, self.drafter, self.tree = kv, drafter, tree
-        self.max_num_seqs, self.budget, self.max_draft = max_num_seqs, max_num_batched_tokens, max_draft_tokens
+        self.max_num_seqs, self.budget = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0

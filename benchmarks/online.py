@@ -522,23 +522,31 @@ def gpu_main(args) -> dict:
                                  (a, dict(adaptive=True, k_max=8), ovs, mixed, margin))]
     if args.only:  # e.g. --only plain adaptive: a shorter run
         configs = [c for c in configs if any(c[0].startswith(o) for o in args.only)]
+
+    def sample_prompts(n: int) -> list[list[int]]:
+        return rng.sample(pool, min(n, len(pool)))
+
     if args.poisson_ab:
         if len(configs) > 4:  # ~18 GB of weights and ~17 GB of caches per engine on the 141 GB card
             raise SystemExit(f"--poisson-ab keeps every engine alive: at most 4 configs (got {len(configs)}; "
                              "narrow with --acceptance / --only)")
 
+        taken = []  # models an engine already holds
+
         def make_own(spec_kw):  # engines alive side by side: each its own models (enable_cuda_graphs replaces a
             nonlocal target, draft  # model's attention backend, whose buffers another engine's graphs would read)
-            target = build_model(QWEN3_8B, None, seed=0)
-            draft = build_model(QWEN3_06B, None, seed=3) if spec_kw is not None else None
+            if taken:  # (the first engine takes the models built above)
+                target = build_model(QWEN3_8B, None, seed=0)
+                draft = build_model(QWEN3_06B, None, seed=3) if spec_kw is not None else None
+            taken.append(target)
             return make_warm(spec_kw)
 
-        ab = poisson_ab(make_own, configs, lambda n: rng.sample(pool, min(n, len(pool))), new, args.rates,
-                        args.poisson_ab, args.poisson_requests, log)
+        ab = poisson_ab(make_own, configs, sample_prompts, new, args.rates, args.poisson_ab, args.poisson_requests,
+                        log)
         return dict(rows=ab["rows"], ratios=[], poisson_ab=ab["summary"], long_prompt=[], prompt_len=prompt_len,
                     new_tokens=new)
-    rows = run_grid(make_warm, lambda n: rng.sample(pool, min(n, len(pool))), new, args.concurrency, configs, log,
-                    rates=args.rates, poisson_requests=args.poisson_requests)
+    rows = run_grid(make_warm, sample_prompts, new, args.concurrency, configs, log, rates=args.rates,
+                    poisson_requests=args.poisson_requests)
     if args.no_4k:
         return dict(rows=rows, ratios=ratios(rows), long_prompt=[], prompt_len=prompt_len, new_tokens=new)
     # chunked prefill: a 4k prompt arrives while 4 requests decode

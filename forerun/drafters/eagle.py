@@ -487,8 +487,9 @@ class EagleDrafter(Drafter):
             for qe in rows:
                 self.static.capture(b, qe=qe)
             for k, s, n in shapes:
+                lay = TreeLayout.get(min(k, self.head.draft_vocab_size), s, n)
                 for capped in (False, True):
-                    self.static.capture(b, lay=TreeLayout.get(min(k, self.head.draft_vocab_size), s, n), capped=capped)
+                    self.static.capture(b, lay=lay, capped=capped)
         return len(self.static.graphs)
 
     def _graphs_on(self) -> bool:
@@ -1083,8 +1084,12 @@ class _StaticDrafting:
         if qe is not None and qe <= self.max_extend and b * qe <= self.ids.numel():
             self._get(("extend", b, qe), self._extend_body(b, qe), b, qe)
         if lay is not None:
-            key = ("tree", b, lay.topk, lay.steps, lay.nodes) + (("capped",) if capped else ())
-            self._get(key, self._tree_body(lay, b, capped=capped), b, 1)
+            self._get(self._tree_key(b, lay, capped), self._tree_body(lay, b, capped=capped), b, 1)
+
+    @staticmethod
+    def _tree_key(b: int, lay: TreeLayout, capped: bool) -> tuple:
+        """A tree graph's key: bucket, shape, and whether it reads per-request caps."""
+        return ("tree", b, lay.topk, lay.steps, lay.nodes) + (("capped",) if capped else ())
 
     def _replay(self, cap: _Captured):
         self.replays += 1
@@ -1158,7 +1163,7 @@ class _StaticDrafting:
         b = self.bucket(n)
         if b is None:
             return self.tree_eager(lay, n, None, max_len, capped)
-        key = ("tree", b, lay.topk, lay.steps, lay.nodes) + (("capped",) if capped else ())
+        key = self._tree_key(b, lay, capped)
         cap = self.graphs.get(key)
         if cap is None:  # capture over a dummy batch, then put this round's inputs back
             saved = [x[:b].clone() for x in (self.lo, self.nlast, self.ctx, self.tables, self.root_out,

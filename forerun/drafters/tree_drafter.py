@@ -117,7 +117,8 @@ class TreeDrafter(ModelDrafter):
                 chunks = [Chunk(r.req_id, r.all_tokens[kv.length(r.req_id):]) for r in reqs]
             else:  # the root and every node above depth d, with the tree mask
                 m = level[-1] + 1
-                chunks = [Chunk(requests[i].req_id, tokens[i][:m], positions=[root_pos[i] + shape.depth[j] for j in range(m)],
+                chunks = [Chunk(requests[i].req_id, tokens[i][:m],
+                                positions=[root_pos[i] + shape.depth[j] for j in range(m)],
                                 tree_mask=shape.mask(m), logits=len(level)) for i in act]
             out, _ = self.runner.forward(chunks)
             for i in act:

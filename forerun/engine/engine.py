@@ -117,7 +117,8 @@ class Engine:
         in a round of their own (as SGLang runs prefill batches apart), so the others' next round is a session
         round again instead of a split forward with eager drafting (see `_prefill_alone`; H200 run 19, adaptive k
         at acceptance 0.8: 0.985x plain at 64 requests against 0.942x mixed, 1.30x against 1.19x at 8, 1.52x
-        against 1.46x at 2; within noise at 1 and 4 requests and with a useless draft). Prompts that do not qualify mix as before."""
+        against 1.46x at 2; within noise at 1 and 4 requests and with a useless draft). Prompts that do not
+        qualify mix as before."""
         self.quantize = quantize
         self.overlap_spec, self.mixed_prefill = overlap_spec, mixed_prefill
         EngineConfig(max_num_seqs, max_model_len, max_num_batched_tokens)  # validated: a bad value is named here

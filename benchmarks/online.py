@@ -29,6 +29,7 @@ sys.path.insert(0, REPO)
 
 from forerun.config import CacheConfig, SpecConfig  # noqa: E402
 from forerun.engine.engine import Engine  # noqa: E402
+from forerun.engine.k_policy import KPolicy  # noqa: E402
 from forerun.engine.sampler import RoundSampler, Verdict  # noqa: E402
 from forerun.sampling_params import SamplingParams  # noqa: E402
 
@@ -249,6 +250,31 @@ class _RoundTrace:
         self.eng, self.run = eng, eng.round.run
         self.acc: dict[str, list[float]] = {}
         eng.round.run = self._run
+        # a session's start: the draft's catch-up (drafter.feed) and the whole start call (checks, catch-up, the
+        # device state), each synchronised around
+        self.feed = getattr(eng.drafter, "feed", None)
+        self.start = eng._try_spec_overlap
+        if self.feed is not None:
+            eng.drafter.feed = self._feed
+        eng._try_spec_overlap = self._start
+
+    def _timed(self, key, fn, *args, tokens=0):
+        sync = torch.cuda.synchronize if self.eng.device.type == "cuda" else (lambda: None)
+        sync()
+        t = time.perf_counter()
+        res = fn(*args)
+        sync()
+        a = self.acc.setdefault(key, [0] * 8)
+        a[0], a[1], a[4] = a[0] + 1, a[1] + time.perf_counter() - t, a[4] + tokens
+        return res
+
+    def _feed(self, requests, upto):
+        kv = self.eng.drafter.runner.kv
+        todo = sum(max(0, n - (kv.length(r.req_id) if kv.has(r.req_id) else 0)) for r, n in zip(requests, upto))
+        return self._timed("draft catch-up", self.feed, requests, upto, tokens=todo)
+
+    def _start(self):
+        return self._timed("session start call", self.start)
 
     def _run(self, items):
         sync = torch.cuda.synchronize if self.eng.device.type == "cuda" else (lambda: None)
@@ -268,6 +294,9 @@ class _RoundTrace:
 
     def close(self) -> dict:
         self.eng.round.run = self.run
+        if self.feed is not None:
+            self.eng.drafter.feed = self.feed
+        self.eng._try_spec_overlap = self.start
         names = ("rounds", "wall_s", "draft_s", "target_s", "prefill_tokens", "prefill_items", "final_items", "sum_max_k")
         return {k: {n: round(v, 4) for n, v in zip(names, a)} for k, a in self.acc.items()}
 
@@ -453,17 +482,31 @@ def gpu_main(args) -> dict:
     pool = [torch.randint(0, 151936, (prompt_len,)).tolist() for _ in range(128)]
     log("models built")
 
+    built: dict = {}  # speculative engines by (spec, overlapped, mixed): configs that differ only in acceptance or
+    # policy tweaks share one (its graphs captured once: the warm-up, not the runs, was most of a grid's time), each
+    # run with a fresh k policy, sampler and tweaks
+
     def make(spec_kw):
         if spec_kw is None:
             return Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64)
-        a, kw, overlapped, mixed, margin = (*spec_kw, *(False, None)[len(spec_kw) - 3:])  # (defaults by position)
-        eng = Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64,
-                                spec=SpecConfig(method="draft", draft_model=(draft, tok), **kw),
-                                overlap_spec=overlapped, mixed_prefill=mixed)
-        if margin is not None:  # KPolicy.SWITCH_MARGIN for this engine
-            eng.k_policy.SWITCH_MARGIN = margin
-        if a > 0:
-            eng.round.sampler = eng.sampler = SyntheticSampler(a)
+        a, kw, overlapped, mixed, tweaks = (*spec_kw, *(False, {})[len(spec_kw) - 3:])  # (defaults by position)
+        key = (tuple(sorted(kw.items())), overlapped, mixed)
+        eng = built.get(key) if not args.poisson_ab else None  # (--poisson-ab: engines side by side, each its own)
+        if eng is None:
+            eng = Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64,
+                                    spec=SpecConfig(method="draft", draft_model=(draft, tok), **kw),
+                                    overlap_spec=overlapped, mixed_prefill=mixed)
+            if not args.poisson_ab:
+                built[key] = eng
+        eng.k_policy = KPolicy(eng.spec)
+        eng.round.sampler = eng.sampler = SyntheticSampler(a) if a > 0 else RoundSampler(eng.spec.rule,
+                                                                                       eng._verify_kwargs())
+        if tweaks.get("margin") is not None:  # KPolicy.SWITCH_MARGIN for this engine
+            eng.k_policy.SWITCH_MARGIN = tweaks["margin"]
+        # a new k ends the overlapped session (the tenth session's engine) or goes on in it
+        eng.KEEP_SESSION_ON_NEW_K = not tweaks.get("restart")
+        if tweaks.get("no_start_cost"):  # batch_k without sessions' start costs (KPolicy.record_session)
+            eng.k_policy.SESSION_MIN = 1 << 30
         return eng
 
     def make_warm(spec_kw):
@@ -517,9 +560,13 @@ def gpu_main(args) -> dict:
             for mixed, mtag in mixes:
                 configs += [(f"k=4, {label}{tag}{mtag}", (a, dict(k=4), ovs, mixed))]
                 for margin in args.switch_margin or [None]:
-                    gtag = "" if margin is None else f", switch margin {margin:g}"
-                    configs += [(f"adaptive, {label}{tag}{mtag}{gtag}",
-                                 (a, dict(adaptive=True, k_max=8), ovs, mixed, margin))]
+                    for restart in {"off": (False,), "on": (True,), "both": (False, True)}[args.restart_on_new_k]:
+                        for nsc in {"on": (False,), "off": (True,), "both": (False, True)}[args.start_cost]:
+                            gtag = ("" if margin is None else f", switch margin {margin:g}") + \
+                                (", restart on new k" if restart else "") + (", no start cost" if nsc else "")
+                            configs += [(f"adaptive, {label}{tag}{mtag}{gtag}",
+                                         (a, dict(adaptive=True, k_max=8), ovs, mixed,
+                                          dict(margin=margin, restart=restart, no_start_cost=nsc)))]
     if args.only:  # e.g. --only plain adaptive: a shorter run
         configs = [c for c in configs if any(c[0].startswith(o) for o in args.only)]
 
@@ -637,6 +684,13 @@ def main() -> None:
     ap.add_argument("--switch-margin", type=float, nargs="+", default=None, metavar="M",
                     help="GPU: adaptive rows with KPolicy.SWITCH_MARGIN = M (several values: side by side; "
                          "default: the policy's own)")
+    ap.add_argument("--restart-on-new-k", choices=["on", "off", "both"], default="off",
+                    help="GPU: adaptive rows whose overlapped sessions end when k changes (on: "
+                         "Engine.KEEP_SESSION_ON_NEW_K = False, the tenth session's engine), go on (off, the default), "
+                         "or both side by side")
+    ap.add_argument("--start-cost", choices=["on", "off", "both"], default="on",
+                    help="GPU: adaptive rows whose k policy weighs overlapped sessions' start costs (on, the default), "
+                         "does not (off: KPolicy.SESSION_MIN out of reach), or both side by side")
     ap.add_argument("--poisson-ab", type=int, default=0, metavar="REPS",
                     help="GPU: only Poisson arrivals, the configs interleaved (all engines built first), each rate "
                          "REPS times; reports the median over repetitions of plain TPOT / config TPOT")
@@ -649,6 +703,8 @@ def main() -> None:
         given = [f for f, v in (("--only", args.only), ("--profile", args.profile), ("--no-4k", args.no_4k),
                                 ("--new-tokens-range", args.new_tokens_range), ("--poisson-ab", args.poisson_ab),
                                 ("--switch-margin", args.switch_margin), ("--rates", args.rates),
+                                ("--restart-on-new-k", args.restart_on_new_k != "off"),
+                                ("--start-cost", args.start_cost != "on"),
                                 ("--mixed-prefill", args.mixed_prefill != "off"),
                                 ("--overlap-spec", args.overlap_spec != "on"), ("--acceptance", args.acceptance),
                                 ("--blocks", args.blocks)) if v]

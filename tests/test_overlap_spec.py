@@ -339,3 +339,91 @@ def test_stats_count_the_tokens_committed(models, overlap_spec):
         assert d.num_output_tokens == GREEDY[int(d.request_id)].max_tokens
         assert d.stats.emitted == d.num_output_tokens, (d.request_id, d.stats.emitted, d.num_output_tokens)
         assert d.stats.accepted >= d.stats.rounds  # (drafts were accepted: the rounds emitted several tokens)
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_new_k_goes_on_in_the_session(models, sessions, plain_greedy, monkeypatch, keep):
+    """Adaptive k may change every round: the session's device-side state (each request's length and two newest
+    tokens) does not depend on k, so a new k > 0 is drafted in the same session (Engine.KEEP_SESSION_ON_NEW_K)
+    instead of ending it and paying a restart. The batch k is forced through a cycle of 1..4 here: outputs stay
+    exactly plain greedy, the draft cache holds what a fresh forward gives after every session (the `sessions`
+    fixture), rollback keeps the pools whole, and sessions end only for finishes and arrivals (with keep off,
+    every change of k ends one)."""
+    cycle = [3, 1, 4, 2, 2, 4]
+    eng = make(models, dict(adaptive=True, k_max=4))
+    monkeypatch.setattr(eng, "KEEP_SESSION_ON_NEW_K", keep)
+    asked = []
+
+    def forced(ids, room):
+        asked.append(cycle[len(asked) % len(cycle)])
+        return asked[-1]
+
+    monkeypatch.setattr(eng.k_policy, "batch_k", forced)
+    got = run(eng, PROMPTS, GREEDY)
+    assert got == plain_greedy
+    st = eng.stats()
+    assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
+    assert eng.drafter.kv.num_free_blocks == eng.drafter.kv.num_blocks - 1
+    assert st.spec_num_draft_tokens > 0 and sessions["checked"] > 0
+    # every round asked the policy once: sessions with keep on run many rounds each; with it off a session ends
+    # at the first k it did not start with
+    per_session = sessions["rounds"] / sessions["sessions"]
+    if keep:
+        assert sessions["sessions"] <= len(PROMPTS) + 2 and per_session > 4, sessions
+    else:
+        assert per_session < 2.5, sessions
+
+
+def test_sessions_report_their_start_cost_to_the_k_policy(models, monkeypatch):
+    """Every overlapped session that committed reports (first step's seconds, median later step, tokens) to the k
+    policy when it ends (Engine._overlap_step -> KPolicy.record_session), marked with whether the session before it
+    drafted too. The target drafting for itself keeps k > 0, arrivals end sessions: restarts of drafting sessions."""
+    same = ours_from_hf(models[0])
+    eng = make((models[0], same), dict(adaptive=True, k_max=3), blocks=4096)
+    calls = []
+    real = eng.k_policy.record_session
+
+    def spy(spec, requests, first, steady, tokens, same_mode):
+        calls.append((spec, first, steady, tokens, same_mode))
+        return real(spec, requests, first, steady, tokens, same_mode)
+
+    monkeypatch.setattr(eng.k_policy, "record_session", spy)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 90) for _ in range(12)] for _ in range(5)]
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    out = run(eng, prompts, sp, arrivals=[0, 0, 6, 12, 18])
+    drafting = [c for c in calls if c[0]]
+    assert len(drafting) >= 3, calls
+    assert all(first > 0 and tokens > 0 for _, first, _, tokens, _ in calls)
+    assert sum(c[3] for c in calls) <= sum(map(len, out.values()))
+    assert any(c[4] for c in drafting)  # restarts of drafting (an arrival ended the one before)
+    assert sum(len(v) for (spec, _), v in eng.k_policy.sessions.items() if spec) == sum(1 for c in drafting if c[4])
+
+
+def test_a_prompt_read_alone_is_fed_to_the_draft_in_its_round(models, sessions):
+    """A prompt read alone (its last chunk, no drafts) goes to the draft model in the same round, the catch-up
+    left to the session's start being its last token only; the output stays plain greedy. (It used to wait for
+    that catch-up, which cut the prompt as 64 + 64 + ... pieces beside the others' steps.)"""
+    eng = make(models, dict(k=3))
+    fed = []
+    real = eng.drafter.feed
+
+    def spy(requests, upto):
+        fed.append({r.external_id: n - eng.drafter.kv.length(r.req_id) if eng.drafter.kv.has(r.req_id) else n
+                    for r, n in zip(requests, upto)})
+        return real(requests, upto)
+
+    eng.drafter.feed = spy
+    got = run(eng, PROMPTS[:3], GREEDY[:3], arrivals=[0, 4, 9])
+    assert got == {str(i): v for i, v in plain_greedy_of(models, PROMPTS[:3], GREEDY[:3]).items()}
+    prompt_feeds = [f for f in fed if any(v >= 5 for v in f.values())]
+    # each prompt reached the draft whole in one feed: its own round's (later feeds add a token or two)
+    assert sorted(rid for f in prompt_feeds for rid, v in f.items() if v >= 5) == ["0", "1", "2"], fed
+    for f in fed:
+        for rid, v in f.items():
+            assert v <= 2 or v == len(PROMPTS[int(rid)]), fed
+
+
+def plain_greedy_of(models, prompts, params):
+    out = run(make(models), prompts, params)
+    return {int(k): v for k, v in out.items()}

@@ -92,11 +92,62 @@ def test_pieces_not_used_where_one_bucket_fits_or_a_chunk_cannot_be_cut():
     assert g.plan_pieces([Chunk(0, list(range(20)), logits=3)]) is None  # several logits rows of a long chunk
     assert g.plan_pieces([Chunk(0, list(range(20)), positions=list(range(20)))]) is None
     assert len(g.plan_pieces([Chunk(0, list(range(700)))])) == 2  # 512 + an overlapping 256
-    assert g.plan_pieces([Chunk(i, list(range(20))) for i in range(3)]) is None  # 3 x 16, then (3 x 4): 4 replays
+    # 3 x 16 in one replay (long pieces of several sequences share a bucket), then 3 x 4: 2 replays
+    assert [(tuple(i), q, m) for i, q, m, _ in g.plan_pieces([Chunk(i, list(range(20))) for i in range(3)])] == [
+        ((0, 1, 2), 16, 0), ((0, 1, 2), 4, 1)]
+    g.piece_batch_tokens = 16  # one 16-token piece per replay: 3 + 1 replays, more than max_pieces
+    assert g.plan_pieces([Chunk(i, list(range(20))) for i in range(3)]) is None
+    g.piece_batch_tokens = 1024
     g.max_pieces = 8
     plan = g.plan_pieces([Chunk(0, list(range(10))), Chunk(1, [1]), Chunk(2, [2]), Chunk(3, [4, 5], logits=2)])
     assert [(tuple(i), q, m, w) for i, q, m, w in plan] == [  # replay r holds the r-th pieces, grouped
         ((0,), 8, 0, [(0, 8)]), ((1, 2), 1, 1, [(0, 1), (0, 1)]), ((3,), 2, 2, [(0, 2)]), ((0,), 2, 1, [(8, 2)])]
+
+
+def test_long_pieces_of_several_prompts_share_replays_up_to_the_token_cap():
+    """Prompts read together: their long pieces replay several sequences at once, at most piece_batch(q) of them
+    (a bucket size within piece_batch_tokens tokens, PIECE_BATCH sequences); a lone prompt still replays alone."""
+    g = _runner(max_q_len=4).graphs  # buckets 1, 2, 4
+    g.piece_batch_tokens = 64
+    assert [g.piece_batch(q) for q in (8, 16, 32, 64, 128)] == [4, 4, 2, 1, 1]
+    plan = g.plan_pieces([Chunk(i, list(range(32)), logits="last") for i in range(3)])
+    assert [(tuple(i), q, m) for i, q, m, _ in plan] == [((0, 1), 32, 1), ((2,), 32, 1)]
+    plan = g.plan_pieces([Chunk(i, list(range(16)), logits="last") for i in range(5)])
+    assert [(tuple(i), q, m) for i, q, m, _ in plan] == [((0, 1, 2, 3), 16, 1), ((4,), 16, 1)]
+    # within one replay's share: pad to the bucket, or split by powers of two where padding wastes more
+    g8 = _runner(max_q_len=4).graphs
+    g8.batch_sizes = (1, 2, 4, 8)
+    assert [g8._long_piece_split(n) for n in range(1, 9)] == [[1], [2], [3], [4], [4, 1], [4, 2], [7], [8]]
+    assert g._fits(4, 16) and not g._fits(4, 32) and g._fits(1, 512) and g._fits(2, 32)
+
+
+def test_grouped_prompt_pieces_equal_one_forward():
+    """Prompts of 37, 40, 35 and 23 tokens and a 1-token row as pieces (the long pieces of the prompts grouped in
+    shared replays, three 32-token pieces padded to a bucket of 4) vs one forward: same logits, hidden states and
+    cache contents."""
+    torch.manual_seed(0)
+    ref, pcs = _runner(), _runner()
+    ref.graphs = None
+    prompts = {0: list(range(3, 40)), 1: list(range(50, 90)), 2: list(range(7, 30)), 3: [9], 4: list(range(60, 95))}
+    for r in (ref, pcs):
+        for s in prompts:
+            r.kv.add_sequence(s)
+        r.forward([Chunk(3, [4, 5, 6, 7, 8])])
+    chunks = [Chunk(s, p, logits="last") for s, p in prompts.items()]
+    plan = pcs.graphs.plan_pieces(chunks)
+    assert plan is not None and any(len(i) == 3 and q == 32 for i, q, _, _ in plan), plan
+    out_r, st_r = ref.forward(chunks, hidden_layers=(1,))
+    out_p, st_p = pcs.forward(chunks, hidden_layers=(1,))
+    assert st_p == st_r
+    torch.testing.assert_close(out_p.logits, out_r.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out_p.hidden_states[1], out_r.hidden_states[1], atol=1e-4, rtol=1e-4)
+    for s in prompts:
+        assert pcs.kv.length(s) == ref.kv.length(s)
+        for (k1, v1), (k2, v2) in zip(_cache(pcs, s, pcs.kv.length(s)), _cache(ref, s, ref.kv.length(s))):
+            torch.testing.assert_close(k1, k2, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(v1, v2, atol=1e-4, rtol=1e-4)
+    nxt = [Chunk(s, [17]) for s in prompts]
+    torch.testing.assert_close(pcs.forward(nxt)[0].logits, ref.forward(nxt)[0].logits, atol=1e-4, rtol=1e-4)
 
 
 def test_a_catch_up_of_many_requests_is_a_few_grouped_replays():

@@ -692,3 +692,43 @@ def test_switch_margin_keeps_plain_decoding_where_drafting_barely_pays(gain, mar
     assert pol.batch_k(ids, [100] * 4) == int(switches_on)
     pol.batch_idle, pol.batch_probing = 0, True  # the call after a probe
     assert pol.batch_k(ids, [100] * 4) == int(switches_on)
+
+
+def test_session_start_costs_per_token_steer_batch_k():
+    """batch_k weighs what overlapped sessions' starts cost per token they gave (KPolicy.record_session): k = 1 that
+    the model rates 1.3x plain stays on when drafting sessions start cheaply or last long, and goes to 0 when each
+    start costs ~20 ms for a session of ~40 tokens (the H200 at 64 requests with spread joins). Starts after a
+    switch of mode are not counted (their catch-up spans the whole plain stretch); plain sessions' own starts
+    count against k = 0 the same way."""
+    from forerun.engine.k_policy import KPolicy
+
+    def policy():
+        pol = KPolicy(SpecConfig(method="draft", draft_model="x", adaptive=True, k_max=1))
+        for tokens in (4, 8):  # (k = 1, every draft accepted: 2 tokens per round for 2 / 1.3 plain steps)
+            pol.cost.record_target(tokens, 0.005)
+        pol.cost.record_draft_step(0.005 * (2 / 1.3 - 1))
+        for rid in range(4):
+            for _ in range(50):
+                pol.observe(rid, 1, 1, wanted=1)
+        return pol
+
+    ids, room = list(range(4)), [100] * 4
+    pol = policy()
+    assert pol.restart_per_token(True, 4) == 0.0 and pol.batch_k(ids, room) == 1
+    for _ in range(4):  # long drafting sessions: 5 ms more at the start, 400 tokens each
+        pol.record_session(True, 4, 0.012, 0.007, 400, same_mode=True)
+    assert pol.restart_per_token(True, 4) == pytest.approx(0.005 / 400)
+    assert pol.batch_k(ids, room) == 1
+    pol = policy()
+    pol.record_session(True, 4, 0.027, 0.007, 40, same_mode=False)  # a switch from plain: not counted
+    pol.record_session(True, 4, 0.027, None, 40, same_mode=False)
+    assert not pol.sessions and pol.batch_k(ids, room) == 1
+    for _ in range(3):  # short sessions, dear starts (a one-step session: the last steady step stands in)
+        pol.record_session(True, 4, 0.027, None, 40, same_mode=True)
+    assert pol.restart_per_token(True, 4) == pytest.approx(0.020 / 40)
+    assert pol.batch_k(ids, room) == 0
+    assert pol.restart_per_token(True, 16) == 0.0 and pol.batch_k(list(range(16)), [100] * 16) == 1  # per batch size
+    # the same costs for plain sessions' starts weigh against k = 0 alike
+    for _ in range(3):
+        pol.record_session(False, 3, 0.027 + 0.005, 0.005, 40 / 2.6, same_mode=True)  # (bucket 4)
+    assert pol.batch_k(ids, room) == 1

@@ -101,6 +101,11 @@ def stop_holdback(text: str, stops: tuple[str, ...]) -> int:
 class Engine:
     """Not thread-safe by itself: one caller steps it (AsyncEngine's loop thread, or LLM under its lock)."""
 
+    # adaptive k inside an overlapped speculative session: a new k > 0 goes on in the session (its device-side state
+    # does not depend on k); False: a new k ends the session and the next one starts at it (the tenth session's
+    # behaviour, kept for `benchmarks/online.py --restart-on-new-k`)
+    KEEP_SESSION_ON_NEW_K = True
+
     def __init__(self, model: str | None = None, *, spec: SpecConfig | None = None, device: str | None = None,
                  dtype: torch.dtype | None = None, cache: CacheConfig | None = None, max_num_seqs: int = 64,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 8192, seed: int = 0,
@@ -165,6 +170,8 @@ class Engine:
         self._clock_in, self._clock_t0 = 0.0, 0.0  # seconds spent inside overlapped sessions' steps (_clock)
         self._ks_cache: dict[int, int] | None = None
         self._no_session = False  # the last overlapped session launched nothing (no blocks): skip one start
+        self._session: list | None = None  # the session running: [first step's seconds, later steps', tokens]
+        self._last_session_spec: bool | None = None  # whether the last session drafted
         self._alone = False  # the last round read prompts alone (mixed_prefill off): the next one includes all
         self._spec_totals = RequestStats()
         self._spec_num_drafts = 0
@@ -225,11 +232,18 @@ class Engine:
             _warm_chain_sample(sizes, qs, self.model.config.vocab_size, self.device)
         # prefill pieces (GraphRunner.forward_pieces): one sequence x every piece length, with logits for the
         # last row (a prompt's last chunk) or none (earlier chunks; the draft model's prompt feed)
+        # and several sequences' pieces replayed together (GraphRunner.piece_batch: prompts arriving together)
         for q in gr.piece_sizes:
             for m in (0, 1):
                 gr.capture(1, q, m, hidden_layers=hidden)
+                if q > gr.max_q_len:
+                    for b in gr.batch_sizes:
+                        if 1 < b <= gr.piece_batch(q):
+                            gr.capture(b, q, m, hidden_layers=hidden)
             if dgr is not None and self.spec.method == "draft" and q > dgr.max_q_len:
-                dgr.capture(1, q, 0)
+                for b in dgr.batch_sizes:
+                    if b <= dgr.piece_batch(q):
+                        dgr.capture(b, q, 0)
         return len(gr.graphs) - before + (len(dgr.graphs) - dbefore if dgr is not None else 0) \
             + eagle_after - eagle_before
 
@@ -613,23 +627,23 @@ class Engine:
         # times are read from the engine's own clock (time spent inside step(): what the caller does between
         # steps is not the rounds' cost); the first look comes after the draft's catch-up at the session start
         seen = {"t": self._clock_in, "tokens": sum(len(r.output_token_ids) for r in running), "kernels": None,
-                "steady": False, "asked": False}
+                "steady": False}
         cost = self.k_policy.cost
 
-        def timing(draft_s: float, verify_s: float) -> None:
+        def timing(kk: int, draft_s: float, verify_s: float) -> None:
             # the cost model learns from these rounds as from ordinary ones: without them a session left the
             # draft-step cost unmeasured (drafting looked free: a useless draft ran at k = 8, 0.65-0.84x plain)
-            cost.record_draft_step(draft_s / k)
-            cost.record_target(n * (k + 1), verify_s)
+            cost.record_draft_step(draft_s / kk)
+            cost.record_target(n * (kk + 1), verify_s)
             seen["kernels"] = draft_s + verify_s
 
-        def commit(r: Request, tokens: list[int], accepted: int) -> int:
+        def commit(r: Request, tokens: list[int], accepted: int, kk: int) -> int:
             if r.finished:  # aborted while its round was in flight
                 return 0
-            self.k_policy.observe(r.req_id, k, accepted, wanted=k)
-            self._count_spec(k, accepted, k)
+            self.k_policy.observe(r.req_id, kk, accepted, wanted=kk)
+            self._count_spec(kk, accepted, kk)
             n = self._commit(r, tokens, None)
-            r.stats.record(k, accepted, n, k)  # tokens committed: a stop or max_tokens may cut the round
+            r.stats.record(kk, accepted, n, kk)  # tokens committed: a stop or max_tokens may cut the round
             return n
 
         def should_stop() -> bool:
@@ -646,15 +660,22 @@ class Engine:
                     # session (a warm-up, a probe) report a whole round of overhead, and adaptive k stayed at 0
                     cost.record_spec_overhead(now - seen["t"] - seen["kernels"])
                 seen.update(t=now, tokens=tokens, kernels=None, steady=True)
-            if not seen["asked"]:  # the look before the first launch: the start's decision covers round 1 (asking
-                seen["asked"] = True  # again spent a due probe: it ended before drafting and only doubled the wait)
-                return False
-            return self._k_for(running) != [k] * n  # the policy decides every round; a new k ends the session
+            return False
+
+        def next_k() -> int:
+            """The policy decides every round after the session's first (whose k the start's decision gave: asking
+            again before it spent a due probe, which ended before drafting and only doubled the wait). A new k > 0
+            goes on in the session (`KEEP_SESSION_ON_NEW_K`); ending it cost a restart (the draft's feed, a round
+            not overlapped): at 1 request and a = 0.8 on the H200, 26 restarts of ~3.5 ms in a 0.9 s run."""
+            ks = self._k_for(running)
+            kk = ks[0] if len(set(ks)) == 1 else 0
+            return kk if kk == k or self.KEEP_SESSION_ON_NEW_K else 0
 
         verdict = getattr(self.sampler, "device_verdict", None) or greedy_chain_verdict
         gen = overlapped_spec_rounds(self.runner, self.drafter, running, k, self.max_model_len, commit,
                                      verdict=verdict, should_stop=should_stop,
-                                     timing=timing if self.spec.adaptive else None)
+                                     timing=timing if self.spec.adaptive else None,
+                                     next_k=next_k if self.spec.adaptive else None)
         self._overlap = (gen, running, True)
         return True
 
@@ -670,14 +691,29 @@ class Engine:
     def _overlap_step(self) -> list[Request]:
         gen, running, spec = self._overlap
         self._clock_t0 = time.perf_counter()
+        produced = None
         try:
-            next(gen)
+            produced = next(gen)
             return list(running)
         except StopIteration as stop:  # the session has ended
             launched = stop.value or 0
         finally:
-            self._clock_in += time.perf_counter() - self._clock_t0
+            dt = time.perf_counter() - self._clock_t0
+            self._clock_in += dt
+            if produced is not None:  # a step that committed: the session's first, or a steady one
+                if self._session is None:
+                    self._session = [dt, [], 0]
+                else:
+                    self._session[1].append(dt)
+                self._session[2] += produced
         self._overlap = None
+        if self._session is not None and self.drafter is not None and self.spec.adaptive:
+            first, rest, tokens = self._session
+            # what a start cost beyond a steady step (the draft's catch-up on newcomers, a first step that nothing
+            # overlaps), per token the session gave: the k policy weighs it (KPolicy.record_session)
+            self.k_policy.record_session(spec, len(running), first, sorted(rest)[len(rest) // 2] if rest else None,
+                                         tokens, same_mode=self._last_session_spec == spec)
+        self._last_session_spec, self._session = spec, None
         if not launched:  # its first step found no blocks (OutOfBlocks): the next step runs an ordinary round
             self._no_session = True
         if self.check_invariants:

@@ -223,6 +223,11 @@ class KPolicy:
         # (committed tokens per request, wall seconds) of recent rounds that drafted
         self.realized: dict[int, deque] = {}
         self.vetoes = 0  # rounds where the realized rate overruled the cost model's k > 0
+        # overlapped sessions (CUDA graphs), drafting (True) or plain (False): (seconds a start cost beyond a steady
+        # step, tokens the session committed) of recent sessions, and the last steady step seen
+        # per batch-size bucket: how often joins end sessions depends on the batch (64 requests: every round or two)
+        self.sessions: dict[tuple[bool, int], deque] = {}
+        self._steady: dict[tuple[bool, int], float] = {}
 
     PROBE_EVERY = 16  # with k = 0 chosen this many rounds in a row, draft one token to re-measure acceptance
     PROBE_MAX = 256  # a probe that is rejected doubles the interval up to this; an accepted one resets it
@@ -238,6 +243,36 @@ class KPolicy:
     # a = 0.6 with 8-64 requests (H200 run 23: 0.78-0.96x plain) the policy switched on and off near break-even.
     # 0 (off) until measured on the H200: `benchmarks/online.py --gpu --switch-margin 0.2 ...`
     SWITCH_MARGIN = 0.0
+    # batch_k: a session's start is dearer than a steady step, and a drafting session's much more so (the draft
+    # catches up on every newcomer's prompt; nothing overlaps the first round). Sessions end at every join, so at
+    # many requests with spread finishes they last a round or two: on the H200 at 64 requests a start cost ~19 ms
+    # beyond a 6 ms round, 156 us per token drafted against plain decoding's 91 us per token. batch_k adds this
+    # cost per token (recent sessions of the same mode as the one before them: a switch from plain decoding, whose
+    # catch-up spans the whole plain stretch, is SWITCH_MARGIN's concern) to each mode's round.
+    SESSION_WINDOW = 16
+    SESSION_MIN = 2  # sessions of a mode before their start cost counts
+
+    def record_session(self, spec: bool, requests: int, first: float, steady: float | None, tokens: int,
+                       same_mode: bool) -> None:
+        """An overlapped session of `requests` requests ended: its first step took `first` seconds, its later steps
+        `steady` (median; None: it had none, the last steady step of this mode and batch size stands in), and it
+        committed `tokens` tokens. same_mode: the session before it was of the same mode (else it is a switch,
+        not recorded)."""
+        key = (spec, self._bucket(requests))
+        if steady is not None:
+            self._steady[key] = steady
+        steady = self._steady.get(key) if steady is None else steady
+        if same_mode and steady is not None and tokens > 0:
+            self.sessions.setdefault(key, deque(maxlen=self.SESSION_WINDOW)).append((max(0.0, first - steady), tokens))
+
+    def restart_per_token(self, spec: bool, requests: int) -> float:
+        """Seconds of session starts per committed token, drafting or plain, at this batch size (0 until
+        SESSION_MIN sessions)."""
+        obs = self.sessions.get((spec, self._bucket(requests)), ())
+        if len(obs) < self.SESSION_MIN:
+            return 0.0
+        return sum(o[0] for o in obs) / max(1, sum(o[1] for o in obs))
+
     REALIZED_WINDOW = 32  # batch_k: recent speculative rounds whose realized rate is compared with plain decoding
     REALIZED_MIN = 8  # ... once there are this many since the last probe
     # drafting is overruled when it realizes less than this times plain's rate over the same rounds. Not below 1:
@@ -340,8 +375,9 @@ class KPolicy:
                 for kk, e in enumerate(self._estimate(rid).expected_tokens_upto(kmax, pool)):
                     expected[kk] += e
             k, best, plain = 0, 0.0, 0.0
+            starts = (self.restart_per_token(False, n), self.restart_per_token(True, n))
             for kk in range(kmax + 1):
-                seconds = self.cost.round_seconds(n * (kk + 1), kk)
+                seconds = self.cost.round_seconds(n * (kk + 1), kk) + starts[kk > 0] * expected[kk]
                 rate = expected[kk] / seconds
                 if kk == 0:
                     plain = rate

@@ -78,14 +78,18 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
                            verdict: Callable = greedy_chain_verdict,
                            should_stop: Callable[[], bool] | None = None,
                            max_rounds: int | None = None,
-                           timing: Callable[[float, float], None] | None = None) -> Generator[int, None, int]:
-    """Speculative rounds of k drafts for `requests` with one round in flight. Yields the tokens committed per
-    round; returns the number of rounds launched. commit(request, tokens, accepted) commits one round's tokens
-    (stop checks included) and returns how many it took. verdict(logits, drafts) -> (tokens, accepted): the
-    verification rule (greedy; benchmarks substitute synthetic acceptance). Stops when a request has finished,
-    should_stop() says so, max_rounds rounds were launched, or another round could pass a request's limits.
-    timing(draft_seconds, verify_seconds): each committed round's k draft steps and verify forward, timed in stream
-    order (CUDA events, read once the round's verdict is on the host): the k policy's cost model."""
+                           timing: Callable[[int, float, float], None] | None = None,
+                           next_k: Callable[[], int] | None = None) -> Generator[int, None, int]:
+    """Speculative rounds for `requests` with one round in flight, the first drafting k tokens. Yields the tokens
+    committed per round; returns the number of rounds launched. commit(request, tokens, accepted, k) commits one
+    round's tokens (stop checks included) and returns how many it took. verdict(logits, drafts) -> (tokens,
+    accepted): the verification rule (greedy; benchmarks substitute synthetic acceptance). Stops when a request
+    has finished, should_stop() says so, max_rounds rounds were launched, or another round could pass a request's
+    limits. next_k(): asked before every launch after the first, the k of that round (the device-side state, L and
+    the two newest tokens, does not depend on k, so k may change from round to round); 0, or a k without a verify
+    step of its length, ends the session. Without it every round drafts k.
+    timing(k, draft_seconds, verify_seconds): each committed round's k draft steps and verify forward, timed in
+    stream order (CUDA events, read once the round's verdict is on the host): the k policy's cost model."""
     tkv, dkv = target.kv, drafter.runner.kv
     gr, dgr = target.graphs, drafter.runner.graphs
     dev = target.device
@@ -100,17 +104,18 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
     last2 = h2d([r.all_tokens[-2:] for r in requests], dev, torch.int64)  # [B, 2]
     rows = torch.arange(b, device=dev)
 
-    def reserve() -> None:
-        """Blocks for two rounds past what the host has committed; the block-table rows follow."""
+    def reserve(kk: int, ahead: int) -> None:
+        """Blocks for the round in flight (`ahead` tokens) and this one past what the host has committed; the
+        block-table rows follow."""
         for kv, runner in ((tkv, target), (dkv, drafter.runner)):
             for rid, n in zip(ids, host_len):
-                kv.reserve(rid, n + 2 * (k + 1))
+                kv.reserve(rid, n + ahead + kk + 1)
             runner.load_block_tables(ids)
 
-    def launch():
+    def launch(kk: int, ahead: int):
         nonlocal L, last2
         try:
-            reserve()
+            reserve(kk, ahead)
         except OutOfBlocks:  # the pools ran out: the ordinary rounds preempt
             return None
         marks = Marks(dev) if timing is not None else None
@@ -118,13 +123,13 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
             marks.mark()
         logits = dgr.run_uniform(last2, L - 1, 1, drafter.num_layers)  # [B, V]: feeds L - 1, L
         drafts = [logits.argmax(-1)]
-        for j in range(1, k):
+        for j in range(1, kk):
             logits = dgr.run_uniform(drafts[-1].view(b, 1), L + j, 1, drafter.num_layers)
             drafts.append(logits.argmax(-1))
-        d = torch.stack(drafts, 1)  # [B, k]
+        d = torch.stack(drafts, 1)  # [B, kk]
         if marks is not None:
             marks.mark()
-        logits = gr.run_uniform(torch.cat([last2[:, 1:], d], 1), L, k + 1)  # [B * (k+1), V]
+        logits = gr.run_uniform(torch.cat([last2[:, 1:], d], 1), L, kk + 1)  # [B * (kk+1), V]
         if marks is not None:
             marks.mark()
         tokens, accepted = verdict(logits, d)
@@ -132,42 +137,48 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
         start = L.clone()
         last2 = torch.stack([prev, tokens[rows, accepted]], 1)
         L = L + accepted + 1
-        out, done = to_host_async(torch.cat([tokens, accepted.view(b, 1), start.view(b, 1)], 1))  # [B, k + 3]
-        return out, done, marks
+        out, done = to_host_async(torch.cat([tokens, accepted.view(b, 1), start.view(b, 1)], 1))  # [B, kk + 3]
+        return out, done, marks, kk
 
-    last_round: dict[int, tuple[int, int]] = {}  # req_id -> (L at the round's start, accepted) of its last commit
+    last_round: dict[int, tuple[int, int, int]] = {}  # req_id -> (L at the start, accepted, k) of its last commit
 
     def commit_round(step, only_unfinished: bool) -> int:
-        out, done, marks = step
+        out, done, marks, kk = step
         if done is not None:
             done.synchronize()
         if marks is not None:
-            timing(marks.seconds(0, 1), marks.seconds(1, 2))
+            timing(kk, marks.seconds(0, 1), marks.seconds(1, 2))
         produced = 0
         for i, (r, row) in enumerate(zip(requests, out.tolist())):
             if only_unfinished and r.finished:
                 continue
-            acc, start = row[k + 1], row[k + 2]
-            n = commit(r, row[: acc + 1], acc)
+            acc, start = row[kk + 1], row[kk + 2]
+            n = commit(r, row[: acc + 1], acc, kk)
             host_len[i] = start + acc + 1
-            last_round[r.req_id] = (start, acc)
+            last_round[r.req_id] = (start, acc, kk)
             produced += n
         return produced
 
-    def room() -> bool:
-        """Another round fits every request's context even if the round in flight commits k + 1 tokens. A request
-        near its max_tokens still runs: commit drops what lies past its end, and once it finishes the session
-        ends after the round in flight is committed for the others (a session that stopped at the first request
-        within 2(k + 1) tokens of its end ran ordinary rounds for the whole batch ~40 % of the time at 4
-        staggered requests of 96 tokens)."""
-        ahead = k + 1 if pending is not None else 0
-        return all(r.num_tokens + ahead + k + 1 < limit for r in requests)
+    def room(kk: int) -> bool:
+        """Another round of kk drafts fits every request's context even if the round in flight commits all its
+        tokens. A request near its max_tokens still runs: commit drops what lies past its end, and once it
+        finishes the session ends after the round in flight is committed for the others (a session that stopped
+        at the first request within 2(k + 1) tokens of its end ran ordinary rounds for the whole batch ~40 % of
+        the time at 4 staggered requests of 96 tokens)."""
+        return all(r.num_tokens + ahead() + kk + 1 < limit for r in requests)
 
-    pending, launched = None, 0
+    def ahead() -> int:
+        """Tokens the round in flight may commit."""
+        return pending[3] + 1 if pending is not None else 0
+
+    pending, launched, kk = None, 0, k
     try:
         while True:
-            go = room() and (max_rounds is None or launched < max_rounds) and not (should_stop and should_stop())
-            step = launch() if go else None
+            go = room(kk) and (max_rounds is None or launched < max_rounds) and not (should_stop and should_stop())
+            if go and launched and next_k is not None:  # the policy decides every round
+                kk = next_k()
+                go = 0 < kk < gr.max_q_len and room(kk)
+            step = launch(kk, ahead()) if go else None
             launched += step is not None
             if pending is not None:
                 yield commit_round(pending, only_unfinished=False)
@@ -182,8 +193,8 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
         for r in requests:
             if r.finished or r.req_id not in last_round:
                 continue
-            start, acc = last_round[r.req_id]
+            start, acc, kk = last_round[r.req_id]
             tkv.set_length(r.req_id, r.num_tokens - 1)
-            # the draft wrote up to start + k - 1: drafts d_1..d_acc (accepted) at start + 1.., so it holds the
-            # committed prefix through start + min(acc, k - 1)
-            dkv.set_length(r.req_id, min(start + min(acc, k - 1) + 1, r.num_tokens - 1))
+            # the draft wrote up to start + kk - 1: drafts d_1..d_acc (accepted) at start + 1.., so it holds the
+            # committed prefix through start + min(acc, kk - 1)
+            dkv.set_length(r.req_id, min(start + min(acc, kk - 1) + 1, r.num_tokens - 1))

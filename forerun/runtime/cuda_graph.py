@@ -9,10 +9,12 @@ at positions 0..q-1, so they write and read only that block.
 A ragged step (prefill chunks beside decode rows, several prompts, a drafter's catch-up) does not fit one bucket.
 `forward_pieces` replays it as a few graphs instead of one eager forward (which costs ~20-60 ms of kernel launches
 for an 8B model, against ~5 ms of GPU work): short chunks of equal length go to one (batch, q) bucket, a long
-chunk is cut into single-sequence pieces of PIECE_SIZES tokens (1, 2, 4, ..., 512), the last piece overlapping
-the one before it so that its length is a bucket size too (the overlapped positions are written twice with the
-same tokens: the cache ends as a single forward would leave it, up to float rounding). Steps that would need more
-than `max_pieces` replays, trees, or chunks wanting logits for several rows of a long chunk run eagerly.
+chunk is cut into pieces of PIECE_SIZES tokens (1, 2, 4, ..., 512), the last piece overlapping the one before it
+so that its length is a bucket size too (the overlapped positions are written twice with the same tokens: the
+cache ends as a single forward would leave it, up to float rounding). Long pieces of several sequences share a
+replay up to `piece_batch_tokens` tokens (several prompts arriving together, a drafter catching up on them).
+Steps that would need more than `max_pieces` replays, trees, or chunks wanting logits for several rows of a long
+chunk run eagerly.
 
 Two ways in:
   * `execute(step)` / `forward(chunks)`: the ModelRunner's host-side `prepare`, then replay (engine path).
@@ -68,7 +70,13 @@ def compile_elementwise(model: torch.nn.Module) -> None:
             mod.compile()
 
 
-PIECE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # single-sequence prefill pieces (tokens per replay)
+PIECE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # prefill pieces (tokens per sequence and replay)
+# long pieces of several sequences replay together up to this many tokens, in at most PIECE_BATCH sequences. One
+# sequence per replay read the weights once per prompt: on the H200 (8B shape) four 128-token prompts took four
+# ~5.5 ms replays where one forward over all four is compute-bound at about half that; the draft's catch-up on
+# them likewise (issue 9: prefill rounds and catch-ups were 1/4 of a speculative run at 16 requests)
+PIECE_BATCH_TOKENS = 1024
+PIECE_BATCH = 8
 
 
 def split_pieces(n: int, sizes: tuple[int, ...] = PIECE_SIZES) -> list[tuple[int, int]]:
@@ -98,7 +106,7 @@ def split_pieces(n: int, sizes: tuple[int, ...] = PIECE_SIZES) -> list[tuple[int
 class GraphRunner:
     def __init__(self, runner: ModelRunner, batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
                  max_q_len: int = 16, capture_on_demand: bool = True, use_graphs: bool = True,
-                 max_pieces: int = 8) -> None:
+                 max_pieces: int = 8, piece_batch_tokens: int = PIECE_BATCH_TOKENS) -> None:
         buf = runner.buffers
         self.runner = runner
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
@@ -117,8 +125,9 @@ class GraphRunner:
         # single-sequence pieces longer than a verify step (prefill); <= max_q_len pieces are ordinary buckets
         self.piece_sizes = tuple(s for s in PIECE_SIZES if s <= buf.max_tokens)
         self.max_pieces = max_pieces  # a ragged step needing more replays than this runs eagerly
+        self.piece_batch_tokens = min(piece_batch_tokens, buf.max_tokens)
         self.pieces_steps = 0  # ragged steps replayed as pieces
-        rows = max(max_seqs * max_q_len, max(self.piece_sizes))
+        rows = max(max_seqs * max_q_len, max(self.piece_sizes), self.piece_batch_tokens)
         self._ar = torch.arange(rows + 1, dtype=torch.int64, device=dev)
         self._tree = torch.zeros(rows, max_q_len, dtype=torch.bool, device=dev)
         self._uids = torch.zeros(max_seqs * max_q_len, dtype=torch.int64, device=dev)  # run_uniform inputs
@@ -145,8 +154,15 @@ class GraphRunner:
         return GraphKey(bucket, q, m, step.meta.tree_mask is not None, num_layers, tuple(hidden_layers))
 
     def _fits(self, bucket: int, q: int) -> bool:
-        """q tokens per sequence: a decode / verify length, or a prefill piece of one sequence."""
-        return q <= self.max_q_len or (bucket == 1 and q in self.piece_sizes)
+        """q tokens per sequence: a decode / verify length, or a prefill piece (of one sequence, or of several up
+        to piece_batch_tokens in all)."""
+        return q <= self.max_q_len or (q in self.piece_sizes and bucket <= self.piece_batch(q))
+
+    def piece_batch(self, q: int) -> int:
+        """Sequences whose q-token pieces (q > max_q_len) share one replay: the largest bucket within
+        piece_batch_tokens tokens and PIECE_BATCH sequences (at least 1)."""
+        fit = [b for b in self.batch_sizes if b * q <= self.piece_batch_tokens and b <= PIECE_BATCH]
+        return max(fit, default=1)
 
     # -- capture ---------------------------------------------------------------------------------------
     def capture(self, num_seqs: int, q_len: int, logits_per_seq: int = 1, tree: bool = False,
@@ -282,7 +298,7 @@ class GraphRunner:
         row, stays whole). Replay r holds the r-th pieces of the chunks, grouped by (length, logits): pieces of
         up to max_q_len tokens of several sequences share one (batch, q) bucket, so a catch-up of many requests
         missing a few tokens each is a few replays of the power-of-two buckets Engine.warmup captures; longer
-        pieces replay one sequence each."""
+        pieces of up to `piece_batch(q)` sequences share one too (several prompts read in one round)."""
         if not chunks:
             return None
         ms = [c.logit_count() for c in chunks]
@@ -307,13 +323,28 @@ class GraphRunner:
                 if r < len(cut):
                     groups.setdefault(cut[r][1:], []).append(i)
             for (q, m), idx in groups.items():
-                step = top if q <= self.max_q_len else 1
+                step = top if q <= self.max_q_len else self.piece_batch(q)
+                sizes = []
                 for at in range(0, len(idx), step):
-                    part = idx[at: at + step]
+                    n = min(step, len(idx) - at)
+                    sizes += [n] if q <= self.max_q_len else self._long_piece_split(n)
+                at = 0
+                for n in sizes:
+                    part = idx[at: at + n]
+                    at += n
                     plan.append((part, q, m, [cuts[i][r][:2] for i in part]))
                     if len(plan) > self.max_pieces:
                         return None
         return plan
+
+    def _long_piece_split(self, n: int) -> list[int]:
+        """How n sequences' long pieces (q > max_q_len, compute-bound) share replays: one replay padded to the
+        bucket, or one per power of two in n (5 = 4 + 1: padding 5 prompts to 8 computes 3 more than there are,
+        a second replay costs about one prompt's weight read). Padding wins when it wastes no more sequences than
+        the split adds replays (3 -> 4, 7 -> 8)."""
+        bucket = self.bucket(n) or n
+        parts = [1 << i for i in range(n.bit_length() - 1, -1, -1) if n >> i & 1]
+        return [n] if bucket - n <= len(parts) - 1 else parts
 
     def forward_pieces(self, chunks: list[Chunk], num_layers: int | None = None,
                        hidden_layers=()) -> tuple[ForwardOutput, list[int]] | None:

@@ -250,8 +250,9 @@ class _RoundTrace:
         self.eng, self.run = eng, eng.round.run
         self.acc: dict[str, list[float]] = {}
         eng.round.run = self._run
-        # a session's start: the draft's catch-up (drafter.feed) and the whole start call (checks, catch-up, the
-        # device state), each synchronised around
+        # the draft's feeds (drafter.feed: a session's catch-up, and prompts passed on by Round._feed_drafter) and
+        # the call that decides and builds a session (_try_spec_overlap: the k policy and the scope checks; the
+        # catch-up and the device state run later, in the session's first step), each synchronised around
         self.feed = getattr(eng.drafter, "feed", None)
         self.start = eng._try_spec_overlap
         if self.feed is not None:
@@ -271,7 +272,7 @@ class _RoundTrace:
     def _feed(self, requests, upto):
         kv = self.eng.drafter.runner.kv
         todo = sum(max(0, n - (kv.length(r.req_id) if kv.has(r.req_id) else 0)) for r, n in zip(requests, upto))
-        return self._timed("draft catch-up", self.feed, requests, upto, tokens=todo)
+        return self._timed("draft feed", self.feed, requests, upto, tokens=todo)
 
     def _start(self):
         return self._timed("session start call", self.start)
@@ -493,6 +494,9 @@ def gpu_main(args) -> dict:
         key = (tuple(sorted(kw.items())), overlapped, mixed)
         eng = built.get(key) if not args.poisson_ab else None  # (--poisson-ab: engines side by side, each its own)
         if eng is None:
+            if len(built) >= 2:  # at most two kept (~17 GB of caches each on the 141 GB card): the oldest goes
+                built.pop(next(iter(built)))
+                free_memory()
             eng = Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64,
                                     spec=SpecConfig(method="draft", draft_model=(draft, tok), **kw),
                                     overlap_spec=overlapped, mixed_prefill=mixed)
@@ -594,6 +598,8 @@ def gpu_main(args) -> dict:
                     new_tokens=new)
     rows = run_grid(make_warm, sample_prompts, new, args.concurrency, configs, log, rates=args.rates,
                     poisson_requests=args.poisson_requests)
+    built.clear()  # (the engines kept for reuse: their caches go before the 4k check builds its own)
+    free_memory()
     if args.no_4k:
         return dict(rows=rows, ratios=ratios(rows), long_prompt=[], prompt_len=prompt_len, new_tokens=new)
     # chunked prefill: a 4k prompt arrives while 4 requests decode

@@ -341,16 +341,20 @@ def test_stats_count_the_tokens_committed(models, overlap_spec):
         assert d.stats.accepted >= d.stats.rounds  # (drafts were accepted: the rounds emitted several tokens)
 
 
-@pytest.mark.parametrize("keep", [True, False])
-def test_a_new_k_goes_on_in_the_session(models, sessions, plain_greedy, monkeypatch, keep):
+@pytest.mark.parametrize("keep,cycle,self_draft", [(True, [3, 1, 4, 2, 2, 4], False), (False, [3, 1, 4, 2, 2, 4], False),
+                                                    (True, [4, 1], True), (True, [1, 4], True), (True, [4, 2, 1, 3], True)])
+def test_a_new_k_goes_on_in_the_session(models, sessions, plain_greedy, monkeypatch, keep, cycle, self_draft):
     """Adaptive k may change every round: the session's device-side state (each request's length and two newest
     tokens) does not depend on k, so a new k > 0 is drafted in the same session (Engine.KEEP_SESSION_ON_NEW_K)
-    instead of ending it and paying a restart. The batch k is forced through a cycle of 1..4 here: outputs stay
-    exactly plain greedy, the draft cache holds what a fresh forward gives after every session (the `sessions`
-    fixture), rollback keeps the pools whole, and sessions end only for finishes and arrivals (with keep off,
-    every change of k ends one)."""
-    cycle = [3, 1, 4, 2, 2, 4]
-    eng = make(models, dict(adaptive=True, k_max=4))
+    instead of ending it and paying a restart. The batch k is forced through a cycle here: outputs stay exactly
+    plain greedy, the draft cache holds what a fresh forward gives after every session (the `sessions` fixture),
+    rollback keeps the pools whole, and sessions end only for finishes and arrivals (with keep off, every change of
+    k ends one). With the target drafting for itself every draft is accepted, so a round in flight that commits
+    k + 1 tokens is followed by one of another k (high to low and back): the blocks reserved for it and the draft
+    prefix kept at the rollback must follow each round's own k (the review's mutations -- the first k for the
+    rollback, this round's k for the one in flight -- fail here, not with the weak draft)."""
+    target, draft = models
+    eng = make((target, ours_from_hf(target)) if self_draft else models, dict(adaptive=True, k_max=4))
     monkeypatch.setattr(eng, "KEEP_SESSION_ON_NEW_K", keep)
     asked = []
 
@@ -369,17 +373,29 @@ def test_a_new_k_goes_on_in_the_session(models, sessions, plain_greedy, monkeypa
     # at the first k it did not start with
     per_session = sessions["rounds"] / sessions["sessions"]
     if keep:
-        assert sessions["sessions"] <= len(PROMPTS) + 2 and per_session > 4, sessions
+        assert sessions["sessions"] <= len(PROMPTS) + 2 and per_session > (2 if self_draft else 4), sessions
     else:
         assert per_session < 2.5, sessions
+    if self_draft:  # every draft accepted: rounds of each k of the cycle ran
+        st = eng.stats()
+        assert st.spec_num_accepted_tokens == st.spec_num_draft_tokens
 
 
 def test_sessions_report_their_start_cost_to_the_k_policy(models, monkeypatch):
     """Every overlapped session that committed reports (first step's seconds, median later step, tokens) to the k
     policy when it ends (Engine._overlap_step -> KPolicy.record_session), marked with whether the session before it
-    drafted too. The target drafting for itself keeps k > 0, arrivals end sessions: restarts of drafting sessions."""
+    (or an ordinary round that decoded in between) drafted too. The batch k is held at 3 and arrivals end sessions:
+    restarts of drafting sessions, recorded; a stretch of plain decoding in between makes the next start a switch."""
     same = ours_from_hf(models[0])
     eng = make((models[0], same), dict(adaptive=True, k_max=3), blocks=4096)
+    plain_from = [11]  # batch_k calls from which k is 0 (a plain stretch), then 3 again after 2 calls
+    asked = []
+
+    def held(ids, room):
+        asked.append(1)
+        return 0 if plain_from[0] <= len(asked) < plain_from[0] + 2 else 3
+
+    monkeypatch.setattr(eng.k_policy, "batch_k", held)
     calls = []
     real = eng.k_policy.record_session
 
@@ -397,7 +413,9 @@ def test_sessions_report_their_start_cost_to_the_k_policy(models, monkeypatch):
     assert all(first > 0 and tokens > 0 for _, first, _, tokens, _ in calls)
     assert sum(c[3] for c in calls) <= sum(map(len, out.values()))
     assert any(c[4] for c in drafting)  # restarts of drafting (an arrival ended the one before)
-    assert sum(len(v) for (spec, _), v in eng.k_policy.sessions.items() if spec) == sum(1 for c in drafting if c[4])
+    assert any(not c[4] for c in drafting[1:])  # the first drafting session after the plain stretch: a switch
+    assert sum(len(v) for (spec, _), v in eng.k_policy.sessions.items() if spec) == sum(
+        1 for c in drafting if c[4] and c[2] is not None)
 
 
 def test_a_prompt_read_alone_is_fed_to_the_draft_in_its_round(models, sessions):

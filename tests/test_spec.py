@@ -732,3 +732,16 @@ def test_session_start_costs_per_token_steer_batch_k():
     for _ in range(3):
         pol.record_session(False, 3, 0.027 + 0.005, 0.005, 40 / 2.6, same_mode=True)  # (bucket 4)
     assert pol.batch_k(ids, room) == 1
+    # a probe forgets the drafting starts of its batch size (recorded only between drafting sessions, they would
+    # never refresh while the batch decodes plainly)
+    pol = policy()
+    for _ in range(3):
+        pol.record_session(True, 4, 0.027, 0.007, 40, same_mode=True)
+    assert pol.batch_k(ids, room) == 0
+    pol.batch_idle = pol._batch_probe_wait(4) - 1
+    assert pol.batch_k(ids, room) == 1 and pol.batch_probing and (True, 4) not in pol.sessions
+    # one start that waited on a capture or a compile (OUTLIER x the median cost per token) is left out
+    pol = policy()
+    for first in (0.012, 0.012, 0.012, 1.5):
+        pol.record_session(True, 4, first, 0.007, 400, same_mode=True)
+    assert pol.restart_per_token(True, 4) == pytest.approx(0.005 / 400)

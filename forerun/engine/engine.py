@@ -238,11 +238,11 @@ class Engine:
                 gr.capture(1, q, m, hidden_layers=hidden)
                 if q > gr.max_q_len:
                     for b in gr.batch_sizes:
-                        if 1 < b <= gr.piece_batch(q):
+                        if 1 < b <= min(gr.piece_batch(q), max(sizes)):
                             gr.capture(b, q, m, hidden_layers=hidden)
             if dgr is not None and self.spec.method == "draft" and q > dgr.max_q_len:
                 for b in dgr.batch_sizes:
-                    if b <= dgr.piece_batch(q):
+                    if b <= min(dgr.piece_batch(q), max(sizes)):
                         dgr.capture(b, q, 0)
         return len(gr.graphs) - before + (len(dgr.graphs) - dbefore if dgr is not None else 0) \
             + eagle_after - eagle_before
@@ -487,6 +487,7 @@ class Engine:
             return self._overlap_step()
         t_start = time.perf_counter()
         self.round.feed_prefill = not self.k_policy.idle()  # adaptive k at 0: new prompts skip the drafter
+        self._session = None  # (an ordinary round: no session runs)
         out = None
         if self._prefill_alone():  # (prompts read alone draft nothing: the k policy is not asked)
             out = sched.schedule(lambda reqs: [0] * len(reqs), prefill_only=True)
@@ -504,6 +505,8 @@ class Engine:
         items = out.items
         res = self.round.run(items)
         self._observe(res, items)
+        if any(it.final and it.feed == 1 for it in items):  # a round that decoded (not only read prompts): the
+            self._last_session_spec = any(res.num_drafted)  # mode the next session's start follows (record_session)
         for i, it in enumerate(items):
             r = it.request
             if not it.final:
@@ -669,7 +672,10 @@ class Engine:
             not overlapped): at 1 request and a = 0.8 on the H200, 26 restarts of ~3.5 ms in a 0.9 s run."""
             ks = self._k_for(running)
             kk = ks[0] if len(set(ks)) == 1 else 0
-            return kk if kk == k or self.KEEP_SESSION_ON_NEW_K else 0
+            kk = kk if kk == k or self.KEEP_SESSION_ON_NEW_K else 0
+            if not kk:  # the session ends: the next step's rounds reuse this decision (asking again would count
+                self._ks_cache = {r.req_id: x for r, x in zip(running, ks)}  # the round twice)
+            return kk
 
         verdict = getattr(self.sampler, "device_verdict", None) or greedy_chain_verdict
         gen = overlapped_spec_rounds(self.runner, self.drafter, running, k, self.max_model_len, commit,

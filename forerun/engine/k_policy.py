@@ -271,7 +271,10 @@ class KPolicy:
         obs = self.sessions.get((spec, self._bucket(requests)), ())
         if len(obs) < self.SESSION_MIN:
             return 0.0
-        return sum(o[0] for o in obs) / max(1, sum(o[1] for o in obs))
+        # a start that waited on a graph capture, a kernel compile or a GC pause is left out, as in realized_rate
+        cut = self.OUTLIER * _median([o[0] / o[1] for o in obs])
+        kept = [o for o in obs if o[0] / o[1] <= cut] or list(obs)
+        return sum(o[0] for o in kept) / max(1, sum(o[1] for o in kept))
 
     REALIZED_WINDOW = 32  # batch_k: recent speculative rounds whose realized rate is compared with plain decoding
     REALIZED_MIN = 8  # ... once there are this many since the last probe
@@ -401,7 +404,9 @@ class KPolicy:
             self.batch_idle += 1
             if self.batch_idle >= self._batch_probe_wait(len(req_ids)) and kmax > 0:
                 k, self.batch_idle, self.batch_probing = 1, 0, True
-                self.realized.pop(self._bucket(len(req_ids)), None)  # the probe re-measures from scratch
+                self.realized.pop(self._bucket(len(req_ids)), None)  # the probe re-measures from scratch,
+                # start costs included (recorded only between drafting sessions, they would never refresh at k = 0)
+                self.sessions.pop((True, self._bucket(len(req_ids))), None)
         else:
             self.batch_idle = 0
             if self.batch_trial is not None:

@@ -78,7 +78,7 @@ class Round(ABC):
         others' steps), ~5 ms per join on the H200 at 4 requests against one shared replay here."""
         if self.drafter is None or not self.feed_prefill:
             return
-        pre = [it for it in items if not it.final or (it.feed > 1 and it.k == 0)]
+        pre = [it for it in items if not it.final or (it.feed > 1 and it.k == 0 and it.request.remaining > 1)]
         if pre:
             kv = self.target.kv
             self.drafter.feed([it.request for it in pre], [kv.length(it.request.req_id) + it.feed for it in pre])

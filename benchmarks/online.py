@@ -487,9 +487,14 @@ def gpu_main(args) -> dict:
     # policy tweaks share one (its graphs captured once: the warm-up, not the runs, was most of a grid's time), each
     # run with a fresh k policy, sampler and tweaks
 
+    def joins(eng):  # --join-wait RATIO STEPS: every engine of the run (plain too) holds joins back alike
+        if args.join_wait:
+            eng.JOIN_WAIT_RATIO, eng.JOIN_WAIT_STEPS = args.join_wait[0], int(args.join_wait[1])
+        return eng
+
     def make(spec_kw):
         if spec_kw is None:
-            return Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64)
+            return joins(Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64))
         a, kw, overlapped, mixed, tweaks = (*spec_kw, *(False, {})[len(spec_kw) - 3:])  # (defaults by position)
         key = (tuple(sorted(kw.items())), overlapped, mixed)
         eng = built.get(key) if not args.poisson_ab else None  # (--poisson-ab: engines side by side, each its own)
@@ -511,7 +516,7 @@ def gpu_main(args) -> dict:
         eng.KEEP_SESSION_ON_NEW_K = not tweaks.get("restart")
         if tweaks.get("no_start_cost"):  # batch_k without sessions' start costs (KPolicy.record_session)
             eng.k_policy.SESSION_MIN = 1 << 30
-        return eng
+        return joins(eng)
 
     def make_warm(spec_kw):
         eng = make(spec_kw)
@@ -697,6 +702,10 @@ def main() -> None:
     ap.add_argument("--start-cost", choices=["on", "off", "both"], default="on",
                     help="GPU: adaptive rows whose k policy weighs overlapped sessions' start costs (on, the default), "
                          "does not (off: KPolicy.SESSION_MIN out of reach), or both side by side")
+    ap.add_argument("--join-wait", type=float, nargs=2, default=None, metavar=("RATIO", "STEPS"),
+                    help="GPU: every engine holds joins back while a session runs until RATIO x the running requests "
+                         "wait or the oldest has waited STEPS steps (Engine.JOIN_WAIT_RATIO / JOIN_WAIT_STEPS; off "
+                         "by default)")
     ap.add_argument("--poisson-ab", type=int, default=0, metavar="REPS",
                     help="GPU: only Poisson arrivals, the configs interleaved (all engines built first), each rate "
                          "REPS times; reports the median over repetitions of plain TPOT / config TPOT")
@@ -710,7 +719,7 @@ def main() -> None:
                                 ("--new-tokens-range", args.new_tokens_range), ("--poisson-ab", args.poisson_ab),
                                 ("--switch-margin", args.switch_margin), ("--rates", args.rates),
                                 ("--restart-on-new-k", args.restart_on_new_k != "off"),
-                                ("--start-cost", args.start_cost != "on"),
+                                ("--start-cost", args.start_cost != "on"), ("--join-wait", args.join_wait),
                                 ("--mixed-prefill", args.mixed_prefill != "off"),
                                 ("--overlap-spec", args.overlap_spec != "on"), ("--acceptance", args.acceptance),
                                 ("--blocks", args.blocks)) if v]

@@ -298,6 +298,11 @@ def test_a_probe_in_a_session_drafts(models, monkeypatch):
     eng = make((target, same), dict(adaptive=True, k_max=4), blocks=4096)
     for _ in range(300):  # a past stretch where drafting failed: the policy starts at k = 0, then probes
         eng.k_policy.overall.update(4, 0)
+    # ... with its costs measured (else the first decision takes the configured k, and with the target as its own
+    # draft k = 4 and k = 0 tie on this CPU: under load the session stayed at k = 4 and never probed)
+    for tokens in (2, 10):
+        eng.k_policy.cost.record_target(tokens, 0.002)
+    eng.k_policy.cost.record_draft_step(0.002)
     launched = []
     real = engine_module.overlapped_spec_rounds
 
@@ -445,3 +450,51 @@ def test_a_prompt_read_alone_is_fed_to_the_draft_in_its_round(models, sessions):
 def plain_greedy_of(models, prompts, params):
     out = run(make(models), prompts, params)
     return {int(k): v for k, v in out.items()}
+
+
+@pytest.mark.parametrize("ratio,steps", [(0.0, 0), (0.6, 5), (10.0, 3)])
+def test_joins_held_back_while_a_session_runs(models, sessions, monkeypatch, ratio, steps):
+    """Engine.JOIN_WAIT_RATIO / JOIN_WAIT_STEPS (TGI's waiting_served_ratio / max_waiting_tokens): while an overlapped
+    session runs, arrivals wait until they number ratio x the running requests or the oldest has waited `steps`
+    steps. Outputs stay plain greedy; no arrival's first token comes later than `steps` steps (+ its prefill and
+    the session's round in flight) after it was queued; arrivals three steps apart are read in fewer prefill rounds
+    than without the wait (0 steps: off, every arrival ends the session at once)."""
+    eng = make(models, dict(k=3))
+    monkeypatch.setattr(eng, "JOIN_WAIT_RATIO", ratio)
+    monkeypatch.setattr(eng, "JOIN_WAIT_STEPS", steps)
+    prefills = []
+    real = eng.round.run
+
+    def counted(items):
+        if any(it.feed > 1 for it in items):
+            prefills.append(len(items))
+        return real(items)
+
+    eng.round.run = counted
+    prompts = PROMPTS[:5]
+    params = [SamplingParams(temperature=0.0, max_tokens=26, ignore_eos=True)] * 5
+    arrivals = [0, 0, 8, 11, 14]
+    first = {}
+    out: dict[str, list[int]] = {}
+    step = 0
+    while step <= max(arrivals) or eng.has_unfinished():
+        for i, (p, at) in enumerate(zip(prompts, arrivals)):
+            if at == step:
+                eng.add_request(p, params[i], request_id=str(i))
+        for d in eng.step():
+            if d.new_token_ids and d.request_id not in first:
+                first[d.request_id] = step
+            out.setdefault(d.request_id, []).extend(d.new_token_ids)
+        step += 1
+    want = run(make(models), prompts, params)
+    assert out == want
+    for i in (2, 3, 4):
+        assert first[str(i)] - arrivals[i] <= steps + 3, (i, first, arrivals)
+    # the first two prompts' round, then: off, one prefill round per arrival (three steps apart); held back, the
+    # arrivals are read two at a time or more
+    if steps:
+        assert len(prefills) <= 3, prefills
+    else:
+        assert len(prefills) >= 4, prefills
+    assert not eng._arrived
+    assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1

@@ -105,6 +105,12 @@ class Engine:
     # does not depend on k); False: a new k ends the session and the next one starts at it (the tenth session's
     # behaviour, kept for `benchmarks/online.py --restart-on-new-k`)
     KEEP_SESSION_ON_NEW_K = True
+    # joins held back while an overlapped session runs (TGI's waiting_served_ratio / max_waiting_tokens): arrivals
+    # wait until they number JOIN_WAIT_RATIO x the running requests or the oldest has waited JOIN_WAIT_STEPS steps,
+    # so requests that finish a step or two apart are replaced in one prefill round and one session restart instead
+    # of one each. 0 steps: off (the default; not measured yet). Each waiting step adds one step to a TTFT.
+    JOIN_WAIT_RATIO = 0.0
+    JOIN_WAIT_STEPS = 0
 
     def __init__(self, model: str | None = None, *, spec: SpecConfig | None = None, device: str | None = None,
                  dtype: torch.dtype | None = None, cache: CacheConfig | None = None, max_num_seqs: int = 64,
@@ -171,6 +177,8 @@ class Engine:
         self._ks_cache: dict[int, int] | None = None
         self._no_session = False  # the last overlapped session launched nothing (no blocks): skip one start
         self._session: list | None = None  # the session running: [first step's seconds, later steps', tokens]
+        self._steps = 0  # step() calls so far
+        self._arrived: dict[int, int] = {}  # waiting request -> the step count when it was queued (JOIN_WAIT_*)
         self._last_session_spec: bool | None = None  # whether the last session drafted
         self._alone = False  # the last round read prompts alone (mixed_prefill off): the next one includes all
         self._spec_totals = RequestStats()
@@ -373,6 +381,7 @@ class Engine:
             raise ValueError(f"request id {r.external_id!r} is already in use")
         self.requests[r.external_id] = r
         self.scheduler.add(r)
+        self._arrived[r.req_id] = self._steps
         return r.external_id
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None, *,
@@ -395,6 +404,7 @@ class Engine:
     def _finish(self, r: Request) -> None:
         self.scheduler.remove(r)
         self.k_policy.forget(r.req_id)
+        self._arrived.pop(r.req_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._overlap is not None
@@ -410,6 +420,7 @@ class Engine:
     def step(self) -> list["RequestDelta"]:
         """One scheduler decision and one round (or one overlapped decoding step); returns the deltas."""
         touched: list[Request] = []
+        self._steps += 1
         if self._overlap is not None:
             touched = self._overlap_step()
         elif self.scheduler.has_unfinished():
@@ -566,12 +577,24 @@ class Engine:
         if res.draft_step_seconds is not None:
             cost.record_draft_step(res.draft_step_seconds)
 
+    def _joins_due(self) -> bool:
+        """Whether waiting requests should join now (end the session, or not start one): any wait, unless joins
+        are held back (JOIN_WAIT_STEPS > 0) and fewer than JOIN_WAIT_RATIO x the running requests wait, the oldest
+        for fewer than JOIN_WAIT_STEPS steps."""
+        sched = self.scheduler
+        if not sched.waiting:
+            return False
+        if self.JOIN_WAIT_STEPS <= 0 or not sched.running or len(sched.waiting) >= self.JOIN_WAIT_RATIO * len(sched.running):
+            return True
+        oldest = min(self._arrived.get(r.req_id, self._steps) for r in sched.waiting)
+        return self._steps - oldest >= self.JOIN_WAIT_STEPS
+
     # -- overlapped plain decoding (CUDA graphs) ---------------------------------------------------------
     def _try_overlap(self) -> bool:
         """Start an overlapped session when every running request is past its prefill, nothing waits, and the
         draft-length policy gives k = 0 to all (no drafter, or adaptive k at 0 until its next probe)."""
         sched = self.scheduler
-        if not self.overlap or sched.waiting or not sched.running or self.spec.is_tree:
+        if not self.overlap or self._joins_due() or not sched.running or self.spec.is_tree:
             return False
         running = list(sched.running)
         limit = self.max_model_len
@@ -589,7 +612,7 @@ class Engine:
         ids = [r.req_id for r in running]
         steps = self.k_policy.rounds_before_probe(ids) if self.drafter is not None else None
         gen = overlapped_decode(self.runner, running, limit, self._commit_overlapped, max_steps=steps,
-                                should_stop=lambda: bool(sched.waiting) or any(r.finished for r in running),
+                                should_stop=lambda: self._joins_due() or any(r.finished for r in running),
                                 step_time=self.k_policy.cost.record_target if self.drafter is not None else None)
         self._overlap = (gen, running, False)
         return True
@@ -618,7 +641,7 @@ class Engine:
         is past its prefill, nothing waits, the batch drafts one k > 0 and the session's scope fits."""
         sched = self.scheduler
         if (not self.overlap_spec or self.spec.method != "draft" or self.spec.is_tree or not self.spec.enabled
-                or sched.waiting or not sched.running):
+                or self._joins_due() or not sched.running):
             return False
         running = list(sched.running)
         ks = self._k_for(running)
@@ -650,7 +673,7 @@ class Engine:
             return n
 
         def should_stop() -> bool:
-            if sched.waiting or any(r.finished for r in running):
+            if self._joins_due() or any(r.finished for r in running):
                 return True
             if not self.spec.adaptive:
                 return False

@@ -49,6 +49,17 @@ def _cache(runner, seq, n):
     return [(k.reshape(-1, *k.shape[2:])[slots], v.reshape(-1, *v.shape[2:])[slots]) for k, v in zip(kv.k, kv.v)]
 
 
+def _same_caches(a, b, seqs):
+    """Equal lengths and K / V rows for every sequence, and the next step reads both caches alike."""
+    for s in seqs:
+        assert a.kv.length(s) == b.kv.length(s)
+        for (k1, v1), (k2, v2) in zip(_cache(a, s, a.kv.length(s)), _cache(b, s, b.kv.length(s))):
+            torch.testing.assert_close(k1, k2, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(v1, v2, atol=1e-4, rtol=1e-4)
+    nxt = [Chunk(s, [17]) for s in seqs]
+    torch.testing.assert_close(a.forward(nxt)[0].logits, b.forward(nxt)[0].logits, atol=1e-4, rtol=1e-4)
+
+
 def test_pieces_equal_one_forward_logits_hidden_and_cache():
     """A ragged step (a 37-token prompt, a 3-token chunk without logits, two 1-token rows) as pieces vs as one
     forward on a runner without graphs: same logits rows, hidden states of every fed token, cache lengths and
@@ -75,14 +86,7 @@ def test_pieces_equal_one_forward_logits_hidden_and_cache():
     for layer in (0, 2):
         assert out_p.hidden_states[layer].shape == out_r.hidden_states[layer].shape == (37 + 3 + 1 + 1, 64)
         torch.testing.assert_close(out_p.hidden_states[layer], out_r.hidden_states[layer], atol=1e-4, rtol=1e-4)
-    for s in prompts:
-        assert pcs.kv.length(s) == ref.kv.length(s)
-        for (k1, v1), (k2, v2) in zip(_cache(pcs, s, pcs.kv.length(s)), _cache(ref, s, ref.kv.length(s))):
-            torch.testing.assert_close(k1, k2, atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(v1, v2, atol=1e-4, rtol=1e-4)
-    # and the next step reads that cache alike
-    nxt = [Chunk(s, [17]) for s in prompts]
-    torch.testing.assert_close(pcs.forward(nxt)[0].logits, ref.forward(nxt)[0].logits, atol=1e-4, rtol=1e-4)
+    _same_caches(pcs, ref, prompts)  # (and the next step reads that cache alike)
 
 
 def test_pieces_not_used_where_one_bucket_fits_or_a_chunk_cannot_be_cut():
@@ -141,13 +145,7 @@ def test_grouped_prompt_pieces_equal_one_forward():
     assert st_p == st_r
     torch.testing.assert_close(out_p.logits, out_r.logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out_p.hidden_states[1], out_r.hidden_states[1], atol=1e-4, rtol=1e-4)
-    for s in prompts:
-        assert pcs.kv.length(s) == ref.kv.length(s)
-        for (k1, v1), (k2, v2) in zip(_cache(pcs, s, pcs.kv.length(s)), _cache(ref, s, ref.kv.length(s))):
-            torch.testing.assert_close(k1, k2, atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(v1, v2, atol=1e-4, rtol=1e-4)
-    nxt = [Chunk(s, [17]) for s in prompts]
-    torch.testing.assert_close(pcs.forward(nxt)[0].logits, ref.forward(nxt)[0].logits, atol=1e-4, rtol=1e-4)
+    _same_caches(pcs, ref, prompts)
 
 
 def test_a_catch_up_of_many_requests_is_a_few_grouped_replays():

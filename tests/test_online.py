@@ -157,6 +157,7 @@ def random_ops(eng: Engine, rng: random.Random, ops: int, p_add: float, p_abort:
     assert eng.runner.kv.num_free_blocks == free0
     if dfree0 is not None:
         assert dkv.num_free_blocks == dfree0
+    assert not eng._arrived  # (the join wait's arrival steps: none kept for a request that is gone)
     return in_session
 
 

@@ -510,6 +510,7 @@ class Engine:
         for r, msg in out.failed:
             r.finish_reason, r.error = FinishReason.ERROR, msg
             self.k_policy.forget(r.req_id)
+            self._arrived.pop(r.req_id, None)
             touched.append(r)
         if not out.items:
             return touched

@@ -671,22 +671,28 @@ def test_cost_model_memo_and_batched_expectations_equal_the_direct_computation()
                 assert e.expected_tokens(k) == pytest.approx(direct, rel=1e-12)
 
 
+def _k1_policy(gain: float):
+    """A batch_k policy for 4 requests, k_max = 1, every draft accepted, costs measured so that k = 1 (2 tokens per
+    round for 2 / gain plain steps) is `gain` x plain's rate by the model."""
+    from forerun.engine.k_policy import KPolicy
+
+    pol = KPolicy(SpecConfig(method="draft", draft_model="x", adaptive=True, k_max=1))
+    for tokens in (4, 8):
+        pol.cost.record_target(tokens, 0.005)
+    pol.cost.record_draft_step(0.005 * (2 / gain - 1))
+    for rid in range(4):
+        for _ in range(50):
+            pol.observe(rid, 1, 1, wanted=1)
+    return pol
+
+
 @pytest.mark.parametrize("gain,margin,switches_on", [(1.1, 0.0, True), (1.1, 0.2, False), (1.5, 0.2, True)])
 def test_switch_margin_keeps_plain_decoding_where_drafting_barely_pays(gain, margin, switches_on):
     """batch_k with SWITCH_MARGIN: from plain decoding (and right after a probe) drafting starts only when the model
     predicts more than (1 + margin) x plain's rate; a batch already drafting keeps the model's k."""
-    from forerun.engine.k_policy import KPolicy
-
-    pol = KPolicy(SpecConfig(method="draft", draft_model="x", adaptive=True, k_max=1))
+    pol = _k1_policy(gain)
     pol.SWITCH_MARGIN = margin
-    # k = 1 (every draft accepted: 2 tokens per round) costs 2 / gain plain steps: the model's gain is `gain`
-    for tokens in (4, 8):
-        pol.cost.record_target(tokens, 0.005)
-    pol.cost.record_draft_step(0.005 * (2 / gain - 1))
     ids = list(range(4))
-    for rid in ids:
-        for _ in range(50):
-            pol.observe(rid, 1, 1, wanted=1)
     assert pol.batch_k(ids, [100] * 4) == 1  # drafting already (the start): the model's k
     pol.batch_idle = 1  # plain decoding
     assert pol.batch_k(ids, [100] * 4) == int(switches_on)
@@ -700,17 +706,8 @@ def test_session_start_costs_per_token_steer_batch_k():
     start costs ~20 ms for a session of ~40 tokens (the H200 at 64 requests with spread joins). Starts after a
     switch of mode are not counted (their catch-up spans the whole plain stretch); plain sessions' own starts
     count against k = 0 the same way."""
-    from forerun.engine.k_policy import KPolicy
-
     def policy():
-        pol = KPolicy(SpecConfig(method="draft", draft_model="x", adaptive=True, k_max=1))
-        for tokens in (4, 8):  # (k = 1, every draft accepted: 2 tokens per round for 2 / 1.3 plain steps)
-            pol.cost.record_target(tokens, 0.005)
-        pol.cost.record_draft_step(0.005 * (2 / 1.3 - 1))
-        for rid in range(4):
-            for _ in range(50):
-                pol.observe(rid, 1, 1, wanted=1)
-        return pol
+        return _k1_policy(1.3)
 
     ids, room = list(range(4)), [100] * 4
     pol = policy()

@@ -481,6 +481,52 @@ def test_overlapped_speculative_rounds_on_cuda_graphs_equal_plain():
     assert llm.aggregate_stats(outs).position_acceptance_rate == 1.0  # the draft is the target
 
 
+@pytest.mark.parametrize("in_session", [True, False])
+def test_session_joins_and_leaves_on_cuda_graphs_equal_plain(in_session):
+    """Arrivals joining a running overlapped speculative session and finished requests leaving it
+    (Engine.JOIN_IN_SESSION; off: each ends the session) on CUDA graphs, where the round in flight is still on the
+    device when the host drops a finished request's rows and frees its blocks: outputs equal plain greedy, every
+    block comes back, and (on) the joins happened inside sessions."""
+    import sys, os
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from tiny import hf_model, sharpen, tiny_tokenizer
+
+    from forerun.config import SpecConfig
+    from forerun.engine.engine import Engine
+    from forerun.sampling_params import SamplingParams
+
+    build = model_factory(sharpen(hf_model("llama"), 3.0), torch.float32)
+    dbuild = model_factory(sharpen(hf_model("llama", seed=1, num_hidden_layers=1), 3.0), torch.float32)
+    tok = tiny_tokenizer()
+    kw = dict(device="cuda", dtype=torch.float32, cache=CacheConfig(block_size=16, num_blocks=512))
+    prompts = [list(range(3, 3 + n)) for n in (5, 19, 40, 77)] + [[8, 8, 8], [70, 71, 72, 70, 71]] * 2
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 9, 30, 14, 25, 7, 33, 12)]
+    arrivals = [0, 0, 3, 6, 9, 12, 15, 16]
+
+    def drive(eng):
+        out, step = {}, 0
+        while step <= max(arrivals) or eng.has_unfinished():
+            for i, at in enumerate(arrivals):
+                if at == step:
+                    eng.add_request(prompts[i], params[i], request_id=str(i))
+            for d in eng.step():
+                out.setdefault(d.request_id, []).extend(d.new_token_ids)
+            step += 1
+        return out
+
+    want = drive(Engine.from_model(build(), tok, **kw))
+    for draft in (dbuild, build):  # a weak draft (rollbacks every round) and the target itself (all accepted)
+        eng = Engine.from_model(build(), tok, spec=SpecConfig(method="draft", draft_model=(draft(), tok), k=3),
+                                check_invariants=True, overlap_spec=True, **kw)
+        eng.JOIN_IN_SESSION = in_session
+        eng.warmup(max_batch=8)
+        assert drive(eng) == want
+        assert (eng.session_joins > 0) == in_session
+        assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
+        assert eng.drafter.kv.num_free_blocks == eng.drafter.kv.num_blocks - 1
+
+
 # -- fused layer kernels in bf16 (the interpreter tests in test_kernels.py cover float32 / float16) ----------
 @pytest.mark.parametrize("m", [1, 2, 4, 16])
 @pytest.mark.parametrize("glu", [False, True])

@@ -56,26 +56,43 @@ def sessions(monkeypatch):
     """Counts the overlapped speculative sessions and the rounds they committed, and checks after every session
     that the draft cache holds what a fresh draft forward over the committed tokens gives (the overlapped rounds
     write the draft cache from device-side tokens: a wrong token there would only cost acceptance, not output)."""
-    count = {"sessions": 0, "rounds": 0, "checked": 0}
+    count = {"sessions": 0, "rounds": 0, "checked": 0, "regroups": 0}
     real = engine_module.overlapped_spec_rounds
+
+    def check(dkv, r, n):
+        fresh = ModelRunner(dkv_model[0], CacheConfig(block_size=4, num_blocks=64), "cpu", torch.float32)
+        fresh.kv.add_sequence(0)
+        fresh.forward([Chunk(0, r.all_tokens[:n], logits="none")])
+        for (k1, v1), (k2, v2) in zip(_rows(dkv, r.req_id, n), _rows(fresh.kv, 0, n)):
+            torch.testing.assert_close(k1, k2, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(v1, v2, atol=1e-4, rtol=1e-4)
+        count["checked"] += 1
+
+    dkv_model = [None]
 
     def counted(target, drafter, requests, *args, **kw):
         count["sessions"] += 1
+        dkv, dkv_model[0] = drafter.runner.kv, drafter.runner.model
+        if kw.get("regroup") is not None:  # joins and leaves inside the session: between two rounds (on the CPU
+            real_regroup, calls = kw["regroup"], [0]  # the round in flight has run), every member's draft cache
+            # holds all its committed tokens (the round's first step fed the two newest); checked a few times
+
+            def regroup(members, settle):
+                calls[0] += 1
+                count["regroups"] += 1
+                if calls[0] <= 6:
+                    for r in members:
+                        if not r.finished:
+                            check(dkv, r, r.num_tokens)
+                return real_regroup(members, settle)
+
+            kw["regroup"] = regroup
         for n in real(target, drafter, requests, *args, **kw):  # (count what it yields)
             count["rounds"] += 1
             yield n
-        dkv = drafter.runner.kv
         for r in requests:
-            if r.finished:
-                continue
-            n = dkv.length(r.req_id)
-            fresh = ModelRunner(drafter.runner.model, CacheConfig(block_size=4, num_blocks=64), "cpu", torch.float32)
-            fresh.kv.add_sequence(0)
-            fresh.forward([Chunk(0, r.all_tokens[:n], logits="none")])
-            for (k1, v1), (k2, v2) in zip(_rows(dkv, r.req_id, n), _rows(fresh.kv, 0, n)):
-                torch.testing.assert_close(k1, k2, atol=1e-4, rtol=1e-4)
-                torch.testing.assert_close(v1, v2, atol=1e-4, rtol=1e-4)
-            count["checked"] += 1
+            if not r.finished:
+                check(dkv, r, dkv.length(r.req_id))
 
     monkeypatch.setattr(engine_module, "overlapped_spec_rounds", counted)
     return count
@@ -146,22 +163,66 @@ def test_overlapped_rounds_with_arrivals_finishes_and_aborts(models, sessions, m
     assert eng.drafter.kv.num_free_blocks == eng.drafter.kv.num_blocks - 1
 
 
+def test_arrivals_join_the_session_and_finished_requests_leave_it(models, sessions):
+    """Engine.JOIN_IN_SESSION: an arrival's prompt is read between two rounds of the session running and the
+    arrival joins it; a request that finishes leaves it a step later, its blocks (target and draft) back while the
+    session goes on. One session serves the whole run where, off, every arrival and finish ended one. Outputs
+    equal plain greedy either way; every arrival's first token comes in the step after it arrived or the next."""
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (30, 8, 25, 12, 20, 9)]
+    arrivals = [0, 0, 4, 9, 13, 17]
+    want = run(make(models), PROMPTS, params, arrivals)
+    count = {}
+    for on in (True, False):
+        eng = make(models, dict(k=3))
+        eng.JOIN_IN_SESSION = on
+        before, out, first, left = sessions["sessions"], {}, {}, []
+        step, finished = 0, {}
+        while step <= max(arrivals) or eng.has_unfinished():
+            for i, (p, at) in enumerate(zip(PROMPTS, arrivals)):
+                if at == step:
+                    eng.add_request(p, params[i], request_id=str(i))
+            for d in eng.step():
+                first.setdefault(d.request_id, step)
+                out.setdefault(d.request_id, []).extend(d.new_token_ids)
+                if d.finished:
+                    finished[d.request_id] = (step, eng.requests.get(d.request_id) or None)
+            for rid, (at, r) in list(finished.items()):  # a step after its last tokens: its blocks are back
+                if on and step > at and r is not None and eng._overlap is not None:
+                    assert not eng.runner.kv.has(r.req_id) and not eng.drafter.kv.has(r.req_id), rid
+                    left.append(rid)
+                    finished[rid] = (at, None)
+            step += 1
+            assert step < 500
+        assert out == want
+        assert all(first[str(i)] - arrivals[i] <= 2 for i in range(2, 6)), (first, arrivals)
+        count[on] = sessions["sessions"] - before
+        if on:
+            assert eng.session_joins >= 4 and len(left) >= 3, (eng.session_joins, left)
+        assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
+        assert eng.drafter.kv.num_free_blocks == eng.drafter.kv.num_blocks - 1
+    assert count[True] == 1 and count[False] >= 6, count
+
+
 @pytest.mark.parametrize("budget,arrivals", [(8192, [0, 0, 3, 9, 12, 20]), (24, [0, 0, 3, 9, 12, 20]),
                                              (8192, [0, 1, 2, 3, 4, 5])])
-def test_prompts_read_alone_between_sessions_keep_outputs(models, sessions, budget, arrivals):
+@pytest.mark.parametrize("in_session", [False, True])
+def test_prompts_read_alone_between_sessions_keep_outputs(models, sessions, budget, arrivals, in_session):
     """mixed_prefill=False: while the others run overlapped sessions, an arrival's prompt is read in a round of its
     own (the running requests sit it out); outputs still equal plain greedy, every block comes back. Never two
-    such rounds in a row (an arrival every step must not starve the running requests). With a 24-token budget the
-    40- and 77-token prompts are read in chunks: only the first chunk is read alone."""
+    such rounds in a row (an arrival every step must not starve the running requests). in_session=False: each
+    join ends the session; with a 24-token budget the 40- and 77-token prompts are read in chunks: only the first
+    chunk is read alone, the rest mixes. in_session=True (Engine.JOIN_IN_SESSION): the prompts, every chunk of
+    them, are read between two rounds of one session that goes on."""
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (20, 7, 16, 11, 24, 9)]
     want = run(make(models), PROMPTS, params, arrivals)
     eng = make(models, dict(k=3), mixed_prefill=False)
+    eng.JOIN_IN_SESSION = in_session
     eng.scheduler.budget = budget
     steps, alone = [0], []  # (step, [(request, feed, k)]) of each round that read prompts alone
     real, real_step = eng.scheduler.schedule, eng.step
 
-    def spy(k_for, prefill_only=False):
-        out = real(k_for, prefill_only)
+    def spy(k_for, prefill_only=False, **kw):
+        out = real(k_for, prefill_only, **kw)
         if prefill_only and out.items:
             alone.append((steps[0], [(it.request.external_id, it.feed, it.k) for it in out.items]))
         return out
@@ -177,17 +238,25 @@ def test_prompts_read_alone_between_sessions_keep_outputs(models, sessions, budg
     assert len(set(ids)) >= 2 and "0" not in ids, alone  # (the first arrival has nobody running beside it)
     assert all(k == 0 and feed > 1 for _, items in alone for _, feed, k in items), alone  # prompts only
     at = [s for s, _ in alone]
-    assert all(b - a > 1 for a, b in zip(at, at[1:])), at  # the running requests take part every other step
-    if budget == 24:  # a prompt read in chunks: only its first chunk is read alone, the rest mixes
-        assert ids.count("3") <= 1, alone
-    assert sessions["sessions"] >= 3
+    if in_session:  # read between two rounds of the session: the members' round is in the same step
+        assert len(set(at)) == len(at), at
+        spread = arrivals[2] > 2  # (arrivals a step apart are all read before the first session starts)
+        assert sessions["sessions"] <= 2 and eng.session_joins >= 3 * spread, (sessions, eng.session_joins)
+        if budget == 24:  # every chunk read alone, the session going on
+            assert ids.count("3") >= 3, alone
+    else:
+        assert all(b - a > 1 for a, b in zip(at, at[1:])), at  # the running requests take part every other step
+        if budget == 24:  # a prompt read in chunks: only its first chunk is read alone, the rest mixes
+            assert ids.count("3") <= 1, alone
+        assert sessions["sessions"] >= 3
     assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
     assert eng.drafter.kv.num_free_blocks == eng.drafter.kv.num_blocks - 1
     # mixed_prefill=True: no round reads prompts alone
     eng2 = make(models, dict(k=3), mixed_prefill=True)
     flags = []
     real2 = eng2.scheduler.schedule
-    eng2.scheduler.schedule = lambda k_for, prefill_only=False: (flags.append(prefill_only), real2(k_for, prefill_only))[1]
+    eng2.scheduler.schedule = lambda k_for, prefill_only=False, **kw: (flags.append(prefill_only),
+                                                                       real2(k_for, prefill_only, **kw))[1]
     assert run(eng2, PROMPTS, params, arrivals) == want
     assert flags and not any(flags)
 
@@ -393,6 +462,7 @@ def test_sessions_report_their_start_cost_to_the_k_policy(models, monkeypatch):
     restarts of drafting sessions, recorded; a stretch of plain decoding in between makes the next start a switch."""
     same = ours_from_hf(models[0])
     eng = make((models[0], same), dict(adaptive=True, k_max=3), blocks=4096)
+    eng.JOIN_IN_SESSION = False  # (arrivals end sessions: restarts to record)
     plain_from = [11]  # batch_k calls from which k is 0 (a plain stretch), then 3 again after 2 calls
     asked = []
 
@@ -473,7 +543,8 @@ def test_joins_held_back_while_a_session_runs(models, sessions, monkeypatch, rat
     eng.round.run = counted
     prompts = PROMPTS[:5]
     params = [SamplingParams(temperature=0.0, max_tokens=26, ignore_eos=True)] * 5
-    arrivals = [0, 0, 8, 11, 14]
+    # (an arrival due joins the session in the step it comes due; one that ends the session is read a step later)
+    arrivals = [0, 0, 8, 10, 12] if eng.JOIN_IN_SESSION else [0, 0, 8, 11, 14]
     first = {}
     out: dict[str, list[int]] = {}
     step = 0

@@ -111,13 +111,18 @@ class Engine:
     # of one each. 0 steps: off (the default; not measured yet). Each waiting step adds one step to a TTFT.
     JOIN_WAIT_RATIO = 0.0
     JOIN_WAIT_STEPS = 0
+    # arrivals join an overlapped speculative session (their prompt read between two of its rounds) and finished
+    # requests leave it, instead of either ending it: see `_regroup`. False: every join and finish ends the session
+    # (the eleventh session's engine, kept for `benchmarks/online.py --join-in-session both`)
+    JOIN_IN_SESSION = True
 
     def __init__(self, model: str | None = None, *, spec: SpecConfig | None = None, device: str | None = None,
                  dtype: torch.dtype | None = None, cache: CacheConfig | None = None, max_num_seqs: int = 64,
                  max_model_len: int | None = None, max_num_batched_tokens: int = 8192, seed: int = 0,
                  check_invariants: bool = False, cuda_graphs: bool = True, overlap: bool = True,
                  overlap_spec: bool = True, mixed_prefill: bool = False,
-                 draft_cache: CacheConfig | None = None, quantize: str = "none", _loaded=None) -> None:
+                 draft_cache: CacheConfig | None = None, quantize: str = "none",
+                 join_wait: tuple[float, int] | None = None, _loaded=None) -> None:
         """quantize: weights of models loaded by name / path: "none" (float), "int8" / "int4" (kept quantized,
         CPU; GGUF Q4 blocks exactly as int4), "auto" (GGUF files: int4 with forerun's AVX512-VNNI kernel, else int8).
         See docs/quantization.md. overlap_spec: overlapped speculative rounds (engine/overlap_spec.py; greedy
@@ -129,7 +134,14 @@ class Engine:
         round again instead of a split forward with eager drafting (see `_prefill_alone`; H200 run 19, adaptive k
         at acceptance 0.8: 0.985x plain at 64 requests against 0.942x mixed, 1.30x against 1.19x at 8, 1.52x
         against 1.46x at 2; within noise at 1 and 4 requests and with a useless draft). Prompts that do not
-        qualify mix as before."""
+        qualify mix as before. join_wait=(ratio, steps): arrivals wait while a session runs until they number
+        ratio x the running requests or the oldest has waited `steps` steps (JOIN_WAIT_RATIO / JOIN_WAIT_STEPS:
+        fewer, larger prefill rounds for up to `steps` steps more of TTFT; off by default)."""
+        if join_wait is not None:
+            ratio, steps = join_wait
+            if not (ratio >= 0 and int(steps) == steps and steps >= 0):
+                raise ValueError(f"join_wait must be (ratio >= 0, whole steps >= 0), got {join_wait!r}")
+            self.JOIN_WAIT_RATIO, self.JOIN_WAIT_STEPS = float(ratio), int(steps)
         self.quantize = quantize
         self.overlap_spec, self.mixed_prefill = overlap_spec, mixed_prefill
         EngineConfig(max_num_seqs, max_model_len, max_num_batched_tokens)  # validated: a bad value is named here
@@ -181,6 +193,9 @@ class Engine:
         self._arrived: dict[int, int] = {}  # waiting request -> the step count when it was queued (JOIN_WAIT_*)
         self._last_session_spec: bool | None = None  # whether the last session drafted
         self._alone = False  # the last round read prompts alone (mixed_prefill off): the next one includes all
+        self._session_extra: list[Request] = []  # requests a session step touched beyond its members (_regroup)
+        self._end_session = False  # a read prompt cannot join the session running: end it (_regroup)
+        self.session_joins = 0  # session steps that read prompts (joins without a restart)
         self._spec_totals = RequestStats()
         self._spec_num_drafts = 0
 
@@ -519,16 +534,7 @@ class Engine:
         self._observe(res, items)
         if any(it.final and it.feed == 1 for it in items):  # a round that decoded (not only read prompts): the
             self._last_session_spec = any(res.num_drafted)  # mode the next session's start follows (record_session)
-        for i, it in enumerate(items):
-            r = it.request
-            if not it.final:
-                continue
-            if self.drafter is not None:
-                self.k_policy.observe(r.req_id, res.num_drafted[i], res.num_accepted[i], wanted=it.k)
-            self._count_spec(res.num_drafted[i], res.num_accepted[i], res.drafted_nodes[i])
-            n = self._commit(r, res.emitted[i], res.logprobs[i])  # (a stop or max_tokens may cut the round)
-            r.stats.record(res.num_drafted[i], res.num_accepted[i], n, res.drafted_nodes[i])
-            touched.append(r)
+        touched += self._commit_items(items, res)
         if self.spec.adaptive and self.overlap and self.runner.graphs is not None and any(res.num_drafted) \
                 and res.target_tokens == res.sampled_rows:
             # (timed rounds synchronise the device, so these are real) what a speculative round costs beyond
@@ -563,6 +569,21 @@ class Engine:
         for it in items:
             if it.request.finished:
                 self._finish(it.request)
+        return touched
+
+    def _commit_items(self, items: list[RoundItem], res: RoundResult) -> list[Request]:
+        """Commit a round's tokens to the requests whose item sampled (not a prompt's middle chunk)."""
+        touched = []
+        for i, it in enumerate(items):
+            r = it.request
+            if not it.final:
+                continue
+            if self.drafter is not None:
+                self.k_policy.observe(r.req_id, res.num_drafted[i], res.num_accepted[i], wanted=it.k)
+            self._count_spec(res.num_drafted[i], res.num_accepted[i], res.drafted_nodes[i])
+            n = self._commit(r, res.emitted[i], res.logprobs[i])  # (a stop or max_tokens may cut the round)
+            r.stats.record(res.num_drafted[i], res.num_accepted[i], n, res.drafted_nodes[i])
+            touched.append(r)
         return touched
 
     def _count_spec(self, drafted: int, accepted: int, nodes: int) -> None:
@@ -650,18 +671,17 @@ class Engine:
         if not k or not spec_overlap_applies(self.runner, self.drafter, running, k, self.max_model_len):
             self._ks_cache = {r.req_id: kk for r, kk in zip(running, ks)}  # this step's rounds reuse the decision
             return False
-        n = len(running)
         # times are read from the engine's own clock (time spent inside step(): what the caller does between
         # steps is not the rounds' cost); the first look comes after the draft's catch-up at the session start
         seen = {"t": self._clock_in, "tokens": sum(len(r.output_token_ids) for r in running), "kernels": None,
                 "steady": False}
         cost = self.k_policy.cost
 
-        def timing(kk: int, draft_s: float, verify_s: float) -> None:
+        def timing(kk: int, draft_s: float, verify_s: float, b: int) -> None:
             # the cost model learns from these rounds as from ordinary ones: without them a session left the
             # draft-step cost unmeasured (drafting looked free: a useless draft ran at k = 8, 0.65-0.84x plain)
             cost.record_draft_step(draft_s / kk)
-            cost.record_target(n * (kk + 1), verify_s)
+            cost.record_target(b * (kk + 1), verify_s)
             seen["kernels"] = draft_s + verify_s
 
         def commit(r: Request, tokens: list[int], accepted: int, kk: int) -> int:
@@ -673,14 +693,18 @@ class Engine:
             r.stats.record(kk, accepted, n, kk)  # tokens committed: a stop or max_tokens may cut the round
             return n
 
+        in_session = self.JOIN_IN_SESSION and not self.mixed_prefill
+
         def should_stop() -> bool:
-            if self._joins_due() or any(r.finished for r in running):
+            if self._end_session:
+                return True
+            if not in_session and (self._joins_due() or any(r.finished for r in running)):
                 return True
             if not self.spec.adaptive:
                 return False
             now, tokens = self._clock(), sum(len(r.output_token_ids) for r in running)
             if tokens > seen["tokens"]:  # what the rounds realized since the last look: the veto's input
-                self.k_policy.record_realized(n, tokens - seen["tokens"], now - seen["t"])
+                self.k_policy.record_realized(len(running), tokens - seen["tokens"], now - seen["t"])
                 if seen["kernels"] is not None and seen["steady"]:  # one round committed since the last look:
                     # its wall time beyond its kernels (mostly hidden). Not the session's first commit: that look
                     # spans the session's start (draft catch-up, two launches); counted, it made every short
@@ -701,13 +725,74 @@ class Engine:
                 self._ks_cache = {r.req_id: x for r, x in zip(running, ks)}  # the round twice)
             return kk
 
+        def regroup(members: list[Request], settle) -> list[Request]:
+            new = self._regroup(members, settle, k)
+            if [r.req_id for r in new] != [r.req_id for r in running]:
+                running[:] = new  # (the engine's view of the session: deltas, aborts, the k policy's batch)
+                # the realized rate restarts from here (a newcomer's first token was not the session's)
+                seen.update(t=self._clock(), tokens=sum(len(r.output_token_ids) for r in running), kernels=None,
+                            steady=False)
+            return new
+
         verdict = getattr(self.sampler, "device_verdict", None) or greedy_chain_verdict
+        self._end_session = False
         gen = overlapped_spec_rounds(self.runner, self.drafter, running, k, self.max_model_len, commit,
                                      verdict=verdict, should_stop=should_stop,
                                      timing=timing if self.spec.adaptive else None,
-                                     next_k=next_k if self.spec.adaptive else None)
+                                     next_k=next_k if self.spec.adaptive else None,
+                                     regroup=regroup if in_session else None)
         self._overlap = (gen, running, True)
         return True
+
+    def _regroup(self, members: list[Request], settle, k: int) -> list[Request]:
+        """Between two rounds of an overlapped speculative session (JOIN_IN_SESSION): finished and aborted members
+        leave (their blocks go back now), and arrivals join. A join reads prompts in a round of their own, as
+        between sessions (`_prefill_alone`), but the session goes on: the members skip that one round's overlap
+        instead of ending the session, catching the draft up and starting a new one (a start cost 1.4-6 % of a
+        closed-loop run at 4-64 requests on the H200, run 31). Only arrivals that can join are admitted (greedy
+        and in the session's scope, a graph for the larger batch); the head of the queue that cannot ends the
+        session (should_stop), as does a read prompt that cannot join (`_end_session`). Returns the members of
+        the next round: those who stay, in order, then those who joined."""
+        sched = self.scheduler
+        stay = []
+        for r in members:
+            if r.finished:  # its last tokens were reported the step before; its row in the round in flight is
+                self._finish(r)  # skipped at its commit. (The blocks it still writes go back now: any later use
+                if self.requests.get(r.external_id) is r:  # of them is queued after that round.)
+                    del self.requests[r.external_id]
+            else:
+                stay.append(r)
+        ids = {r.req_id for r in stay}
+        reading = [r for r in sched.running if r.req_id not in ids]  # prompts read in chunks, not yet done
+        graphs, dgraphs = self.runner.graphs, self.drafter.runner.graphs
+        fits = lambda n: graphs.bucket(n) is not None and dgraphs.bucket(n) is not None  # noqa: E731
+        if not stay or not (reading or (self._joins_due() and samples_in_scope(sched.waiting[0])
+                                        and fits(len(stay) + 1))):
+            if stay and self._joins_due():  # the head of the queue cannot join: the session ends for it
+                self._end_session = True
+            return stay
+        settle()  # (the round in flight done: the prompts' forward runs on an idle device)
+        self.session_joins += 1
+        self.round.feed_prefill = True  # (the session drafts: the draft reads the prompts in their round)
+        out = sched.schedule(lambda reqs: [0] * len(reqs), prefill_only=True, exclude=ids,
+                             admit=lambda r: samples_in_scope(r) and fits(len(sched.running) - len(reading) + 1),
+                             preempt=False)
+        if out.items:
+            res = self.round.run(out.items)
+            self._observe(res, out.items)
+            for r in self._commit_items(out.items, res):
+                self._session_extra.append(r)  # (its delta: the step reports it)
+        kv, limit = self.runner.kv, self.max_model_len
+        for r in [r for r in sched.running if r.req_id not in ids]:
+            if r.finished:
+                self._finish(r)  # (done by its first token: it never joins)
+            elif kv.length(r.req_id) == r.num_tokens - 1:  # its prompt is read
+                if fits(len(stay) + 1) and r.num_tokens + 2 * (k + 1) + 1 < limit:
+                    stay.append(r)
+                    self._session_extra.remove(r)  # (a member now: reported as one)
+                else:
+                    self._end_session = True  # it cannot join: the ordinary rounds serve it
+        return stay
 
     def _commit_overlapped(self, r: Request, tokens: list[int], logprobs) -> int:
         if r.finished:  # aborted while its step was in flight
@@ -722,26 +807,29 @@ class Engine:
         gen, running, spec = self._overlap
         self._clock_t0 = time.perf_counter()
         produced = None
+        extra, self._session_extra = self._session_extra, []  # (set by _regroup during next(gen))
         try:
             produced = next(gen)
-            return list(running)
+            extra, self._session_extra = extra + self._session_extra, []
+            return list(running) + extra
         except StopIteration as stop:  # the session has ended
             launched = stop.value or 0
+            extra, self._session_extra = extra + self._session_extra, []
         finally:
             dt = time.perf_counter() - self._clock_t0
             self._clock_in += dt
             if produced is not None:  # a step that committed: the session's first, or a steady one
-                if self._session is None:
-                    self._session = [dt, [], 0]
+                if self._session is None:  # (its batch size: the session's at its start; joins change it)
+                    self._session = [dt, [], 0, len(running)]
                 else:
                     self._session[1].append(dt)
                 self._session[2] += produced
         self._overlap = None
         if self._session is not None and self.drafter is not None and self.spec.adaptive:
-            first, rest, tokens = self._session
+            first, rest, tokens, size = self._session
             # what a start cost beyond a steady step (the draft's catch-up on newcomers, a first step that nothing
             # overlaps), per token the session gave: the k policy weighs it (KPolicy.record_session)
-            self.k_policy.record_session(spec, len(running), first, sorted(rest)[len(rest) // 2] if rest else None,
+            self.k_policy.record_session(spec, size, first, sorted(rest)[len(rest) // 2] if rest else None,
                                          tokens, same_mode=self._last_session_spec == spec)
         self._last_session_spec, self._session = spec, None
         if not launched:  # its first step found no blocks (OutOfBlocks): the next step runs an ordinary round
@@ -753,7 +841,7 @@ class Engine:
         for r in running:
             if r.finished:
                 self._finish(r)
-        return list(running)
+        return list(running) + extra
 
     # -- commit -----------------------------------------------------------------------------------------
     def _commit(self, r: Request, tokens: list[int], logprobs: list[dict] | None) -> int:

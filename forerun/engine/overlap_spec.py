@@ -73,43 +73,62 @@ def greedy_chain_verdict(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[to
     return best, accepted
 
 
+def _enter(drafter, requests: list[Request]) -> None:
+    """Bring the draft cache of requests entering a session to a prefix reaching position L - 2 (step 0 feeds
+    L - 1 and L, re-feeding L - 1 with the token the draft holds there)."""
+    drafter.feed(requests, [r.num_tokens - 2 for r in requests])
+    dkv = drafter.runner.kv
+    for r in requests:
+        dkv.truncate(r.req_id, min(dkv.length(r.req_id), r.num_tokens - 2))
+
+
 def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, limit: int,
                            commit: Callable[[Request, list[int], int], int],
                            verdict: Callable = greedy_chain_verdict,
                            should_stop: Callable[[], bool] | None = None,
                            max_rounds: int | None = None,
-                           timing: Callable[[int, float, float], None] | None = None,
-                           next_k: Callable[[], int] | None = None) -> Generator[int, None, int]:
+                           timing: Callable[[int, float, float, int], None] | None = None,
+                           next_k: Callable[[], int] | None = None,
+                           regroup: Callable[[list[Request], Callable[[], None]], list[Request]] | None = None
+                           ) -> Generator[int, None, int]:
     """Speculative rounds for `requests` with one round in flight, the first drafting k tokens. Yields the tokens
     committed per round; returns the number of rounds launched. commit(request, tokens, accepted, k) commits one
     round's tokens (stop checks included) and returns how many it took. verdict(logits, drafts) -> (tokens,
-    accepted): the verification rule (greedy; benchmarks substitute synthetic acceptance). Stops when a request
-    has finished, should_stop() says so, max_rounds rounds were launched, or another round could pass a request's
-    limits. next_k(): asked before every launch after the first, the k of that round (the device-side state, L and
-    the two newest tokens, does not depend on k, so k may change from round to round); 0, or a k without a verify
-    step of its length, ends the session. Without it every round drafts k.
-    timing(k, draft_seconds, verify_seconds): each committed round's k draft steps and verify forward, timed in
-    stream order (CUDA events, read once the round's verdict is on the host): the k policy's cost model."""
+    accepted): the verification rule (greedy; benchmarks substitute synthetic acceptance). Stops when should_stop()
+    says so, max_rounds rounds were launched, or another round could pass a request's limits. next_k(): asked
+    before every launch after the first, the k of that round (the device-side state, L and the two newest tokens,
+    does not depend on k, so k may change from round to round); 0, or a k without a verify step of its length,
+    ends the session. Without it every round drafts k.
+
+    Membership. Without regroup, the session ends once a request has finished (the round in flight is committed
+    for the others). With it, regroup(members, settle) is called before every launch after the first and returns
+    the members of the next round: the caller drops finished requests (they already have their last tokens; the
+    round in flight still carries their rows, skipped at its commit) and adds newcomers whose prompt it has read
+    (target cache = every committed token but the newest, in the session's scope), calling settle() first (it
+    waits for the round in flight, so the prompt's forward runs on an idle device as between sessions). Their
+    draft caches are brought up here and their rows join the device-side state; an empty list ends the session.
+    A join costs one round that is not overlapped, not the session's end and a restart (the others' draft
+    catch-up and a first round that nothing overlaps). regroup must not change the list it is given.
+
+    timing(k, draft_seconds, verify_seconds, batch): each committed round's k draft steps and verify forward, timed
+    in stream order (CUDA events, read once the round's verdict is on the host): the k policy's cost model."""
     tkv, dkv = target.kv, drafter.runner.kv
     gr, dgr = target.graphs, drafter.runner.graphs
     dev = target.device
-    b = len(requests)
-    ids = [r.req_id for r in requests]
-    # the draft cache must hold a prefix reaching position L - 2 (step 0 feeds L - 1 and L)
-    drafter.feed(requests, [r.num_tokens - 2 for r in requests])
-    for r in requests:
-        dkv.truncate(r.req_id, min(dkv.length(r.req_id), r.num_tokens - 2))
-    host_len = [r.num_tokens - 1 for r in requests]  # L per request, as committed on the host
-    L = h2d(host_len, dev, torch.int64)  # [B] on the device
-    last2 = h2d([r.all_tokens[-2:] for r in requests], dev, torch.int64)  # [B, 2]
-    rows = torch.arange(b, device=dev)
+    members = list(requests)
+    _enter(drafter, members)
+    host_len = {r.req_id: r.num_tokens - 1 for r in members}  # L per request, as committed on the host
+    L = h2d([host_len[r.req_id] for r in members], dev, torch.int64)  # [B] on the device
+    last2 = h2d([r.all_tokens[-2:] for r in members], dev, torch.int64)  # [B, 2]
+    everyone = {r.req_id: r for r in members}  # every request that took part (the rollback at the end)
 
     def reserve(kk: int, ahead: int) -> None:
         """Blocks for the round in flight (`ahead` tokens) and this one past what the host has committed; the
         block-table rows follow."""
+        ids = [r.req_id for r in members]
         for kv, runner in ((tkv, target), (dkv, drafter.runner)):
-            for rid, n in zip(ids, host_len):
-                kv.reserve(rid, n + ahead + kk + 1)
+            for rid in ids:
+                kv.reserve(rid, host_len[rid] + ahead + kk + 1)
             runner.load_block_tables(ids)
 
     def launch(kk: int, ahead: int):
@@ -118,6 +137,8 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
             reserve(kk, ahead)
         except OutOfBlocks:  # the pools ran out: the ordinary rounds preempt
             return None
+        b = len(members)
+        rows = torch.arange(b, device=dev)
         marks = Marks(dev) if timing is not None else None
         if marks is not None:
             marks.mark()
@@ -138,23 +159,41 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
         last2 = torch.stack([prev, tokens[rows, accepted]], 1)
         L = L + accepted + 1
         out, done = to_host_async(torch.cat([tokens, accepted.view(b, 1), start.view(b, 1)], 1))  # [B, kk + 3]
-        return out, done, marks, kk
+        return out, done, marks, kk, list(members)
+
+    def change(new: list[Request]) -> None:
+        """The device-side state follows a new membership: rows of those who stay (in order), then newcomers'."""
+        nonlocal L, last2, members
+        row = {r.req_id: i for i, r in enumerate(members)}
+        stay = [r for r in new if r.req_id in row]
+        joining = [r for r in new if r.req_id not in row]
+        if [r.req_id for r in stay] != [r.req_id for r in members]:
+            keep = h2d([row[r.req_id] for r in stay], dev, torch.int64)
+            L, last2 = L[keep], last2[keep]
+        if joining:
+            _enter(drafter, joining)
+            for r in joining:
+                host_len[r.req_id] = r.num_tokens - 1
+                everyone[r.req_id] = r
+            L = torch.cat([L, h2d([r.num_tokens - 1 for r in joining], dev, torch.int64)])
+            last2 = torch.cat([last2, h2d([r.all_tokens[-2:] for r in joining], dev, torch.int64)])
+        members = stay + joining
 
     last_round: dict[int, tuple[int, int, int]] = {}  # req_id -> (L at the start, accepted, k) of its last commit
 
-    def commit_round(step, only_unfinished: bool) -> int:
-        out, done, marks, kk = step
+    def commit_round(step) -> int:
+        out, done, marks, kk, reqs = step
         if done is not None:
             done.synchronize()
         if marks is not None:
-            timing(kk, marks.seconds(0, 1), marks.seconds(1, 2))
+            timing(kk, marks.seconds(0, 1), marks.seconds(1, 2), len(reqs))
         produced = 0
-        for i, (r, row) in enumerate(zip(requests, out.tolist())):
-            if only_unfinished and r.finished:
+        for r, row in zip(reqs, out.tolist()):
+            if r.finished:  # finished in the round before (its row was computed all the same) or aborted
                 continue
             acc, start = row[kk + 1], row[kk + 2]
             n = commit(r, row[: acc + 1], acc, kk)
-            host_len[i] = start + acc + 1
+            host_len[r.req_id] = start + acc + 1
             last_round[r.req_id] = (start, acc, kk)
             produced += n
         return produced
@@ -162,10 +201,10 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
     def room(kk: int) -> bool:
         """Another round of kk drafts fits every request's context even if the round in flight commits all its
         tokens. A request near its max_tokens still runs: commit drops what lies past its end, and once it
-        finishes the session ends after the round in flight is committed for the others (a session that stopped
-        at the first request within 2(k + 1) tokens of its end ran ordinary rounds for the whole batch ~40 % of
-        the time at 4 staggered requests of 96 tokens)."""
-        return all(r.num_tokens + ahead() + kk + 1 < limit for r in requests)
+        finishes it leaves (regroup) or the session ends after the round in flight is committed for the others (a
+        session that stopped at the first request within 2(k + 1) tokens of its end ran ordinary rounds for the
+        whole batch ~40 % of the time at 4 staggered requests of 96 tokens)."""
+        return all(r.num_tokens + ahead() + kk + 1 < limit for r in members)
 
     def ahead() -> int:
         """Tokens the round in flight may commit."""
@@ -174,23 +213,29 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
     pending, launched, kk = None, 0, k
     try:
         while True:
-            go = room(kk) and (max_rounds is None or launched < max_rounds) and not (should_stop and should_stop())
+            if launched and regroup is not None:  # those who finished leave, newcomers join
+                new = regroup(list(members), lambda: pending is not None and pending[1] is not None
+                              and pending[1].synchronize())
+                if [r.req_id for r in new] != [r.req_id for r in members]:
+                    change(new)
+            go = bool(members) and room(kk) and (max_rounds is None or launched < max_rounds) \
+                and not (should_stop and should_stop())
             if go and launched and next_k is not None:  # the policy decides every round
                 kk = next_k()
                 go = 0 < kk < gr.max_q_len and room(kk)
             step = launch(kk, ahead()) if go else None
             launched += step is not None
             if pending is not None:
-                yield commit_round(pending, only_unfinished=False)
-                if any(r.finished for r in requests):
+                yield commit_round(pending)
+                if regroup is None and any(r.finished for r in members):
                     if step is not None:  # computed for everyone: commit it for those still running
-                        yield commit_round(step, only_unfinished=True)
+                        yield commit_round(step)
                     return launched
             if step is None:
                 return launched
             pending = step
     finally:  # the rollback invariant on the host: target = committed but the newest; draft = a prefix of it
-        for r in requests:
+        for r in everyone.values():
             if r.finished or r.req_id not in last_round:
                 continue
             start, acc, kk = last_round[r.req_id]

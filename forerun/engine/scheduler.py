@@ -73,15 +73,23 @@ class Scheduler:
         return r.num_tokens - (self.kv.length(r.req_id) if self.kv.has(r.req_id) else 0)
 
     # -- one step --------------------------------------------------------------------------------------
-    def schedule(self, k_for: Callable[[list[Request]], list[int]], prefill_only: bool = False) -> SchedulerOutput:
+    def schedule(self, k_for: Callable[[list[Request]], list[int]], prefill_only: bool = False,
+                 exclude: frozenset[int] | set[int] = frozenset(), admit: Callable[[Request], bool] | None = None,
+                 preempt: bool = True) -> SchedulerOutput:
         """k_for(requests) -> drafts per request (capped by room) for the requests that sample this step.
-        prefill_only: running requests past their prefill sit this step out (a round of prompts alone)."""
+        prefill_only: running requests past their prefill sit this step out (a round of prompts alone).
+        exclude: running requests left out of this step (the members of an overlapped session, whose host-side
+        cache lengths lag while it runs); admit(request): waiting requests are admitted in order while it holds;
+        preempt=False: a step the pools cannot hold takes nothing instead of preempting (a session's members hold
+        their blocks)."""
         out = SchedulerOutput()
         while True:
-            items = self._plan(k_for, prefill_only)
+            items = self._plan(k_for, prefill_only, exclude)
             need_t, need_d = self._blocks(items)
             if need_t <= self.kv.num_free_blocks and need_d <= self._draft_free():
                 break
+            if not preempt:
+                return out
             # not enough blocks for this step: preempt the newest running request (recompute later)
             victim = self.running[-1] if self.running else None
             if victim is None:
@@ -107,6 +115,8 @@ class Scheduler:
         free_t, free_d = self.kv.num_free_blocks - need_t, self._draft_free() - need_d
         while self.waiting and len(self.running) < self.max_num_seqs and left > 0:
             r = self.waiting[0]
+            if admit is not None and not admit(r):
+                break
             missing = r.num_tokens
             feed = min(missing, left)
             final = feed == missing
@@ -135,10 +145,11 @@ class Scheduler:
         out.items = items
         return out
 
-    def _plan(self, k_for, prefill_only: bool = False) -> list[RoundItem]:
+    def _plan(self, k_for, prefill_only: bool = False, exclude=frozenset()) -> list[RoundItem]:
         """Items for the running requests: decodes / verifies first, then prefill chunks, within the budget."""
         left = self.budget
-        steady = [] if prefill_only else [r for r in self.running if self._missing(r) == 1]
+        running = [r for r in self.running if r.req_id not in exclude]
+        steady = [] if prefill_only else [r for r in running if self._missing(r) == 1]
         ks = k_for(steady) if steady else []
         items: list[RoundItem] = []
         for r, k in zip(steady, ks):
@@ -147,7 +158,7 @@ class Scheduler:
             k = self._fit(k, left - 1)
             items.append(RoundItem(r, 1, True, k))
             left -= 1 + k
-        for r in self.running:
+        for r in running:
             missing = self._missing(r)
             if missing == 1 or left <= 0:
                 continue

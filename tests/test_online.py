@@ -414,11 +414,21 @@ def test_async_add_cancelled_while_waiting_is_undone(target):
 
 
 @pytest.mark.parametrize("kw,name", [(dict(max_num_seqs=0), "max_num_seqs"), (dict(max_model_len=-5), "max_model_len"),
-                                     (dict(max_num_batched_tokens=0), "max_num_batched_tokens")])
+                                     (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+                                     (dict(join_wait=(-1, 4)), "join_wait"), (dict(join_wait=(0.3, 1.5)), "join_wait")])
 def test_engine_limits_are_named(target, kw, name):
     runner = ours_from_hf(target)
     with pytest.raises(ValueError, match=name):
         Engine.from_model(runner.model, tiny_tokenizer(), device="cpu", **kw)
+
+
+def test_join_wait_reaches_the_engine(target):
+    runner = ours_from_hf(target)
+    eng = Engine.from_model(runner.model, tiny_tokenizer(), device="cpu", join_wait=(0.3, 4))
+    assert (eng.JOIN_WAIT_RATIO, eng.JOIN_WAIT_STEPS) == (0.3, 4)
+    assert Engine.JOIN_WAIT_STEPS == 0  # (the class default is untouched)
+    llm = LLM.from_model(ours_from_hf(target).model, tiny_tokenizer(), device="cpu", join_wait=(0.5, 2))
+    assert (llm.engine.JOIN_WAIT_RATIO, llm.engine.JOIN_WAIT_STEPS) == (0.5, 2)
 
 
 def test_prompt_longer_than_the_step_budget_is_prefilled_in_chunks(target):

@@ -539,6 +539,8 @@ def test_cli_usage_errors_are_one_line(capsys, tmp_path):
     assert err.startswith("forerun serve: error:") and "Traceback" not in err and err.count("\n") == 1, err
     assert serve_main(["x", "--max-queue", "-1"]) == 2
     assert serve_main(["x", "--api-key", ""]) == 2
+    assert serve_main(["x", "--join-wait", "0.3", "1.5"]) == 2
+    assert serve_main(["x", "--join-wait", "-1", "4"]) == 2
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,9 @@ def parser() -> argparse.ArgumentParser:
                    help="requests waiting beyond the running batch at most; more are answered 429")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--join-wait", type=float, nargs=2, default=None, metavar=("RATIO", "STEPS"),
+                   help="hold arrivals back while a session runs until RATIO x the running requests wait or the "
+                        "oldest has waited STEPS steps (fewer, larger prefill rounds; more TTFT; off by default)")
     p.add_argument("--kv-cache-gb", type=float, default=2.0, help="target KV cache memory budget (GiB)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--default-max-tokens", type=int, default=1024,
@@ -68,6 +71,9 @@ def _check(a) -> str | None:
         return "--shutdown-timeout must be >= 0"
     if a.api_key is not None and not a.api_key:
         return "--api-key must not be empty"
+    if a.join_wait is not None and not (a.join_wait[0] >= 0 and a.join_wait[1] >= 0
+                                        and a.join_wait[1] == int(a.join_wait[1])):
+        return "--join-wait takes RATIO >= 0 and whole STEPS >= 0"
     if a.draft in (None, "none") and a.k is not None:
         return "--k does nothing with --draft none (no speculation)"
     return None
@@ -96,7 +102,8 @@ def main(argv=None) -> int:
         dtype = None if a.dtype == "auto" else getattr(torch, a.dtype)
         engine = Engine(a.model, spec=spec, device=a.device, dtype=dtype, cache=cache, max_num_seqs=a.max_num_seqs,
                         max_model_len=a.max_model_len, max_num_batched_tokens=a.max_num_batched_tokens, seed=a.seed,
-                        quantize=a.quantize)
+                        quantize=a.quantize,
+                        join_wait=None if a.join_wait is None else (a.join_wait[0], int(a.join_wait[1])))
     except (ValueError, FileNotFoundError, KeyError, OSError) as e:
         print(f"forerun serve: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2

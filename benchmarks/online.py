@@ -187,11 +187,14 @@ def drive(eng: Engine, prompts: list[list[int]], new_tokens: "int | tuple[int, i
             if trace_slow:
                 _PROBE.take()
             kind = _step_kind(eng)
+            joins0 = getattr(eng, "session_joins", 0)
             deltas = eng.step()
             dt = time.perf_counter() - ts0
             steps.append(dt)
             if kind == "round" and getattr(eng, "_overlap", None) is not None:
                 kind = "session start"
+            elif kind == "spec session" and getattr(eng, "session_joins", 0) != joins0:
+                kind = "session join"  # (prompts read between two of the session's rounds: Engine._regroup)
             k = kinds.setdefault(kind, [0, 0.0, 0])
             k[0], k[1], k[2] = k[0] + 1, k[1] + dt, k[2] + sum(len(d.new_token_ids) for d in deltas)
             if trace_slow:  # what a step that took long did: graph replays / eager steps / captures, requests, k
@@ -487,14 +490,16 @@ def gpu_main(args) -> dict:
     # policy tweaks share one (its graphs captured once: the warm-up, not the runs, was most of a grid's time), each
     # run with a fresh k policy, sampler and tweaks
 
-    def joins(eng):  # --join-wait RATIO STEPS: every engine of the run (plain too) holds joins back alike
-        if args.join_wait:
-            eng.JOIN_WAIT_RATIO, eng.JOIN_WAIT_STEPS = args.join_wait[0], int(args.join_wait[1])
+    def joins(eng, tweaks=None):  # --join-wait RATIO STEPS: every engine of the run (plain too) holds joins back
+        # alike; --join-wait-ab: the configs tagged "join wait" only. Set on every run: an engine is reused
+        jw = (tweaks or {}).get("join_wait") or args.join_wait or (0.0, 0)
+        eng.JOIN_WAIT_RATIO, eng.JOIN_WAIT_STEPS = float(jw[0]), int(jw[1])
         return eng
 
     def make(spec_kw):
-        if spec_kw is None:
-            return joins(Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64))
+        if spec_kw is None or spec_kw[0] == "plain":  # ("plain", tweaks): plain with tweaks (--join-wait-ab)
+            return joins(Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64),
+                         None if spec_kw is None else spec_kw[1])
         a, kw, overlapped, mixed, tweaks = (*spec_kw, *(False, {})[len(spec_kw) - 3:])  # (defaults by position)
         key = (tuple(sorted(kw.items())), overlapped, mixed)
         eng = built.get(key) if not args.poisson_ab else None  # (--poisson-ab: engines side by side, each its own)
@@ -514,13 +519,15 @@ def gpu_main(args) -> dict:
             eng.k_policy.SWITCH_MARGIN = tweaks["margin"]
         # a new k ends the overlapped session (the tenth session's engine) or goes on in it
         eng.KEEP_SESSION_ON_NEW_K = not tweaks.get("restart")
+        # joins and finishes end the session (the eleventh session's engine) or not (Engine.JOIN_IN_SESSION)
+        eng.JOIN_IN_SESSION = not tweaks.get("join_restarts")
         if tweaks.get("no_start_cost"):  # batch_k without sessions' start costs (KPolicy.record_session)
             eng.k_policy.SESSION_MIN = 1 << 30
-        return joins(eng)
+        return joins(eng, tweaks)
 
     def make_warm(spec_kw):
         eng = make(spec_kw)
-        if spec_kw is not None and spec_kw[1].get("adaptive"):  # count the batch k decisions
+        if spec_kw is not None and spec_kw[0] != "plain" and spec_kw[1].get("adaptive"):  # count the batch k decisions
             from collections import Counter
 
             eng._k_hist, batch_k = Counter(), eng.k_policy.batch_k
@@ -558,7 +565,10 @@ def gpu_main(args) -> dict:
         dg = eng.drafter.runner.graphs
         print("draft graph replays", dg.replays, "eager steps", dg.eager_steps)
         return dict(rows=[], ratios=[], long_prompt=[])
-    configs = [("plain", None)]
+    jw_ab = [None] + ([tuple(args.join_wait_ab)] if args.join_wait_ab else [])  # --join-wait-ab: side by side
+    jw_tag = lambda jw: "" if jw is None else f", join wait {jw[0]:g}/{int(jw[1])}"
+    configs = [("plain", None)] + [(f"plain{jw_tag(jw)}", ("plain", dict(join_wait=jw))) for jw in jw_ab[1:]
+                                   if not args.join_wait_spec_only]
     for a in args.acceptance:
         label = "useless draft" if a == 0 else f"a={a}"
         modes = {"on": (("", True),), "off": (("", False),),
@@ -571,11 +581,15 @@ def gpu_main(args) -> dict:
                 for margin in args.switch_margin or [None]:
                     for restart in {"off": (False,), "on": (True,), "both": (False, True)}[args.restart_on_new_k]:
                         for nsc in {"on": (False,), "off": (True,), "both": (False, True)}[args.start_cost]:
-                            gtag = ("" if margin is None else f", switch margin {margin:g}") + \
-                                (", restart on new k" if restart else "") + (", no start cost" if nsc else "")
-                            configs += [(f"adaptive, {label}{tag}{mtag}{gtag}",
-                                         (a, dict(adaptive=True, k_max=8), ovs, mixed,
-                                          dict(margin=margin, restart=restart, no_start_cost=nsc)))]
+                            for jw in jw_ab:
+                                for jr in {"on": (False,), "off": (True,), "both": (False, True)}[args.join_in_session]:
+                                    gtag = ("" if margin is None else f", switch margin {margin:g}") + \
+                                        (", restart on new k" if restart else "") + \
+                                        (", no start cost" if nsc else "") + jw_tag(jw) + (", joins restart" if jr else "")
+                                    configs += [(f"adaptive, {label}{tag}{mtag}{gtag}",
+                                                 (a, dict(adaptive=True, k_max=8), ovs, mixed,
+                                                  dict(margin=margin, restart=restart, no_start_cost=nsc, join_wait=jw,
+                                                       join_restarts=jr)))]
     if args.only:  # e.g. --only plain adaptive: a shorter run
         configs = [c for c in configs if any(c[0].startswith(o) for o in args.only)]
 
@@ -593,7 +607,7 @@ def gpu_main(args) -> dict:
             nonlocal target, draft  # model's attention backend, whose buffers another engine's graphs would read)
             if taken:  # (the first engine takes the models built above)
                 target = build_model(QWEN3_8B, None, seed=0)
-                draft = build_model(QWEN3_06B, None, seed=3) if spec_kw is not None else None
+                draft = build_model(QWEN3_06B, None, seed=3) if spec_kw is not None and spec_kw[0] != "plain" else None
             taken.append(target)
             return make_warm(spec_kw)
 
@@ -706,6 +720,15 @@ def main() -> None:
                     help="GPU: every engine holds joins back while a session runs until RATIO x the running requests "
                          "wait or the oldest has waited STEPS steps (Engine.JOIN_WAIT_RATIO / JOIN_WAIT_STEPS; off "
                          "by default)")
+    ap.add_argument("--join-wait-ab", type=float, nargs=2, default=None, metavar=("RATIO", "STEPS"),
+                    help="GPU: besides every plain and adaptive config, the same config holding joins back "
+                         "(--join-wait's RATIO STEPS), side by side in the same run")
+    ap.add_argument("--join-wait-spec-only", action="store_true",
+                    help="GPU: --join-wait-ab adds no plain row with the wait (plain without it is the reference)")
+    ap.add_argument("--join-in-session", choices=["on", "off", "both"], default="on",
+                    help="GPU: adaptive rows whose overlapped sessions take arrivals and let finished requests leave "
+                         "(on: Engine.JOIN_IN_SESSION, the default), end at each (off: the eleventh session's engine), "
+                         "or both side by side")
     ap.add_argument("--poisson-ab", type=int, default=0, metavar="REPS",
                     help="GPU: only Poisson arrivals, the configs interleaved (all engines built first), each rate "
                          "REPS times; reports the median over repetitions of plain TPOT / config TPOT")
@@ -720,6 +743,9 @@ def main() -> None:
                                 ("--switch-margin", args.switch_margin), ("--rates", args.rates),
                                 ("--restart-on-new-k", args.restart_on_new_k != "off"),
                                 ("--start-cost", args.start_cost != "on"), ("--join-wait", args.join_wait),
+                                ("--join-wait-ab", args.join_wait_ab),
+                                ("--join-in-session", args.join_in_session != "on"),
+                                ("--join-wait-spec-only", args.join_wait_spec_only),
                                 ("--mixed-prefill", args.mixed_prefill != "off"),
                                 ("--overlap-spec", args.overlap_spec != "on"), ("--acceptance", args.acceptance),
                                 ("--blocks", args.blocks)) if v]

@@ -187,13 +187,13 @@ def drive(eng: Engine, prompts: list[list[int]], new_tokens: "int | tuple[int, i
             if trace_slow:
                 _PROBE.take()
             kind = _step_kind(eng)
-            joins0 = getattr(eng, "session_joins", 0)
+            joins0 = getattr(eng, "session_reads", 0)
             deltas = eng.step()
             dt = time.perf_counter() - ts0
             steps.append(dt)
             if kind == "round" and getattr(eng, "_overlap", None) is not None:
                 kind = "session start"
-            elif kind == "spec session" and getattr(eng, "session_joins", 0) != joins0:
+            elif kind == "spec session" and getattr(eng, "session_reads", 0) != joins0:
                 kind = "session join"  # (prompts read between two of the session's rounds: Engine._regroup)
             k = kinds.setdefault(kind, [0, 0.0, 0])
             k[0], k[1], k[2] = k[0] + 1, k[1] + dt, k[2] + sum(len(d.new_token_ids) for d in deltas)

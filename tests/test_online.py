@@ -126,24 +126,35 @@ def test_a_request_that_can_never_fit_is_refused_before_anything_runs(target):
     assert llm.generate([PROMPTS[0]], GREEDY)[0].token_ids == alone(target, PROMPTS[0], GREEDY)
 
 
-def random_ops(eng: Engine, rng: random.Random, ops: int, p_add: float, p_abort: float, params, drain: int = 0) -> int:
+def random_ops(eng: Engine, rng: random.Random, ops: int, p_add: float, p_abort: float, params, drain: int = 0,
+               max_prompt: int = 30, reference=None) -> int:
     """`ops` random operations: add a random prompt (params(rng) -> SamplingParams) with probability p_add, abort a
     live request with p_abort, else step. Then abort what is left, step up to `drain` times (an abort inside an
     overlapped session frees the request when the session ends), and check that every block came back.
     Returns the steps taken inside overlapped sessions."""
-    live, in_session = [], 0
+    live, in_session, done, aborted, sent, outs = [], 0, set(), set(), {}, {}
     free0 = eng.runner.kv.num_free_blocks
     dkv = eng.drafter.kv if eng.drafter is not None else None
     dfree0 = dkv.num_free_blocks if dkv is not None else None
     for _ in range(ops):
         op = rng.random()
         if op < p_add:
-            p = [rng.randrange(2, 96) for _ in range(rng.randrange(1, 30))]
-            live.append(eng.add_request(p, params(rng)))
+            p = [rng.randrange(2, 96) for _ in range(rng.randrange(1, max_prompt))]
+            sp = params(rng)
+            rid = eng.add_request(p, sp)
+            live.append(rid)
+            sent[rid] = (p, sp)
         elif op < p_add + p_abort and live:
-            eng.abort(live.pop(rng.randrange(len(live))))
+            rid = live.pop(rng.randrange(len(live)))
+            eng.abort(rid)
+            done.add(rid)
+            aborted.add(rid)
         else:
             for d in eng.step():
+                assert d.request_id not in done, d  # (nothing reported after a request's finish or abort)
+                outs.setdefault(d.request_id, []).extend(d.new_token_ids)
+                if d.finished:
+                    done.add(d.request_id)
                 if d.finished and d.request_id in live:
                     live.remove(d.request_id)
             in_session += eng._overlap is not None
@@ -158,6 +169,12 @@ def random_ops(eng: Engine, rng: random.Random, ops: int, p_add: float, p_abort:
     if dfree0 is not None:
         assert dkv.num_free_blocks == dfree0
     assert not eng._arrived  # (the join wait's arrival steps: none kept for a request that is gone)
+    assert not eng.requests  # (every request reported finished or aborted is forgotten)
+    if reference is not None:  # every request that finished (not aborted) has its own output, as if alone
+        finished = [rid for rid in done if rid not in aborted]
+        assert finished
+        for rid in finished:
+            assert outs.get(rid, []) == reference(*sent[rid]), rid
     return in_session
 
 
@@ -190,14 +207,25 @@ def test_random_add_abort_step_sequences_with_overlapped_sessions_never_leak(tar
 
     configs = ((None, {}), (draft_spec(draft, k=2), {}), (draft_spec(draft, adaptive=True, k_max=3), {}),
                (draft_spec(draft, k=2), dict(mixed_prefill=True)))
+    joins, plain, seen = 0, engine(target), {}
+
+    def alone_out(prompt, sp):  # greedy output of the prompt alone (no drafter, no session)
+        key = (tuple(prompt), sp.max_tokens)
+        if key not in seen:
+            plain.add_request(prompt, sp, request_id="ref")
+            seen[key] = run_all(plain)["ref"]
+        return seen[key]
+
     for spec, kw in configs:
         eng = engine(target, spec, cache=CacheConfig(block_size=4, num_blocks=30), max_num_batched_tokens=48, **kw)
         q = eng.spec.max_draft_tokens + 1 if spec is not None else 2
         for runner in {id(r): r for r in (eng.runner, getattr(eng.drafter, "runner", None)) if r}.values():
             runner.graphs = GraphRunner(runner, batch_sizes=(1, 2, 4), max_q_len=q, use_graphs=False)
         eng.scheduler.draft_prefill = False
-        assert random_ops(eng, rng, 300, 0.15, 0.05, params, drain=10) > 0, spec
+        assert random_ops(eng, rng, 300, 0.15, 0.05, params, drain=10, max_prompt=70, reference=alone_out) > 0, spec
+        joins += eng.session_joins  # (prompts up to 70 tokens against a 48-token budget: some read in chunks)
     assert 300 * len(configs) >= 1000
+    assert joins > 0  # arrivals joined sessions running (Engine.JOIN_IN_SESSION)
 
 
 def test_seeded_sampling_does_not_depend_on_k_tree_or_neighbours(target):

@@ -193,7 +193,7 @@ def test_arrivals_join_the_session_and_finished_requests_leave_it(models, sessio
                     finished[rid] = (at, None)
             step += 1
             assert step < 500
-        assert out == want
+        assert out == want and not eng.requests
         assert all(first[str(i)] - arrivals[i] <= 2 for i in range(2, 6)), (first, arrivals)
         count[on] = sessions["sessions"] - before
         if on:
@@ -201,6 +201,63 @@ def test_arrivals_join_the_session_and_finished_requests_leave_it(models, sessio
         assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
         assert eng.drafter.kv.num_free_blocks == eng.drafter.kv.num_blocks - 1
     assert count[True] == 1 and count[False] >= 6, count
+
+
+def test_joins_in_session_edge_cases(models, sessions):
+    """Arrivals during a session that do not simply join: a prompt one token longer than the step budget (its
+    first read leaves it one token short: it joins, the session's verify feeding its last token), one finished by
+    its first token (reported once, never a member), and a sampled one that cannot join (the session ends with
+    joined members still running: the rollback covers them). Outputs equal an engine without sessions, every
+    request reports exactly one finish, and nothing is left behind."""
+    budget = 24
+    prompts = [PROMPTS[1], PROMPTS[2], list(range(5, 5 + budget + 1)), [9, 8, 7], PROMPTS[4], PROMPTS[5]]
+    greedy = lambda m: SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)  # noqa: E731
+    params = [greedy(40), greedy(36), greedy(20), greedy(1), SamplingParams(temperature=0.9, max_tokens=12, seed=3,
+                                                                              ignore_eos=True), greedy(15)]
+    arrivals = [0, 0, 4, 8, 12, 24]
+    ref = make(models, dict(k=3), overlap_spec=False)
+    ref.scheduler.budget = budget
+    want = run(ref, prompts, params, arrivals)
+    eng = make(models, dict(k=3))
+    eng.scheduler.budget = budget
+    finishes = {}
+    real_step = eng.step
+
+    def step():
+        deltas = real_step()
+        for d in deltas:
+            finishes[d.request_id] = finishes.get(d.request_id, 0) + d.finished
+        return deltas
+
+    eng.step = step
+    assert run(eng, prompts, params, arrivals) == want
+    assert finishes == {str(i): 1 for i in range(len(prompts))}, finishes
+    assert not eng.requests and not eng.scheduler.running and not eng.scheduler.waiting
+    assert eng.session_joins >= 2 and sessions["sessions"] >= 2, (eng.session_joins, sessions)
+    assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
+    assert eng.drafter.kv.num_free_blocks == eng.drafter.kv.num_blocks - 1
+
+
+@pytest.mark.parametrize("in_session", [False, True])
+@pytest.mark.parametrize("draft_blocks", [45, 60])
+def test_a_draft_pool_smaller_than_the_targets_completes(models, in_session, draft_blocks):
+    """A draft pool much smaller than the target's: the draft pool runs out first, rounds preempt by recompute
+    (sessions joined in or restarted), outputs equal plain greedy and every draft block comes back."""
+    target, draft = models
+    tok = tiny_tokenizer(97)
+    eng = Engine.from_model(ours_from_hf(target).model, tok, device="cpu", check_invariants=True,
+                            spec=SpecConfig(method="draft", draft_model=(draft.model, tok), k=3),
+                            cache=CacheConfig(block_size=4, num_blocks=2048),
+                            draft_cache=CacheConfig(block_size=4, num_blocks=draft_blocks))
+    for runner in (eng.runner, eng.drafter.runner):
+        runner.graphs = GraphRunner(runner, batch_sizes=(1, 2, 4, 8), max_q_len=4, use_graphs=False)
+    eng.scheduler.draft_prefill = False
+    eng.JOIN_IN_SESSION = in_session
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)] * 6
+    arrivals = [0, 0, 3, 5, 7, 9]
+    assert run(eng, PROMPTS, params, arrivals) == run(make(models), PROMPTS, params, arrivals)
+    assert eng.scheduler.num_preemptions > 0
+    assert eng.drafter.kv.num_free_blocks == eng.drafter.kv.num_blocks - 1
 
 
 @pytest.mark.parametrize("budget,arrivals", [(8192, [0, 0, 3, 9, 12, 20]), (24, [0, 0, 3, 9, 12, 20]),

@@ -195,7 +195,8 @@ class Engine:
         self._alone = False  # the last round read prompts alone (mixed_prefill off): the next one includes all
         self._session_extra: list[Request] = []  # requests a session step touched beyond its members (_regroup)
         self._end_session = False  # a read prompt cannot join the session running: end it (_regroup)
-        self.session_joins = 0  # session steps that read prompts (joins without a restart)
+        self.session_reads = 0  # prefill rounds read between two rounds of a session (Engine._regroup)
+        self.session_joins = 0  # requests that joined a session running (Engine._regroup)
         self._spec_totals = RequestStats()
         self._spec_num_drafts = 0
 
@@ -406,11 +407,13 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; its KV blocks (target and draft) go back at once (or, in an overlapped decoding
-        session, when that session ends at most two steps later). False if it is unknown or already finished."""
+        session, at the next step: it leaves a speculative session (JOIN_IN_SESSION) or ends a plain one, at most two
+        steps later). Nothing more of it is reported by step(). False if it is unknown or already finished."""
         r = self.requests.get(str(request_id))
         if r is None or r.finished:
             return False
         r.finish_reason = FinishReason.ABORT
+        r.sent_tokens = -1  # its last delta is the caller's (finish_abort_delta): a later step reports nothing of it
         if self._overlap is None or r not in self._overlap[1]:
             self._finish(r)
             del self.requests[r.external_id]
@@ -726,10 +729,14 @@ class Engine:
             return kk
 
         def regroup(members: list[Request], settle) -> list[Request]:
+            reads = self.session_reads
             new = self._regroup(members, settle, k)
-            if [r.req_id for r in new] != [r.req_id for r in running]:
+            changed = [r.req_id for r in new] != [r.req_id for r in running]
+            if changed:
                 running[:] = new  # (the engine's view of the session: deltas, aborts, the k policy's batch)
-                # the realized rate restarts from here (a newcomer's first token was not the session's)
+            if changed or reads != self.session_reads:
+                # the realized rate and the rounds' overhead restart from here (a prompt's read, a newcomer's first
+                # token, are not the session's rounds)
                 seen.update(t=self._clock(), tokens=sum(len(r.output_token_ids) for r in running), kernels=None,
                             steady=False)
             return new
@@ -751,8 +758,9 @@ class Engine:
         instead of ending the session, catching the draft up and starting a new one (a start cost 1.4-6 % of a
         closed-loop run at 4-64 requests on the H200, run 31). Only arrivals that can join are admitted (greedy
         and in the session's scope, a graph for the larger batch); the head of the queue that cannot ends the
-        session (should_stop), as does a read prompt that cannot join (`_end_session`). Returns the members of
-        the next round: those who stay, in order, then those who joined."""
+        session (should_stop), as does a read prompt that cannot join (`_end_session`). A head waiting for a seat
+        or for blocks waits for members to leave, and the rounds keep their overlap. Returns the members of the
+        next round: those who stay, in order, then those who joined."""
         sched = self.scheduler
         stay = []
         for r in members:
@@ -763,33 +771,41 @@ class Engine:
             else:
                 stay.append(r)
         ids = {r.req_id for r in stay}
-        reading = [r for r in sched.running if r.req_id not in ids]  # prompts read in chunks, not yet done
+        kv, limit = self.runner.kv, self.max_model_len
         graphs, dgraphs = self.runner.graphs, self.drafter.runner.graphs
         fits = lambda n: graphs.bucket(n) is not None and dgraphs.bucket(n) is not None  # noqa: E731
-        if not stay or not (reading or (self._joins_due() and samples_in_scope(sched.waiting[0])
-                                        and fits(len(stay) + 1))):
-            if stay and self._joins_due():  # the head of the queue cannot join: the session ends for it
-                self._end_session = True
-            return stay
-        settle()  # (the round in flight done: the prompts' forward runs on an idle device)
-        self.session_joins += 1
-        self.round.feed_prefill = True  # (the session drafts: the draft reads the prompts in their round)
-        out = sched.schedule(lambda reqs: [0] * len(reqs), prefill_only=True, exclude=ids,
-                             admit=lambda r: samples_in_scope(r) and fits(len(sched.running) - len(reading) + 1),
-                             preempt=False)
-        if out.items:
-            res = self.round.run(out.items)
-            self._observe(res, out.items)
-            for r in self._commit_items(out.items, res):
-                self._session_extra.append(r)  # (its delta: the step reports it)
-        kv, limit = self.runner.kv, self.max_model_len
+        others = [r for r in sched.running if r.req_id not in ids]  # admitted in an earlier join, not yet members
+        reading = [r for r in others if kv.length(r.req_id) < r.num_tokens - 1]  # prompts read in chunks
+        due, head = self._joins_due(), (sched.waiting[0] if sched.waiting else None)
+        if stay and due and not (samples_in_scope(head) and fits(len(stay) + len(others) + 1)):
+            self._end_session = True  # the head of the queue can never join this session: it ends for it
+            due = False
+        # a read needs a seat and the blocks of the head's first chunk (else it waits for members to leave, and the
+        # round in flight keeps its overlap)
+        room = due and len(sched.running) < sched.max_num_seqs and \
+            -(-min(head.num_tokens, sched.budget) // kv.block_size) <= kv.num_free_blocks
+        if stay and (reading or room):
+            settle()  # (the round in flight done: the prompts' forward runs on an idle device)
+            self.round.feed_prefill = True  # (the session drafts: the draft reads the prompts in their round)
+            out = sched.schedule(lambda reqs: [0] * len(reqs), prefill_only=True, exclude=ids,
+                                 admit=lambda r: due and samples_in_scope(r) and fits(len(sched.running) + 1),
+                                 preempt=False)  # (members hold their blocks: no preemption while they run)
+            if out.items:
+                self.session_reads += 1
+                res = self.round.run(out.items)
+                self._observe(res, out.items)
+                for r in self._commit_items(out.items, res):
+                    self._session_extra.append(r)  # (its delta: the step reports it)
         for r in [r for r in sched.running if r.req_id not in ids]:
             if r.finished:
-                self._finish(r)  # (done by its first token: it never joins)
-            elif kv.length(r.req_id) == r.num_tokens - 1:  # its prompt is read
+                self._finish(r)  # (done by its first token: it never joins; its delta is in _session_extra)
+            elif kv.length(r.req_id) == r.num_tokens - 1 and r.num_tokens >= 2:  # its prompt is read (all of it,
+                # or all but the last token: the session's verify feeds that one, as a decode row would)
                 if fits(len(stay) + 1) and r.num_tokens + 2 * (k + 1) + 1 < limit:
                     stay.append(r)
-                    self._session_extra.remove(r)  # (a member now: reported as one)
+                    self.session_joins += 1
+                    if r in self._session_extra:
+                        self._session_extra.remove(r)  # (a member now: reported as one)
                 else:
                     self._end_session = True  # it cannot join: the ordinary rounds serve it
         return stay

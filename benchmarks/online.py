@@ -519,8 +519,8 @@ def gpu_main(args) -> dict:
             eng.k_policy.SWITCH_MARGIN = tweaks["margin"]
         # a new k ends the overlapped session (the tenth session's engine) or goes on in it
         eng.KEEP_SESSION_ON_NEW_K = not tweaks.get("restart")
-        # joins and finishes end the session (the eleventh session's engine) or not (Engine.JOIN_IN_SESSION)
-        eng.JOIN_IN_SESSION = not tweaks.get("join_restarts")
+        # joins and finishes end the session (the default) or not (Engine.JOIN_IN_SESSION)
+        eng.JOIN_IN_SESSION = bool(tweaks.get("join_in_session"))
         if tweaks.get("no_start_cost"):  # batch_k without sessions' start costs (KPolicy.record_session)
             eng.k_policy.SESSION_MIN = 1 << 30
         return joins(eng, tweaks)
@@ -582,14 +582,15 @@ def gpu_main(args) -> dict:
                     for restart in {"off": (False,), "on": (True,), "both": (False, True)}[args.restart_on_new_k]:
                         for nsc in {"on": (False,), "off": (True,), "both": (False, True)}[args.start_cost]:
                             for jw in jw_ab:
-                                for jr in {"on": (False,), "off": (True,), "both": (False, True)}[args.join_in_session]:
+                                for jis in {"on": (True,), "off": (False,), "both": (False, True)}[args.join_in_session]:
                                     gtag = ("" if margin is None else f", switch margin {margin:g}") + \
                                         (", restart on new k" if restart else "") + \
-                                        (", no start cost" if nsc else "") + jw_tag(jw) + (", joins restart" if jr else "")
+                                        (", no start cost" if nsc else "") + jw_tag(jw) + \
+                                        (", joins in session" if jis else "")
                                     configs += [(f"adaptive, {label}{tag}{mtag}{gtag}",
                                                  (a, dict(adaptive=True, k_max=8), ovs, mixed,
                                                   dict(margin=margin, restart=restart, no_start_cost=nsc, join_wait=jw,
-                                                       join_restarts=jr)))]
+                                                       join_in_session=jis)))]
     if args.only:  # e.g. --only plain adaptive: a shorter run
         configs = [c for c in configs if any(c[0].startswith(o) for o in args.only)]
 
@@ -725,10 +726,10 @@ def main() -> None:
                          "(--join-wait's RATIO STEPS), side by side in the same run")
     ap.add_argument("--join-wait-spec-only", action="store_true",
                     help="GPU: --join-wait-ab adds no plain row with the wait (plain without it is the reference)")
-    ap.add_argument("--join-in-session", choices=["on", "off", "both"], default="on",
+    ap.add_argument("--join-in-session", choices=["on", "off", "both"], default="off",
                     help="GPU: adaptive rows whose overlapped sessions take arrivals and let finished requests leave "
-                         "(on: Engine.JOIN_IN_SESSION, the default), end at each (off: the eleventh session's engine), "
-                         "or both side by side")
+                         "(on: Engine.JOIN_IN_SESSION; runs 33-34 ran it as their unlabeled rows, the restarting ones "
+                         "labeled 'joins restart'), end at each (off, the default), or both side by side")
     ap.add_argument("--poisson-ab", type=int, default=0, metavar="REPS",
                     help="GPU: only Poisson arrivals, the configs interleaved (all engines built first), each rate "
                          "REPS times; reports the median over repetitions of plain TPOT / config TPOT")
@@ -744,7 +745,7 @@ def main() -> None:
                                 ("--restart-on-new-k", args.restart_on_new_k != "off"),
                                 ("--start-cost", args.start_cost != "on"), ("--join-wait", args.join_wait),
                                 ("--join-wait-ab", args.join_wait_ab),
-                                ("--join-in-session", args.join_in_session != "on"),
+                                ("--join-in-session", args.join_in_session != "off"),
                                 ("--join-wait-spec-only", args.join_wait_spec_only),
                                 ("--mixed-prefill", args.mixed_prefill != "off"),
                                 ("--overlap-spec", args.overlap_spec != "on"), ("--acceptance", args.acceptance),

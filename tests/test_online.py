@@ -206,7 +206,8 @@ def test_random_add_abort_step_sequences_with_overlapped_sessions_never_leak(tar
         return SamplingParams(temperature=0.0, max_tokens=rng.randrange(1, 40), ignore_eos=True)
 
     configs = ((None, {}), (draft_spec(draft, k=2), {}), (draft_spec(draft, adaptive=True, k_max=3), {}),
-               (draft_spec(draft, k=2), dict(mixed_prefill=True)))
+               (draft_spec(draft, k=2), dict(mixed_prefill=True)), (draft_spec(draft, k=2), dict(in_session=True)),
+               (draft_spec(draft, adaptive=True, k_max=3), dict(in_session=True)))
     joins, plain, seen = 0, engine(target), {}
 
     def alone_out(prompt, sp):  # greedy output of the prompt alone (no drafter, no session)
@@ -217,7 +218,10 @@ def test_random_add_abort_step_sequences_with_overlapped_sessions_never_leak(tar
         return seen[key]
 
     for spec, kw in configs:
+        kw = dict(kw)
+        in_session = kw.pop("in_session", False)  # (Engine.JOIN_IN_SESSION: arrivals join sessions running)
         eng = engine(target, spec, cache=CacheConfig(block_size=4, num_blocks=30), max_num_batched_tokens=48, **kw)
+        eng.JOIN_IN_SESSION = in_session
         q = eng.spec.max_draft_tokens + 1 if spec is not None else 2
         for runner in {id(r): r for r in (eng.runner, getattr(eng.drafter, "runner", None)) if r}.values():
             runner.graphs = GraphRunner(runner, batch_sizes=(1, 2, 4), max_q_len=q, use_graphs=False)
@@ -225,7 +229,7 @@ def test_random_add_abort_step_sequences_with_overlapped_sessions_never_leak(tar
         assert random_ops(eng, rng, 300, 0.15, 0.05, params, drain=10, max_prompt=70, reference=alone_out) > 0, spec
         joins += eng.session_joins  # (prompts up to 70 tokens against a 48-token budget: some read in chunks)
     assert 300 * len(configs) >= 1000
-    assert joins > 0  # arrivals joined sessions running (Engine.JOIN_IN_SESSION)
+    assert joins > 0  # arrivals joined sessions running (the in_session configs)
 
 
 def test_seeded_sampling_does_not_depend_on_k_tree_or_neighbours(target):

@@ -219,6 +219,7 @@ def test_joins_in_session_edge_cases(models, sessions):
     ref.scheduler.budget = budget
     want = run(ref, prompts, params, arrivals)
     eng = make(models, dict(k=3))
+    eng.JOIN_IN_SESSION = True
     eng.scheduler.budget = budget
     finishes = {}
     real_step = eng.step

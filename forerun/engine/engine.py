@@ -112,9 +112,10 @@ class Engine:
     JOIN_WAIT_RATIO = 0.0
     JOIN_WAIT_STEPS = 0
     # arrivals join an overlapped speculative session (their prompt read between two of its rounds) and finished
-    # requests leave it, instead of either ending it: see `_regroup`. False: every join and finish ends the session
-    # (the eleventh session's engine, kept for `benchmarks/online.py --join-in-session both`)
-    JOIN_IN_SESSION = True
+    # requests leave it, instead of either ending it: see `_regroup`. Off by default (every join and finish ends the
+    # session): measured mixed on the H200 (runs 33-34: better at 4 requests and Poisson 100/s, worse at 2 and 16),
+    # and after the review's fixes its GPU test failed once in three runs, cause not found (twelfth session)
+    JOIN_IN_SESSION = False
 
     def __init__(self, model: str | None = None, *, spec: SpecConfig | None = None, device: str | None = None,
                  dtype: torch.dtype | None = None, cache: CacheConfig | None = None, max_num_seqs: int = 64,

@@ -516,13 +516,17 @@ def test_session_joins_and_leaves_on_cuda_graphs_equal_plain(in_session):
         return out
 
     want = drive(Engine.from_model(build(), tok, **kw))
-    for draft in (dbuild, build):  # a weak draft (rollbacks every round) and the target itself (all accepted)
+    for name, draft in (("weak draft", dbuild), ("self-draft", build)):  # rollbacks every round / all accepted
         eng = Engine.from_model(build(), tok, spec=SpecConfig(method="draft", draft_model=(draft(), tok), k=3),
                                 check_invariants=True, overlap_spec=True, **kw)
         eng.JOIN_IN_SESSION = in_session
         eng.warmup(max_batch=8)
-        assert drive(eng) == want
-        assert (eng.session_joins > 0) == in_session
+        got = drive(eng)
+        # (the twelfth session saw this test fail once, its message lost: say which request and where it differs)
+        diff = {rid: next((i, a, b) for i, (a, b) in enumerate(zip(got.get(rid, []) + [None] * 99, want[rid]))
+                          if a != b) for rid in want if got.get(rid) != want[rid]}
+        assert not diff, (name, "first difference (position, got, want) per request", diff)
+        assert (eng.session_joins > 0) == in_session, (name, eng.session_joins, eng.session_reads)
         assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
         assert eng.drafter.kv.num_free_blocks == eng.drafter.kv.num_blocks - 1
 

@@ -523,8 +523,9 @@ def test_session_joins_and_leaves_on_cuda_graphs_equal_plain(in_session):
         eng.warmup(max_batch=8)
         got = drive(eng)
         # (the twelfth session saw this test fail once, its message lost: say which request and where it differs)
-        diff = {rid: next((i, a, b) for i, (a, b) in enumerate(zip(got.get(rid, []) + [None] * 99, want[rid]))
-                          if a != b) for rid in want if got.get(rid) != want[rid]}
+        diff = {rid: next(((i, a, b) for i, (a, b) in enumerate(zip(got.get(rid, []) + [None] * 99, want[rid]))
+                           if a != b), ("longer", len(got.get(rid, [])), len(want[rid])))
+                for rid in want if got.get(rid) != want[rid]}
         assert not diff, (name, "first difference (position, got, want) per request", diff)
         assert (eng.session_joins > 0) == in_session, (name, eng.session_joins, eng.session_reads)
         assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1

@@ -32,7 +32,8 @@ from ..sampling_params import SamplingParams
 from ..stats import RequestStats
 from .k_policy import KPolicy
 from .overlap import overlap_applies, overlapped_decode
-from .overlap_spec import greedy_chain_verdict, overlapped_spec_rounds, samples_in_scope, spec_overlap_applies
+from .overlap_spec import (greedy_chain_verdict, overlapped_spec_rounds, request_in_scope, samples_in_scope,
+                           spec_overlap_applies)
 from .round import ChainRound, RoundItem, RoundResult, TreeRound
 from .sampler import RoundSampler, forcing, is_coupled
 from .scheduler import Scheduler
@@ -802,7 +803,7 @@ class Engine:
                 self._finish(r)  # (done by its first token: it never joins; its delta is in _session_extra)
             elif kv.length(r.req_id) == r.num_tokens - 1 and r.num_tokens >= 2:  # its prompt is read (all of it,
                 # or all but the last token: the session's verify feeds that one, as a decode row would)
-                if fits(len(stay) + 1) and r.num_tokens + 2 * (k + 1) + 1 < limit:
+                if fits(len(stay) + 1) and request_in_scope(kv, r, k, limit):
                     stay.append(r)
                     self.session_joins += 1
                     if r in self._session_extra:

@@ -55,13 +55,15 @@ def spec_overlap_applies(target, drafter, requests: list[Request], k: int, limit
     b = len(requests)
     if gr.bucket(b) is None or dgr.bucket(b) is None or k + 1 > gr.max_q_len or dgr.max_q_len < 2:
         return False
-    kv = target.kv
-    for r in requests:
-        if not samples_in_scope(r) or r.num_tokens < 2 or kv.length(r.req_id) != r.num_tokens - 1:
-            return False
-        if r.finished or r.num_tokens + 2 * (k + 1) + 1 >= limit:  # (near max_tokens is fine: see room())
-            return False
-    return True
+    return all(request_in_scope(target.kv, r, k, limit) for r in requests)
+
+
+def request_in_scope(kv, r: Request, k: int, limit: int) -> bool:
+    """Whether one request may take part in a session at this k: greedy and in scope, its prompt read (the target
+    cache holds every committed token but the newest), unfinished, room for two rounds in its context."""
+    if not samples_in_scope(r) or r.num_tokens < 2 or kv.length(r.req_id) != r.num_tokens - 1:
+        return False
+    return not r.finished and r.num_tokens + 2 * (k + 1) + 1 < limit  # (near max_tokens is fine: see room())
 
 
 def greedy_chain_verdict(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

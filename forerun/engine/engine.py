@@ -824,16 +824,13 @@ class Engine:
     def _overlap_step(self) -> list[Request]:
         gen, running, spec = self._overlap
         self._clock_t0 = time.perf_counter()
-        produced = None
-        extra, self._session_extra = self._session_extra, []  # (set by _regroup during next(gen))
+        produced, ended = None, False
         try:
             produced = next(gen)
-            extra, self._session_extra = extra + self._session_extra, []
-            return list(running) + extra
         except StopIteration as stop:  # the session has ended
-            launched = stop.value or 0
-            extra, self._session_extra = extra + self._session_extra, []
+            launched, ended = stop.value or 0, True
         finally:
+            extra, self._session_extra = self._session_extra, []  # (requests _regroup touched during next(gen))
             dt = time.perf_counter() - self._clock_t0
             self._clock_in += dt
             if produced is not None:  # a step that committed: the session's first, or a steady one
@@ -842,6 +839,8 @@ class Engine:
                 else:
                     self._session[1].append(dt)
                 self._session[2] += produced
+        if not ended:
+            return list(running) + extra
         self._overlap = None
         if self._session is not None and self.drafter is not None and self.spec.adaptive:
             first, rest, tokens, size = self._session

@@ -177,7 +177,7 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
             for r in joining:
                 host_len[r.req_id] = r.num_tokens - 1
                 everyone[r.req_id] = r
-            L = torch.cat([L, h2d([r.num_tokens - 1 for r in joining], dev, torch.int64)])
+            L = torch.cat([L, h2d([host_len[r.req_id] for r in joining], dev, torch.int64)])
             last2 = torch.cat([last2, h2d([r.all_tokens[-2:] for r in joining], dev, torch.int64)])
         members = stay + joining
 

@@ -7,6 +7,7 @@ GraphRunners standing in for the CUDA graphs (their `run_uniform` runs the same 
 """
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -29,13 +30,17 @@ def models():
     return sharpen(hf_model("llama"), 3.0), ours_from_hf(sharpen(hf_model("llama", seed=1, num_hidden_layers=1), 3.0))
 
 
-def make(models, spec_kw=None, overlap_spec=True, blocks=2048, mixed_prefill=False) -> Engine:
+def make(models, spec_kw=None, overlap_spec=True, blocks=2048, mixed_prefill=False, in_session=False) -> Engine:
+    """in_session: Engine.JOIN_IN_SESSION (on by default in the engine): False here, so that the tests written for
+    sessions that end at every arrival and finish (their restarts, rollbacks and drain steps) keep running them;
+    tests of the joins set it."""
     target, draft = models
     tok = tiny_tokenizer(97)
     spec = None if spec_kw is None else SpecConfig(method="draft", draft_model=(draft.model, tok), **spec_kw)
     eng = Engine.from_model(ours_from_hf(target).model, tok, spec=spec, device="cpu", check_invariants=True,
                             cache=CacheConfig(block_size=4, num_blocks=blocks), overlap_spec=overlap_spec,
                             mixed_prefill=mixed_prefill)
+    eng.JOIN_IN_SESSION = in_session
     if spec is not None:  # eager stand-ins for the CUDA graphs, on both runners (as enable_cuda_graphs does)
         for runner in (eng.runner, eng.drafter.runner):
             runner.graphs = GraphRunner(runner, batch_sizes=(1, 2, 4, 8), max_q_len=eng.spec.max_draft_tokens + 1,
@@ -77,14 +82,14 @@ def sessions(monkeypatch):
             real_regroup, calls = kw["regroup"], [0]  # the round in flight has run), every member's draft cache
             # holds all its committed tokens (the round's first step fed the two newest); checked a few times
 
-            def regroup(members, settle):
+            def regroup(members, settle, k):
                 calls[0] += 1
                 count["regroups"] += 1
                 if calls[0] <= 6:
                     for r in members:
                         if not r.finished:
                             check(dkv, r, r.num_tokens)
-                return real_regroup(members, settle)
+                return real_regroup(members, settle, k)
 
             kw["regroup"] = regroup
         for n in real(target, drafter, requests, *args, **kw):  # (count what it yields)
@@ -126,9 +131,10 @@ def plain_greedy(models):
     return run(make(models), PROMPTS, GREEDY)
 
 
+@pytest.mark.parametrize("in_session", [False, True])
 @pytest.mark.parametrize("spec_kw", [dict(k=3), dict(k=1), dict(adaptive=True, k_max=4)])
-def test_overlapped_rounds_equal_plain_greedy(models, sessions, plain_greedy, spec_kw):
-    eng = make(models, spec_kw)
+def test_overlapped_rounds_equal_plain_greedy(models, sessions, plain_greedy, spec_kw, in_session):
+    eng = make(models, spec_kw, in_session=in_session)
     got = run(eng, PROMPTS, GREEDY)
     assert got == plain_greedy
     # (adaptive k: this pair's first draft is right ~8 % of the time, so the policy soon decodes plainly)
@@ -136,7 +142,7 @@ def test_overlapped_rounds_equal_plain_greedy(models, sessions, plain_greedy, sp
     assert sessions["checked"] > 0
     # greedy verification keeps the output exact whatever is drafted: the drafts themselves are checked by the
     # acceptance, which must match ordinary rounds' (a wrong draft cache would draft worse)
-    ref = make(models, spec_kw, overlap_spec=False)
+    ref = make(models, spec_kw, overlap_spec=False, in_session=in_session)
     run(ref, PROMPTS, GREEDY)
     a, b = eng.stats(), ref.stats()
     rate = lambda st: st.spec_num_accepted_tokens / st.spec_num_draft_tokens  # noqa: E731
@@ -146,19 +152,20 @@ def test_overlapped_rounds_equal_plain_greedy(models, sessions, plain_greedy, sp
     assert eng.stats().spec_num_draft_tokens > 0
 
 
-@pytest.mark.parametrize("mixed_prefill", [False, True])
-def test_overlapped_rounds_with_arrivals_finishes_and_aborts(models, sessions, mixed_prefill):
+@pytest.mark.parametrize("mixed_prefill,in_session", [(False, False), (True, False), (False, True)])
+def test_overlapped_rounds_with_arrivals_finishes_and_aborts(models, sessions, mixed_prefill, in_session):
     """Requests joining mid-run end a session (the newcomer prefills in an ordinary round: alone, or mixed with
-    the others' rows), different max_tokens finish requests while a round is in flight, an abort lands inside a
-    session: every other request's output equals its plain greedy output and every block comes back."""
+    the others' rows; in_session: they join it instead), different max_tokens finish requests while a round is in
+    flight, an abort lands inside a session: every other request's output equals its plain greedy output and every
+    block comes back."""
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (20, 7, 16, 11, 24, 9)]
     arrivals = [0, 0, 3, 9, 12, 20]
     want = run(make(models), PROMPTS, params, arrivals)
-    eng = make(models, dict(k=3), mixed_prefill=mixed_prefill)
+    eng = make(models, dict(k=3), mixed_prefill=mixed_prefill, in_session=in_session)
     got = run(eng, PROMPTS, params, arrivals, aborts=[(16, "4")])
     assert {k: v for k, v in got.items() if k != "4"} == {k: v for k, v in want.items() if k != "4"}
     assert got["4"] == want["4"][: len(got["4"])]  # the aborted request's output is a prefix of its own
-    assert sessions["sessions"] >= 2
+    assert sessions["sessions"] >= 2 or (in_session and eng.session_joins >= 3)
     assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
     assert eng.drafter.kv.num_free_blocks == eng.drafter.kv.num_blocks - 1
 
@@ -580,14 +587,15 @@ def plain_greedy_of(models, prompts, params):
     return {int(k): v for k, v in out.items()}
 
 
+@pytest.mark.parametrize("in_session", [False, True])
 @pytest.mark.parametrize("ratio,steps", [(0.0, 0), (0.6, 5), (10.0, 3)])
-def test_joins_held_back_while_a_session_runs(models, sessions, monkeypatch, ratio, steps):
+def test_joins_held_back_while_a_session_runs(models, sessions, monkeypatch, ratio, steps, in_session):
     """Engine.JOIN_WAIT_RATIO / JOIN_WAIT_STEPS (TGI's waiting_served_ratio / max_waiting_tokens): while an overlapped
     session runs, arrivals wait until they number ratio x the running requests or the oldest has waited `steps`
     steps. Outputs stay plain greedy; no arrival's first token comes later than `steps` steps (+ its prefill and
     the session's round in flight) after it was queued; arrivals three steps apart are read in fewer prefill rounds
-    than without the wait (0 steps: off, every arrival ends the session at once)."""
-    eng = make(models, dict(k=3))
+    than without the wait (0 steps: off, every arrival ends the session at once, or joins it in_session)."""
+    eng = make(models, dict(k=3), in_session=in_session)
     monkeypatch.setattr(eng, "JOIN_WAIT_RATIO", ratio)
     monkeypatch.setattr(eng, "JOIN_WAIT_STEPS", steps)
     prefills = []
@@ -627,3 +635,127 @@ def test_joins_held_back_while_a_session_runs(models, sessions, monkeypatch, rat
         assert len(prefills) >= 4, prefills
     assert not eng._arrived
     assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
+
+
+@pytest.mark.parametrize("mode", ["in session", "plain"])
+def test_a_due_join_waits_for_a_request_about_to_finish(models, mode):
+    """Engine.JOIN_HOLD_STEPS: in a closed loop of 2 (each finish brings the next request), the two requests of a
+    wave finish one or two rounds apart. The arrival replacing the first waits (at most JOIN_HOLD_STEPS steps)
+    while the other has at most k + 1 tokens left, and both arrivals are read in one prefill round: fewer prefill
+    rounds than without the hold, first tokens at most the hold (+ 1) later, outputs equal to plain greedy. Speculative
+    sessions with joins in session (Engine.JOIN_IN_SESSION) and plain overlapped sessions (no drafter)."""
+    spec = dict(k=3) if mode == "in session" else None
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+    lengths = [21, 23, 20, 23, 22, 24, 20, 21]  # (pairs finishing a few tokens apart)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in lengths]
+    want = {str(i): v for i, v in plain_greedy_of(models, prompts, params).items()}
+
+    def closed_loop(hold: int):
+        eng = make(models, spec)
+        if spec is None:  # plain overlapped sessions need the graph stand-in too
+            eng.runner.graphs = GraphRunner(eng.runner, batch_sizes=(1, 2, 4, 8), max_q_len=2, use_graphs=False)
+        eng.JOIN_IN_SESSION = True
+        eng.JOIN_HOLD_STEPS = hold
+        reads = []
+        real = eng.round.run
+
+        def counted(items):
+            if any(it.feed > 1 for it in items):  # (plain: the running requests' decode rows mix in)
+                reads.append(sum(it.feed > 1 for it in items))
+            return real(items)
+
+        eng.round.run = counted
+        out, queued, first, nxt, step = {}, {}, {}, 2, 0
+        for i in range(2):
+            eng.add_request(prompts[i], params[i], request_id=str(i))
+            queued[str(i)] = 0
+        while eng.has_unfinished():
+            done = 0
+            for d in eng.step():
+                if d.new_token_ids:
+                    first.setdefault(d.request_id, step)
+                out.setdefault(d.request_id, []).extend(d.new_token_ids)
+                done += d.finished
+            step += 1
+            for _ in range(done):  # each finish brings the next request (closed loop)
+                if nxt < len(prompts):
+                    eng.add_request(prompts[nxt], params[nxt], request_id=str(nxt))
+                    queued[str(nxt)] = step
+                    nxt += 1
+            assert step < 1000
+        assert out == want
+        assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
+        return reads, {rid: first[rid] - queued[rid] for rid in queued}
+
+    held, ttft_held = closed_loop(2)
+    free, ttft_free = closed_loop(0)
+    assert sum(held) == sum(free) == len(prompts)
+    assert len(held) < len(free), (held, free)
+    assert any(n > 1 for n in held[1:]), held  # a wave's two arrivals read together
+    # (at most the hold later, and one step more when the whole session had left: its end is a step of its own)
+    assert max(ttft_held.values()) <= max(ttft_free.values()) + 2 + 1, (ttft_held, ttft_free)
+
+
+@pytest.mark.parametrize("hold", [0, 2, 3])
+def test_a_held_join_is_read_when_the_hold_runs_out(models, hold):
+    """The hold's bound: an arrival queued while the only member about to finish has k + 1 = 4 tokens left, the weak
+    draft giving it one token a round (it needs 4 rounds), is read JOIN_HOLD_STEPS steps later than without the
+    hold, not when the member finishes; outputs equal plain greedy."""
+    g = lambda m: SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)  # noqa: E731
+    eng = make(models, dict(k=3), in_session=True)
+    eng.JOIN_HOLD_STEPS = hold
+    eng.add_request(PROMPTS[0], g(30), request_id="0")
+    eng.add_request(PROMPTS[1], g(60), request_id="1")
+    out, step, queued, first = {}, 0, None, None
+    while eng.has_unfinished():
+        deltas = eng.step()
+        step += 1
+        for d in deltas:
+            out.setdefault(d.request_id, []).extend(d.new_token_ids)
+            if d.request_id == "2" and d.new_token_ids and first is None:
+                first = step
+        a = eng.requests.get("0")
+        if queued is None and a is not None and a.remaining <= 4 and eng._overlap is not None:
+            eng.add_request(PROMPTS[2], g(5), request_id="2")
+            queued, left = step, a.remaining
+        assert step < 500
+    assert left == 4 and first - queued == hold + 1, (left, queued, first)
+    want = run(make(models), PROMPTS[:3], [g(30), g(60), g(5)])
+    assert out == want and eng.session_joins >= 1
+
+
+@pytest.mark.parametrize("in_session", [False, True])
+def test_a_held_join_loses_no_k_decision(models, in_session):
+    """The hold must not make the engine ask the k policy and then throw its answer away: with restarting sessions
+    a held arrival let a plain session's start ask for k, and a k > 0 (a due probe among them) was lost to the
+    prompt's round read alone that followed (1-3 per run before the fix). Adaptive k, a closed loop of 3 with
+    random lengths, self-draft and weak draft: no round reads a prompt alone while a k > 0 decision is pending."""
+    target, weak = models
+    for seed, draft in itertools.product(range(3), ("self", "weak")):
+        eng = make((target, ours_from_hf(target) if draft == "self" else weak), dict(adaptive=True, k_max=4),
+                   blocks=4096, in_session=in_session)
+        for tokens in (2, 10):
+            eng.k_policy.cost.record_target(tokens, 0.002)
+        eng.k_policy.cost.record_draft_step(0.002)
+        lost, real_alone = [], eng._prefill_alone
+
+        def alone():
+            got = real_alone()
+            if got and eng._ks_cache is not None and any(eng._ks_cache.values()):
+                lost.append(dict(eng._ks_cache))
+            return got
+
+        eng._prefill_alone = alone
+        rng = random.Random(seed)
+        prompts = [[rng.randrange(3, 90) for _ in range(20)] for _ in range(30)]
+        params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(8, 30), ignore_eos=True) for _ in prompts]
+        nxt = 3
+        for i in range(nxt):
+            eng.add_request(prompts[i], params[i], request_id=str(i))
+        while eng.has_unfinished():
+            for _ in range(sum(d.finished for d in eng.step())):
+                if nxt < len(prompts):
+                    eng.add_request(prompts[nxt], params[nxt], request_id=str(nxt))
+                    nxt += 1
+        assert not lost, (seed, draft, lost)
+        assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1

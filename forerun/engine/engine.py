@@ -112,11 +112,21 @@ class Engine:
     # of one each. 0 steps: off (the default; not measured yet). Each waiting step adds one step to a TTFT.
     JOIN_WAIT_RATIO = 0.0
     JOIN_WAIT_STEPS = 0
+    # a due join is held while a running request is about to reach its max_tokens (at most k + 1 tokens left; in
+    # plain sessions at most this many, a token per step), for at most this many steps after the oldest arrival's:
+    # the arrival replacing it is then read in the same prefill round instead of one of its own. Applies to
+    # arrivals joining a session (JOIN_IN_SESSION: a speculative session may start or go on with one held) and to
+    # plain overlapped sessions (each finish ends those; a held arrival does not also end the restarted one), not
+    # when speculative sessions end at every finish (their drain step gathers arrivals already; see _try_overlap). Reading one 128-token prompt costs about a weight stream on the H200
+    # (8B shape: ~7 ms, and ~2.4 ms more per extra prompt in the same round: plain c = 1 / 2 / 4, run 31)
+    JOIN_HOLD_STEPS = 2
     # arrivals join an overlapped speculative session (their prompt read between two of its rounds) and finished
-    # requests leave it, instead of either ending it: see `_regroup`. Off by default (every join and finish ends the
-    # session): measured mixed on the H200 (runs 33-34: better at 4 requests and Poisson 100/s, worse at 2 and 16),
-    # and after the review's fixes its GPU test failed once in three runs, cause not found (twelfth session)
-    JOIN_IN_SESSION = False
+    # requests leave it, instead of either ending it: see `_regroup`. On by default since the thirteenth session:
+    # with JOIN_HOLD_STEPS, H200 runs 35-37 at a = 0.8 gave 1.18-1.21 / 1.13-1.16x plain at 16 / 32 requests
+    # against 1.15-1.17 / 1.08-1.09x restarting (run 35), the same within noise elsewhere; its GPU test's one
+    # failure (twelfth session) did not recur in 1200 randomized runs (benchmarks/joins_stress_gpu.py) or 8 runs of
+    # the test. False: every join and finish ends the session
+    JOIN_IN_SESSION = True
 
     def __init__(self, model: str | None = None, *, spec: SpecConfig | None = None, device: str | None = None,
                  dtype: torch.dtype | None = None, cache: CacheConfig | None = None, max_num_seqs: int = 64,
@@ -604,16 +614,29 @@ class Engine:
         if res.draft_step_seconds is not None:
             cost.record_draft_step(res.draft_step_seconds)
 
-    def _joins_due(self) -> bool:
+    @property
+    def _in_session(self) -> bool:
+        """Whether arrivals join overlapped speculative sessions (JOIN_IN_SESSION; never with mixed_prefill)."""
+        return self.JOIN_IN_SESSION and not self.mixed_prefill
+
+    def _joins_due(self, hold_k: int | None = None) -> bool:
         """Whether waiting requests should join now (end the session, or not start one): any wait, unless joins
         are held back (JOIN_WAIT_STEPS > 0) and fewer than JOIN_WAIT_RATIO x the running requests wait, the oldest
-        for fewer than JOIN_WAIT_STEPS steps."""
+        for fewer than JOIN_WAIT_STEPS steps. hold_k (the k of the session asking; 0: plain): also held while a
+        running request has at most hold_k + 1 tokens left to its max_tokens (plain sessions: JOIN_HOLD_STEPS, a
+        token per step), for at most JOIN_HOLD_STEPS steps after the oldest arrival's (its replacement is then read
+        with it)."""
         sched = self.scheduler
         if not sched.waiting:
             return False
-        if self.JOIN_WAIT_STEPS <= 0 or not sched.running or len(sched.waiting) >= self.JOIN_WAIT_RATIO * len(sched.running):
+        if not sched.running:
             return True
         oldest = min(self._arrived.get(r.req_id, self._steps) for r in sched.waiting)
+        if hold_k is not None and self._steps - oldest <= self.JOIN_HOLD_STEPS and \
+                any(not r.finished and r.remaining <= max(hold_k + 1, self.JOIN_HOLD_STEPS) for r in sched.running):
+            return False
+        if self.JOIN_WAIT_STEPS <= 0 or len(sched.waiting) >= self.JOIN_WAIT_RATIO * len(sched.running):
+            return True
         return self._steps - oldest >= self.JOIN_WAIT_STEPS
 
     # -- overlapped plain decoding (CUDA graphs) ---------------------------------------------------------
@@ -621,7 +644,12 @@ class Engine:
         """Start an overlapped session when every running request is past its prefill, nothing waits, and the
         draft-length policy gives k = 0 to all (no drafter, or adaptive k at 0 until its next probe)."""
         sched = self.scheduler
-        if not self.overlap or self._joins_due() or not sched.running or self.spec.is_tree:
+        # the join hold (JOIN_HOLD_STEPS) starts plain sessions with an arrival held: without a drafter, or when
+        # arrivals join speculative sessions too (then _try_spec_overlap held it first and asked the k policy:
+        # its k = 0 is reused below). Restarting speculative sessions do not hold: a held arrival would make this
+        # ask the k policy, and a k > 0 would be lost to the prompt's round that follows (a probe among them)
+        hold = 0 if self.drafter is None or self._in_session else None
+        if not self.overlap or self._joins_due(hold_k=hold) or not sched.running or self.spec.is_tree:
             return False
         running = list(sched.running)
         limit = self.max_model_len
@@ -639,7 +667,7 @@ class Engine:
         ids = [r.req_id for r in running]
         steps = self.k_policy.rounds_before_probe(ids) if self.drafter is not None else None
         gen = overlapped_decode(self.runner, running, limit, self._commit_overlapped, max_steps=steps,
-                                should_stop=lambda: self._joins_due() or any(r.finished for r in running),
+                                should_stop=lambda: self._joins_due(hold_k=hold) or any(r.finished for r in running),
                                 step_time=self.k_policy.cost.record_target if self.drafter is not None else None)
         self._overlap = (gen, running, False)
         return True
@@ -667,8 +695,11 @@ class Engine:
         """Start a session of overlapped speculative rounds (engine/overlap_spec.py) when every running request
         is past its prefill, nothing waits, the batch drafts one k > 0 and the session's scope fits."""
         sched = self.scheduler
+        # (joining sessions, an arrival held for a request about to finish (JOIN_HOLD_STEPS) lets one start: the
+        # arrival joins it once due; k_max bounds the k the session will draft)
+        hold = self.spec.max_draft_tokens if self._in_session else None
         if (not self.overlap_spec or self.spec.method != "draft" or self.spec.is_tree or not self.spec.enabled
-                or self._joins_due() or not sched.running):
+                or self._joins_due(hold_k=hold) or not sched.running):
             return False
         running = list(sched.running)
         ks = self._k_for(running)
@@ -698,7 +729,7 @@ class Engine:
             r.stats.record(kk, accepted, n, kk)  # tokens committed: a stop or max_tokens may cut the round
             return n
 
-        in_session = self.JOIN_IN_SESSION and not self.mixed_prefill
+        in_session = self._in_session
 
         def should_stop() -> bool:
             if self._end_session:
@@ -730,9 +761,9 @@ class Engine:
                 self._ks_cache = {r.req_id: x for r, x in zip(running, ks)}  # the round twice)
             return kk
 
-        def regroup(members: list[Request], settle) -> list[Request]:
+        def regroup(members: list[Request], settle, kk: int) -> list[Request]:
             reads = self.session_reads
-            new = self._regroup(members, settle, k)
+            new = self._regroup(members, settle, kk)
             changed = [r.req_id for r in new] != [r.req_id for r in running]
             if changed:
                 running[:] = new  # (the engine's view of the session: deltas, aborts, the k policy's batch)
@@ -778,7 +809,7 @@ class Engine:
         fits = lambda n: graphs.bucket(n) is not None and dgraphs.bucket(n) is not None  # noqa: E731
         others = [r for r in sched.running if r.req_id not in ids]  # admitted in an earlier join, not yet members
         reading = [r for r in others if kv.length(r.req_id) < r.num_tokens - 1]  # prompts read in chunks
-        due, head = self._joins_due(), (sched.waiting[0] if sched.waiting else None)
+        due, head = self._joins_due(hold_k=k), (sched.waiting[0] if sched.waiting else None)
         if stay and due and not (samples_in_scope(head) and fits(len(stay) + len(others) + 1)):
             self._end_session = True  # the head of the queue can never join this session: it ends for it
             due = False

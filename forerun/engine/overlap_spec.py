@@ -91,7 +91,7 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
                            max_rounds: int | None = None,
                            timing: Callable[[int, float, float, int], None] | None = None,
                            next_k: Callable[[], int] | None = None,
-                           regroup: Callable[[list[Request], Callable[[], None]], list[Request]] | None = None
+                           regroup: Callable[[list[Request], Callable[[], None], int], list[Request]] | None = None
                            ) -> Generator[int, None, int]:
     """Speculative rounds for `requests` with one round in flight, the first drafting k tokens. Yields the tokens
     committed per round; returns the number of rounds launched. commit(request, tokens, accepted, k) commits one
@@ -103,7 +103,8 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
     ends the session. Without it every round drafts k.
 
     Membership. Without regroup, the session ends once a request has finished (the round in flight is committed
-    for the others). With it, regroup(members, settle) is called before every launch after the first and returns
+    for the others). With it, regroup(members, settle, k) (k: the last round's) is called before every launch
+    after the first and returns
     the members of the next round: the caller drops finished requests (they already have their last tokens; the
     round in flight still carries their rows, skipped at its commit) and adds newcomers whose prompt it has read
     (target cache = every committed token but the newest, in the session's scope), calling settle() first (it
@@ -217,7 +218,7 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
         while True:
             if launched and regroup is not None:  # those who finished leave, newcomers join
                 new = regroup(list(members), lambda: pending is not None and pending[1] is not None
-                              and pending[1].synchronize())
+                              and pending[1].synchronize(), kk)
                 if [r.req_id for r in new] != [r.req_id for r in members]:
                     change(new)
             go = bool(members) and room(kk) and (max_rounds is None or launched < max_rounds) \
@@ -228,7 +229,10 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
             step = launch(kk, ahead()) if go else None
             launched += step is not None
             if pending is not None:
-                yield commit_round(pending)
+                produced = commit_round(pending)
+                if step is None and not produced:  # (the last round gave nothing: every member had left. The
+                    return launched  # session ends in this step, not after one more that reports nothing)
+                yield produced
                 if regroup is None and any(r.finished for r in members):
                     if step is not None:  # computed for everyone: commit it for those still running
                         yield commit_round(step)

@@ -533,6 +533,35 @@ def test_one_rejected_draft_does_not_switch_a_new_request_off():
     assert pol.ks([100], [40]) != [0]
 
 
+def test_a_veto_needs_a_measured_plain_step():
+    """KPolicy.plain_step: the realized-rate veto compares drafting with plain decoding's measured step (a plain
+    session's steady step at this batch size, or a forward of no more tokens), never with the cost model's
+    extrapolation below the verify forwards it has seen (on the H200 at 64 requests it put a 52-request step at
+    3.75 ms against 6.24 ms measured, and the vetoes sent a = 0.8 to plain decoding at 0.79-0.96x plain)."""
+    from forerun.engine.k_policy import KPolicy
+
+    pol = KPolicy(SpecConfig(method="draft", draft_model="x", adaptive=True, k_max=4))
+    for tokens, seconds in ((32, 0.008), (40, 0.012)):  # 8 requests verifying 4-5 tokens; a steep local slope
+        for _ in range(3):
+            pol.cost.record_target(tokens, seconds)
+    pol.cost.record_draft_step(0.0005)
+    for rid in range(8):
+        for _ in range(20):
+            pol.observe(rid, 4, 3, wanted=4)
+    ids, room = list(range(8)), [100] * 8
+    assert pol.plain_step(8) is None and pol.cost.target_time(8) == 0.004  # (extrapolated: half the 32-token time)
+    assert pol.batch_k(ids, room) >= 1
+    for _ in range(KPolicy.REALIZED_MIN):  # 2 tokens per request in 8.5 ms: 235 tok/s, the extrapolation says 250
+        pol.record_realized(8, 16, 0.0085)
+    assert pol.plain_rate(8) > pol.realized_rate(8)
+    assert pol.batch_k(ids, room) >= 1 and pol.vetoes == 0  # no plain step measured: no veto
+    pol.record_session(False, 8, 0.009, 0.006, 100, same_mode=False)  # plain sessions at 8 requests: 6 ms a step
+    assert pol.plain_step(8) == 0.006 and pol.batch_k(ids, room) >= 1 and pol.vetoes == 0  # 235 > 167 tok/s
+    pol.record_session(False, 8, 0.005, 0.003, 100, same_mode=False)  # 3 ms a step: 333 tok/s beats drafting
+    assert pol.batch_k(ids, room) == 0 and pol.vetoes == 1
+    assert pol.veto_log[-1]["plain_step"] == 0.003 and pol.veto_log[-1]["forward"] == 0.004
+
+
 def test_batch_k_is_overruled_when_speculative_rounds_realize_less_than_plain():
     """The cost model sees only pure verify rounds; the rounds the engine really runs (prefill chunks of joining
     requests, which a drafter makes dearer, stalls) can deliver less. batch_k compares what speculative rounds
@@ -560,6 +589,8 @@ def test_batch_k_is_overruled_when_speculative_rounds_realize_less_than_plain():
     pol.record_realized(8, 24, 0.030)
     assert abs(pol.realized_rate(8) - 100.0) < 1e-9
     assert pol.batch_k(ids, room) == 0 and pol.vetoes == 1
+    (log,) = pol.veto_log  # what the veto compared (benchmarks/online.py reports it)
+    assert log["requests"] == 8 and abs(log["realized"] - 100.0) < 1e-9 and abs(log["plain"] - 200.0) < 1e-6
     assert pol.batch_probe_every == 2 * KPolicy.PROBE_EVERY
     ks = [pol.batch_k(ids, room) for _ in range(2 * KPolicy.PROBE_EVERY - 1)]
     assert ks[-1] == 1 and not any(ks[:-1])  # vetoed (once doubled) until the probe, a fresh measurement

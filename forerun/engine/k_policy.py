@@ -223,6 +223,9 @@ class KPolicy:
         # (committed tokens per request, wall seconds) of recent rounds that drafted
         self.realized: dict[int, deque] = {}
         self.vetoes = 0  # rounds where the realized rate overruled the cost model's k > 0
+        # the last vetoes' inputs (batch size, realized and plain rates per request, plain's predicted step, the
+        # target cost points it came from): what benchmarks/online.py reports for a run that went plain
+        self.veto_log: deque = deque(maxlen=8)
         # overlapped sessions (CUDA graphs), drafting (True) or plain (False): (seconds a start cost beyond a steady
         # step, tokens the session committed) of recent sessions, and the last steady step seen
         # per batch-size bucket: how often joins end sessions depends on the batch (64 requests: every round or two)
@@ -321,20 +324,36 @@ class KPolicy:
             return None
         return sum(o[0] for o in kept) / sum(o[1] for o in kept)
 
+    def plain_step(self, requests: int) -> float | None:
+        """Plain decoding's step at this batch size, from measurements: the steady step of plain overlapped sessions
+        at this batch size when one ran (what plain decoding realizes, host work overlapped), else the cost model's
+        forward of `requests` tokens when it has seen a forward of no more tokens than that. None: neither. Below
+        the counts it has seen the cost model extrapolates the verify forwards' slope, which at many requests
+        (verify forwards of 174+ tokens, compute-bound) put a 52-request decode step at 3.75 ms against the 6.24 ms
+        plain sessions took: vetoes on that estimate sent a = 0.8 at 64 requests to plain decoding at 0.79-0.96x
+        plain on the H200 (runs 36-38)."""
+        steady = self._steady.get((False, self._bucket(requests)))
+        if steady is not None:
+            return steady
+        if any(x <= requests for x, _ in self.cost.target_obs):
+            return self.cost.target_time(requests)
+        return None
+
     def plain_rate(self, requests: int) -> float:
-        """What plain decoding would have realized over the same rounds: one token per request in its predicted
-        step for a pure round, the round's own plain equivalent for a round that prefilled a new prompt."""
+        """What plain decoding would have realized over the same rounds: one token per request in its step
+        (`plain_step`) for a pure round, the round's own plain equivalent for a round that prefilled a new prompt."""
         kept = self._kept(requests) or []
-        step = self.cost.target_time(requests)
+        step = self.plain_step(requests) or self.cost.target_time(requests)
         tokens = sum(1.0 if o[2] is None else o[2][0] for o in kept)
         seconds = sum(step if o[2] is None else o[2][1] for o in kept)
         return tokens / seconds if seconds > 0 else 1.0 / step
 
     def _overruled(self, n: int) -> bool:
         """Whether speculative rounds at this batch size realize less than plain decoding would over the same
-        rounds (plain_rate)."""
+        rounds (plain_rate). Not without a measured plain step (`plain_step`): an extrapolated one overrules
+        drafting that pays."""
         rate = self.realized_rate(n)
-        return rate is not None and rate < self.REALIZED_MARGIN * self.plain_rate(n)
+        return rate is not None and self.plain_step(n) is not None and rate < self.REALIZED_MARGIN * self.plain_rate(n)
 
     def ks(self, req_ids: list[int], room: list[int]) -> list[int]:
         """k per request this round; room[i] caps it (context and max_tokens left)."""
@@ -394,6 +413,11 @@ class KPolicy:
             # the model says drafting pays, the rounds say it does not (on the H200 at 64 requests: k = 2-3
             # realized 0.46-0.75x plain): decode plainly, and wait twice as long before the next probe
             k, self.vetoes = 0, self.vetoes + 1
+            n = len(req_ids)
+            self.veto_log.append(dict(requests=n, realized=self.realized_rate(n), plain=self.plain_rate(n),
+                                      plain_step=self.plain_step(n), forward=self.cost.target_time(n),
+                                      plain_steady=self._steady.get((False, self._bucket(n))),
+                                      points=self.cost._target_points()[:8]))
             if self.batch_idle == 0:  # the batch was drafting: this trial of drafting failed
                 self.batch_probe_every = min(2 * self.batch_probe_every, self.PROBE_MAX)
             self.batch_trial = None

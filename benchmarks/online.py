@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import random
@@ -359,6 +360,8 @@ def run_grid(make_engine, prompts_for, new_tokens: "int | tuple[int, int]", conc
             if hist is not None:  # the batch k chosen per decision during this run (adaptive)
                 r["batch_k_hist"] = dict(sorted(hist.items()))
                 r["vetoes"] = eng.k_policy.vetoes - vetoes0  # rounds where realized rates overruled k > 0
+                if r["vetoes"]:  # the last ones' inputs: realized vs plain's predicted rate, the cost points
+                    r["veto_log"] = list(eng.k_policy.veto_log)[-min(r["vetoes"], 8):]
                 hist.clear()
             rows.append(r)
             if os.environ.get("ONLINE_PARTIAL"):  # survive a time limit: what is measured so far
@@ -494,6 +497,9 @@ def gpu_main(args) -> dict:
         # alike; --join-wait-ab: the configs tagged "join wait" only. Set on every run: an engine is reused
         jw = (tweaks or {}).get("join_wait") or args.join_wait or (0.0, 0)
         eng.JOIN_WAIT_RATIO, eng.JOIN_WAIT_STEPS = float(jw[0]), int(jw[1])
+        # --join-hold off: the configs tagged "no join hold" read an arrival at once even when a running request is
+        # about to finish (Engine.JOIN_HOLD_STEPS = 0); the others, plain included, keep the engine's default
+        eng.JOIN_HOLD_STEPS = Engine.JOIN_HOLD_STEPS if (tweaks or {}).get("hold", True) else 0
         return eng
 
     def make(spec_kw):
@@ -519,8 +525,9 @@ def gpu_main(args) -> dict:
             eng.k_policy.SWITCH_MARGIN = tweaks["margin"]
         # a new k ends the overlapped session (the tenth session's engine) or goes on in it
         eng.KEEP_SESSION_ON_NEW_K = not tweaks.get("restart")
-        # joins and finishes end the session (the default) or not (Engine.JOIN_IN_SESSION)
-        eng.JOIN_IN_SESSION = bool(tweaks.get("join_in_session"))
+        # arrivals join running sessions and finished requests leave them (Engine.JOIN_IN_SESSION, the engine's
+        # default: the k = 4 rows and --profile too), or each ends the session ("joins restart" rows)
+        eng.JOIN_IN_SESSION = bool(tweaks.get("join_in_session", Engine.JOIN_IN_SESSION))
         if tweaks.get("no_start_cost"):  # batch_k without sessions' start costs (KPolicy.record_session)
             eng.k_policy.SESSION_MIN = 1 << 30
         return joins(eng, tweaks)
@@ -578,19 +585,17 @@ def gpu_main(args) -> dict:
         for tag, ovs in modes:
             for mixed, mtag in mixes:
                 configs += [(f"k=4, {label}{tag}{mtag}", (a, dict(k=4), ovs, mixed))]
-                for margin in args.switch_margin or [None]:
-                    for restart in {"off": (False,), "on": (True,), "both": (False, True)}[args.restart_on_new_k]:
-                        for nsc in {"on": (False,), "off": (True,), "both": (False, True)}[args.start_cost]:
-                            for jw in jw_ab:
-                                for jis in {"on": (True,), "off": (False,), "both": (False, True)}[args.join_in_session]:
-                                    gtag = ("" if margin is None else f", switch margin {margin:g}") + \
-                                        (", restart on new k" if restart else "") + \
-                                        (", no start cost" if nsc else "") + jw_tag(jw) + \
-                                        (", joins in session" if jis else "")
-                                    configs += [(f"adaptive, {label}{tag}{mtag}{gtag}",
-                                                 (a, dict(adaptive=True, k_max=8), ovs, mixed,
-                                                  dict(margin=margin, restart=restart, no_start_cost=nsc, join_wait=jw,
-                                                       join_in_session=jis)))]
+                both = lambda v, off=False: {"on": (not off,), "off": (off,), "both": (False, True)}[v]  # noqa: E731
+                for margin, restart, nsc, jw, jis, hold in itertools.product(
+                        args.switch_margin or [None], both(args.restart_on_new_k), both(args.start_cost, off=True),
+                        jw_ab, both(args.join_in_session), both(args.join_hold)):
+                    gtag = ("" if margin is None else f", switch margin {margin:g}") + \
+                        (", restart on new k" if restart else "") + (", no start cost" if nsc else "") + \
+                        jw_tag(jw) + ("" if jis else ", joins restart") + ("" if hold else ", no join hold")
+                    configs += [(f"adaptive, {label}{tag}{mtag}{gtag}",
+                                 (a, dict(adaptive=True, k_max=8), ovs, mixed,
+                                  dict(margin=margin, restart=restart, no_start_cost=nsc, join_wait=jw,
+                                       join_in_session=jis, hold=hold)))]
     if args.only:  # e.g. --only plain adaptive: a shorter run
         configs = [c for c in configs if any(c[0].startswith(o) for o in args.only)]
 
@@ -726,10 +731,14 @@ def main() -> None:
                          "(--join-wait's RATIO STEPS), side by side in the same run")
     ap.add_argument("--join-wait-spec-only", action="store_true",
                     help="GPU: --join-wait-ab adds no plain row with the wait (plain without it is the reference)")
-    ap.add_argument("--join-in-session", choices=["on", "off", "both"], default="off",
+    ap.add_argument("--join-in-session", choices=["on", "off", "both"], default="on",
                     help="GPU: adaptive rows whose overlapped sessions take arrivals and let finished requests leave "
-                         "(on: Engine.JOIN_IN_SESSION; runs 33-34 ran it as their unlabeled rows, the restarting ones "
-                         "labeled 'joins restart'), end at each (off, the default), or both side by side")
+                         "(on: Engine.JOIN_IN_SESSION, the default since the thirteenth session; runs 35-36 labeled "
+                         "them 'joins in session'), end at each (off: labeled 'joins restart' from run 37 on), or "
+                         "both side by side")
+    ap.add_argument("--join-hold", choices=["on", "off", "both"], default="on",
+                    help="GPU: adaptive rows holding a due join while a running request is about to finish "
+                         "(Engine.JOIN_HOLD_STEPS, on: the default), not ('no join hold'), or both side by side")
     ap.add_argument("--poisson-ab", type=int, default=0, metavar="REPS",
                     help="GPU: only Poisson arrivals, the configs interleaved (all engines built first), each rate "
                          "REPS times; reports the median over repetitions of plain TPOT / config TPOT")
@@ -745,7 +754,8 @@ def main() -> None:
                                 ("--restart-on-new-k", args.restart_on_new_k != "off"),
                                 ("--start-cost", args.start_cost != "on"), ("--join-wait", args.join_wait),
                                 ("--join-wait-ab", args.join_wait_ab),
-                                ("--join-in-session", args.join_in_session != "off"),
+                                ("--join-in-session", args.join_in_session != "on"),
+                                ("--join-hold", args.join_hold != "on"),
                                 ("--join-wait-spec-only", args.join_wait_spec_only),
                                 ("--mixed-prefill", args.mixed_prefill != "off"),
                                 ("--overlap-spec", args.overlap_spec != "on"), ("--acceptance", args.acceptance),

@@ -122,6 +122,30 @@ def run(eng: Engine, prompts, params, arrivals=None, aborts=()) -> dict[str, lis
     return out
 
 
+def run_closed_loop(eng: Engine, prompts, params, c: int) -> tuple[dict, dict, dict]:
+    """Step until done with c requests at first and each finish bringing the next prompt (a closed loop). Returns
+    (outputs, the step each request was queued at, the step of its first token) by request id."""
+    out, queued, first, nxt, step = {}, {}, {}, c, 0
+    for i in range(c):
+        eng.add_request(prompts[i], params[i], request_id=str(i))
+        queued[str(i)] = 0
+    while eng.has_unfinished():
+        done = 0
+        for d in eng.step():
+            if d.new_token_ids:
+                first.setdefault(d.request_id, step)
+            out.setdefault(d.request_id, []).extend(d.new_token_ids)
+            done += d.finished
+        step += 1
+        for _ in range(done):
+            if nxt < len(prompts):
+                eng.add_request(prompts[nxt], params[nxt], request_id=str(nxt))
+                queued[str(nxt)] = step
+                nxt += 1
+        assert step < 5000
+    return out, queued, first
+
+
 GREEDY = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (30, 22, 30, 17, 30, 26)]
 # (different lengths: a session runs until a request finishes, so the others are checked when it ends)
 
@@ -642,8 +666,8 @@ def test_a_due_join_waits_for_a_request_about_to_finish(models, mode):
     """Engine.JOIN_HOLD_STEPS: in a closed loop of 2 (each finish brings the next request), the two requests of a
     wave finish one or two rounds apart. The arrival replacing the first waits (at most JOIN_HOLD_STEPS steps)
     while the other has at most k + 1 tokens left, and both arrivals are read in one prefill round: fewer prefill
-    rounds than without the hold, first tokens at most the hold (+ 1) later, outputs equal to plain greedy. Speculative
-    sessions with joins in session (Engine.JOIN_IN_SESSION) and plain overlapped sessions (no drafter)."""
+    rounds than without the hold, first tokens at most the hold (+ 1) later, outputs equal to plain greedy.
+    Speculative sessions with joins in session (Engine.JOIN_IN_SESSION) and plain overlapped sessions (no drafter)."""
     spec = dict(k=3) if mode == "in session" else None
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
     lengths = [21, 23, 20, 23, 22, 24, 20, 21]  # (pairs finishing a few tokens apart)
@@ -665,24 +689,7 @@ def test_a_due_join_waits_for_a_request_about_to_finish(models, mode):
             return real(items)
 
         eng.round.run = counted
-        out, queued, first, nxt, step = {}, {}, {}, 2, 0
-        for i in range(2):
-            eng.add_request(prompts[i], params[i], request_id=str(i))
-            queued[str(i)] = 0
-        while eng.has_unfinished():
-            done = 0
-            for d in eng.step():
-                if d.new_token_ids:
-                    first.setdefault(d.request_id, step)
-                out.setdefault(d.request_id, []).extend(d.new_token_ids)
-                done += d.finished
-            step += 1
-            for _ in range(done):  # each finish brings the next request (closed loop)
-                if nxt < len(prompts):
-                    eng.add_request(prompts[nxt], params[nxt], request_id=str(nxt))
-                    queued[str(nxt)] = step
-                    nxt += 1
-            assert step < 1000
+        out, queued, first = run_closed_loop(eng, prompts, params, 2)
         assert out == want
         assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
         return reads, {rid: first[rid] - queued[rid] for rid in queued}
@@ -749,13 +756,6 @@ def test_a_held_join_loses_no_k_decision(models, in_session):
         rng = random.Random(seed)
         prompts = [[rng.randrange(3, 90) for _ in range(20)] for _ in range(30)]
         params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(8, 30), ignore_eos=True) for _ in prompts]
-        nxt = 3
-        for i in range(nxt):
-            eng.add_request(prompts[i], params[i], request_id=str(i))
-        while eng.has_unfinished():
-            for _ in range(sum(d.finished for d in eng.step())):
-                if nxt < len(prompts):
-                    eng.add_request(prompts[nxt], params[nxt], request_id=str(nxt))
-                    nxt += 1
+        run_closed_loop(eng, prompts, params, 3)
         assert not lost, (seed, draft, lost)
         assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1

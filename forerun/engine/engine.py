@@ -117,8 +117,9 @@ class Engine:
     # the arrival replacing it is then read in the same prefill round instead of one of its own. Applies to
     # arrivals joining a session (JOIN_IN_SESSION: a speculative session may start or go on with one held) and to
     # plain overlapped sessions (each finish ends those; a held arrival does not also end the restarted one), not
-    # when speculative sessions end at every finish (their drain step gathers arrivals already; see _try_overlap). Reading one 128-token prompt costs about a weight stream on the H200
-    # (8B shape: ~7 ms, and ~2.4 ms more per extra prompt in the same round: plain c = 1 / 2 / 4, run 31)
+    # when speculative sessions end at every finish (their drain step gathers arrivals already; see _try_overlap).
+    # Reading one 128-token prompt costs about a weight stream on the H200 (8B shape: ~7 ms, and ~2.4 ms more per
+    # extra prompt in the same round: plain c = 1 / 2 / 4, run 31)
     JOIN_HOLD_STEPS = 2
     # arrivals join an overlapped speculative session (their prompt read between two of its rounds) and finished
     # requests leave it, instead of either ending it: see `_regroup`. On by default since the thirteenth session:

@@ -104,11 +104,11 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
 
     Membership. Without regroup, the session ends once a request has finished (the round in flight is committed
     for the others). With it, regroup(members, settle, k) (k: the last round's) is called before every launch
-    after the first and returns
-    the members of the next round: the caller drops finished requests (they already have their last tokens; the
-    round in flight still carries their rows, skipped at its commit) and adds newcomers whose prompt it has read
-    (target cache = every committed token but the newest, in the session's scope), calling settle() first (it
-    waits for the round in flight, so the prompt's forward runs on an idle device as between sessions). Their
+    after the first and returns the members of the next round: the caller drops finished requests (they already
+    have their last tokens; the round in flight still carries their rows, skipped at its commit) and adds
+    newcomers whose prompt it has read (target cache = every committed token but the newest, in the session's
+    scope), calling settle() first (it waits for the round in flight, so the prompt's forward runs on an idle
+    device as between sessions). Their
     draft caches are brought up here and their rows join the device-side state; an empty list ends the session.
     A join costs one round that is not overlapped, not the session's end and a restart (the others' draft
     catch-up and a first round that nothing overlaps). regroup must not change the list it is given.

@@ -45,6 +45,17 @@ class SyntheticSampler(RoundSampler):
     def __init__(self, a: float, seed: int = 0) -> None:
         super().__init__("auto")
         self.a, self.rng = a, random.Random(seed)
+        # drafts accepted per verdict, by k: host-side counts of the ordinary rounds, device-side ones of the
+        # overlapped rounds (summed on the device, read at take_hist: no extra wait per round)
+        self.host_hist: dict[int, list[int]] = {}
+        self.device_hist: dict[int, torch.Tensor] = {}
+
+    def take_hist(self) -> dict:
+        """{"host" | "device": {k: [verdicts accepting 0 .. k drafts]}} since the last call (then cleared)."""
+        out = {"host": {k: list(v) for k, v in sorted(self.host_hist.items())},
+               "device": {k: v.tolist() for k, v in sorted(self.device_hist.items())}}
+        self.host_hist, self.device_hist = {}, {}
+        return out
 
     def chain(self, logits, requests, drafts, draft_probs, starts, device_drafts=None) -> Verdict:
         best = logits.argmax(-1)  # [T], queued before the real verifier's sync
@@ -62,6 +73,8 @@ class SyntheticSampler(RoundSampler):
                 m += 1
             acc.append(m)
             rows.append(s + m)
+            if d:
+                self.host_hist.setdefault(len(d), [0] * (len(d) + 1))[m] += 1
         best = best.tolist()
         for d, m, r in zip(drafts, acc, rows):
             emitted.append(d[:m] + [best[r]])
@@ -78,6 +91,9 @@ class SyntheticSampler(RoundSampler):
             self._gen = torch.Generator(device=drafts.device).manual_seed(self.rng.randrange(1 << 30))
         u = torch.rand(b, k, device=drafts.device, generator=self._gen)
         acc = (u < self.a).to(torch.int64).cumprod(1).sum(1)
+        if k not in self.device_hist:
+            self.device_hist[k] = torch.zeros(k + 1, dtype=torch.int64, device=drafts.device)
+        self.device_hist[k].index_add_(0, acc, torch.ones_like(acc))
         keep = torch.arange(k, device=drafts.device)[None, :] < acc[:, None]
         tokens = best.clone()
         tokens[:, :k] = torch.where(keep, drafts, best[:, :k])
@@ -160,6 +176,8 @@ def drive(eng: Engine, prompts: list[list[int]], new_tokens: "int | tuple[int, i
         _PROBE = _StallProbe()
 
     rounds = _RoundTrace(eng) if os.environ.get("ONLINE_TRACE_ROUNDS") == "1" else None
+    # ONLINE_STEP_LOG=1: every step's [start s, seconds, kind, requests running, waiting, tokens given]
+    step_log = [] if os.environ.get("ONLINE_STEP_LOG") == "1" else None
 
     def add(prompt, now):
         nonlocal outstanding
@@ -196,6 +214,9 @@ def drive(eng: Engine, prompts: list[list[int]], new_tokens: "int | tuple[int, i
                 kind = "session start"
             elif kind == "spec session" and getattr(eng, "session_reads", 0) != joins0:
                 kind = "session join"  # (prompts read between two of the session's rounds: Engine._regroup)
+            if step_log is not None:
+                step_log.append([round(ts0 - t0, 5), round(dt, 5), kind, len(eng.scheduler.running),
+                                 len(eng.scheduler.waiting), sum(len(d.new_token_ids) for d in deltas)])
             k = kinds.setdefault(kind, [0, 0.0, 0])
             k[0], k[1], k[2] = k[0] + 1, k[1] + dt, k[2] + sum(len(d.new_token_ids) for d in deltas)
             if trace_slow:  # what a step that took long did: graph replays / eager steps / captures, requests, k
@@ -237,6 +258,8 @@ def drive(eng: Engine, prompts: list[list[int]], new_tokens: "int | tuple[int, i
                step_kinds={k: dict(steps=v[0], seconds=round(v[1], 4), tokens=v[2]) for k, v in sorted(kinds.items())})
     if trace is not None:
         res["round_trace"] = trace
+    if step_log is not None:
+        res["step_log"] = step_log
     if trace_slow:
         res["slowest_steps"] = [dict(seconds=round(a, 4), deltas=b, graphs=c, gc_s=g, compiles=k)
                                 for a, b, c, g, k in sorted(slow, key=lambda r: -r[0])[:6]]
@@ -349,6 +372,8 @@ def run_grid(make_engine, prompts_for, new_tokens: "int | tuple[int, int]", conc
                 prof = cProfile.Profile()
                 prof.enable()
             vetoes0 = getattr(getattr(eng, "k_policy", None), "vetoes", 0)
+            if hasattr(eng.sampler, "take_hist"):
+                eng.sampler.take_hist()
             r = drive(eng, prompts_for(int(os.environ.get("ONLINE_REPEAT", 3)) * c), new_tokens, concurrency=c)
             if prof is not None:  # where the host time of this run went
                 import pstats
@@ -356,6 +381,8 @@ def run_grid(make_engine, prompts_for, new_tokens: "int | tuple[int, int]", conc
                 prof.disable()
                 pstats.Stats(prof).sort_stats("tottime").print_stats(22)
             r.update(config=name, concurrency=c)
+            if hasattr(eng.sampler, "take_hist"):  # drafts accepted per verdict, by k (synthetic acceptance)
+                r["verdict_hist"] = eng.sampler.take_hist()
             hist = getattr(eng, "_k_hist", None)
             if hist is not None:  # the batch k chosen per decision during this run (adaptive)
                 r["batch_k_hist"] = dict(sorted(hist.items()))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 
 import pytest
 import torch
@@ -482,6 +483,65 @@ def test_a_probe_in_a_session_drafts(models, monkeypatch):
     probes = [n for k, n in launched if k == 1]
     assert probes, launched  # a probe ran as a session
     assert all(n >= 1 for _, n in launched), launched
+
+
+@pytest.mark.parametrize("in_session", [True, False])
+def test_a_switch_to_drafting_leaves_its_catch_up_out_of_the_realized_rate(models, monkeypatch, in_session):
+    """The veto compares what drafting sessions realize with plain decoding. A session that starts after plain
+    decoding (a probe) first feeds the draft every token of the plain stretch: paid once, that catch-up is not
+    what the session's rounds deliver, and counted in the trial's rate it vetoed drafting whose steady rounds
+    beat plain (H200, a = 0.6, 32 requests: a probe's 8 rounds at 0.85x plain, its steady rounds at 1.23x).
+    Here every switch's catch-up sleeps 0.4 s: no realized observation may span it, and the sessions that follow
+    a drafting one (restarts at arrivals and finishes) are still looked at."""
+    target, _ = models
+    eng = make((target, ours_from_hf(target)), dict(adaptive=True, k_max=4), blocks=4096, in_session=in_session)
+    real_batch_k = eng.k_policy.batch_k
+
+    def batch_k(ids, room):  # the policy's bookkeeping, then a scripted k: plain for 30 steps, drafting for 30, ...
+        real_batch_k(ids, room)
+        return 0 if (eng._steps // 30) % 2 == 0 else min(3, max(room, default=0))
+
+    eng.k_policy.batch_k = batch_k
+    starting, switches, recorded, restarts = [False], [0], [], []
+    real_feed, real_record = eng.drafter.feed, eng.k_policy.record_realized
+
+    def feed(requests, upto):
+        if starting[0]:  # the session start's catch-up (overlap_spec.py), after plain decoding
+            time.sleep(0.4)
+        return real_feed(requests, upto)
+
+    def record(requests, tokens, seconds, plain=None):
+        recorded.append(seconds)
+        real_record(requests, tokens, seconds, plain)
+
+    real = engine_module.overlapped_spec_rounds
+
+    def counted(target_, drafter, requests, k, *args, **kw):
+        switch = eng._last_session_spec is not True
+        switches[0] += switch
+        starting[0] = switch
+        n0 = len(recorded)
+        gen = real(target_, drafter, requests, k, *args, **kw)
+        try:
+            while True:
+                produced = next(gen)
+                starting[0] = False
+                yield produced
+        except StopIteration as stop:
+            starting[0] = False
+            if not switch:
+                restarts.append(len(recorded) - n0)
+            return stop.value
+
+    monkeypatch.setattr(engine_module, "overlapped_spec_rounds", counted)
+    eng.drafter.feed, eng.k_policy.record_realized = feed, record
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 90) for _ in range(20)] for _ in range(4)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (120, 90, 100, 70)]
+    run(eng, prompts, params, arrivals=[0, 0, 30, 60])
+    assert switches[0] >= 1 and len(recorded) >= 8, (switches, len(recorded))  # (not vacuous)
+    assert max(recorded) < 0.3, sorted(recorded)[-3:]
+    assert in_session or sum(restarts) > 0  # sessions restarting after drafting ones are still looked at
 
 
 @pytest.mark.parametrize("overlap_spec", [True, False])

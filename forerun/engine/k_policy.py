@@ -298,7 +298,9 @@ class KPolicy:
     def record_realized(self, requests: int, tokens: int, seconds: float, plain: tuple[float, float] | None = None) -> None:
         """A speculative round of `requests` requests committed `tokens` tokens in `seconds` of wall time,
         everything included: host work, the draft's catch-up over new prompts, stalls, a new prompt's prefill.
-        The cost model sees only the kernels of pure verify rounds and can miss these.
+        The cost model sees only the kernels of pure verify rounds and can miss these. (Not the first look of a
+        session that switches drafting on after plain decoding: its catch-up over the plain stretch is paid once,
+        and the engine leaves it out.)
         plain: (tokens, seconds) that plain decoding would have given in the same round, for a round carrying a
         new prompt's prefill (plain pays that prefill too: the engine passes the round minus its drafting and
         its extra verify rows); None for a pure round: one token per request in plain's predicted step."""

@@ -342,6 +342,30 @@ def _step_kind(eng: Engine) -> str:
     return "round"
 
 
+def count_k_decisions(eng: Engine) -> None:
+    """Wrap the engine's batch_k: `eng._k_hist` counts the batch k chosen per decision; `eng._k_on` records the
+    decisions that switched drafting on or off (a probe or the model, the batch size, the model's inputs)."""
+    from collections import Counter
+
+    pol = eng.k_policy
+    eng._k_hist, eng._k_on, eng._k_last, batch_k = Counter(), [], 0, pol.batch_k
+
+    def counted(ids, room):
+        before = (pol.batch_idle, pol.batch_probe_every)
+        k = batch_k(ids, room)
+        eng._k_hist[k] += 1
+        if (k > 0) != (eng._k_last > 0) and len(eng._k_on) < 64:
+            n, c = len(ids), pol.cost
+            eng._k_on.append(dict(step=eng._steps, requests=n, k=k, probe=pol.batch_probing, idle=before[0],
+                                  probe_every=before[1], vetoes=pol.vetoes, pool_rate=round(pol.overall.rates(1)[0], 4),
+                                  t_plain=c.target_time(n), t_k1=c.target_time(2 * n), draft=c.draft_step_time(),
+                                  start_spec=pol.restart_per_token(True, n), start_plain=pol.restart_per_token(False, n)))
+        eng._k_last = k
+        return k
+
+    pol.batch_k = counted
+
+
 def _graph_counts(eng: Engine) -> dict:
     """Replays, eager steps and captured graphs of the target and draft runners (where steps ran)."""
     out = {}
@@ -365,6 +389,7 @@ def run_grid(make_engine, prompts_for, new_tokens: "int | tuple[int, int]", conc
             drive(eng, prompts_for(2 * c), new_tokens, concurrency=c)  # the same workload once: every graph captured
             if getattr(eng, "_k_hist", None) is not None:
                 eng._k_hist.clear()
+                eng._k_on = []
             prof = None
             if os.environ.get("ONLINE_CPROFILE") and name.startswith(os.environ["ONLINE_CPROFILE"]):
                 import cProfile
@@ -386,6 +411,7 @@ def run_grid(make_engine, prompts_for, new_tokens: "int | tuple[int, int]", conc
             hist = getattr(eng, "_k_hist", None)
             if hist is not None:  # the batch k chosen per decision during this run (adaptive)
                 r["batch_k_hist"] = dict(sorted(hist.items()))
+                r["k_on"], eng._k_on = eng._k_on, []
                 r["vetoes"] = eng.k_policy.vetoes - vetoes0  # rounds where realized rates overruled k > 0
                 if r["vetoes"]:  # the last ones' inputs: realized vs plain's predicted rate, the cost points
                     r["veto_log"] = list(eng.k_policy.veto_log)[-min(r["vetoes"], 8):]
@@ -401,10 +427,12 @@ def run_grid(make_engine, prompts_for, new_tokens: "int | tuple[int, int]", conc
             hist = getattr(eng, "_k_hist", None)
             if hist is not None:
                 hist.clear()
+                eng._k_on = []
             r = drive(eng, prompts_for(poisson_requests), new_tokens, rate=rate, seed=11 + i)
             r.update(config=name, concurrency=None, rate=rate)
             if hist is not None:
                 r["batch_k_hist"] = dict(sorted(hist.items()))
+                r["k_on"], eng._k_on = eng._k_on, []
             rows.append(r)
             log(f"{name:>26} Poisson {rate:g}/s {r['tok_s']:8.1f} tok/s  TTFT p50/p99 {r['ttft_p50'] * 1e3:7.1f}/"
                 f"{r['ttft_p99'] * 1e3:7.1f} ms  TPOT p50/p99 {r['tpot_p50'] * 1e3:6.2f}/{r['tpot_p99'] * 1e3:6.2f} ms  "
@@ -561,17 +589,8 @@ def gpu_main(args) -> dict:
 
     def make_warm(spec_kw):
         eng = make(spec_kw)
-        if spec_kw is not None and spec_kw[0] != "plain" and spec_kw[1].get("adaptive"):  # count the batch k decisions
-            from collections import Counter
-
-            eng._k_hist, batch_k = Counter(), eng.k_policy.batch_k
-
-            def counted(ids, room):
-                k = batch_k(ids, room)
-                eng._k_hist[k] += 1
-                return k
-
-            eng.k_policy.batch_k = counted
+        if spec_kw is not None and spec_kw[0] != "plain" and spec_kw[1].get("adaptive"):
+            count_k_decisions(eng)
         t = time.perf_counter()
         n = eng.warmup(max_batch=max(args.concurrency))  # the buckets this run reaches
         log(f"warm-up: {n} CUDA graphs captured in {time.perf_counter() - t:.1f} s")

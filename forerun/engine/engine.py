@@ -546,6 +546,7 @@ class Engine:
         if not out.items:
             return touched
         items = out.items
+        switch = self._draft_lags([it.request for it in items if it.final and it.feed == 1 and it.k > 0])
         res = self.round.run(items)
         self._observe(res, items)
         if any(it.final and it.feed == 1 for it in items):  # a round that decoded (not only read prompts): the
@@ -561,8 +562,10 @@ class Engine:
                 and res.sampled_rows:
             # no overlapped decoding: plain and speculative rounds pay the host work alike, once per round
             self.k_policy.cost.record_round_overhead(time.perf_counter() - t_start - res.target_seconds - res.draft_seconds)
-        if self.spec.adaptive and self.runner.graphs is not None and any(res.num_drafted):
-            # what the round delivered, host work, the draft's catch-up over new prompts and stalls included:
+        if self.spec.adaptive and self.runner.graphs is not None and any(res.num_drafted) and not switch:
+            # what the round delivered, host work, the draft's catch-up over new prompts and stalls included
+            # (not a round whose draft first catches up on a stretch of plain decoding: that is paid once, as a
+            # session's first look is left out in _try_spec_overlap, `_draft_lags`):
             # batch_k overrules its cost model when speculative rounds realize less than plain decoding would.
             # A round carrying a new prompt's prefill is compared with the same round without drafting (plain
             # pays that prefill too): against plain's bare predicted step, 16 requests arriving every few rounds
@@ -713,7 +716,7 @@ class Engine:
         # switch: drafting starts after plain decoding (a probe, or the model's k > 0), whose first look spans the
         # draft's catch-up over every token of the plain stretch: paid once, it is not what the rounds realize
         seen = {"t": self._clock_in, "tokens": sum(len(r.output_token_ids) for r in running), "kernels": None,
-                "steady": False, "switch": self._last_session_spec is not True}
+                "steady": False, "switch": self._draft_lags(running)}
         cost = self.k_policy.cost
 
         def timing(kk: int, draft_s: float, verify_s: float, b: int) -> None:
@@ -743,9 +746,7 @@ class Engine:
                 return False
             now, tokens = self._clock(), sum(len(r.output_token_ids) for r in running)
             if tokens > seen["tokens"]:  # what the rounds realized since the last look: the veto's input
-                if not seen["switch"]:  # (a switch's first look is left out: on the H200 at a = 0.6 and 32
-                    # requests a probe's catch-up (~25 ms over a steady round) put its 8 rounds at 0.85x plain
-                    # while its steady rounds ran at 1.23x; the veto ended each trial, run 40)
+                if not seen["switch"]:  # (a switch's first look is left out: `_draft_lags`)
                     self.k_policy.record_realized(len(running), tokens - seen["tokens"], now - seen["t"])
                 if seen["kernels"] is not None and seen["steady"]:  # one round committed since the last look:
                     # its wall time beyond its kernels (mostly hidden). Not the session's first commit: that look
@@ -789,6 +790,18 @@ class Engine:
                                      regroup=regroup if in_session else None)
         self._overlap = (gen, running, True)
         return True
+
+    def _draft_lags(self, reqs: list[Request]) -> bool:
+        """Whether the draft's cache misses more than a round's tokens of some of these decoding requests: a
+        stretch of plain decoding (or a prompt read while adaptive k was at 0) that the draft first catches up on.
+        That catch-up is paid once per switch to drafting, so the realized rate the veto reads leaves out the
+        round or look that spans it (on the H200 at a = 0.6 and 32 requests it put a probe's 8 rounds at 0.85x
+        plain while its steady rounds ran at 1.23x, and the veto ended every trial: run 40)."""
+        kv = self.drafter.kv if self.drafter is not None else None
+        if kv is None:
+            return False
+        lag = self.spec.max_draft_tokens + 2  # (what one round can leave behind: an all-accepted round's drafts)
+        return any(not kv.has(r.req_id) or r.num_tokens - kv.length(r.req_id) > lag for r in reqs)
 
     def _regroup(self, members: list[Request], settle, k: int) -> list[Request]:
         """Between two rounds of an overlapped speculative session (JOIN_IN_SESSION): finished and aborted members

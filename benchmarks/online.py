@@ -358,7 +358,7 @@ def count_k_decisions(eng: Engine) -> None:
             n, c = len(ids), pol.cost
             eng._k_on.append(dict(step=eng._steps, requests=n, k=k, probe=pol.batch_probing, idle=before[0],
                                   probe_every=before[1], vetoes=pol.vetoes, pool_rate=round(pol.overall.rates(1)[0], 4),
-                                  t_plain=c.target_time(n), t_k1=c.target_time(2 * n), draft=c.draft_step_time(),
+                                  t_plain=c.target_time(n), t_k1=c.target_time(2 * n), draft=c.draft_step_time(n),
                                   start_spec=pol.restart_per_token(True, n), start_plain=pol.restart_per_token(False, n)))
         eng._k_last = k
         return k

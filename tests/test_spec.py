@@ -12,7 +12,7 @@ from scipy import stats
 from forerun.config import SpecConfig
 from forerun.drafters.ngram import ngram_propose
 from forerun.runtime.runner import Chunk
-from forerun.engine.k_policy import AcceptanceEstimate, CostModel, choose_k
+from forerun.engine.k_policy import AcceptanceEstimate, CostModel, KPolicy, choose_k
 from forerun.engine.round import RoundItem
 from forerun.sampling_params import SamplingParams
 from tiny import hf_model, ours_from_hf, sharpen, tiny_llm, tiny_tokenizer
@@ -433,6 +433,48 @@ def test_draft_step_time_and_spec_overhead_are_medians():
     for s in (0.0005, 0.0004, 1.13, 0.0004, 1.17, 0.0005, 0.0003):  # two rounds that waited on a compile
         cost.record_spec_overhead(s)
     assert cost.spec_overhead() == 0.0005
+
+
+def test_draft_step_time_follows_the_batch_size():
+    """A draft step's cost depends on the batch it drafts for (on the H200 the 0.6B draft: ~1 ms for one request,
+    ~2 ms for 64). The cost model keeps steps by batch-size bucket and prices a round with its own batch's (the
+    nearest bucket timed when its own was not), so a stretch at 64 requests does not make drafting look twice as
+    dear at one request; batch_k follows: k > 0 at one request, 0 at 64, from the same observations."""
+    cost = CostModel()
+    for _ in range(5):
+        cost.record_draft_step(0.001, 1)
+        cost.record_draft_step(0.002, 64)
+    assert cost.draft_step_time(1) == 0.001 and cost.draft_step_time(2) == 0.001
+    assert cost.draft_step_time(40) == 0.002 and cost.draft_step_time(64) == 0.002
+    assert cost.draft_step_time(6) == 0.001  # (bucket 8: nearer to 1 than to 64)
+    assert cost.round_seconds(2, 1, 1) < cost.round_seconds(2, 1, 64)
+    before = cost.draft_step_time()
+    cost.record_draft_step(0.5)  # without a batch: the pooled record only
+    assert cost.draft_step_time(1) == 0.001 and cost.draft_step_time() >= before
+
+    # the decision: forwards of 1-128 tokens all cost 4.4 ms, acceptance ~0.35. At one request a round of k = 1
+    # takes 4.4 + 1.0 ms for 1.35 tokens (0.25 per ms against plain's 0.227): draft. At 64 it takes 4.4 + 2.0 ms
+    # (0.21 per ms): do not. Priced with every step pooled (median 2 ms) both would decode plainly.
+    cost = CostModel()
+    for n in (1, 2, 64, 128):
+        for _ in range(3):
+            cost.record_target(n, 0.0044)
+    for _ in range(5):
+        cost.record_draft_step(0.002, 64)
+    for _ in range(3):
+        cost.record_draft_step(0.001, 1)
+    assert cost.draft_step_time() == 0.002
+    overall = AcceptanceEstimate(decay=0.99)
+    for i in range(200):
+        overall.update(1, int(i % 20 < 7))
+    assert 0.3 < overall.rates(1)[0] < 0.4
+
+    def decide(n: int) -> int:
+        pol = KPolicy(SpecConfig(method="ngram", adaptive=True, k_max=1))
+        pol.cost, pol.overall = cost, overall
+        return pol.batch_k(list(range(n)), [1] * n)
+
+    assert decide(1) == 1 and decide(64) == 0
 
 
 def test_adaptive_k_at_zero_leaves_new_prompts_to_the_drafters_catch_up():

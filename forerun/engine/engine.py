@@ -616,7 +616,7 @@ class Engine:
         if res.target_tokens == res.sampled_rows and res.sampled_rows:
             cost.record_target(res.target_tokens, res.target_seconds)
         if res.draft_step_seconds is not None:
-            cost.record_draft_step(res.draft_step_seconds)
+            cost.record_draft_step(res.draft_step_seconds, sum(1 for it in items if it.final and it.k > 0) or None)
 
     @property
     def _in_session(self) -> bool:
@@ -722,7 +722,7 @@ class Engine:
         def timing(kk: int, draft_s: float, verify_s: float, b: int) -> None:
             # the cost model learns from these rounds as from ordinary ones: without them a session left the
             # draft-step cost unmeasured (drafting looked free: a useless draft ran at k = 8, 0.65-0.84x plain)
-            cost.record_draft_step(draft_s / kk)
+            cost.record_draft_step(draft_s / kk, b)
             cost.record_target(b * (kk + 1), verify_s)
             seen["kernels"] = draft_s + verify_s
 

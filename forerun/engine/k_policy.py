@@ -25,6 +25,11 @@ from ..config import SpecConfig
 from ..stats import expected_tokens_per_round
 
 
+def _bucket(n: int) -> int:
+    """n rounded up to a power of two (batch-size buckets)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def _median(xs, empty: float = 0.0) -> float:
     """The median of recent timings (one slow outlier, a compile or a catch-up, must not steer k), else `empty`."""
     if not xs:
@@ -110,6 +115,10 @@ class CostModel:
     draft_obs: deque = field(default_factory=lambda: deque(maxlen=64))
     overhead_obs: deque = field(default_factory=lambda: deque(maxlen=64))
     round_obs: deque = field(default_factory=lambda: deque(maxlen=64))
+    # draft steps by the batch they drafted for (next power of two): a step of the 0.6B draft costs ~1 ms for one
+    # request and ~2 ms for 64 on the H200; one number learned at 64 requests made drafting look twice as dear in
+    # the small batches that followed (run 44)
+    draft_by_batch: dict = field(default_factory=dict)
 
     # the medians and piecewise-linear points, with the observations they were computed from (all of them: a key of
     # length, first and last went stale when a full deque evicted a value equal to its successor, e.g. repeated
@@ -127,8 +136,12 @@ class CostModel:
     def record_target(self, tokens: int, seconds: float) -> None:
         self.target_obs.append((tokens, seconds))
 
-    def record_draft_step(self, seconds: float) -> None:
+    def record_draft_step(self, seconds: float, batch: int | None = None) -> None:
+        """One draft step's seconds; batch: the requests it drafted for (None: unknown, kept in the pooled record
+        only)."""
         self.draft_obs.append(seconds)
+        if batch:
+            self.draft_by_batch.setdefault(_bucket(batch), deque(maxlen=32)).append(seconds)
 
     def _target_points(self) -> list[tuple[int, float]]:
         """The median measured time at each token count seen (timings are noisy), never decreasing with the count."""
@@ -159,8 +172,14 @@ class CostModel:
         (x0, y0), (x1, y1) = pts[-2], pts[-1]
         return max(y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (tokens - x1), 1e-6)
 
-    def draft_step_time(self) -> float:
-        """The median recent draft step (a mean let two slow outliers keep k at 0 on the CPU pair)."""
+    def draft_step_time(self, batch: int | None = None) -> float:
+        """The median recent draft step (a mean let two slow outliers keep k at 0 on the CPU pair); with a batch
+        size, the steps timed at that batch's bucket, else at the nearest bucket timed, else all of them."""
+        if batch and self.draft_by_batch:
+            want = _bucket(batch).bit_length()
+            near = min(self.draft_by_batch, key=lambda b: (abs(b.bit_length() - want), b))
+            obs = self.draft_by_batch[near]
+            return self._cached(f"draft{near}", obs, lambda: _median(obs))
         return self._cached("draft", self.draft_obs, lambda: _median(self.draft_obs))
 
     def record_spec_overhead(self, seconds: float) -> None:
@@ -183,9 +202,10 @@ class CostModel:
         1.1-1.2 s on the H200, and in a mean it kept adaptive k at 0 for the next 64 rounds."""
         return self._cached("overhead", self.overhead_obs, lambda: _median(self.overhead_obs))
 
-    def round_seconds(self, tokens: int, k: int) -> float:
-        """Predicted wall time of a round whose target forward processes `tokens` tokens after k draft steps."""
-        return self.target_time(tokens) + k * self.draft_step_time() + (self.spec_overhead() if k else 0.0) \
+    def round_seconds(self, tokens: int, k: int, batch: int | None = None) -> float:
+        """Predicted wall time of a round whose target forward processes `tokens` tokens after k draft steps (for
+        `batch` requests: the draft step timed at that batch size)."""
+        return self.target_time(tokens) + k * self.draft_step_time(batch) + (self.spec_overhead() if k else 0.0) \
             + self.round_overhead()
 
 
@@ -197,7 +217,7 @@ def choose_k(acceptance: "float | AcceptanceEstimate", k_max: int, batch_size: i
         [expected_tokens_per_round(acceptance, k) for k in range(k_max + 1)]
     best_k, best = 0, 0.0
     for k in range(k_max + 1):
-        seconds = cost.round_seconds(batch_size * (k + 1), k)
+        seconds = cost.round_seconds(batch_size * (k + 1), k, batch_size)
         rate = expected[k] / seconds
         if rate > best * 1.0001:
             best_k, best = k, rate
@@ -287,9 +307,7 @@ class KPolicy:
     REALIZED_MARGIN = 1.0
     OUTLIER = 20.0  # a round longer than this many median rounds (a kernel compile) is left out of the rate
 
-    @staticmethod
-    def _bucket(n: int) -> int:
-        return 1 << max(0, n - 1).bit_length()
+    _bucket = staticmethod(_bucket)
 
     def _batch_probe_wait(self, n: int) -> int:
         """Plain rounds before the batch probes, at batch size n (see PROBE_BATCH)."""
@@ -401,7 +419,7 @@ class KPolicy:
             k, best, plain = 0, 0.0, 0.0
             starts = (self.restart_per_token(False, n), self.restart_per_token(True, n))
             for kk in range(kmax + 1):
-                seconds = self.cost.round_seconds(n * (kk + 1), kk) + starts[kk > 0] * expected[kk]
+                seconds = self.cost.round_seconds(n * (kk + 1), kk, n) + starts[kk > 0] * expected[kk]
                 rate = expected[kk] / seconds
                 if kk == 0:
                     plain = rate

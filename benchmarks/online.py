@@ -704,11 +704,13 @@ def cpu_main(args) -> dict:
     def log(m):
         print(f"[{time.perf_counter() - T0:6.1f}s] {m}", flush=True)
 
-    target, tok, _ = load_model("qwen2.5-coder-1.5b-instruct")
+    q = args.quantize
+    target, tok, _ = load_model("qwen2.5-coder-1.5b-instruct", quantize=q)
     from forerun.engine.engine import draft_dtype
 
-    draft, dtok, _ = load_model("qwen2.5-coder-0.5b-instruct", dtype=draft_dtype(SpecConfig(), torch.device("cpu"), torch.float32))
-    log("models loaded")
+    draft, dtok, _ = load_model("qwen2.5-coder-0.5b-instruct", quantize=q,
+                                dtype=draft_dtype(SpecConfig(), torch.device("cpu"), torch.float32))
+    log(f"models loaded (weights: {q})")
     prompts = []
     for p in CODE_PROMPTS:
         ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
@@ -729,7 +731,7 @@ def cpu_main(args) -> dict:
         r.update(config=name, rate=args.rate)
         poisson.append(r)
         log(f"Poisson {args.rate}/s {name}: {r['tok_s']:.2f} tok/s TTFT p50 {r['ttft_p50']:.2f} s TPOT p50 {r['tpot_p50'] * 1e3:.0f} ms")
-    return dict(rows=rows, ratios=ratios(rows), poisson=poisson, new_tokens=args.new_tokens)
+    return dict(rows=rows, ratios=ratios(rows), poisson=poisson, new_tokens=args.new_tokens, quantize=q)
 
 
 def main() -> None:
@@ -747,6 +749,9 @@ def main() -> None:
                          "on the same step")
     ap.add_argument("--blocks", type=int, default=None, help="GPU: KV blocks per pool (default 4000)")
     ap.add_argument("--threads", type=int, default=None, help="CPU: torch threads (default 2)")
+    ap.add_argument("--quantize", default=None, choices=["auto", "none", "int8", "int4"],
+                    help="CPU: how the GGUF weights are held (as forerun bench: auto = kept quantized, int4 or int8; "
+                         "none = widened to fp32, the runs before the quantized kernels)")
     ap.add_argument("--rate", type=float, default=None, help="CPU: the Poisson run's requests/s (default 0.05)")
     ap.add_argument("--poisson-requests", type=int, default=None, help="requests per Poisson run (CPU 4, GPU 64)")
     ap.add_argument("--rates", type=float, nargs="*", default=None,
@@ -809,8 +814,10 @@ def main() -> None:
         if given:
             ap.error(f"{', '.join(given)}: GPU only (--gpu)")
         args.threads, args.rate = args.threads or 2, 0.05 if args.rate is None else args.rate
+        args.quantize = args.quantize or "auto"
     else:
-        given = [f for f, v in (("--threads", args.threads), ("--rate", args.rate is not None)) if v]
+        given = [f for f, v in (("--threads", args.threads), ("--rate", args.rate is not None),
+                                ("--quantize", args.quantize)) if v]
         if given:
             ap.error(f"{', '.join(given)}: CPU only (--cpu)")
         args.acceptance = [0.6, 0.8, 0.9, 0.0] if args.acceptance is None else args.acceptance

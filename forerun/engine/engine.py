@@ -616,7 +616,10 @@ class Engine:
         if res.target_tokens == res.sampled_rows and res.sampled_rows:
             cost.record_target(res.target_tokens, res.target_seconds)
         if res.draft_step_seconds is not None:
-            cost.record_draft_step(res.draft_step_seconds, sum(1 for it in items if it.final and it.k > 0) or None)
+            ks = {it.k for it in items if it.final and it.k > 0}  # (steps past the first are timed: with several
+            # k their batches shrink step by step, and the step is kept in the pooled record only)
+            cost.record_draft_step(res.draft_step_seconds,
+                                   sum(1 for it in items if it.final and it.k > 0) if len(ks) == 1 else None)
 
     @property
     def _in_session(self) -> bool:
@@ -778,7 +781,7 @@ class Engine:
                 # the realized rate and the rounds' overhead restart from here (a prompt's read, a newcomer's first
                 # token, are not the session's rounds)
                 seen.update(t=self._clock(), tokens=sum(len(r.output_token_ids) for r in running), kernels=None,
-                            steady=False)
+                            steady=False, switch=False)
             return new
 
         verdict = getattr(self.sampler, "device_verdict", None) or greedy_chain_verdict
@@ -801,7 +804,10 @@ class Engine:
         if kv is None:
             return False
         lag = self.spec.max_draft_tokens + 2  # (what one round can leave behind: an all-accepted round's drafts)
-        return any(not kv.has(r.req_id) or r.num_tokens - kv.length(r.req_id) > lag for r in reqs)
+        # counted over the tokens decoded since the prompt only: a draft cache that has not read a new prompt yet
+        # (EAGLE feeds short prompts at the first extend) is the recurring catch-up over arrivals, which counts
+        return any(min(r.num_tokens - (kv.length(r.req_id) if kv.has(r.req_id) else 0), len(r.output_token_ids)) > lag
+                   for r in reqs)
 
     def _regroup(self, members: list[Request], settle, k: int) -> list[Request]:
         """Between two rounds of an overlapped speculative session (JOIN_IN_SESSION): finished and aborted members

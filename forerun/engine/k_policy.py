@@ -236,11 +236,6 @@ class KPolicy:
         self.idle_rounds: dict[int, int] = {}  # rounds since the request last drafted (adaptive k = 0)
         self.probe_every: dict[int, int] = {}  # per request: idle rounds before the next probe (backs off)
         self.probing: set[int] = set()  # requests whose current round is a probe
-        # per request: rounds drafted since an accepted probe, while its outcome is open (ks). A probe whose drafts
-        # were right but after which the costs still chose k = 0 backs off like a rejected one: on this CPU with
-        # int4 weights at 2 requests (verify rows dear) every probe succeeded, reset the wait to 16 rounds and paid
-        # the draft's catch-up over the plain stretch again, adaptive 0.81-0.88x plain
-        self.trials: dict[int, int] = {}
         # where a new request starts its probe interval: the last probe outcome of any request (a useless
         # drafter stays backed off for short requests too, instead of each paying its early probes again)
         self.default_probe_every = self.PROBE_EVERY
@@ -395,17 +390,6 @@ class KPolicy:
             est = self._estimate(rid)
             warm = len(self.cost.target_obs) >= 2
             k = choose_k(est, min(self.spec.k_max, r), n, self.cost) if warm else min(self.spec.k, r)
-            trial = self.trials.get(rid)
-            if trial is not None and rid not in self.probing:  # an accepted probe's outcome is open
-                if k > 0:
-                    self.trials[rid] = trial + 1
-                    if trial + 1 >= self.PROBE_HOLD:  # drafting lasted: the probe paid, probe often again
-                        self.probe_every[rid] = self.default_probe_every = self.PROBE_EVERY
-                        del self.trials[rid]
-                else:  # the draft was right but drafting still does not pay (the costs): probe half as often
-                    self.probe_every[rid] = self.default_probe_every = \
-                        min(2 * self.probe_every.get(rid, self.default_probe_every), self.PROBE_MAX)
-                    del self.trials[rid]
             idle = self.idle_rounds.get(rid, 0) + 1 if k == 0 else 0
             if idle >= self.probe_every.setdefault(rid, self.default_probe_every) and r > 0:
                 k, idle = 1, 0
@@ -518,16 +502,14 @@ class KPolicy:
                 drafted, accepted = 1, 0
             self._estimate(req_id).update(drafted, accepted)
             self.overall.update(drafted, accepted)
-            if req_id in self.probing:  # a rejected probe waits twice as long for the next one; an accepted one
-                self.probing.discard(req_id)  # opens a trial (ks): it resets the wait only if drafting then lasts
+            if req_id in self.probing:  # a rejected probe waits twice as long for the next one
+                self.probing.discard(req_id)
                 interval = self.probe_every.get(req_id, self.default_probe_every)
-                if drafted and accepted:
-                    self.trials[req_id] = 0
-                elif drafted:
-                    self.probe_every[req_id] = self.default_probe_every = min(2 * interval, self.PROBE_MAX)
+                if drafted:
+                    self.probe_every[req_id] = self.PROBE_EVERY if accepted else min(2 * interval, self.PROBE_MAX)
+                    self.default_probe_every = self.probe_every[req_id]
 
     def forget(self, req_id: int) -> None:
-        self.trials.pop(req_id, None)
         self.estimates.pop(req_id, None)
         self.idle_rounds.pop(req_id, None)
         self.probe_every.pop(req_id, None)

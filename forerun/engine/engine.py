@@ -546,7 +546,9 @@ class Engine:
         if not out.items:
             return touched
         items = out.items
-        switch = self._draft_lags([it.request for it in items if it.final and it.feed == 1 and it.k > 0])
+        # (read before the round moves the draft's cache; only the veto's record below uses it)
+        switch = self.spec.adaptive and self.runner.graphs is not None and \
+            self._draft_lags([it.request for it in items if it.final and it.feed == 1 and it.k > 0])
         res = self.round.run(items)
         self._observe(res, items)
         if any(it.final and it.feed == 1 for it in items):  # a round that decoded (not only read prompts): the
@@ -616,10 +618,9 @@ class Engine:
         if res.target_tokens == res.sampled_rows and res.sampled_rows:
             cost.record_target(res.target_tokens, res.target_seconds)
         if res.draft_step_seconds is not None:
-            ks = {it.k for it in items if it.final and it.k > 0}  # (steps past the first are timed: with several
+            ks = [it.k for it in items if it.final and it.k > 0]  # (steps past the first are timed: with several
             # k their batches shrink step by step, and the step is kept in the pooled record only)
-            cost.record_draft_step(res.draft_step_seconds,
-                                   sum(1 for it in items if it.final and it.k > 0) if len(ks) == 1 else None)
+            cost.record_draft_step(res.draft_step_seconds, len(ks) if len(set(ks)) == 1 else None)
 
     @property
     def _in_session(self) -> bool:

@@ -92,7 +92,8 @@ def main() -> None:
 
     rng = random.Random(args.seed)
     results, t0 = [], time.time()
-    print(f"{'trial':>5} {'draft':>10} {'run':>3} {'joins':>5} {'reads':>5} {'diffs':>5}  first difference (req, pos, got, want, gap)")
+    print(f"{'trial':>5} {'draft':>10} {'run':>3} {'joins':>5} {'mixed':>5} {'reads':>5} {'diffs':>5}  "
+          "first difference (req, pos, got, want, gap)")
     for trial in range(args.trials):
         n = rng.randint(3, 10)
         work = []
@@ -103,7 +104,7 @@ def main() -> None:
         for name, eng in engines.items():
             runs = []
             for rep in range(2):
-                joins0, reads0 = eng.session_joins, eng.session_reads
+                joins0, reads0, mixed0 = eng.session_joins, eng.session_reads, eng.mixed_joins
                 got = drive(eng, work, f"t{trial}{name[0]}{rep}")
                 diffs = []
                 for i in range(n):
@@ -118,12 +119,14 @@ def main() -> None:
                 free_ok = (eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
                            and eng.drafter.kv.num_free_blocks == eng.drafter.kv.num_blocks - 1)
                 row = dict(trial=trial, draft=name, rep=rep, joins=eng.session_joins - joins0,
+                           mixed=eng.mixed_joins - mixed0,
                            reads=eng.session_reads - reads0, diffs=diffs, blocks_back=free_ok)
                 results.append(row)
                 first = diffs[0] if diffs else None
                 fd = "" if first is None else (f"{first['request']}, {first['position']}, {first['got']}, "
                                                f"{first['want']}, {first['gap'] if first['gap'] is None else round(first['gap'], 6)}")
-                print(f"{trial:>5} {name:>10} {rep:>3} {row['joins']:>5} {row['reads']:>5} {len(diffs):>5}  {fd}"
+                print(f"{trial:>5} {name:>10} {rep:>3} {row['joins']:>5} {row['mixed']:>5} {row['reads']:>5} "
+                      f"{len(diffs):>5}  {fd}"
                       + ("" if free_ok else "  BLOCKS LEAKED"), flush=True)
             if runs[0] != runs[1]:
                 print(f"      {name}: the two runs of trial {trial} differ from each other", flush=True)

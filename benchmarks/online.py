@@ -165,6 +165,7 @@ def drive(eng: Engine, prompts: list[list[int]], new_tokens: "int | tuple[int, i
     info: dict[str, dict] = {}
     st0 = eng.stats()
     graphs0 = _graph_counts(eng)
+    j0 = {k: getattr(eng, k, 0) for k in ("session_joins", "session_reads", "mixed_joins")}
     t0 = time.perf_counter()
     outstanding = 0
     late_id = None
@@ -207,6 +208,7 @@ def drive(eng: Engine, prompts: list[list[int]], new_tokens: "int | tuple[int, i
                 _PROBE.take()
             kind = _step_kind(eng)
             joins0 = getattr(eng, "session_reads", 0)
+            mixed0 = getattr(eng, "mixed_joins", 0)
             deltas = eng.step()
             dt = time.perf_counter() - ts0
             steps.append(dt)
@@ -214,6 +216,8 @@ def drive(eng: Engine, prompts: list[list[int]], new_tokens: "int | tuple[int, i
                 kind = "session start"
             elif kind == "spec session" and getattr(eng, "session_reads", 0) != joins0:
                 kind = "session join"  # (prompts read between two of the session's rounds: Engine._regroup)
+            elif kind == "spec session" and getattr(eng, "mixed_joins", 0) != mixed0:
+                kind = "session join, mixed"  # (a prompt read in the members' next verify forward: MIX_JOINS)
             if step_log is not None:
                 step_log.append([round(ts0 - t0, 5), round(dt, 5), kind, len(eng.scheduler.running),
                                  len(eng.scheduler.waiting), sum(len(d.new_token_ids) for d in deltas)])
@@ -251,7 +255,8 @@ def drive(eng: Engine, prompts: list[list[int]], new_tokens: "int | tuple[int, i
                acceptance=round(accepted / drafted, 4) if drafted else None, drafted=drafted,
                preemptions=st.num_preemptions - st0.num_preemptions,
                graphs={k: v - graphs0.get(k, 0) for k, v in _graph_counts(eng).items()},
-               split_rounds=getattr(eng.round, "split_rounds", 0))
+               split_rounds=getattr(eng.round, "split_rounds", 0),
+               joins={k: getattr(eng, k, 0) - j0[k] for k in j0})
     med = percentile(steps, 50)  # stalls: time of steps that took > 5x the median step, beyond the median
     res.update(steps=len(steps), step_p50=med, step_max=max(steps),
                stall_s=sum(x - med for x in steps if x > 5 * med),
@@ -390,21 +395,12 @@ def run_grid(make_engine, prompts_for, new_tokens: "int | tuple[int, int]", conc
             if getattr(eng, "_k_hist", None) is not None:
                 eng._k_hist.clear()
                 eng._k_on = []
-            prof = None
-            if os.environ.get("ONLINE_CPROFILE") and name.startswith(os.environ["ONLINE_CPROFILE"]):
-                import cProfile
-
-                prof = cProfile.Profile()
-                prof.enable()
+            prof = _profiler(name)
             vetoes0 = getattr(getattr(eng, "k_policy", None), "vetoes", 0)
             if hasattr(eng.sampler, "take_hist"):
                 eng.sampler.take_hist()
             r = drive(eng, prompts_for(int(os.environ.get("ONLINE_REPEAT", 3)) * c), new_tokens, concurrency=c)
-            if prof is not None:  # where the host time of this run went
-                import pstats
-
-                prof.disable()
-                pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+            _profile_report(prof, f"{name} c={c}")
             r.update(config=name, concurrency=c)
             if hasattr(eng.sampler, "take_hist"):  # drafts accepted per verdict, by k (synthetic acceptance)
                 r["verdict_hist"] = eng.sampler.take_hist()
@@ -428,7 +424,9 @@ def run_grid(make_engine, prompts_for, new_tokens: "int | tuple[int, int]", conc
             if hist is not None:
                 hist.clear()
                 eng._k_on = []
+            prof = _profiler(name)
             r = drive(eng, prompts_for(poisson_requests), new_tokens, rate=rate, seed=11 + i)
+            _profile_report(prof, f"{name} Poisson {rate:g}/s")
             r.update(config=name, concurrency=None, rate=rate)
             if hist is not None:
                 r["batch_k_hist"] = dict(sorted(hist.items()))
@@ -440,6 +438,29 @@ def run_grid(make_engine, prompts_for, new_tokens: "int | tuple[int, int]", conc
         del eng
         free_memory()
     return rows
+
+
+def _profiler(name: str):
+    """ONLINE_CPROFILE=PREFIX[,PREFIX...]: a started cProfile.Profile for the configs whose names start so (where
+    the host time of a run goes), else None."""
+    prefixes = [p for p in os.environ.get("ONLINE_CPROFILE", "").split(",") if p]
+    if not any(name.startswith(p) for p in prefixes):
+        return None
+    import cProfile
+
+    prof = cProfile.Profile()
+    prof.enable()
+    return prof
+
+
+def _profile_report(prof, label: str) -> None:
+    if prof is None:
+        return
+    import pstats
+
+    prof.disable()
+    print(f"-- host profile: {label}")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(int(os.environ.get("ONLINE_CPROFILE_LINES", 22)))
 
 
 def free_memory() -> None:
@@ -583,6 +604,9 @@ def gpu_main(args) -> dict:
         # arrivals join running sessions and finished requests leave them (Engine.JOIN_IN_SESSION, the engine's
         # default: the k = 4 rows and --profile too), or each ends the session ("joins restart" rows)
         eng.JOIN_IN_SESSION = bool(tweaks.get("join_in_session", Engine.JOIN_IN_SESSION))
+        # a lone arrival read in the members' verify forward (Engine.MIX_JOINS, the default), or in a round of its
+        # own ("joins read alone" rows, --mix-joins off / both)
+        eng.MIX_JOINS = bool(tweaks.get("mix_joins", Engine.MIX_JOINS))
         if tweaks.get("no_start_cost"):  # batch_k without sessions' start costs (KPolicy.record_session)
             eng.k_policy.SESSION_MIN = 1 << 30
         return joins(eng, tweaks)
@@ -592,7 +616,7 @@ def gpu_main(args) -> dict:
         if spec_kw is not None and spec_kw[0] != "plain" and spec_kw[1].get("adaptive"):
             count_k_decisions(eng)
         t = time.perf_counter()
-        n = eng.warmup(max_batch=max(args.concurrency))  # the buckets this run reaches
+        n = eng.warmup(max_batch=max(args.concurrency), join_lens=(prompt_len,))  # the buckets this run reaches
         log(f"warm-up: {n} CUDA graphs captured in {time.perf_counter() - t:.1f} s")
         return eng
 
@@ -632,16 +656,19 @@ def gpu_main(args) -> dict:
             for mixed, mtag in mixes:
                 configs += [(f"k=4, {label}{tag}{mtag}", (a, dict(k=4), ovs, mixed))]
                 both = lambda v, off=False: {"on": (not off,), "off": (off,), "both": (False, True)}[v]  # noqa: E731
-                for margin, restart, nsc, jw, jis, hold in itertools.product(
+                for margin, restart, nsc, jw, jis, hold, mj in itertools.product(
                         args.switch_margin or [None], both(args.restart_on_new_k), both(args.start_cost, off=True),
-                        jw_ab, both(args.join_in_session), both(args.join_hold)):
+                        jw_ab, both(args.join_in_session), both(args.join_hold), both(args.mix_joins)):
+                    if not jis and not mj:  # (joins restarting read no prompt in a session: one row for both)
+                        continue
                     gtag = ("" if margin is None else f", switch margin {margin:g}") + \
                         (", restart on new k" if restart else "") + (", no start cost" if nsc else "") + \
-                        jw_tag(jw) + ("" if jis else ", joins restart") + ("" if hold else ", no join hold")
+                        jw_tag(jw) + ("" if jis else ", joins restart") + ("" if hold else ", no join hold") + \
+                        ("" if mj or not jis else ", joins read alone")
                     configs += [(f"adaptive, {label}{tag}{mtag}{gtag}",
                                  (a, dict(adaptive=True, k_max=8), ovs, mixed,
                                   dict(margin=margin, restart=restart, no_start_cost=nsc, join_wait=jw,
-                                       join_in_session=jis, hold=hold)))]
+                                       join_in_session=jis, hold=hold, mix_joins=mj)))]
     if args.only:  # e.g. --only plain adaptive: a shorter run
         configs = [c for c in configs if any(c[0].startswith(o) for o in args.only)]
 
@@ -790,6 +817,10 @@ def main() -> None:
     ap.add_argument("--join-hold", choices=["on", "off", "both"], default="on",
                     help="GPU: adaptive rows holding a due join while a running request is about to finish "
                          "(Engine.JOIN_HOLD_STEPS, on: the default), not ('no join hold'), or both side by side")
+    ap.add_argument("--mix-joins", choices=["on", "off", "both"], default="on",
+                    help="GPU: adaptive rows reading a lone arrival in the session members' next verify forward "
+                         "(Engine.MIX_JOINS, on: the default since the fifteenth session), in a round of its own "
+                         "('joins read alone'), or both side by side")
     ap.add_argument("--poisson-ab", type=int, default=0, metavar="REPS",
                     help="GPU: only Poisson arrivals, the configs interleaved (all engines built first), each rate "
                          "REPS times; reports the median over repetitions of plain TPOT / config TPOT")
@@ -806,7 +837,7 @@ def main() -> None:
                                 ("--start-cost", args.start_cost != "on"), ("--join-wait", args.join_wait),
                                 ("--join-wait-ab", args.join_wait_ab),
                                 ("--join-in-session", args.join_in_session != "on"),
-                                ("--join-hold", args.join_hold != "on"),
+                                ("--join-hold", args.join_hold != "on"), ("--mix-joins", args.mix_joins != "on"),
                                 ("--join-wait-spec-only", args.join_wait_spec_only),
                                 ("--mixed-prefill", args.mixed_prefill != "off"),
                                 ("--overlap-spec", args.overlap_spec != "on"), ("--acceptance", args.acceptance),

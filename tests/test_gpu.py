@@ -481,12 +481,14 @@ def test_overlapped_speculative_rounds_on_cuda_graphs_equal_plain():
     assert llm.aggregate_stats(outs).position_acceptance_rate == 1.0  # the draft is the target
 
 
-@pytest.mark.parametrize("in_session", [True, False])
-def test_session_joins_and_leaves_on_cuda_graphs_equal_plain(in_session):
+@pytest.mark.parametrize("in_session,mix", [(True, True), (True, False), (False, False)])
+def test_session_joins_and_leaves_on_cuda_graphs_equal_plain(in_session, mix):
     """Arrivals joining a running overlapped speculative session and finished requests leaving it
     (Engine.JOIN_IN_SESSION; off: each ends the session) on CUDA graphs, where the round in flight is still on the
     device when the host drops a finished request's rows and frees its blocks: outputs equal plain greedy, every
-    block comes back, and (on) the joins happened inside sessions."""
+    block comes back, and (on) the joins happened inside sessions. mix (Engine.MIX_JOINS): lone arrivals are read
+    in the members' verify forward (GraphRunner.run_uniform_join: prompts of 3-77 tokens padded to 4-128 rows),
+    launched while the round before runs."""
     import sys, os
 
     sys.path.insert(0, os.path.dirname(__file__))
@@ -519,7 +521,7 @@ def test_session_joins_and_leaves_on_cuda_graphs_equal_plain(in_session):
     for name, draft in (("weak draft", dbuild), ("self-draft", build)):  # rollbacks every round / all accepted
         eng = Engine.from_model(build(), tok, spec=SpecConfig(method="draft", draft_model=(draft(), tok), k=3),
                                 check_invariants=True, overlap_spec=True, **kw)
-        eng.JOIN_IN_SESSION = in_session
+        eng.JOIN_IN_SESSION, eng.MIX_JOINS = in_session, mix
         eng.warmup(max_batch=8)
         got = drive(eng)
         # (the twelfth session saw this test fail once, its message lost: say which request and where it differs)
@@ -528,6 +530,8 @@ def test_session_joins_and_leaves_on_cuda_graphs_equal_plain(in_session):
                 for rid in want if got.get(rid) != want[rid]}
         assert not diff, (name, "first difference (position, got, want) per request", diff)
         assert (eng.session_joins > 0) == in_session, (name, eng.session_joins, eng.session_reads)
+        assert (eng.mixed_joins > 0) == mix and (eng.runner.graphs.join_replays > 0) == mix, \
+            (name, eng.mixed_joins, eng.runner.graphs.join_replays)
         assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
         assert eng.drafter.kv.num_free_blocks == eng.drafter.kv.num_blocks - 1
 

@@ -31,17 +31,19 @@ def models():
     return sharpen(hf_model("llama"), 3.0), ours_from_hf(sharpen(hf_model("llama", seed=1, num_hidden_layers=1), 3.0))
 
 
-def make(models, spec_kw=None, overlap_spec=True, blocks=2048, mixed_prefill=False, in_session=False) -> Engine:
+def make(models, spec_kw=None, overlap_spec=True, blocks=2048, mixed_prefill=False, in_session=False,
+         mix_joins=False) -> Engine:
     """in_session: Engine.JOIN_IN_SESSION (on by default in the engine): False here, so that the tests written for
     sessions that end at every arrival and finish (their restarts, rollbacks and drain steps) keep running them;
-    tests of the joins set it."""
+    tests of the joins set it. mix_joins: Engine.MIX_JOINS (on by default): off here, so that the tests of prompts
+    read in rounds of their own keep reading them so; the tests of the mixed joins set it."""
     target, draft = models
     tok = tiny_tokenizer(97)
     spec = None if spec_kw is None else SpecConfig(method="draft", draft_model=(draft.model, tok), **spec_kw)
     eng = Engine.from_model(ours_from_hf(target).model, tok, spec=spec, device="cpu", check_invariants=True,
                             cache=CacheConfig(block_size=4, num_blocks=blocks), overlap_spec=overlap_spec,
                             mixed_prefill=mixed_prefill)
-    eng.JOIN_IN_SESSION = in_session
+    eng.JOIN_IN_SESSION, eng.MIX_JOINS = in_session, mix_joins
     if spec is not None:  # eager stand-ins for the CUDA graphs, on both runners (as enable_cuda_graphs does)
         for runner in (eng.runner, eng.drafter.runner):
             runner.graphs = GraphRunner(runner, batch_sizes=(1, 2, 4, 8), max_q_len=eng.spec.max_draft_tokens + 1,
@@ -88,8 +90,9 @@ def sessions(monkeypatch):
                 count["regroups"] += 1
                 if calls[0] <= 6:
                     for r in members:
-                        if not r.finished:
-                            check(dkv, r, r.num_tokens)
+                        if not r.finished:  # (a prompt read in the round in flight (Engine.MIX_JOINS) has no
+                            # token yet: its draft holds all of it but its last, which its first round feeds)
+                            check(dkv, r, r.num_tokens - (not r.output_token_ids))
                 return real_regroup(members, settle, k)
 
             kw["regroup"] = regroup
@@ -195,18 +198,24 @@ def test_overlapped_rounds_with_arrivals_finishes_and_aborts(models, sessions, m
     assert eng.drafter.kv.num_free_blocks == eng.drafter.kv.num_blocks - 1
 
 
-def test_arrivals_join_the_session_and_finished_requests_leave_it(models, sessions):
+@pytest.mark.parametrize("mix", [False, True])
+def test_arrivals_join_the_session_and_finished_requests_leave_it(models, sessions, mix):
     """Engine.JOIN_IN_SESSION: an arrival's prompt is read between two rounds of the session running and the
     arrival joins it; a request that finishes leaves it a step later, its blocks (target and draft) back while the
     session goes on. One session serves the whole run where, off, every arrival and finish ended one. Outputs
-    equal plain greedy either way; every arrival's first token comes in the step after it arrived or the next."""
+    equal plain greedy either way; every arrival's first token comes in the step after it arrived or the next (one
+    more when it is read in the members' verify forward). mix: Engine.MIX_JOINS, each lone arrival read in the
+    members' next verify forward instead of a round of its own."""
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (30, 8, 25, 12, 20, 9)]
     arrivals = [0, 0, 4, 9, 13, 17]
     want = run(make(models), PROMPTS, params, arrivals)
     count = {}
     for on in (True, False):
-        eng = make(models, dict(k=3))
+        eng = make(models, dict(k=3), mix_joins=mix)
         eng.JOIN_IN_SESSION = on
+        reads = []
+        real_run = eng.round.run
+        eng.round.run = lambda items: reads.append(len(items)) or real_run(items)
         before, out, first, left = sessions["sessions"], {}, {}, []
         step, finished = 0, {}
         while step <= max(arrivals) or eng.has_unfinished():
@@ -226,16 +235,24 @@ def test_arrivals_join_the_session_and_finished_requests_leave_it(models, sessio
             step += 1
             assert step < 500
         assert out == want and not eng.requests
-        assert all(first[str(i)] - arrivals[i] <= 2 for i in range(2, 6)), (first, arrivals)
+        # (a lone arrival read in the members' next verify forward (Engine.MIX_JOINS) reports its first token when
+        # that round is committed, a step after its launch: one step later than a read of its own)
+        assert all(first[str(i)] - arrivals[i] <= 2 + on for i in range(2, 6)), (first, arrivals)
         count[on] = sessions["sessions"] - before
         if on:
             assert eng.session_joins >= 4 and len(left) >= 3, (eng.session_joins, left)
+            # mixed: the four later arrivals came alone and were read in the members' verify forwards, no round
+            # of their own (the first two prompts' round is the only ordinary one); else each read alone
+            assert eng.mixed_joins == (4 if mix else 0) and eng.session_reads == (0 if mix else 4), \
+                (eng.mixed_joins, eng.session_reads)
+            assert len(reads) == (1 if mix else 5), reads
         assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
         assert eng.drafter.kv.num_free_blocks == eng.drafter.kv.num_blocks - 1
     assert count[True] == 1 and count[False] >= 6, count
 
 
-def test_joins_in_session_edge_cases(models, sessions):
+@pytest.mark.parametrize("mix", [False, True])
+def test_joins_in_session_edge_cases(models, sessions, mix):
     """Arrivals during a session that do not simply join: a prompt one token longer than the step budget (its
     first read leaves it one token short: it joins, the session's verify feeding its last token), one finished by
     its first token (reported once, never a member), and a sampled one that cannot join (the session ends with
@@ -250,7 +267,7 @@ def test_joins_in_session_edge_cases(models, sessions):
     ref = make(models, dict(k=3), overlap_spec=False)
     ref.scheduler.budget = budget
     want = run(ref, prompts, params, arrivals)
-    eng = make(models, dict(k=3))
+    eng = make(models, dict(k=3), mix_joins=mix)
     eng.JOIN_IN_SESSION = True
     eng.scheduler.budget = budget
     finishes = {}
@@ -267,6 +284,33 @@ def test_joins_in_session_edge_cases(models, sessions):
     assert finishes == {str(i): 1 for i in range(len(prompts))}, finishes
     assert not eng.requests and not eng.scheduler.running and not eng.scheduler.waiting
     assert eng.session_joins >= 2 and sessions["sessions"] >= 2, (eng.session_joins, sessions)
+    if mix:  # (the budget + 1 prompt is too long for one read: it is read alone, in two chunks)
+        assert eng.mixed_joins >= 1, eng.mixed_joins
+    assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
+    assert eng.drafter.kv.num_free_blocks == eng.drafter.kv.num_blocks - 1
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mixed_joins_random_arrivals_aborts_and_a_small_pool(models, sessions, seed):
+    """Engine.MIX_JOINS under stress: random arrivals (often one at a time, sometimes several: those are read
+    together in a round of their own), random aborts (some while their prompt's read is in flight), prompts of
+    2-40 tokens, and a target pool small enough to preempt. Outputs equal plain greedy (an aborted request's
+    is a prefix of its own), the rollback invariant holds after every session (check_invariants), and every block
+    of both pools comes back."""
+    rng = random.Random(seed)
+    n = 14
+    prompts = [[rng.randrange(3, 90) for _ in range(rng.randrange(2, 41))] for _ in range(n)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(4, 30), ignore_eos=True) for _ in range(n)]
+    arrivals = sorted(rng.randrange(0, 40) for _ in range(n))
+    aborts = [(rng.randrange(arrivals[i], arrivals[i] + 6), str(i)) for i in rng.sample(range(n), 3)]
+    want = run(make(models), prompts, params, arrivals)
+    eng = make(models, dict(k=3), blocks=90 if seed % 2 else 2048, in_session=True, mix_joins=True)
+    got = run(eng, prompts, params, arrivals, aborts=aborts)
+    cut = {rid for _, rid in aborts}
+    assert {k: v for k, v in got.items() if k not in cut} == {k: v for k, v in want.items() if k not in cut}
+    assert all(got.get(rid, []) == want[rid][: len(got.get(rid, []))] for rid in cut)
+    assert eng.mixed_joins >= 2, eng.mixed_joins
+    assert not eng.requests and not eng.scheduler.running and not eng.scheduler.waiting
     assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
     assert eng.drafter.kv.num_free_blocks == eng.drafter.kv.num_blocks - 1
 

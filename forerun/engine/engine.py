@@ -128,6 +128,12 @@ class Engine:
     # failure (twelfth session) did not recur in 1200 randomized runs (benchmarks/joins_stress_gpu.py) or 8 runs of
     # the test. False: every join and finish ends the session
     JOIN_IN_SESSION = True
+    # a lone arrival joining a session is read in the members' next verify forward (GraphRunner.run_uniform_join),
+    # launched while the round before it runs, instead of in a forward of its own between two rounds that nothing
+    # overlaps: on the H200 (8B shape) a 128-token prompt's own read cost ~10 ms beyond a steady 8 ms step at 4
+    # requests (run 43), about a weight stream plus the lost overlap. Several arrivals at once are still read
+    # together in a round of their own (one weight stream for all of them). False: every join reads alone
+    MIX_JOINS = True
 
     def __init__(self, model: str | None = None, *, spec: SpecConfig | None = None, device: str | None = None,
                  dtype: torch.dtype | None = None, cache: CacheConfig | None = None, max_num_seqs: int = 64,
@@ -179,7 +185,8 @@ class Engine:
                                               draft_dtype=ddtype, device=self.device)
         self.max_num_seqs, self.check_invariants, self.overlap = max_num_seqs, check_invariants, overlap
         budget = max(max_num_batched_tokens, self.spec.max_draft_tokens + 2)
-        self.runner = ModelRunner(target, self.cache, self.device, self.dtype, max_seqs=max_num_seqs,
+        # (two sequences more than the batch: a prompt joining a full session and its padding, run_uniform_join)
+        self.runner = ModelRunner(target, self.cache, self.device, self.dtype, max_seqs=max_num_seqs + 2,
                                   max_batch_tokens=budget)
         self.drafter = self._make_drafter()
         if cuda_graphs and self.device.type == "cuda":
@@ -210,16 +217,19 @@ class Engine:
         self._end_session = False  # a read prompt cannot join the session running: end it (_regroup)
         self.session_reads = 0  # prefill rounds read between two rounds of a session (Engine._regroup)
         self.session_joins = 0  # requests that joined a session running (Engine._regroup)
+        self.mixed_joins = 0  # ... of which read in the members' verify forward (MIX_JOINS)
         self._spec_totals = RequestStats()
         self._spec_num_drafts = 0
 
-    def warmup(self, max_batch: int | None = None) -> int:
+    def warmup(self, max_batch: int | None = None, join_lens: tuple[int, ...] = ()) -> int:
         """Capture now the CUDA graphs that decode and verify steps replay (they are otherwise captured, and their
         Triton kernels compiled, by the first step of each shape: a stall of up to a second in the middle of
         serving). Target: every batch bucket up to max_batch (default max_num_seqs) x every verify length the
         spec can ask for (1 .. max_draft_tokens + 1; chains), plus the overlapped-decoding step; a separate draft
         model: its draft step and its merged catch-up step; an EAGLE head: its extend and tree graphs
-        (`EagleDrafter.capture_graphs`). Returns how many graphs were captured."""
+        (`EagleDrafter.capture_graphs`). join_lens: prompt lengths (tokens) whose mixed joins (MIX_JOINS) are
+        captured too, for every batch bucket and verify length (one graph per piece size that holds such a prompt;
+        other lengths are captured when first read). Returns how many graphs were captured."""
         gr = self.runner.graphs
         if gr is None:
             return 0
@@ -246,6 +256,8 @@ class Engine:
                 for q in qs[1:]:
                     if q <= gr.max_q_len:
                         gr.capture(b, q, q, device_prep=True)
+                        for j in sorted({gr.join_len(b, n) for n in join_lens} - {None}):
+                            gr.capture(b, q, q, device_prep=True, join_len=j)
                 if dgr.max_q_len >= 2:
                     dgr.capture(b, 2, 1, device_prep=True)
             if dgr is not None and self.spec.method == "draft":
@@ -839,6 +851,13 @@ class Engine:
         if stay and due and not (samples_in_scope(head) and fits(len(stay) + len(others) + 1)):
             self._end_session = True  # the head of the queue can never join this session: it ends for it
             due = False
+        if stay and due and not reading and self._mixes(head, len(stay) + len(others)):
+            sched.admit_head()  # its prompt is read in the next round's verify forward (overlap_spec: `reading`)
+            ids.add(head.req_id)
+            stay.append(head)
+            self.session_joins += 1
+            self.mixed_joins += 1
+            due = False
         # a read needs a seat and the blocks of the head's first chunk (else it waits for members to leave, and the
         # round in flight keeps its overlap)
         room = due and len(sched.running) < sched.max_num_seqs and \
@@ -868,6 +887,19 @@ class Engine:
                 else:
                     self._end_session = True  # it cannot join: the ordinary rounds serve it
         return stay
+
+    def _mixes(self, head: Request, members: int) -> bool:
+        """Whether the head of the queue, alone in it, joins a session by a read in the members' next verify
+        forward (MIX_JOINS): its prompt fits one join graph and the step's token budget, it has a seat, its first
+        blocks and room for two rounds."""
+        sched, kv, limit = self.scheduler, self.runner.kv, self.max_model_len
+        dkv = self.drafter.runner.kv
+        n, kmax = head.num_tokens, self.spec.max_draft_tokens
+        return (self.MIX_JOINS and len(sched.waiting) == 1 and n >= 2 and n <= sched.budget
+                and len(sched.running) < sched.max_num_seqs and n + 2 * (kmax + 1) + 2 < limit
+                and self.runner.graphs.join_len(members, n) is not None
+                and -(-(n + kmax + 1) // kv.block_size) <= kv.num_free_blocks
+                and -(-(n + kmax + 1) // dkv.block_size) <= dkv.num_free_blocks)
 
     def _commit_overlapped(self, r: Request, tokens: list[int], logprobs) -> int:
         if r.finished:  # aborted while its step was in flight
@@ -991,6 +1023,8 @@ class Engine:
                 continue
             want = r.num_tokens - 1
             got = self.runner.kv.length(r.req_id)
+            if got == 0:
+                continue  # nothing read yet (admitted to join a session by a read that the session ended before)
             if got != want:
                 raise AssertionError(f"request {r.req_id}: target cache holds {got} tokens, expected {want}")
             if self.drafter is not None:

@@ -124,6 +124,7 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
     L = h2d([host_len[r.req_id] for r in members], dev, torch.int64)  # [B] on the device
     last2 = h2d([r.all_tokens[-2:] for r in members], dev, torch.int64)  # [B, 2]
     everyone = {r.req_id: r for r in members}  # every request that took part (the rollback at the end)
+    reading: list[Request] = []  # a newcomer whose prompt the next launch reads (run_uniform_join)
 
     def reserve(kk: int, ahead: int) -> None:
         """Blocks for the round in flight (`ahead` tokens) and this one past what the host has committed; the
@@ -135,9 +136,12 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
             runner.load_block_tables(ids)
 
     def launch(kk: int, ahead: int):
-        nonlocal L, last2
+        nonlocal L, last2, members
+        rd = reading[0] if reading else None
         try:
             reserve(kk, ahead)
+            if rd is not None:
+                tkv.reserve(rd.req_id, rd.num_tokens)
         except OutOfBlocks:  # the pools ran out: the ordinary rounds preempt
             return None
         b = len(members)
@@ -153,7 +157,12 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
         d = torch.stack(drafts, 1)  # [B, kk]
         if marks is not None:
             marks.mark()
-        logits = gr.run_uniform(torch.cat([last2[:, 1:], d], 1), L, kk + 1)  # [B * (kk+1), V]
+        verify_in = torch.cat([last2[:, 1:], d], 1)  # [B, kk+1]
+        if rd is None:
+            logits = gr.run_uniform(verify_in, L, kk + 1)  # [B * (kk+1), V]
+        else:  # a joining prompt read in the same forward: [B * (kk+1), V] and its last row [1, V]
+            ctx = tkv.length(rd.req_id)
+            logits, jlogits = gr.run_uniform_join(verify_in, L, kk + 1, rd.req_id, rd.all_tokens[ctx:], ctx)
         if marks is not None:
             marks.mark()
         tokens, accepted = verdict(logits, d)
@@ -161,8 +170,27 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
         start = L.clone()
         last2 = torch.stack([prev, tokens[rows, accepted]], 1)
         L = L + accepted + 1
-        out, done = to_host_async(torch.cat([tokens, accepted.view(b, 1), start.view(b, 1)], 1))  # [B, kk + 3]
-        return out, done, marks, kk, list(members)
+        rows_out = torch.cat([tokens, accepted.view(b, 1), start.view(b, 1)], 1)  # [B, kk + 3]
+        reqs = list(members)
+        if rd is not None:  # its first token (greedy, as every session's verdict); it is a member from now on
+            n = rd.num_tokens
+            first = jlogits.argmax(-1)  # [1]
+            row = torch.cat([first, first.new_zeros(kk), h2d([0, n - 1], dev, torch.int64)])  # accepted 0, L n - 1
+            rows_out = torch.cat([rows_out, row.view(1, kk + 3)])
+            last2 = torch.cat([last2, torch.stack([h2d([rd.all_tokens[-1]], dev, torch.int64), first], 1)])
+            L = torch.cat([L, h2d([n], dev, torch.int64)])
+            # the draft reads it now (after this round's draft steps, which read the members' block-table rows its
+            # forward overwrites; the next launch loads them again): all but its newest committed token once its
+            # first is in, the prefix step 0 of its first round expects (_enter)
+            drafter.feed([rd], [n - 1])
+            host_len[rd.req_id] = n - 1  # (its round commits one token: L = n)
+            everyone[rd.req_id] = rd
+            members = members + [rd]
+            reqs.append(rd)
+            reading.clear()
+            marks = None  # (the prompt's rows are not a verify step's cost: not timed for the k policy)
+        out, done = to_host_async(rows_out)
+        return out, done, marks, kk, reqs, rd
 
     def change(new: list[Request]) -> None:
         """The device-side state follows a new membership: rows of those who stay (in order), then newcomers'."""
@@ -173,6 +201,13 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
         if [r.req_id for r in stay] != [r.req_id for r in members]:
             keep = h2d([row[r.req_id] for r in stay], dev, torch.int64)
             L, last2 = L[keep], last2[keep]
+        # a newcomer whose prompt is not read yet (it misses more than its newest token) is read in the next
+        # round's verify forward (run_uniform_join), not before it: it joins the members at that launch
+        unread = [r for r in joining if tkv.length(r.req_id) < r.num_tokens - 1]
+        if len(unread) > 1 or (unread and reading):
+            raise ValueError("a session reads one joining prompt per round")
+        reading.extend(unread)
+        joining = [r for r in joining if r not in unread]
         if joining:
             _enter(drafter, joining)
             for r in joining:
@@ -185,7 +220,7 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
     last_round: dict[int, tuple[int, int, int]] = {}  # req_id -> (L at the start, accepted, k) of its last commit
 
     def commit_round(step) -> int:
-        out, done, marks, kk, reqs = step
+        out, done, marks, kk, reqs, rd = step
         if done is not None:
             done.synchronize()
         if marks is not None:
@@ -194,10 +229,11 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
         for r, row in zip(reqs, out.tolist()):
             if r.finished:  # finished in the round before (its row was computed all the same) or aborted
                 continue
+            rk = 0 if r is rd else kk  # (a prompt read in the round drafted nothing: its first token alone)
             acc, start = row[kk + 1], row[kk + 2]
-            n = commit(r, row[: acc + 1], acc, kk)
+            n = commit(r, row[: acc + 1], acc, rk)
             host_len[r.req_id] = start + acc + 1
-            last_round[r.req_id] = (start, acc, kk)
+            last_round[r.req_id] = (start, acc, rk)
             produced += n
         return produced
 

@@ -65,6 +65,14 @@ class Scheduler:
         if self.drafter is not None:
             self.drafter.release(r)
 
+    def admit_head(self) -> Request:
+        """Admit the head of the waiting queue without scheduling its prompt's read (the caller reads it: a prompt
+        joining an overlapped session in the members' verify forward). Its blocks are reserved by that read."""
+        r = self.waiting.popleft()
+        self.kv.add_sequence(r.req_id)
+        self.running.append(r)
+        return r
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -20,6 +20,9 @@ Two ways in:
   * `execute(step)` / `forward(chunks)`: the ModelRunner's host-side `prepare`, then replay (engine path).
   * `run_uniform(input_ids [B, q], context_lens [B])`: positions, slots and lengths are computed on the device
     inside the graph from the block tables already in the buffers (no host work, no sync: decode loops).
+  * `run_uniform_join(...)`: the same uniform rows plus one prompt read in the same forward (a request joining
+    an overlapped speculative session: its prompt rides along with the members' verify rows, one weight stream
+    for both, instead of a forward of its own between two rounds).
 
 Outputs of a replay live in the graph's static memory and are overwritten by the next replay of that bucket.
 The model's attention backend must declare `supports_cuda_graphs` (TritonPagedAttention does).
@@ -32,6 +35,7 @@ from typing import Callable
 import torch
 
 from ..attention.metadata import AttnMetadata
+from ..devices import h2d
 from ..models.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from ..models.llama import ForwardOutput
 from .runner import Chunk, ModelRunner, PreparedStep
@@ -46,6 +50,7 @@ class GraphKey:
     num_layers: int | None = None  # early exit
     hidden_layers: tuple[int, ...] = ()
     device_prep: bool = False  # positions / slots computed in the graph (run_uniform)
+    join_len: int = 0  # run_uniform_join: rows of one joining prompt after the uniform ones (a piece size), else 0
 
 
 @dataclass
@@ -132,6 +137,11 @@ class GraphRunner:
         self._tree = torch.zeros(rows, max_q_len, dtype=torch.bool, device=dev)
         self._uids = torch.zeros(max_seqs * max_q_len, dtype=torch.int64, device=dev)  # run_uniform inputs
         self._uctx = torch.zeros(max_seqs, dtype=torch.int64, device=dev)
+        # run_uniform_join inputs: the joining prompt's tokens, [cached length, tokens], its last row
+        self._jids = torch.zeros(max(self.piece_sizes), dtype=torch.int64, device=dev)
+        self._jmeta = torch.zeros(2, dtype=torch.int64, device=dev)
+        self._jrow = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.join_replays = 0
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.graphs: dict[GraphKey, _Captured] = {}
         self.replays = 0
@@ -166,11 +176,14 @@ class GraphRunner:
 
     # -- capture ---------------------------------------------------------------------------------------
     def capture(self, num_seqs: int, q_len: int, logits_per_seq: int = 1, tree: bool = False,
-                num_layers: int | None = None, hidden_layers: tuple[int, ...] = (), device_prep: bool = False) -> GraphKey:
+                num_layers: int | None = None, hidden_layers: tuple[int, ...] = (), device_prep: bool = False,
+                join_len: int = 0) -> GraphKey:
         bucket = self.bucket(num_seqs)
         if bucket is None or q_len < 1 or not self._fits(bucket, q_len) or not 0 <= logits_per_seq <= q_len:
             raise ValueError(f"no bucket for {num_seqs} sequences x {q_len} tokens ({logits_per_seq} logits each)")
-        key = GraphKey(bucket, q_len, logits_per_seq, tree, num_layers, tuple(hidden_layers), device_prep)
+        if join_len and (not device_prep or tree or join_len != self.join_len(num_seqs, join_len)):
+            raise ValueError(f"no join graph of {join_len} prompt rows beside {num_seqs} sequences x {q_len} tokens")
+        key = GraphKey(bucket, q_len, logits_per_seq, tree, num_layers, tuple(hidden_layers), device_prep, join_len)
         self._get(key, create=True)
         return key
 
@@ -181,33 +194,44 @@ class GraphRunner:
         return cap
 
     def _capture(self, key: GraphKey) -> _Captured:
-        b, q, m = key.num_seqs, key.q_len, key.logits_per_seq
-        t = b * q
+        b, q, m, j = key.num_seqs, key.q_len, key.logits_per_seq, key.join_len
+        seqs = b + 2 if j else b  # (a join: the joining prompt is sequence b, the padding after it sequence b + 1)
+        t = b * q + j
         buf = self.runner.buffers
         model, kv = self.runner.model, self.runner.kv
         meta = AttnMetadata(
-            query_start_loc=buf.query_start_loc[: b + 1], seq_lens=buf.seq_lens[:b], block_tables=buf.block_tables[:b],
-            slot_mapping=buf.slot_mapping[:t], max_query_len=q, max_seq_len=buf.max_blocks * self.block_size,
-            tree_mask=self._tree[:t, :q] if key.tree else None,
+            query_start_loc=buf.query_start_loc[: seqs + 1], seq_lens=buf.seq_lens[:seqs],
+            block_tables=buf.block_tables[:seqs], slot_mapping=buf.slot_mapping[:t], max_query_len=max(q, j),
+            max_seq_len=buf.max_blocks * self.block_size, tree_mask=self._tree[:t, :q] if key.tree else None,
         )
         rows = (self._ar[:b, None] * q + (q - m) + self._ar[None, :m]).reshape(-1)  # [b * m]
         prep = self._device_prep(b, q) if key.device_prep else None
+        jprep = self._join_prep(b, q, j) if j else None
 
         def body() -> ForwardOutput:
             if prep is not None:
                 prep()
-            return model(buf.input_ids[:t], buf.positions[:t], meta, kv, logits_indices=rows,
+            idx = rows
+            if jprep is not None:
+                jprep()
+                idx = torch.cat([rows, self._jrow])  # + the joining prompt's last row
+            return model(buf.input_ids[:t], buf.positions[:t], meta, kv, logits_indices=idx,
                          num_layers=key.num_layers, hidden_layers=key.hidden_layers)
 
         # Warm-up and capture run on an all-dummy batch (block 0 only); the inputs of a step that is waiting
         # for this capture are saved and put back afterwards.
-        inputs = [buf.input_ids[:t], buf.positions[:t], buf.slot_mapping[:t], buf.query_start_loc[: b + 1],
-                  buf.seq_lens[:b], buf.block_tables[:b], self._tree[:t], self._uids[:t], self._uctx[:b]]
+        inputs = [buf.input_ids[:t], buf.positions[:t], buf.slot_mapping[:t], buf.query_start_loc[: seqs + 1],
+                  buf.seq_lens[:seqs], buf.block_tables[:seqs], self._tree[:t], self._uids[: b * q], self._uctx[:b],
+                  self._jids, self._jmeta]
         saved = [x.clone() for x in inputs]
         with torch.inference_mode():
             self._fill_padding(0, 0, b, q)
             self._uctx[:b].zero_()
-            self._uids[:t].zero_()
+            self._uids[: b * q].zero_()
+            if j:  # a dummy joiner: j tokens at positions 0.. of block 0
+                buf.block_tables[b: b + 2].zero_()
+                self._jids.zero_()
+                self._jmeta.copy_(torch.tensor([0, j]))
             if not self.use_graphs:
                 cap = _Captured(None, body, body(), rows)
             else:
@@ -238,6 +262,30 @@ class GraphRunner:
             buf.slot_mapping[:t].copy_((pages * bs + pos % bs).reshape(-1))
             buf.seq_lens[:b].copy_(self._uctx[:b] + q)
             buf.query_start_loc[: b + 1].copy_(self._ar[: b + 1] * q)
+
+        return prep
+
+    def _join_prep(self, b: int, q: int, j: int) -> Callable[[], None]:
+        """The joining prompt's part of a join graph, after `_device_prep`'s uniform rows: its n = _jmeta[1] tokens
+        (_jids) at positions _jmeta[0].. of sequence b (block-table row b), then j - n padding rows as sequence
+        b + 1 in block 0 (as `_fill_padding`'s dummies). Its logits row: the prompt's last (_jrow)."""
+        buf, bs = self.runner.buffers, self.block_size
+        t0 = b * q
+
+        def prep() -> None:
+            ctx, n = self._jmeta[0], self._jmeta[1]
+            ar = self._ar[:j]
+            real = ar < n
+            pos = torch.where(real, ctx + ar, ar - n)  # [j]: the prompt's positions, then the padding's 0..
+            page = torch.gather(buf.block_tables[b], 0, torch.where(real, pos // bs, 0))
+            buf.input_ids[t0: t0 + j].copy_(self._jids[:j])
+            buf.positions[t0: t0 + j].copy_(pos)
+            buf.slot_mapping[t0: t0 + j].copy_(torch.where(real, page * bs + pos % bs, pos % bs))
+            buf.seq_lens[b].copy_(ctx + n)
+            buf.seq_lens[b + 1].copy_(j - n)
+            buf.query_start_loc[b + 1].copy_(t0 + n)
+            buf.query_start_loc[b + 2].fill_(t0 + j)
+            self._jrow.copy_((t0 + n - 1).view(1))
 
         return prep
 
@@ -405,6 +453,48 @@ class GraphRunner:
             self._uids[b * q : key.num_seqs * q].zero_()
             self.runner.buffers.block_tables[b : key.num_seqs].zero_()
         return self._replay(cap).logits[: b * logits_per_seq]
+
+
+    def join_len(self, num_seqs: int, prompt_tokens: int) -> int | None:
+        """The join graph's prompt rows for a prompt of this many tokens joining num_seqs uniform sequences: the
+        smallest piece size that holds it (the rest is padding), or None (too long, or no room in the buffers for
+        the largest verify step beside it)."""
+        bucket, buf = self.bucket(num_seqs), self.runner.buffers
+        j = next((s for s in self.piece_sizes if s >= max(prompt_tokens, 1)), None)
+        if bucket is None or j is None or bucket + 2 > buf.max_seqs or bucket * self.max_q_len + j > buf.max_tokens:
+            return None
+        return j
+
+    def run_uniform_join(self, input_ids: torch.Tensor, context_lens: torch.Tensor, logits_per_seq: int,
+                         join_seq: int, join_tokens: list[int], join_ctx: int, num_layers: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`run_uniform` plus the prompt of one more sequence (join_seq) in the same forward: join_tokens (its
+        prompt from cached position join_ctx on) are written to its cache, and its last row gives logits. The
+        caller has reserved its blocks; nothing is committed in the KVPool's host bookkeeping. Returns (the
+        uniform rows' logits [B * logits_per_seq, V], the joining prompt's last row [1, V]) in static memory."""
+        b, q = input_ids.shape
+        n = len(join_tokens)
+        j = self.join_len(b, n)
+        key = GraphKey(self.bucket(b) or 0, q, logits_per_seq, False, num_layers, (), True, j or 0)
+        if key.num_seqs == 0 or q > self.max_q_len or j is None:
+            raise ValueError(f"run_uniform_join: no bucket for {b} sequences x {q} tokens + {n} prompt tokens")
+        cap = self._get(key, create=True)
+        bk = key.num_seqs
+        self._uids[: b * q].copy_(input_ids.reshape(-1))
+        self._uctx[:b].copy_(context_lens)
+        bt = self.runner.buffers.block_tables
+        if b < bk:
+            self._uctx[b:bk].zero_()
+            self._uids[b * q: bk * q].zero_()
+            bt[b:bk].zero_()
+        table = self.runner.kv.block_table([join_seq])  # [1, blocks]
+        bt[bk: bk + 2].zero_()
+        bt[bk, : table.shape[1]].copy_(h2d(table[0], self.runner.device))
+        self._jids[:j].copy_(h2d(join_tokens + [0] * (j - n), self.runner.device, torch.int64))
+        self._jmeta.copy_(h2d([join_ctx, n], self.runner.device, torch.int64))
+        self.join_replays += 1
+        logits = self._replay(cap).logits
+        return logits[: b * logits_per_seq], logits[bk * logits_per_seq: bk * logits_per_seq + 1]
 
 
 def enable_cuda_graphs(runner: ModelRunner, max_q_len: int, batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),

@@ -28,7 +28,10 @@ _LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30  # "window" of full attention: every position is within it
 
 
-@triton.jit
+# Launch-shape ints that follow the batch (tiles per sequence, KV splits) are not specialized on: Triton compiles a
+# variant per value class (== 1, divisible by 16) of every int argument, and a class first met mid-serving (a ragged
+# step's tile count, a batch size's split count) compiled there: 0.2-0.5 s stalls in the H200's Poisson runs (run 49)
+@triton.jit(do_not_specialize=["window", "num_heads", "num_q_tiles", "num_splits"])
 def _paged_attention_kernel(
     Q, K, V, O,  # Q [T, Hq, D], K/V [num_blocks, PAGE, Hkv, D], O [T, Hq, D]
     PartAcc, PartM, PartL,  # [T, Hq, S, D] f32, [T, Hq, S] f32, [T, Hq, S] f32 (used when SPLIT)
@@ -124,7 +127,7 @@ def _paged_attention_kernel(
                  out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_heads", "num_splits"])
 def _merge_splits_kernel(
     O, PartAcc, PartM, PartL,  # O [T, Hq, D]; partials as above
     num_heads, num_splits, stride_ot, stride_oh,

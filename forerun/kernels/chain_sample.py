@@ -36,7 +36,8 @@ class ChainSampleOutput:
     num_accepted: torch.Tensor  # [R] int64: accepted drafts per request (tokens emitted = num_accepted + 1)
 
 
-@triton.jit
+# (ints that follow the batch are not specialized on: no compile per value class mid-serving; see triton_backend)
+@triton.jit(do_not_specialize=["chunk", "nsplit"])
 def _row_stats_kernel(
     Logits, InvTemp, Greedy, First, SeqLens,  # [T, V], [R] f32, [R] i8, [R] i64, [R] i64
     PartMax, PartSum, PartArg,  # [T, NSPLIT] f32 / f64 / i32
@@ -146,7 +147,7 @@ def _accept_walk(Logits, DraftProbs, DraftIds, U, PartMax, PartSum, PartArg, Out
     return j
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_u", "nsplit", "ns", "chunk"])
 def _split_weights_kernel(
     Logits, DraftProbs, DraftIds, First, SeqLens, InvTemp, Greedy, U,  # as in _final_kernel
     PartMax, PartSum, PartArg,  # [T, NSPLIT] row statistics
@@ -183,7 +184,7 @@ def _split_weights_kernel(
     tl.store(WSum + (r * ns + sp) * 2 + 1, tl.sum(p_acc, 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_u", "stride_o", "nsplit", "ns", "chunk", "max_len"])
 def _final_kernel(
     Logits, DraftProbs, DraftIds, First, SeqLens, InvTemp, Greedy, U,  # [T,V], [T,V], [T], [R], [R], [R], [R], [T,2]
     PartMax, PartSum, PartArg,  # [T, NSPLIT]

@@ -238,7 +238,7 @@ def test_adaptive_k_learns_from_empty_proposals():
     from forerun.engine.k_policy import KPolicy
 
     pol = KPolicy(SpecConfig(method="ngram", adaptive=True, k_max=4))
-    for tokens in (2, 5):
+    for tokens in (1, 2, 5):  # (1: the plain step is timed, `test_adaptive_k_times_the_plain_step_it_is_weighed_against`)
         pol.cost.record_target(tokens, 0.01 + 0.002 * tokens)
     pol.cost.record_draft_step(0.0001)
     assert pol.ks([3], [100]) != [0]
@@ -249,6 +249,41 @@ def test_adaptive_k_learns_from_empty_proposals():
     before = pol.estimates[3].rate(0)
     pol.observe(3, 0, 0, wanted=0)  # k = 0 asked nothing: no evidence
     assert pol.estimates[3].rate(0) == before
+
+
+def test_adaptive_k_times_the_plain_step_it_is_weighed_against():
+    """Without CUDA graphs (KPolicy.ks): a k > 0 decision is weighed against a plain step the cost model may never
+    have timed at this batch size, only extrapolated from verify forwards (on the CPU with int4 weights: 59 ms
+    extrapolated, 37 ms real). Then one round decodes plainly to time it; once timed, the model decides; an unanswered
+    check is not asked again for PLAIN_RECHECK rounds; and the corrected plain step turns a drafter that only looked
+    worth it off."""
+    from forerun.engine.k_policy import KPolicy
+
+    pol = KPolicy(SpecConfig(method="ngram", adaptive=True, k_max=4))  # (the drafter's kind does not matter here)
+    for tokens in (3, 6):  # verify forwards of 2 requests only: plain (2 tokens) extrapolated from their slope
+        pol.cost.record_target(tokens, 0.059 + 0.001 * (tokens - 3))
+    pol.cost.record_draft_step(0.012)
+    for i in range(20):  # acceptance 0.5
+        pol.observe(1, 1, i % 2)
+        pol.observe(2, 1, i % 2)
+    assert pol.cost.target_time(2) > 0.055  # the extrapolation
+    assert pol.ks([1, 2], [50, 50]) == [0, 0] and pol.plain_checks == {2: 1}  # the plain check
+    assert pol.ks([1, 2], [50, 50]) != [0, 0]  # unanswered (its round not timed): not asked again at once
+    assert all(pol.ks([1, 2], [50, 50]) != [0, 0] for _ in range(KPolicy.PLAIN_RECHECK - 2))
+    assert pol.ks([1, 2], [50, 50]) == [0, 0] and pol.plain_checks == {2: 2}  # asked again after PLAIN_RECHECK
+    pol.cost.record_target(2, 0.037)  # the plain round, timed: a draft step of 12 ms now costs a third of it
+    assert pol.plain_checks == {2: 2} and pol.ks([1, 2], [50, 50]) == [0, 0] and pol.plain_checks == {2: 2}
+    for _ in range(3):  # (k = 0 by the model now, not a check)
+        assert pol.ks([1, 2], [50, 50]) == [0, 0]
+    assert pol.plain_checks == {2: 2}
+    cheap = KPolicy(SpecConfig(method="ngram", adaptive=True, k_max=4))  # the same, with a cheap draft: it drafts
+    for tokens, sec in ((2, 0.037), (3, 0.059), (6, 0.062)):
+        cheap.cost.record_target(tokens, sec)
+    cheap.cost.record_draft_step(0.001)
+    for _ in range(10):
+        cheap.observe(1, 2, 2)
+        cheap.observe(2, 2, 2)
+    assert all(k > 0 for k in cheap.ks([1, 2], [50, 50])) and not cheap.plain_checks
 
 
 def test_mismatched_tokenizers_raise():

@@ -453,7 +453,7 @@ def test_a_probe_does_not_record_the_drafters_catch_up_as_a_draft_step():
     eng.drafter.feed = slow_feed
     rounds = iter(range(10 ** 6))
     # a 3-draft round every 5th (steps past the first are timed), each after a 4-token backlog fed by drafter.feed
-    eng.k_policy.ks = lambda ids, room: [min(3, r) if next(rounds) % 5 == 4 else 0 for r in room]
+    eng.k_policy.ks = lambda ids, room, plain_check=True: [min(3, r) if next(rounds) % 5 == 4 else 0 for r in room]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     out = llm.generate([PROMPTS[0]], sp)[0]
     assert out.stats.drafted >= 6  # the drafting rounds ran
@@ -532,7 +532,7 @@ def test_adaptive_k_at_zero_leaves_new_prompts_to_the_drafters_catch_up():
         calls.append(state["round"])
         return feed(reqs, upto)
 
-    def ks(ids, room):
+    def ks(ids, room, plain_check=True):
         state["round"] += 1
         return [0 if state["round"] <= 6 else min(3, r) for r in room]
 

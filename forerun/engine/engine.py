@@ -191,7 +191,7 @@ class Engine:
         self.drafter = self._make_drafter()
         if cuda_graphs and self.device.type == "cuda":
             for runner in {id(r): r for r in (self.runner, getattr(self.drafter, "runner", None)) if r}.values():
-                enable_cuda_graphs(runner, max_q_len=self.spec.max_draft_tokens + 1)
+                enable_cuda_graphs(runner, max_q_len=self.spec.max_draft_tokens + 1, max_seqs=max_num_seqs)
         self.k_policy = KPolicy(self.spec)
         if self.spec.method == "eagle" and self.spec.eagle_tree is not None:  # dynamic trees shrink as the batch
             self.drafter.use_target_cost(self.k_policy.cost)  # grows, from the target's measured costs (issue 13)
@@ -218,6 +218,7 @@ class Engine:
         self.session_reads = 0  # prefill rounds read between two rounds of a session (Engine._regroup)
         self.session_joins = 0  # requests that joined a session running (Engine._regroup)
         self.mixed_joins = 0  # ... of which read in the members' verify forward (MIX_JOINS)
+        self._unread: set[int] = set()  # requests admitted for such a read (the invariant check skips them unread)
         self._spec_totals = RequestStats()
         self._spec_num_drafts = 0
 
@@ -448,6 +449,7 @@ class Engine:
         self.scheduler.remove(r)
         self.k_policy.forget(r.req_id)
         self._arrived.pop(r.req_id, None)
+        self._unread.discard(r.req_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._overlap is not None
@@ -488,7 +490,10 @@ class Engine:
             # verifier forces them)
         room = [max(0, min(r.remaining - 1, limit - r.num_tokens - 1)) for r in reqs]
         if self.runner.graphs is None or not self.spec.enabled:
-            return self.k_policy.ks([r.req_id for r in reqs], room)
+            # (the plain check times a round of these requests decoding: not a prompt's last chunk being read)
+            kv = self.runner.kv
+            steady = all(kv.has(r.req_id) and kv.length(r.req_id) == r.num_tokens - 1 for r in reqs)
+            return self.k_policy.ks([r.req_id for r in reqs], room, plain_check=steady)
         # CUDA graphs replay uniform steps only: a ragged verify batch (k differing per request) would run
         # eagerly, several times slower; so the batch drafts one k, chosen for the batch as a whole. A request
         # near its max_tokens drafts it too (commit drops what lies past its end); only the context caps it.
@@ -745,10 +750,13 @@ class Engine:
         def commit(r: Request, tokens: list[int], accepted: int, kk: int) -> int:
             if r.finished:  # aborted while its round was in flight
                 return 0
+            self._unread.discard(r.req_id)
             self.k_policy.observe(r.req_id, kk, accepted, wanted=kk)
             self._count_spec(kk, accepted, kk)
             n = self._commit(r, tokens, None)
             r.stats.record(kk, accepted, n, kk)  # tokens committed: a stop or max_tokens may cut the round
+            if not kk:  # a joining prompt's first token (read in the round, k = 0): not what drafting realized
+                seen["tokens"] += n
             return n
 
         in_session = self._in_session
@@ -853,6 +861,7 @@ class Engine:
             due = False
         if stay and due and not reading and self._mixes(head, len(stay) + len(others)):
             sched.admit_head()  # its prompt is read in the next round's verify forward (overlap_spec: `reading`)
+            self._unread.add(head.req_id)
             ids.add(head.req_id)
             stay.append(head)
             self.session_joins += 1
@@ -1023,8 +1032,8 @@ class Engine:
                 continue
             want = r.num_tokens - 1
             got = self.runner.kv.length(r.req_id)
-            if got == 0:
-                continue  # nothing read yet (admitted to join a session by a read that the session ended before)
+            if got == 0 and r.req_id in self._unread:
+                continue  # admitted to join a session by a read in its next round, which the session ended before
             if got != want:
                 raise AssertionError(f"request {r.req_id}: target cache holds {got} tokens, expected {want}")
             if self.drafter is not None:

@@ -383,8 +383,9 @@ class KPolicy:
         rate = self.realized_rate(n)
         return rate is not None and self.plain_step(n) is not None and rate < self.REALIZED_MARGIN * self.plain_rate(n)
 
-    def ks(self, req_ids: list[int], room: list[int]) -> list[int]:
-        """k per request this round; room[i] caps it (context and max_tokens left)."""
+    def ks(self, req_ids: list[int], room: list[int], plain_check: bool = True) -> list[int]:
+        """k per request this round; room[i] caps it (context and max_tokens left). plain_check: the requests decode
+        this round (not a prompt's last chunk), so a plain round of them may time the plain step."""
         if not self.spec.enabled:
             return [0] * len(req_ids)
         if not self.spec.adaptive:
@@ -393,7 +394,7 @@ class KPolicy:
         warm = len(self.cost.target_obs) >= 2
         ks = [choose_k(self._estimate(rid), min(self.spec.k_max, r), n, self.cost) if warm else min(self.spec.k, r)
               for rid, r in zip(req_ids, room)]
-        if warm and any(ks) and self._plain_unmeasured(n):
+        if plain_check and warm and any(ks) and self._plain_unmeasured(n):
             # drafting is chosen against a plain step the model never timed at this batch size, only extrapolated
             # from verify forwards: one plain round times it. On this CPU with int4 weights a 1-token forward costs
             # ~37 ms and a 3-6-token one 59-62 ms, and the extrapolation put plain decoding at 59 ms: drafting at

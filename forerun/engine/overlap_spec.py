@@ -140,9 +140,12 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
         rd = reading[0] if reading else None
         try:
             reserve(kk, ahead)
-            if rd is not None:
+            if rd is not None:  # (its draft blocks too: the draft's read below must not run out of them)
                 tkv.reserve(rd.req_id, rd.num_tokens)
-        except OutOfBlocks:  # the pools ran out: the ordinary rounds preempt
+                if not dkv.has(rd.req_id):
+                    dkv.add_sequence(rd.req_id)
+                dkv.reserve(rd.req_id, rd.num_tokens - 1)
+        except OutOfBlocks:  # the pools ran out: the ordinary rounds preempt (a joiner not read: they read it)
             return None
         b = len(members)
         rows = torch.arange(b, device=dev)
@@ -179,6 +182,8 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
             rows_out = torch.cat([rows_out, row.view(1, kk + 3)])
             last2 = torch.cat([last2, torch.stack([h2d([rd.all_tokens[-1]], dev, torch.int64), first], 1)])
             L = torch.cat([L, h2d([n], dev, torch.int64)])
+        out, done = to_host_async(rows_out)  # (queued before the draft's read below: the commit does not wait on it)
+        if rd is not None:
             # the draft reads it now (after this round's draft steps, which read the members' block-table rows its
             # forward overwrites; the next launch loads them again): all but its newest committed token once its
             # first is in, the prefix step 0 of its first round expects (_enter)
@@ -189,7 +194,6 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
             reqs.append(rd)
             reading.clear()
             marks = None  # (the prompt's rows are not a verify step's cost: not timed for the k policy)
-        out, done = to_host_async(rows_out)
         return out, done, marks, kk, reqs, rd
 
     def change(new: list[Request]) -> None:

@@ -194,7 +194,8 @@ class Scheduler:
             tokens = base + it.feed + it.k  # (a tree: node j at cache position root + j, j <= k)
             have = len(self.kv.blocks(r.req_id)) if self.kv.has(r.req_id) else 0
             t += max(0, -(-tokens // bs) - have)
-            if dkv is not None and (it.k or not it.final):
+            if dkv is not None and (it.k or not it.final or it.feed > 1):  # (a prompt's last chunk too: the
+                # drafter reads it in its round, Round._feed_drafter, drafts or not)
                 d += self.drafter.blocks_needed(r, base + it.feed + it.k + 1)
         return t, d
 

@@ -81,6 +81,9 @@ PIECE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # prefill pieces (tokens 
 # ~5.5 ms replays where one forward over all four is compute-bound at about half that; the draft's catch-up on
 # them likewise (issue 9: prefill rounds and catch-ups were 1/4 of a speculative run at 16 requests)
 PIECE_BATCH_TOKENS = 1024
+# the prompt rows of run_uniform_join graphs: a joining prompt is padded to the first that holds it (at most 2x its
+# rows past 64; each size is one graph per batch bucket and verify length, and each graph keeps its own logits)
+JOIN_SIZES = (64, 128, 256, 512)
 PIECE_BATCH = 8
 
 
@@ -457,10 +460,10 @@ class GraphRunner:
 
     def join_len(self, num_seqs: int, prompt_tokens: int) -> int | None:
         """The join graph's prompt rows for a prompt of this many tokens joining num_seqs uniform sequences: the
-        smallest piece size that holds it (the rest is padding), or None (too long, or no room in the buffers for
+        smallest of JOIN_SIZES that holds it (the rest is padding), or None (too long, or no room in the buffers for
         the largest verify step beside it)."""
         bucket, buf = self.bucket(num_seqs), self.runner.buffers
-        j = next((s for s in self.piece_sizes if s >= max(prompt_tokens, 1)), None)
+        j = next((s for s in JOIN_SIZES if s >= max(prompt_tokens, 1) and s in self.piece_sizes), None)
         if bucket is None or j is None or bucket + 2 > buf.max_seqs or bucket * self.max_q_len + j > buf.max_tokens:
             return None
         return j
@@ -498,7 +501,7 @@ class GraphRunner:
 
 
 def enable_cuda_graphs(runner: ModelRunner, max_q_len: int, batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
-                       fused: bool = True) -> None:
+                       fused: bool = True, max_seqs: int | None = None) -> None:
     """Install Triton paged attention + CUDA-graph replay of uniform decode/verify steps (captured on first use).
     fused: Triton layer kernels (forerun.kernels.layer_ops); otherwise the torch ops, with the norm /
     rotary / MLP modules torch.compiled (the baseline the fused kernels are measured against)."""
@@ -513,5 +516,8 @@ def enable_cuda_graphs(runner: ModelRunner, max_q_len: int, batch_sizes: tuple[i
                                          else None)
     else:
         compile_elementwise(runner.model)
-    sizes = tuple(b for b in batch_sizes if b <= runner.buffers.max_seqs and b * max_q_len <= runner.buffers.max_tokens)
+    # max_seqs: the engine's batch limit (its target buffers hold two sequences more, for run_uniform_join: the
+    # buckets must not follow them, or the target would have a bucket its draft model lacks)
+    limit = min(runner.buffers.max_seqs, max_seqs or runner.buffers.max_seqs)
+    sizes = tuple(b for b in batch_sizes if b <= limit and b * max_q_len <= runner.buffers.max_tokens)
     runner.graphs = GraphRunner(runner, batch_sizes=sizes, max_q_len=max_q_len)

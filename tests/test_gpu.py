@@ -487,7 +487,7 @@ def test_session_joins_and_leaves_on_cuda_graphs_equal_plain(in_session, mix):
     (Engine.JOIN_IN_SESSION; off: each ends the session) on CUDA graphs, where the round in flight is still on the
     device when the host drops a finished request's rows and frees its blocks: outputs equal plain greedy, every
     block comes back, and (on) the joins happened inside sessions. mix (Engine.MIX_JOINS): lone arrivals are read
-    in the members' verify forward (GraphRunner.run_uniform_join: prompts of 3-77 tokens padded to 4-128 rows),
+    in the members' verify forward (GraphRunner.run_uniform_join: prompts of 3-77 tokens padded to 64-128 rows),
     launched while the round before runs."""
     import sys, os
 

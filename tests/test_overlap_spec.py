@@ -108,8 +108,9 @@ def sessions(monkeypatch):
     return count
 
 
-def run(eng: Engine, prompts, params, arrivals=None, aborts=()) -> dict[str, list[int]]:
-    """Step until done; prompt i joins at step arrivals[i] (default 0); `aborts`: (step, request id)."""
+def run(eng: Engine, prompts, params, arrivals=None, aborts=(), after_step=None) -> dict[str, list[int]]:
+    """Step until done; prompt i joins at step arrivals[i] (default 0); `aborts`: (step, request id);
+    after_step(outputs so far): called after every step."""
     arrivals = arrivals or [0] * len(prompts)
     out: dict[str, list[int]] = {}
     step = 0
@@ -122,6 +123,8 @@ def run(eng: Engine, prompts, params, arrivals=None, aborts=()) -> dict[str, lis
                 eng.abort(rid)
         for d in eng.step():
             out.setdefault(d.request_id, []).extend(d.new_token_ids)
+        if after_step is not None:
+            after_step(out)
         step += 1
         assert step < 5000
     return out
@@ -342,17 +345,12 @@ def test_a_mixed_join_short_of_draft_blocks_reads_the_prompt_in_an_ordinary_roun
         [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)]
     arrivals = [0, 0, 0, 0, 4]
     want = run(make(models), prompts, params, arrivals)
-    out, step = {}, 0
-    while step <= max(arrivals) or eng.has_unfinished():
-        for i, at in enumerate(arrivals):
-            if at == step:
-                eng.add_request(prompts[i], params[i], request_id=str(i))
-        for d in eng.step():
-            out.setdefault(d.request_id, []).extend(d.new_token_ids)
+
+    def release(out):
         if squeezed and dkv.has(blocker) and not eng.scheduler.waiting and "4" in out:
             dkv.free(blocker)  # (the joiner has its first token: the pool may breathe again)
-        step += 1
-        assert step < 500
+
+    out = run(eng, prompts, params, arrivals, after_step=release)
     assert squeezed and out == want
     assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
     assert eng.drafter.kv.num_free_blocks == eng.drafter.kv.num_blocks - 1

@@ -463,6 +463,18 @@ def _profile_report(prof, label: str) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(int(os.environ.get("ONLINE_CPROFILE_LINES", 22)))
 
 
+def _profile_dump(prof, label: str) -> None:
+    """ONLINE_PROF_DIR=DIR: the profile written to DIR/<label>.prof (pstats; compare configs offline), else printed."""
+    if prof is None:
+        return
+    out = os.environ.get("ONLINE_PROF_DIR")
+    if not out:
+        return _profile_report(prof, label)
+    prof.disable()
+    os.makedirs(out, exist_ok=True)
+    prof.dump_stats(os.path.join(out, "".join(c if c.isalnum() or c in "._-" else "_" for c in label) + ".prof"))
+
+
 def free_memory() -> None:
     import gc
 
@@ -488,8 +500,17 @@ def poisson_ab(make_engine, configs, prompts_for, new_tokens, rates, reps: int, 
         for rep in range(reps):
             prompts = prompts_for(requests)
             for name, eng in engines[rep % len(engines):] + engines[: rep % len(engines)]:  # (order rotates)
+                hist = getattr(eng, "_k_hist", None)
+                if hist is not None:
+                    hist.clear()
+                    eng._k_on = []
+                prof = _profiler(name)
                 r = drive(eng, prompts, new_tokens, rate=rate, seed=101 * rep + 11 + i)
+                _profile_dump(prof, f"{name}_{rate:g}_{rep}")
                 r.update(config=name, concurrency=None, rate=rate, rep=rep)
+                if hist is not None:  # the batch k per decision, and the switches on / off (probes among them)
+                    r["batch_k_hist"] = dict(sorted(hist.items()))
+                    r["k_on"], eng._k_on = eng._k_on, []
                 rows.append(r)
                 log(f"{name:>26} Poisson {rate:g}/s rep {rep}: TPOT p50 {r['tpot_p50'] * 1e3:6.2f} ms, "
                     f"{r['tok_s']:8.1f} tok/s, steps {r['steps']}, kinds {r['step_kinds']}")

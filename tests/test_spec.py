@@ -575,6 +575,28 @@ def test_batch_probe_counts_as_accepted_only_when_drafting_lasts():
     assert all(run(cheap, KPolicy.PROBE_HOLD)) and pol.batch_probe_every == KPolicy.PROBE_EVERY  # it lasted
 
 
+def test_failed_batch_probes_back_off_to_batch_probe_max():
+    """Each failed batch probe doubles the plain rounds before the next, up to BATCH_PROBE_MAX (above the per-request
+    PROBE_MAX: a batch probe ends the overlapped session and catches the draft up, 8-17 ms on the H200)."""
+    from forerun.engine.k_policy import KPolicy
+
+    pol = KPolicy(SpecConfig(method="draft", draft_model="x", adaptive=True, k_max=4))
+    for rid in range(2):
+        for _ in range(20):
+            pol.observe(rid, 4, 0, wanted=4)  # a useless draft
+    for tokens in (2, 4, 10):
+        pol.cost.record_target(tokens, 0.004 * tokens)
+    pol.cost.record_draft_step(0.01)
+    ids, room, ks = [0, 1], [100, 100], []
+    while sum(ks) < 9:
+        ks.append(pol.batch_k(ids, room))  # every probe fails: the next call decodes plainly again
+    probes = [i for i, k in enumerate(ks) if k]
+    waits = [probes[0] + 1] + [b - a for a, b in zip(probes, probes[1:])]  # calls from one probe to the next
+    assert KPolicy.BATCH_PROBE_MAX > KPolicy.PROBE_MAX
+    assert waits[-1] == KPolicy.BATCH_PROBE_MAX and waits[-2] == KPolicy.BATCH_PROBE_MAX, waits
+    assert waits[:3] == [KPolicy.PROBE_EVERY, 2 * KPolicy.PROBE_EVERY, 4 * KPolicy.PROBE_EVERY], waits
+
+
 def test_round_overhead_counts_once_per_round_for_plain_and_speculative_alike():
     """Without overlapped decoding every round pays the host work (scheduling, sampling, commit) once: plain
     decoding per token, a speculative round once for several. With it in the model, drafting wins where the
@@ -781,6 +803,33 @@ def test_cost_model_memo_and_batched_expectations_equal_the_direct_computation()
                     direct += reach
                 assert e.expected_tokens_upto(9)[k] == pytest.approx(direct, rel=1e-12)
                 assert e.expected_tokens(k) == pytest.approx(direct, rel=1e-12)
+
+
+def test_an_unmeasured_drafting_start_is_priced_as_a_plain_one():
+    """batch_k adds each mode's session start cost per token. A drafting session's start not measured yet at this
+    batch size (a probe forgets them) is priced as plain's measured one, not as free: on the H200 a useless draft
+    (acceptance ~1 %) at 39 requests, with the verify rows' forward priced flat, won k = 1 by 0.3 % against plain's
+    measured starts and drafted 162 tokens at 0.93x plain (run 51). Measured, the drafting start counts as is."""
+    from forerun.engine.k_policy import KPolicy
+
+    n = 39
+    pol = KPolicy(SpecConfig(method="draft", draft_model="x", adaptive=True, k_max=8))
+    for rid in range(n):
+        for j in range(30):
+            pol.observe(rid, 1, int(j == 0), wanted=1)  # ~3 % of drafts accepted, decayed: ~1 % now
+    for tokens in (20, n):
+        pol.cost.record_target(tokens, 0.0076)  # flat up to 39 rows: 78 rows extrapolate flat
+    for _ in range(3):
+        pol.cost.record_draft_step(0.0012, n)
+        pol.record_session(False, n, 0.0076 + 0.00113, 0.0076, n, same_mode=True)  # plain starts: 29 us per token
+    ids, room = list(range(n)), [100] * n
+    pol.batch_idle = 1  # decoding plainly, no probe due
+    assert not pol._starts_measured(True, n)
+    assert pol.batch_k(ids, room) == 0
+    for _ in range(3):  # drafting starts measured cheap: they count as measured (k = 1 by the model again)
+        pol.record_session(True, n, 0.0076, 0.0076, n, same_mode=True)
+    assert pol.restart_per_token(True, n) == 0.0 and pol._starts_measured(True, n)
+    assert pol.batch_k(ids, room) == 1
 
 
 def _k1_policy(gain: float):

@@ -131,9 +131,13 @@ class Engine:
     # a lone arrival joining a session is read in the members' next verify forward (GraphRunner.run_uniform_join),
     # launched while the round before it runs, instead of in a forward of its own between two rounds that nothing
     # overlaps: on the H200 (8B shape) a 128-token prompt's own read cost ~10 ms beyond a steady 8 ms step at 4
-    # requests (run 43), about a weight stream plus the lost overlap. Several arrivals at once are still read
-    # together in a round of their own (one weight stream for all of them). False: every join reads alone
+    # requests (run 43), about a weight stream plus the lost overlap. False: every join reads alone
     MIX_JOINS = True
+    # arrivals queued together (up to this many) join one per round, the head mixed into each verify forward; a
+    # longer queue is read together in a round of their own (one weight stream for all of them). On the H200 at 4
+    # requests (closed loop, run 47) 9 reads of arrivals queued together cost 24 ms each against 7.8 ms for a
+    # mixed join: the later arrivals wait a round or three for their first token, the members lose nothing
+    MIX_QUEUE = 4
 
     def __init__(self, model: str | None = None, *, spec: SpecConfig | None = None, device: str | None = None,
                  dtype: torch.dtype | None = None, cache: CacheConfig | None = None, max_num_seqs: int = 64,
@@ -736,8 +740,10 @@ class Engine:
         # steps is not the rounds' cost); the first look comes after the draft's catch-up at the session start
         # switch: drafting starts after plain decoding (a probe, or the model's k > 0), whose first look spans the
         # draft's catch-up over every token of the plain stretch: paid once, it is not what the rounds realize
+        # hold: a prompt read in the members' verify forward (MIX_JOINS) is in flight, from its admission to its
+        # first token: the looks in between are left out of the realized rate (see commit)
         seen = {"t": self._clock_in, "tokens": sum(len(r.output_token_ids) for r in running), "kernels": None,
-                "steady": False, "switch": self._draft_lags(running)}
+                "steady": False, "switch": self._draft_lags(running), "hold": False}
         cost = self.k_policy.cost
 
         def timing(kk: int, draft_s: float, verify_s: float, b: int) -> None:
@@ -749,14 +755,19 @@ class Engine:
 
         def commit(r: Request, tokens: list[int], accepted: int, kk: int) -> int:
             if r.finished:  # aborted while its round was in flight
+                seen["hold"] = seen["hold"] and kk > 0  # (a joiner aborted before its first token)
                 return 0
             self._unread.discard(r.req_id)
             self.k_policy.observe(r.req_id, kk, accepted, wanted=kk)
             self._count_spec(kk, accepted, kk)
             n = self._commit(r, tokens, None)
             r.stats.record(kk, accepted, n, kk)  # tokens committed: a stop or max_tokens may cut the round
-            if not kk:  # a joining prompt's first token (read in the round, k = 0): not what drafting realized
-                seen["tokens"] += n
+            if not kk:  # a joining prompt's first token (read in the round, k = 0): not what drafting realized,
+                # and neither is the look that spans its round (the prompt's prefill rode in it; plain decoding pays
+                # it too, in a round of its own). Counted, mixed joins at 16-32 requests (a = 0.6) put the realized
+                # rate at 0.86x plain's while steady rounds ran 1.19x, and the veto sent the batch to plain
+                # decoding at 0.93x plain (run 52)
+                seen.update(tokens=seen["tokens"] + n, switch=True, steady=False, hold=False)
             return n
 
         in_session = self._in_session
@@ -770,14 +781,14 @@ class Engine:
                 return False
             now, tokens = self._clock(), sum(len(r.output_token_ids) for r in running)
             if tokens > seen["tokens"]:  # what the rounds realized since the last look: the veto's input
-                if not seen["switch"]:  # (a switch's first look is left out: `_draft_lags`)
+                if not seen["switch"] and not seen["hold"]:  # (a switch's first look is left out: `_draft_lags`)
                     self.k_policy.record_realized(len(running), tokens - seen["tokens"], now - seen["t"])
                 if seen["kernels"] is not None and seen["steady"]:  # one round committed since the last look:
                     # its wall time beyond its kernels (mostly hidden). Not the session's first commit: that look
                     # spans the session's start (draft catch-up, two launches); counted, it made every short
                     # session (a warm-up, a probe) report a whole round of overhead, and adaptive k stayed at 0
                     cost.record_spec_overhead(now - seen["t"] - seen["kernels"])
-                seen.update(t=now, tokens=tokens, kernels=None, steady=True, switch=False)
+                seen.update(t=now, tokens=tokens, kernels=None, steady=not seen["hold"], switch=False)
             return False
 
         def next_k() -> int:
@@ -793,8 +804,10 @@ class Engine:
             return kk
 
         def regroup(members: list[Request], settle, kk: int) -> list[Request]:
-            reads = self.session_reads
+            reads, mixed = self.session_reads, self.mixed_joins
             new = self._regroup(members, settle, kk)
+            if self.mixed_joins != mixed:  # (its prompt is read in the next launch)
+                seen["hold"] = True
             changed = [r.req_id for r in new] != [r.req_id for r in running]
             if changed:
                 running[:] = new  # (the engine's view of the session: deltas, aborts, the k policy's batch)
@@ -899,12 +912,13 @@ class Engine:
 
     def _mixes(self, head: Request, members: int) -> bool:
         """Whether the head of the queue, alone in it, joins a session by a read in the members' next verify
-        forward (MIX_JOINS): its prompt fits one join graph and the step's token budget, it has a seat, its first
-        blocks and room for two rounds."""
+        forward (MIX_JOINS): at most MIX_QUEUE requests wait (the others join in later rounds, one per round), its
+        prompt fits one join graph and the step's token budget, it has a seat, its first blocks and room for two
+        rounds."""
         sched, kv, limit = self.scheduler, self.runner.kv, self.max_model_len
         dkv = self.drafter.runner.kv
         n, kmax = head.num_tokens, self.spec.max_draft_tokens
-        return (self.MIX_JOINS and len(sched.waiting) == 1 and n >= 2 and n <= sched.budget
+        return (self.MIX_JOINS and len(sched.waiting) <= self.MIX_QUEUE and n >= 2 and n <= sched.budget
                 and len(sched.running) < sched.max_num_seqs and n + 2 * (kmax + 1) + 2 < limit
                 and self.runner.graphs.join_len(members, n) is not None
                 and -(-(n + kmax + 1) // kv.block_size) <= kv.num_free_blocks

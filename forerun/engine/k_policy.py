@@ -56,10 +56,15 @@ class AcceptanceEstimate:
     # a pooled estimate (the engine-wide one) whose current rates are the priors (instead of `prior`): a
     # request's estimate shrinks towards what the drafter does now for every request, not when it arrived
     pool: "AcceptanceEstimate | None" = None
+    # expected_tokens_upto's last answer and its inputs (this estimate's version, k, the pool's rates): batch_k asks
+    # for every request each round, and most have not changed since (k = 0 rounds update nothing)
+    _version: int = field(default=0, repr=False, compare=False)
+    _memo: tuple | None = field(default=None, repr=False, compare=False)
 
     def update(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
             return
+        self._version += 1
         while len(self.tested) < drafted:
             self.tested.append(0.0)
             self.accepted.append(0.0)
@@ -93,11 +98,15 @@ class AcceptanceEstimate:
         return out
 
     def expected_tokens_upto(self, k: int, pool_rates: list[float] | None = None) -> list[float]:
-        """E[tokens] of a round drafting 0, 1, .., k tokens."""
+        """E[tokens] of a round drafting 0, 1, .., k tokens. (The caller must not modify the list.)"""
+        key = (self._version, k, None if pool_rates is None else tuple(pool_rates))
+        if self._memo is not None and self._memo[0] == key and (pool_rates is not None or self.pool is None):
+            return self._memo[1]
         out, reach = [1.0], 1.0
         for a in self.rates(k, pool_rates):
             reach *= a
             out.append(out[-1] + reach)
+        self._memo = (key, out)
         return out
 
     @property
@@ -262,6 +271,12 @@ class KPolicy:
 
     PROBE_EVERY = 16  # with k = 0 chosen this many rounds in a row, draft one token to re-measure acceptance
     PROBE_MAX = 256  # a probe that is rejected doubles the interval up to this; an accepted one resets it
+    # batch_k (CUDA graphs): the same, up to this many plain rounds (times the batch factor below). A batch probe
+    # ends the overlapped session, catches the draft up on every token since it last ran and starts two sessions:
+    # with a useless draft on the H200 (8B shape, 1-8 requests, Poisson 10/s) each cost 8-17 ms beyond the plain
+    # step it replaced, and one every 256 rounds (~1.1 s) cost 1-2 % of the time per token (run 51). At 1024 it
+    # is < 0.5 %, and a draft that turns useful again is found within ~4 s of decoding there
+    BATCH_PROBE_MAX = 1024
     PROBE_HOLD = 8  # batch_k: a probe is accepted when drafting then lasts this many rounds
     # batch_k: the plain rounds between probes grow with the batch, by a factor of batch size / PROBE_BATCH. A probe
     # first feeds the draft model every token each request got while it did not draft (an eager catch-up whose
@@ -295,6 +310,9 @@ class KPolicy:
         steady = self._steady.get(key) if steady is None else steady
         if same_mode and steady is not None and tokens > 0:
             self.sessions.setdefault(key, deque(maxlen=self.SESSION_WINDOW)).append((max(0.0, first - steady), tokens))
+
+    def _starts_measured(self, spec: bool, requests: int) -> bool:
+        return len(self.sessions.get((spec, self._bucket(requests)), ())) >= self.SESSION_MIN
 
     def restart_per_token(self, spec: bool, requests: int) -> float:
         """Seconds of session starts per committed token, drafting or plain, at this batch size (0 until
@@ -448,7 +466,12 @@ class KPolicy:
                 for kk, e in enumerate(self._estimate(rid).expected_tokens_upto(kmax, pool)):
                     expected[kk] += e
             k, best, plain = 0, 0.0, 0.0
-            starts = (self.restart_per_token(False, n), self.restart_per_token(True, n))
+            # (a drafting session's start not measured yet at this batch size, e.g. right after a probe forgot them:
+            # priced as a plain one's, never as free. Priced at 0 against plain's measured start, a useless draft
+            # (acceptance ~1 %) at 39 requests won k = 1 by 0.3 % and drafted 162 tokens at 0.93x plain: run 51)
+            plain_start = self.restart_per_token(False, n)
+            spec_start = self.restart_per_token(True, n) if self._starts_measured(True, n) else plain_start
+            starts = (plain_start, spec_start)
             for kk in range(kmax + 1):
                 seconds = self.cost.round_seconds(n * (kk + 1), kk, n) + starts[kk > 0] * expected[kk]
                 rate = expected[kk] / seconds
@@ -470,11 +493,11 @@ class KPolicy:
                                       plain_steady=self._steady.get((False, self._bucket(n))),
                                       points=self.cost._target_points()[:8]))
             if self.batch_idle == 0:  # the batch was drafting: this trial of drafting failed
-                self.batch_probe_every = min(2 * self.batch_probe_every, self.PROBE_MAX)
+                self.batch_probe_every = min(2 * self.batch_probe_every, self.BATCH_PROBE_MAX)
             self.batch_trial = None
         if k == 0:
             if self.batch_trial is not None:  # drafting did not last after the probe: probe half as often
-                self.batch_probe_every = min(2 * self.batch_probe_every, self.PROBE_MAX)
+                self.batch_probe_every = min(2 * self.batch_probe_every, self.BATCH_PROBE_MAX)
                 self.batch_trial = None
             self.batch_idle += 1
             if self.batch_idle >= self._batch_probe_wait(len(req_ids)) and kmax > 0:

@@ -765,15 +765,23 @@ def cpu_main(args) -> dict:
         prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
 
     def make(spec_kw):
+        spec_kw = dict(spec_kw) if spec_kw is not None else None
+        priced = spec_kw.pop("price_catch_up", True) if spec_kw is not None else True
         spec = SpecConfig() if spec_kw is None else SpecConfig(method="draft", draft_model=(draft, dtok), **spec_kw)
-        return Engine.from_model(target, tok, device="cpu", spec=spec, max_num_seqs=8)
+        eng = Engine.from_model(target, tok, device="cpu", spec=spec, max_num_seqs=8)
+        eng.PRICE_CATCH_UP = priced  # (Engine.PRICE_CATCH_UP: the draft's prompt reads priced against its savings)
+        return eng
 
     it = iter(range(10_000))
-    configs = [("plain", None), ("k=4", dict(k=4)), ("adaptive", dict(adaptive=True, k_max=8))]
+    configs = [("plain", None), ("k=4", dict(k=4))]
+    if args.catch_up in ("on", "both"):
+        configs.append(("adaptive", dict(adaptive=True, k_max=8)))
+    if args.catch_up in ("off", "both"):
+        configs.append(("adaptive, unpriced", dict(adaptive=True, k_max=8, price_catch_up=False)))
     rows = run_grid(make, lambda n: [prompts[next(it) % len(prompts)] for _ in range(n)], args.new_tokens,
                     args.concurrency, configs, log)
     poisson = []
-    for name, kw in configs:
+    for name, kw in configs if args.poisson_requests else ():  # (--poisson-requests 0: closed loop only)
         eng = make(kw)
         r = drive(eng, prompts[: args.poisson_requests], args.new_tokens, rate=args.rate, seed=3)
         r.update(config=name, rate=args.rate)
@@ -842,6 +850,9 @@ def main() -> None:
                     help="GPU: adaptive rows reading a lone arrival in the session members' next verify forward "
                          "(Engine.MIX_JOINS, on: the default since the fifteenth session), in a round of its own "
                          "('joins read alone'), or both side by side")
+    ap.add_argument("--catch-up", choices=["on", "off", "both"], default="on",
+                    help="CPU: adaptive k prices the draft's prompt reads against what drafting saves (on: "
+                         "Engine.PRICE_CATCH_UP, the default), not (off: every prompt read by the draft), or both")
     ap.add_argument("--poisson-ab", type=int, default=0, metavar="REPS",
                     help="GPU: only Poisson arrivals, the configs interleaved (all engines built first), each rate "
                          "REPS times; reports the median over repetitions of plain TPOT / config TPOT")
@@ -869,7 +880,7 @@ def main() -> None:
         args.quantize = args.quantize or "auto"
     else:
         given = [f for f, v in (("--threads", args.threads), ("--rate", args.rate is not None),
-                                ("--quantize", args.quantize)) if v]
+                                ("--quantize", args.quantize), ("--catch-up", args.catch_up != "on")) if v]
         if given:
             ap.error(f"{', '.join(given)}: CPU only (--cpu)")
         args.acceptance = [0.6, 0.8, 0.9, 0.0] if args.acceptance is None else args.acceptance
@@ -885,7 +896,7 @@ def main() -> None:
     else:
         args.concurrency = args.concurrency or [1, 2]
         args.new_tokens = args.new_tokens or 32
-        args.poisson_requests = args.poisson_requests or 4
+        args.poisson_requests = 4 if args.poisson_requests is None else args.poisson_requests
         res = cpu_main(args)
         name = "online_cpu"
         res["device"] = "cpu"

@@ -453,12 +453,77 @@ def test_a_probe_does_not_record_the_drafters_catch_up_as_a_draft_step():
     eng.drafter.feed = slow_feed
     rounds = iter(range(10 ** 6))
     # a 3-draft round every 5th (steps past the first are timed), each after a 4-token backlog fed by drafter.feed
-    eng.k_policy.ks = lambda ids, room, plain_check=True: [min(3, r) if next(rounds) % 5 == 4 else 0 for r in room]
+    eng.k_policy.ks = lambda ids, room, plain_check=True, **kw: [min(3, r) if next(rounds) % 5 == 4 else 0 for r in room]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     out = llm.generate([PROMPTS[0]], sp)[0]
     assert out.stats.drafted >= 6  # the drafting rounds ran
     assert seen and all(s < 0.2 for s in seen), seen
     assert out.token_ids == tiny_llm(target).generate([PROMPTS[0]], sp)[0].token_ids
+
+
+def test_a_catch_up_is_paid_for_only_where_drafting_repays_it():
+    """KPolicy.catch_up_pays: drafting for a request whose draft cache lacks `lag` tokens (its prompt, or a plain
+    stretch) must save more over its remaining tokens than the draft's read of them costs (its measured seconds
+    per fed token). Here a plain round of 2 requests costs 40 ms, a k = 2 round 80 ms for 2.44 tokens each at
+    a = 0.8 (32.8 ms a token: 7.2 ms saved per token), and the draft reads 1.5 ms a token: a 100-token prompt
+    (150 ms) is repaid by a 32-token answer (230 ms saved), not by a 16-token one (115 ms)."""
+    pol = KPolicy(SpecConfig(method="draft", draft_model="x", adaptive=True, k_max=2))
+    pol.cost.record_target(2, 0.040)
+    pol.cost.record_target(6, 0.060)
+    for _ in range(3):
+        pol.cost.record_draft_step(0.010, 2)
+    for _ in range(400):
+        pol.observe(7, 2, 1, wanted=2)  # position 1: 1.0 of reached, position 2: 0.5 ... (the pool follows)
+    pol.estimates[7] = AcceptanceEstimate(prior=0.8, prior_weight=1e9)  # a = 0.8 exactly at every position
+    assert pol.catch_up_pays(7, 100, 32, 2)  # no feed timed yet: drafting as before
+    pol.cost.record_draft_feed(100, 0.150)
+    assert pol.cost.draft_feed_per_token() == pytest.approx(0.0015)
+    assert pol.catch_up_pays(7, 100, 32, 2, k=2) and not pol.catch_up_pays(7, 100, 16, 2, k=2)
+    assert pol.catch_up_pays(7, pol.spec.max_draft_tokens + 2, 1, 2)  # what a round leaves behind: never priced
+    # ks drops k for the request whose catch-up does not pay, keeps it for the one that does
+    ks = pol.ks([7, 7], [2, 2], plain_check=False, lags=[100, 100], remaining=[32, 16])
+    assert ks == [2, 0], ks
+
+
+def test_the_cpu_path_prices_the_drafts_prompt_reads():
+    """Engine, CPU path (adaptive k per request, a separate draft model): the draft's reads of prompt chunks are
+    timed (KPolicy.cost.record_draft_feed) and a prompt is read by the draft only where drafting repays it
+    (Engine._feed_pays -> catch_up_pays). With the read priced out, no prompt is fed and the lagging requests
+    decode plainly; outputs equal plain greedy either way."""
+    target = hf_model("llama")
+    draft = hf_model("llama", seed=3, num_hidden_layers=1)
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    want = [o.token_ids for o in tiny_llm(target).generate(prompts, sp)]
+    for priced_out in (False, True):
+        llm = tiny_llm(target, spec=draft_spec(draft, adaptive=True, k_max=3), max_num_batched_tokens=8)
+        eng, timed, chunks, in_round = llm.engine, [], [], [False]
+        real_record, real_feed, real_pass = eng.k_policy.cost.record_draft_feed, eng.drafter.feed, eng.round._feed_drafter
+        eng.k_policy.cost.record_draft_feed = lambda t, s: (timed.append(t), real_record(t, s))
+
+        def feed(requests, upto):  # prompt chunks the round passes on (not the drafting's own catch-ups)
+            if in_round[0]:
+                chunks.append(len(requests))
+            return real_feed(requests, upto)
+
+        def pass_on(items):
+            in_round[0] = True
+            try:
+                return real_pass(items)
+            finally:
+                in_round[0] = False
+
+        eng.drafter.feed, eng.round._feed_drafter = feed, pass_on
+        if priced_out:
+            eng.k_policy.catch_up_pays = lambda *a, **kw: False
+        outs = llm.generate(prompts, sp)
+        assert [o.token_ids for o in outs] == want
+        # every read of the draft's own cache is timed (prompt chunks passed on, catch-ups inside drafting)
+        assert timed and all(t > 0 for t in timed) and eng.k_policy.cost.draft_feed_per_token() > 0
+        if priced_out:  # no prompt chunk passed on; drafting only before the policy had timed two forwards
+            assert not chunks, chunks
+        else:  # (prompts longer than the 8-token budget are read in chunks, the draft reading along)
+            assert len(chunks) >= 3, chunks
 
 
 def test_draft_step_time_and_spec_overhead_are_medians():
@@ -532,7 +597,7 @@ def test_adaptive_k_at_zero_leaves_new_prompts_to_the_drafters_catch_up():
         calls.append(state["round"])
         return feed(reqs, upto)
 
-    def ks(ids, room, plain_check=True):
+    def ks(ids, room, plain_check=True, **kw):
         state["round"] += 1
         return [0 if state["round"] <= 6 else min(3, r) for r in room]
 
@@ -724,12 +789,46 @@ def test_batch_k_is_overruled_when_speculative_rounds_realize_less_than_plain():
     assert min(pol.batch_k(ids, room) for _ in range(5)) >= 3 and pol.vetoes == 0
 
 
-def test_engine_records_realized_speculative_rounds_only_with_cuda_graphs():
-    """The realized rate feeds batch_k (CUDA graphs); without graphs (per-request k) nothing is recorded."""
+def test_engine_records_realized_speculative_rounds_with_graphs_or_a_separate_draft_on_the_cpu():
+    """The realized rate feeds batch_k's veto (CUDA graphs) and, since the sixteenth session, ks's on the CPU path
+    with a separate draft model (Engine._catch_up_priced); a drafter without its own cache (n-gram) records
+    nothing there."""
     target = hf_model("llama")
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     llm = tiny_llm(target, spec=draft_spec(hf_model("llama", seed=3, num_hidden_layers=1), adaptive=True, k_max=4))
-    llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    assert llm.engine.runner.graphs is None and not llm.engine.k_policy.realized
+    llm.generate([PROMPTS[0]], sp)
+    assert llm.engine.runner.graphs is None and llm.engine.k_policy.realized
+    llm = tiny_llm(target, spec=SpecConfig(method="ngram", adaptive=True, k_max=4))
+    llm.generate([PROMPTS[0]], sp)
+    assert not llm.engine.k_policy.realized
+
+
+def test_ks_vetoes_drafting_that_realizes_less_than_plain():
+    """ks (the CPU path, with lags: a separate draft model) overrules the model when the drafting rounds it ran
+    realized less than plain decoding's measured step gives (on this CPU at 2 requests the model predicted ~7 %
+    over plain while the rounds realized ~6 % less); a probe measures the rounds again from scratch."""
+    pol = KPolicy(SpecConfig(method="draft", draft_model="x", adaptive=True, k_max=2))
+    pol.cost.record_target(2, 0.040)
+    pol.cost.record_target(6, 0.060)
+    for _ in range(3):
+        pol.cost.record_draft_step(0.010, 2)
+    for rid in (0, 1):
+        pol.estimates[rid] = AcceptanceEstimate(prior=0.8, prior_weight=1e9)
+    args = dict(plain_check=False, lags=[1, 1], remaining=[100, 100])
+    assert pol.ks([0, 1], [2, 2], **args) == [2, 2]  # the model: 2.44 tokens per 80 ms round against 1 per 40 ms
+    for _ in range(KPolicy.REALIZED_MIN):
+        pol.record_realized(2, 2 * 1.6, 0.080)  # the rounds realized 1.6 tokens each per 80 ms: 20 tok/s < 25
+    assert pol.ks([0, 1], [2, 2], **args) == [0, 0] and pol.vetoes == 1
+    pol.realized.clear()
+    for _ in range(KPolicy.REALIZED_MIN):
+        pol.record_realized(2, 2 * 2.4, 0.080)  # 30 tok/s: drafting stands
+    assert pol.ks([0, 1], [2, 2], **args) == [2, 2] and pol.vetoes == 1
+    for _ in range(KPolicy.REALIZED_MIN):
+        pol.record_realized(2, 2 * 1.0, 0.080)
+    pol.probe_every = {0: 1, 1: 1}
+    pol.idle_rounds = {0: 5, 1: 5}
+    assert pol.ks([0, 1], [2, 2], **args) == [1, 1]  # vetoed, then both probe: the window starts again
+    assert not pol.realized.get(pol._bucket(2))
 
 
 def test_batch_k_drafts_until_a_draft_step_is_timed():

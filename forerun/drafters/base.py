@@ -73,6 +73,9 @@ class Drafter(ABC):
     # a round where none was pure (a k = 1 probe, whose only step also feeds the backlog since the last draft)
     # then gives no draft-step observation, instead of its whole drafting phase (catch-up included) per token
     times_steps: bool = False
+    # (tokens, seconds) of each catch-up the drafter's own cache reads (prompts, plain stretches), for a caller
+    # whose device is synchronous (the engine's CPU path prices catch-ups with it: KPolicy.catch_up_pays)
+    on_feed: "Callable[[int, float], None] | None" = None
 
     @abstractmethod
     def propose(self, requests: list[Request], ks: list[int]) -> DraftProposal: ...

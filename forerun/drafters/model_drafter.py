@@ -57,6 +57,7 @@ class ModelDrafter(Drafter):
             self._ensure(r)
             if kv.length(r.req_id) < n:
                 todo.append((r, n))
+        t0, fed = time.perf_counter(), sum(n - kv.length(r.req_id) for r, n in todo)
         while todo:
             chunks, left, rest = [], budget, []
             for r, n in todo:
@@ -69,6 +70,8 @@ class ModelDrafter(Drafter):
                     rest.append((r, n))
             self.runner.forward(chunks, num_layers=self.num_layers)
             todo = rest
+        if fed and self.on_feed is not None:
+            self.on_feed(fed, time.perf_counter() - t0)
 
     max_catchup = 2  # step 0 feeds at most this many missing committed tokens per request (else feed() first)
 

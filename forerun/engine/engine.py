@@ -497,7 +497,13 @@ class Engine:
             # (the plain check times a round of these requests decoding: not a prompt's last chunk being read)
             kv = self.runner.kv
             steady = all(kv.has(r.req_id) and kv.length(r.req_id) == r.num_tokens - 1 for r in reqs)
-            return self.k_policy.ks([r.req_id for r in reqs], room, plain_check=steady)
+            lags = remaining = None
+            if self._catch_up_priced:  # what each draft cache lacks: drafting must repay its catch-up
+                dkv = self.drafter.kv
+                lags = [r.num_tokens - (dkv.length(r.req_id) if dkv.has(r.req_id) else 0) for r in reqs]
+                remaining = [r.remaining for r in reqs]
+            return self.k_policy.ks([r.req_id for r in reqs], room, plain_check=steady, lags=lags,
+                                    remaining=remaining)
         # CUDA graphs replay uniform steps only: a ragged verify batch (k differing per request) would run
         # eagerly, several times slower; so the batch drafts one k, chosen for the batch as a whole. A request
         # near its max_tokens drafts it too (commit drops what lies past its end); only the context caps it.
@@ -506,6 +512,28 @@ class Engine:
         else:
             k = min(self.spec.k, max(room, default=0))
         return [max(0, min(k, limit - r.num_tokens - 1)) for r in reqs]
+
+    # the CPU path prices the draft's catch-ups (prompt reads, plain stretches) against what drafting saves; False:
+    # every prompt is read by the draft while adaptive k drafts (the fifteenth session's behaviour, kept for
+    # `benchmarks/online.py --cpu --catch-up both`)
+    PRICE_CATCH_UP = True
+
+    @property
+    def _catch_up_priced(self) -> bool:
+        """Adaptive k per request on the CPU (no CUDA graphs; the host waits for each forward, so a feed's wall time
+        is its cost) with a separate draft model: its reads of prompts and of plain stretches are timed and priced
+        against what drafting saves (KPolicy.catch_up_pays). (On CUDA graphs the batch drafts one k and the draft's
+        catch-ups are priced by the session start costs and the veto.)"""
+        return (self.PRICE_CATCH_UP and self.spec.adaptive and self.spec.method == "draft" and self.runner.graphs is None
+                and self.runner.device.type == "cpu"
+                and self.drafter is not None and self.drafter.kv is not None)
+
+    def _feed_pays(self, r: Request) -> bool:
+        """Whether the draft reads this request's prompt as the target does: drafting over its answer (its
+        max_tokens left), at the batch size the round has, saves more than the read costs."""
+        dkv = self.drafter.kv
+        lag = r.num_tokens - (dkv.length(r.req_id) if dkv.has(r.req_id) else 0)
+        return self.k_policy.catch_up_pays(r.req_id, lag, r.remaining, max(1, len(self.scheduler.running)))
 
     def _tree_drafts(self, r: Request) -> int:
         """Nodes beyond the root of the tree request r drafts this round: the configured tree cut to what fits, as
@@ -550,6 +578,9 @@ class Engine:
             return self._overlap_step()
         t_start = time.perf_counter()
         self.round.feed_prefill = not self.k_policy.idle()  # adaptive k at 0: new prompts skip the drafter
+        if self._catch_up_priced:  # (the CPU path) a prompt is read by the draft where drafting repays the read
+            self.round.feed_filter = self._feed_pays
+            self.drafter.on_feed = self.k_policy.cost.record_draft_feed  # (its prompt reads and catch-ups, timed)
         self._session = None  # (an ordinary round: no session runs)
         out = None
         if self._prefill_alone():  # (prompts read alone draft nothing: the k policy is not asked)
@@ -568,8 +599,8 @@ class Engine:
             return touched
         items = out.items
         # (read before the round moves the draft's cache; only the veto's record below uses it)
-        switch = self.spec.adaptive and self.runner.graphs is not None and \
-            self._draft_lags([it.request for it in items if it.final and it.feed == 1 and it.k > 0])
+        realized = self.spec.adaptive and (self.runner.graphs is not None or self._catch_up_priced)
+        switch = realized and self._draft_lags([it.request for it in items if it.final and it.feed == 1 and it.k > 0])
         res = self.round.run(items)
         self._observe(res, items)
         if any(it.final and it.feed == 1 for it in items):  # a round that decoded (not only read prompts): the
@@ -585,7 +616,7 @@ class Engine:
                 and res.sampled_rows:
             # no overlapped decoding: plain and speculative rounds pay the host work alike, once per round
             self.k_policy.cost.record_round_overhead(time.perf_counter() - t_start - res.target_seconds - res.draft_seconds)
-        if self.spec.adaptive and self.runner.graphs is not None and any(res.num_drafted) and not switch:
+        if realized and any(res.num_drafted) and not switch:
             # what the round delivered, host work, the draft's catch-up over new prompts and stalls included
             # (not a round whose draft first catches up on a stretch of plain decoding: that is paid once, as a
             # session's first look is left out in _try_spec_overlap, `_draft_lags`):

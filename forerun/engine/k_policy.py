@@ -194,6 +194,19 @@ class CostModel:
 
     DRAFT_BUCKET_MIN = 3  # steps a batch-size bucket needs before it prices rounds (one outlier must not steer k)
 
+    # the drafter reading prompt chunks (tokens, seconds): timed where the host waits for it (the CPU path)
+    feed_obs: deque = field(default_factory=lambda: deque(maxlen=32))
+
+    def record_draft_feed(self, tokens: int, seconds: float) -> None:
+        if tokens > 0:
+            self.feed_obs.append((tokens, seconds))
+
+    def draft_feed_per_token(self) -> float | None:
+        """Seconds per token of the drafter reading tokens it lacks (median of recent feeds), None until timed."""
+        if not self.feed_obs:
+            return None
+        return self._cached("feed", self.feed_obs, lambda: _median([s / t for t, s in self.feed_obs]))
+
     def record_spec_overhead(self, seconds: float) -> None:
         """A speculative round's wall time beyond its target forward and draft steps (host work: verification
         inputs, the host read of the verdict, rollback, commit). Plain decoding hides its own host work by
@@ -382,7 +395,8 @@ class KPolicy:
         if steady is not None:
             return steady
         if any(x <= requests for x, _ in self.cost.target_obs):
-            return self.cost.target_time(requests)
+            # (+ a round's host work where rounds are not overlapped: the CPU path records it, plain pays it too)
+            return self.cost.target_time(requests) + (self.cost.round_overhead() if self.cost.round_obs else 0.0)
         return None
 
     def plain_rate(self, requests: int) -> float:
@@ -401,9 +415,33 @@ class KPolicy:
         rate = self.realized_rate(n)
         return rate is not None and self.plain_step(n) is not None and rate < self.REALIZED_MARGIN * self.plain_rate(n)
 
-    def ks(self, req_ids: list[int], room: list[int], plain_check: bool = True) -> list[int]:
+    def catch_up_pays(self, req_id: int, lag: int, remaining: int, n: int, k: int | None = None,
+                      optimistic: bool = False) -> bool:
+        """Whether drafting k tokens a round (None: the best k) for this request, in a batch of n, saves more over its
+        `remaining` tokens than the draft's reading the `lag` tokens its cache lacks costs (its prompt, or a
+        stretch of plain decoding): remaining x (plain's seconds per token - drafting's) > lag x the draft's
+        measured seconds per fed token. True until a feed is timed, and for a lag a round can leave behind.
+        optimistic: drafting's rate from the prior acceptance (a probe asks whether a typical draft would repay its
+        catch-up, whatever this one did before). On this CPU with int4 weights a 0.5B draft reads a prompt at
+        ~40 % of the 1.5B target's cost (140 ms), and at 2 requests drafting saved ~1.3 ms per token: a 32-token
+        answer lost ~100 ms to every prompt the draft read (adaptive 0.89x plain, fourteenth session)."""
+        per_token = self.cost.draft_feed_per_token()
+        if per_token is None or lag <= self.spec.max_draft_tokens + 2:
+            return True
+        kmax = max(1, self.spec.k_max)
+        est = AcceptanceEstimate() if optimistic else self._estimate(req_id)
+        expected = est.expected_tokens_upto(kmax, None if optimistic else self.overall.rates(kmax))
+        t_plain = self.cost.round_seconds(n, 0, n)  # a round gives each request one token
+        options = range(1, kmax + 1) if k is None else [k]
+        t_draft = min(self.cost.round_seconds(n * (kk + 1), kk, n) / expected[kk] for kk in options)
+        return remaining * (t_plain - t_draft) > lag * per_token
+
+    def ks(self, req_ids: list[int], room: list[int], plain_check: bool = True, lags: list[int] | None = None,
+           remaining: list[int] | None = None) -> list[int]:
         """k per request this round; room[i] caps it (context and max_tokens left). plain_check: the requests decode
-        this round (not a prompt's last chunk), so a plain round of them may time the plain step."""
+        this round (not a prompt's last chunk), so a plain round of them may time the plain step. lags / remaining:
+        per request the tokens its draft cache lacks and the tokens it has left; a request drafts (or probes) only
+        where that catch-up pays (`catch_up_pays`)."""
         if not self.spec.enabled:
             return [0] * len(req_ids)
         if not self.spec.adaptive:
@@ -412,6 +450,15 @@ class KPolicy:
         warm = len(self.cost.target_obs) >= 2
         ks = [choose_k(self._estimate(rid), min(self.spec.k_max, r), n, self.cost) if warm else min(self.spec.k, r)
               for rid, r in zip(req_ids, room)]
+        if lags is not None and warm:
+            ks = [k if k == 0 or self.catch_up_pays(rid, lag, rem, n, k) else 0
+                  for rid, k, lag, rem in zip(req_ids, ks, lags, remaining)]
+            if any(ks) and self._overruled(n):
+                # the model says drafting pays, the rounds it ran say it does not (the engine records them on the
+                # CPU path with a separate draft: `Engine._catch_up_priced`). On this CPU at 2 requests the model
+                # predicted ~7 % over plain from the forwards' costs while the drafting rounds realized ~6 % less
+                # (sixteenth session)
+                ks, self.vetoes = [0] * n, self.vetoes + 1
         if plain_check and warm and any(ks) and self._plain_unmeasured(n):
             # drafting is chosen against a plain step the model never timed at this batch size, only extrapolated
             # from verify forwards: one plain round times it. On this CPU with int4 weights a 1-token forward costs
@@ -420,11 +467,14 @@ class KPolicy:
             self.plain_checks[n] = self.plain_checks.get(n, 0) + 1
             return [0] * n
         out = []
-        for rid, r, k in zip(req_ids, room, ks):
+        for i, (rid, r, k) in enumerate(zip(req_ids, room, ks)):
             idle = self.idle_rounds.get(rid, 0) + 1 if k == 0 else 0
-            if idle >= self.probe_every.setdefault(rid, self.default_probe_every) and r > 0:
+            if idle >= self.probe_every.setdefault(rid, self.default_probe_every) and r > 0 and (
+                    lags is None or not warm or self.catch_up_pays(rid, lags[i], remaining[i], n, 1, optimistic=True)):
                 k, idle = 1, 0
                 self.probing.add(rid)
+                if lags is not None:  # (the veto's rounds at this batch size are measured again from here)
+                    self.realized.pop(self._bucket(n), None)
             self.idle_rounds[rid] = idle
             out.append(max(0, k))
         return out

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 
@@ -65,6 +66,9 @@ class Round(ABC):
         # pass prefill chunks on to the drafter this round (the engine clears it while adaptive k sits at 0: a
         # prompt is then fed to the drafter only if drafting resumes, by its catch-up, not on every arrival)
         self.feed_prefill = True
+        # per request: whether its prompt chunks are passed on (None: all are); the engine's CPU path skips prompts
+        # whose draft read would cost more than drafting can save over the answer (KPolicy.catch_up_pays)
+        self.feed_filter: "Callable[[Request], bool] | None" = None
 
     @abstractmethod
     def run(self, items: list[RoundItem]) -> RoundResult: ...
@@ -78,7 +82,8 @@ class Round(ABC):
         others' steps), ~5 ms per join on the H200 at 4 requests against one shared replay here."""
         if self.drafter is None or not self.feed_prefill:
             return
-        pre = [it for it in items if not it.final or (it.feed > 1 and it.k == 0 and it.request.remaining > 1)]
+        pre = [it for it in items if (not it.final or (it.feed > 1 and it.k == 0 and it.request.remaining > 1))
+               and (self.feed_filter is None or self.feed_filter(it.request))]
         if pre:
             kv = self.target.kv
             self.drafter.feed([it.request for it in pre], [kv.length(it.request.req_id) + it.feed for it in pre])

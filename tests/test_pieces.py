@@ -232,3 +232,39 @@ def test_warmup_covers_every_replay_a_run_needs(method, tmp_path):
         assert not new, f"EAGLE graphs captured while serving: {new}"
         assert eng.drafter.static.replays > 0
     assert eng.runner.graphs.replays > 0
+
+
+def test_capturing_holds_the_garbage_collector_off(monkeypatch):
+    """runtime.cuda_graph.capturing: no Python garbage collection while a stream captures (a collection there can
+    free another engine's CUDA graph, whose reset is not permitted during a capture and fails it: seen on the H200
+    when GPU tests ran after other tests' engines); the collector's state is restored afterwards, also on an error."""
+    import contextlib
+    import gc
+
+    import forerun.runtime.cuda_graph as cg
+
+    seen = []
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None):  # (no CUDA here: the capture itself is torch's)
+        seen.append(gc.isenabled())
+        yield
+
+    monkeypatch.setattr(cg.torch.cuda, "graph", fake_graph)
+    assert gc.isenabled()
+    with cg.capturing(None, None):
+        seen.append(gc.isenabled())
+    assert seen == [False, False] and gc.isenabled()
+    try:
+        with cg.capturing(None, None):
+            raise RuntimeError("capture failed")
+    except RuntimeError:
+        pass
+    assert gc.isenabled()
+    gc.disable()  # a caller that had it off keeps it off
+    try:
+        with cg.capturing(None, None):
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -43,6 +43,7 @@ from ..models.eagle_head import EagleHead, load_eagle_head
 from ..request import Request
 from ..structured import (ALL_ALLOWED, apply_bitmask_, apply_grammar_to_draft_logits, bitmask_words, grammar_of,  # issue 14
                           tree_node_masks)
+from ..runtime.cuda_graph import capturing
 from ..runtime.runner import Chunk, ModelRunner
 from ..verify.probs import SamplingTensors, logits_to_probs, sample_from_probs
 from .base import DraftProposal, Drafter, TreeProposal
@@ -1069,7 +1070,7 @@ class _StaticDrafting:
                     body()
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with capturing(graph, self._pool):
                 out = body()
         cap = self.graphs[key] = _Captured(graph, body, out)
         return cap

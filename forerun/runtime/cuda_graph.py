@@ -29,8 +29,10 @@ The model's attention backend must declare `supports_cuda_graphs` (TritonPagedAt
 """
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -39,6 +41,23 @@ from ..devices import h2d
 from ..models.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from ..models.llama import ForwardOutput
 from .runner import Chunk, ModelRunner, PreparedStep
+
+
+@contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool) -> Iterator[None]:
+    """`torch.cuda.graph(graph, pool)` with Python's garbage collector held off while the stream captures. A
+    collection there can free another CUDA graph (one of an engine dropped earlier, kept in a reference cycle),
+    whose reset is not permitted during a capture: the capture fails ("operation not permitted when stream is
+    capturing"), as GPU tests did when run after other tests' engines (torch.cuda.graph collects once before it
+    starts capturing, not during)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -245,7 +264,7 @@ class GraphRunner:
                         body()
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
+                with capturing(graph, self._pool):
                     out = body()
                 cap = _Captured(graph, body, out, rows)
             for x, y in zip(inputs, saved):

@@ -478,6 +478,11 @@ def test_a_catch_up_is_paid_for_only_where_drafting_repays_it():
     assert pol.catch_up_pays(7, 100, 32, 2)  # no feed timed yet: drafting as before
     pol.cost.record_draft_feed(100, 0.150)
     assert pol.cost.draft_feed_per_token() == pytest.approx(0.0015)
+    for _ in range(5):  # short catch-ups (~a forward's fixed cost each) weigh by their tokens, not one ratio each
+        pol.cost.record_draft_feed(2, 0.028)
+    assert pol.cost.draft_feed_per_token() == pytest.approx((0.150 + 5 * 0.028) / 110)  # (a median: 14 ms)
+    pol.cost.feed_obs.clear()
+    pol.cost.record_draft_feed(100, 0.150)
     assert pol.catch_up_pays(7, 100, 32, 2, k=2) and not pol.catch_up_pays(7, 100, 16, 2, k=2)
     assert pol.catch_up_pays(7, pol.spec.max_draft_tokens + 2, 1, 2)  # what a round leaves behind: never priced
     # ks drops k for the request whose catch-up does not pay, keeps it for the one that does
@@ -806,7 +811,8 @@ def test_engine_records_realized_speculative_rounds_with_graphs_or_a_separate_dr
 def test_ks_vetoes_drafting_that_realizes_less_than_plain():
     """ks (the CPU path, with lags: a separate draft model) overrules the model when the drafting rounds it ran
     realized less than plain decoding's measured step gives (on this CPU at 2 requests the model predicted ~7 %
-    over plain while the rounds realized ~6 % less); a probe measures the rounds again from scratch."""
+    over plain while the rounds realized ~6 % less). The batch size then decodes plainly, probes included, for a
+    wait that doubles at every veto (PROBE_EVERY, 2x, ...); a trial that realizes what plain does resets it."""
     pol = KPolicy(SpecConfig(method="draft", draft_model="x", adaptive=True, k_max=2))
     pol.cost.record_target(2, 0.040)
     pol.cost.record_target(6, 0.060)
@@ -815,20 +821,26 @@ def test_ks_vetoes_drafting_that_realizes_less_than_plain():
     for rid in (0, 1):
         pol.estimates[rid] = AcceptanceEstimate(prior=0.8, prior_weight=1e9)
     args = dict(plain_check=False, lags=[1, 1], remaining=[100, 100])
-    assert pol.ks([0, 1], [2, 2], **args) == [2, 2]  # the model: 2.44 tokens per 80 ms round against 1 per 40 ms
-    for _ in range(KPolicy.REALIZED_MIN):
-        pol.record_realized(2, 2 * 1.6, 0.080)  # the rounds realized 1.6 tokens each per 80 ms: 20 tok/s < 25
-    assert pol.ks([0, 1], [2, 2], **args) == [0, 0] and pol.vetoes == 1
-    pol.realized.clear()
-    for _ in range(KPolicy.REALIZED_MIN):
-        pol.record_realized(2, 2 * 2.4, 0.080)  # 30 tok/s: drafting stands
-    assert pol.ks([0, 1], [2, 2], **args) == [2, 2] and pol.vetoes == 1
-    for _ in range(KPolicy.REALIZED_MIN):
-        pol.record_realized(2, 2 * 1.0, 0.080)
-    pol.probe_every = {0: 1, 1: 1}
-    pol.idle_rounds = {0: 5, 1: 5}
-    assert pol.ks([0, 1], [2, 2], **args) == [1, 1]  # vetoed, then both probe: the window starts again
-    assert not pol.realized.get(pol._bucket(2))
+
+    def ks():
+        return pol.ks([0, 1], [2, 2], **args)
+
+    def rounds(tokens_each):  # REALIZED_MIN drafting rounds of 80 ms
+        for _ in range(KPolicy.REALIZED_MIN):
+            pol.record_realized(2, 2 * tokens_each, 0.080)
+
+    assert ks() == [2, 2]  # the model: 2.44 tokens per 80 ms round against 1 per 40 ms
+    for wait in (KPolicy.PROBE_EVERY, 2 * KPolicy.PROBE_EVERY):
+        rounds(1.6)  # 20 tok/s per request against plain's 25: vetoed
+        assert ks() == [0, 0] and not pol.realized.get(pol._bucket(2))
+        pol.probe_every = {0: 1, 1: 1}  # probes due: the wait holds them off too
+        assert all(ks() == [0, 0] for _ in range(wait))
+        assert ks() == [2, 2]  # the trial
+    assert pol.vetoes == 2
+    rounds(2.4)  # 30 tok/s: drafting stands, and the wait starts over
+    assert ks() == [2, 2] and not pol._held
+    rounds(1.0)
+    assert ks() == [0, 0] and pol._held[pol._bucket(2)] == [KPolicy.PROBE_EVERY, KPolicy.PROBE_EVERY]
 
 
 def test_batch_k_drafts_until_a_draft_step_is_timed():

@@ -202,10 +202,14 @@ class CostModel:
             self.feed_obs.append((tokens, seconds))
 
     def draft_feed_per_token(self) -> float | None:
-        """Seconds per token of the drafter reading tokens it lacks (median of recent feeds), None until timed."""
+        """Seconds per token of the drafter reading tokens it lacks (recent feeds: their seconds over their tokens,
+        so long reads weigh as much as they cost), None until timed. (Not a median of per-feed ratios: most feeds are
+        1-2-token catch-ups whose fixed cost per forward, ~25 ms for the 0.5B draft on this CPU, put a prompt's read
+        at ~14 ms a token, ten times what it costs.)"""
         if not self.feed_obs:
             return None
-        return self._cached("feed", self.feed_obs, lambda: _median([s / t for t, s in self.feed_obs]))
+        return self._cached("feed", self.feed_obs,
+                            lambda: sum(s for _, s in self.feed_obs) / sum(t for t, _ in self.feed_obs))
 
     def record_spec_overhead(self, seconds: float) -> None:
         """A speculative round's wall time beyond its target forward and draft steps (host work: verification
@@ -268,6 +272,8 @@ class KPolicy:
         # (committed tokens per request, wall seconds) of recent rounds that drafted
         self.realized: dict[int, deque] = {}
         self.vetoes = 0  # rounds where the realized rate overruled the cost model's k > 0
+        # ks with lags (the CPU path): batch-size bucket -> [plain rounds left to sit out, the wait] after a veto
+        self._held: dict[int, list[int]] = {}
         # the last vetoes' inputs (batch size, realized and plain rates per request, plain's predicted step, the
         # target cost points it came from): what benchmarks/online.py reports for a run that went plain
         self.veto_log: deque = deque(maxlen=8)
@@ -451,14 +457,27 @@ class KPolicy:
         ks = [choose_k(self._estimate(rid), min(self.spec.k_max, r), n, self.cost) if warm else min(self.spec.k, r)
               for rid, r in zip(req_ids, room)]
         if lags is not None and warm:
+            b = self._bucket(n)
+            held = self._held.get(b)
+            if held is not None and held[0] > 0:  # a vetoed batch size sits out its wait: no drafting, no probe
+                held[0] -= 1
+                return [0] * n
             ks = [k if k == 0 or self.catch_up_pays(rid, lag, rem, n, k) else 0
                   for rid, k, lag, rem in zip(req_ids, ks, lags, remaining)]
             if any(ks) and self._overruled(n):
                 # the model says drafting pays, the rounds it ran say it does not (the engine records them on the
                 # CPU path with a separate draft: `Engine._catch_up_priced`). On this CPU at 2 requests the model
                 # predicted ~7 % over plain from the forwards' costs while the drafting rounds realized ~6 % less
-                # (sixteenth session)
-                ks, self.vetoes = [0] * n, self.vetoes + 1
+                # (sixteenth session). The batch size then decodes plainly for a wait that doubles at every veto
+                # (as batch_k's probes back off): a per-request probe, whose drafts are accepted, would otherwise
+                # start a losing trial of REALIZED_MIN rounds every PROBE_EVERY rounds
+                wait = min(2 * held[1], self.BATCH_PROBE_MAX) if held is not None else self.PROBE_EVERY
+                self._held[b] = [wait, wait]
+                self.realized.pop(b, None)  # (the next trial is measured from scratch)
+                self.vetoes += 1
+                return [0] * n
+            elif any(ks) and held is not None and self._kept(n) is not None:
+                del self._held[b]  # a trial realized what plain decoding does: the wait starts over
         if plain_check and warm and any(ks) and self._plain_unmeasured(n):
             # drafting is chosen against a plain step the model never timed at this batch size, only extrapolated
             # from verify forwards: one plain round times it. On this CPU with int4 weights a 1-token forward costs
@@ -473,8 +492,6 @@ class KPolicy:
                     lags is None or not warm or self.catch_up_pays(rid, lags[i], remaining[i], n, 1, optimistic=True)):
                 k, idle = 1, 0
                 self.probing.add(rid)
-                if lags is not None:  # (the veto's rounds at this batch size are measured again from here)
-                    self.realized.pop(self._bucket(n), None)
             self.idle_rounds[rid] = idle
             out.append(max(0, k))
         return out

@@ -499,8 +499,7 @@ class Engine:
             steady = all(kv.has(r.req_id) and kv.length(r.req_id) == r.num_tokens - 1 for r in reqs)
             lags = remaining = None
             if self._catch_up_priced:  # what each draft cache lacks: drafting must repay its catch-up
-                dkv = self.drafter.kv
-                lags = [r.num_tokens - (dkv.length(r.req_id) if dkv.has(r.req_id) else 0) for r in reqs]
+                lags = [self._draft_lag(r) for r in reqs]
                 remaining = [r.remaining for r in reqs]
             return self.k_policy.ks([r.req_id for r in reqs], room, plain_check=steady, lags=lags,
                                     remaining=remaining)
@@ -531,9 +530,13 @@ class Engine:
     def _feed_pays(self, r: Request) -> bool:
         """Whether the draft reads this request's prompt as the target does: drafting over its answer (its
         max_tokens left), at the batch size the round has, saves more than the read costs."""
-        dkv = self.drafter.kv
-        lag = r.num_tokens - (dkv.length(r.req_id) if dkv.has(r.req_id) else 0)
-        return self.k_policy.catch_up_pays(r.req_id, lag, r.remaining, max(1, len(self.scheduler.running)))
+        n = max(1, len(self.scheduler.running))
+        return self.k_policy.catch_up_pays(r.req_id, self._draft_lag(r), r.remaining, n)
+
+    def _draft_lag(self, r: Request) -> int:
+        """Committed tokens of r that the draft's own cache (which the caller knows exists) does not hold."""
+        kv = self.drafter.kv
+        return r.num_tokens - (kv.length(r.req_id) if kv.has(r.req_id) else 0)
 
     def _tree_drafts(self, r: Request) -> int:
         """Nodes beyond the root of the tree request r drafts this round: the configured tree cut to what fits, as
@@ -865,14 +868,12 @@ class Engine:
         That catch-up is paid once per switch to drafting, so the realized rate the veto reads leaves out the
         round or look that spans it (on the H200 at a = 0.6 and 32 requests it put a probe's 8 rounds at 0.85x
         plain while its steady rounds ran at 1.23x, and the veto ended every trial: run 40)."""
-        kv = self.drafter.kv if self.drafter is not None else None
-        if kv is None:
+        if self.drafter is None or self.drafter.kv is None:
             return False
         lag = self.spec.max_draft_tokens + 2  # (what one round can leave behind: an all-accepted round's drafts)
         # counted over the tokens decoded since the prompt only: a draft cache that has not read a new prompt yet
         # (EAGLE feeds short prompts at the first extend) is the recurring catch-up over arrivals, which counts
-        return any(min(r.num_tokens - (kv.length(r.req_id) if kv.has(r.req_id) else 0), len(r.output_token_ids)) > lag
-                   for r in reqs)
+        return any(min(self._draft_lag(r), len(r.output_token_ids)) > lag for r in reqs)
 
     def _regroup(self, members: list[Request], settle, k: int) -> list[Request]:
         """Between two rounds of an overlapped speculative session (JOIN_IN_SESSION): finished and aborted members

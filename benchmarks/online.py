@@ -577,10 +577,6 @@ def gpu_main(args) -> dict:
     def log(m):
         print(f"[{time.perf_counter() - T0:6.1f}s] {m}", flush=True)
 
-    if args.norm_prologue_max is not None:  # every engine built from here on (plain included)
-        from forerun.kernels.layer_ops import FusedLayerOps
-
-        FusedLayerOps.NORM_PROLOGUE_MAX = args.norm_prologue_max
     torch.manual_seed(0)
     target = build_model(QWEN3_8B, None, seed=0)
     draft = build_model(QWEN3_06B, None, seed=3)
@@ -864,9 +860,6 @@ def main() -> None:
     ap.add_argument("--overlap-spec", choices=["on", "off", "both"], default="on",
                     help="GPU: speculative rounds overlapped (Engine(overlap_spec=True), engine/overlap_spec.py, the "
                          "default), not, or both side by side in the same run")
-    ap.add_argument("--norm-prologue-max", type=int, default=None, metavar="ELEMENTS",
-                    help="GPU: FusedLayerOps.NORM_PROLOGUE_MAX for this run (add + RMSNorm fused into the product "
-                         "after it for steps of at most this many row elements; 0: never)")
     args = ap.parse_args()
     if args.cpu:  # GPU-only flags are refused, not ignored
         given = [f for f, v in (("--only", args.only), ("--profile", args.profile), ("--no-4k", args.no_4k),
@@ -880,8 +873,7 @@ def main() -> None:
                                 ("--join-wait-spec-only", args.join_wait_spec_only),
                                 ("--mixed-prefill", args.mixed_prefill != "off"),
                                 ("--overlap-spec", args.overlap_spec != "on"), ("--acceptance", args.acceptance),
-                                ("--blocks", args.blocks),
-                                ("--norm-prologue-max", args.norm_prologue_max is not None)) if v]
+                                ("--blocks", args.blocks)) if v]
         if given:
             ap.error(f"{', '.join(given)}: GPU only (--gpu)")
         args.threads, args.rate = args.threads or 2, 0.05 if args.rate is None else args.rate

@@ -17,7 +17,7 @@ from forerun.runtime.runner import Chunk, ModelRunner  # noqa: E402
 from forerun.kernels.chain_sample import chain_sample  # noqa: E402
 from forerun.kernels.fused_norm import add_rmsnorm  # noqa: E402
 from forerun.kernels.layer_ops import FusedLayerOps  # noqa: E402
-from forerun.kernels.skinny_gemm import GemmConfig, config_key, default_config, skinny_linear  # noqa: E402
+from forerun.kernels.skinny_gemm import GemmConfig, skinny_linear  # noqa: E402
 from forerun.models.llama import LlamaForCausalLM  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -561,28 +561,6 @@ def test_fused_norm_kernels_bf16():
     s64 = x.double() + r.double()
     assert torch.equal(s, x + r)
     assert rel_err(y, w.double() * s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + 1e-6)) < 8e-3
-
-
-@pytest.mark.parametrize("m", [1, 4, 16])
-@pytest.mark.parametrize("k", [1024, 4096])
-def test_skinny_norm_linear_bf16(m, k):
-    """add + RMSNorm fused into the product against add_rmsnorm's kernel then the product, in bf16, with the
-    configurations the engine picks (the tuned table, else the default)."""
-    from forerun.kernels.skinny_gemm import skinny_norm_linear
-
-    g = torch.Generator(device=DEV).manual_seed(m + k)
-    x, r = (torch.randn(m, k, device=DEV, generator=g, dtype=torch.bfloat16) for _ in range(2))
-    nw = 1 + torch.randn(k, device=DEV, generator=g, dtype=torch.bfloat16) / 4
-    w = torch.randn(2 * 1536, k, device=DEV, generator=g, dtype=torch.bfloat16) * 0.02
-    ops = FusedLayerOps()
-    y_ref, s_ref = add_rmsnorm(x, r, nw, 1e-6)
-    for glu in (False, True):
-        n = w.shape[0] // 2 if glu else w.shape[0]
-        cfg = ops.configs.get(config_key(m, n, k, glu)) or default_config(m, n, k)
-        y, s = skinny_norm_linear(x, r, nw, 1e-6, w, glu=glu, config=cfg)
-        assert torch.equal(s, s_ref)
-        assert rel_err(y, skinny_linear(y_ref, w, glu=glu, config=cfg)) < 1e-2, (glu, cfg)
-        assert rel_err(y, skinny_linear(s_ref, w, glu=glu, config=cfg)) > 0.1  # the norm is applied
 
 
 @pytest.mark.parametrize("ops", ["compiled", "fused"])

@@ -15,9 +15,8 @@ if not CUDA:  # must precede the first import of triton, and stays set: the inte
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 from forerun.kernels.fused_norm import add_rmsnorm, qk_norm_rope_store  # noqa: E402
-from forerun.kernels import layer_ops  # noqa: E402
 from forerun.kernels.layer_ops import FusedLayerOps  # noqa: E402
-from forerun.kernels.skinny_gemm import GemmConfig, default_config, skinny_linear, skinny_norm_linear  # noqa: E402
+from forerun.kernels.skinny_gemm import GemmConfig, default_config, skinny_linear  # noqa: E402
 from forerun.attention.metadata import AttnMetadata  # noqa: E402
 from forerun.config import CacheConfig, ModelConfig  # noqa: E402
 from forerun.kvcache.pool import KVPool  # noqa: E402
@@ -56,37 +55,6 @@ def test_skinny_linear_matches_matmul(cfg, m):
     glu = skinny_linear(x, w, glu=True, out_dtype=torch.float32, config=cfg)  # gate rows 0..35, up rows 36..71
     gate, up = (x.double() @ w.double().T).chunk(2, dim=-1)
     assert glu.shape == (m, n // 2) and rel_err(glu, torch.nn.functional.silu(gate) * up) < 1e-5
-
-
-@pytest.mark.parametrize("cfg", CONFIGS, ids=["cuda-core", "cuda-core-small", "dot"])
-@pytest.mark.parametrize("m", [1, 3, 16])
-@pytest.mark.parametrize("with_residual", [True, False])
-def test_skinny_norm_linear_equals_add_rmsnorm_then_linear(cfg, m, with_residual):
-    """The add + RMSNorm fused into the product equals add_rmsnorm then the product up to float16 rounding (the
-    fused kernel scales each row after the product), and returns the same residual stream exactly."""
-    if not cfg.use_dot and m > 4:
-        pytest.skip("the CUDA-core variant is for up to 4 rows")
-    g = torch.Generator().manual_seed(10 * m + with_residual)
-    k, n = 200, 72
-    norm = RMSNorm(k, 1e-6).to(DEV)
-    with torch.no_grad():
-        norm.weight.copy_(1 + torch.randn(k, generator=g) / 4)
-    x, r = ((3 * torch.randn(m, k, generator=g)).to(DEV).half() for _ in range(2))
-    w = (torch.randn(n, k, generator=g) / 8).to(DEV).half()
-    res = r if with_residual else None
-    y_ref, s_ref = LayerOps().add_rmsnorm(x.float(), None if res is None else res.float(), norm)
-    s_ref = s_ref.half()  # the kernels add in float32 and round once, as add_rmsnorm's kernel does
-    y_ref = LayerOps().add_rmsnorm(s_ref, None, norm.half())[0]
-    for glu in (False, True):
-        y, s = skinny_norm_linear(x, res, norm.weight.half(), norm.eps, w, glu=glu, config=cfg)
-        want = skinny_linear(y_ref, w, glu=glu, config=cfg)
-        assert torch.equal(s, s_ref if with_residual else x)
-        assert y.shape == want.shape and rel_err(y, want) < 2e-3, glu
-    # without the norm's effect the product differs clearly: the check above can fail
-    assert rel_err(skinny_norm_linear(x, res, norm.weight.half(), norm.eps, w, config=cfg)[0],
-                   skinny_linear(s_ref, w, config=cfg)) > 0.1
-    with pytest.raises(ValueError, match="norm weight"):
-        skinny_norm_linear(x, res, norm.weight[:-1].half(), norm.eps, w, config=cfg)
 
 
 def test_skinny_linear_default_configs_and_errors():
@@ -146,19 +114,14 @@ def test_qk_norm_rope_store_matches_torch(qk_norm):
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama"])
-@pytest.mark.parametrize("prologue", [True, False], ids=["norm-in-product", "norm-kernel"])
-def test_fused_layer_ops_model_forward(arch, prologue, monkeypatch):
+def test_fused_layer_ops_model_forward(arch):
     """A whole forward (prefill of 20 rows, i.e. cuBLAS/torch products + fused norms, then decode-sized steps
-    on the skinny kernels, with the norms in the products' prologues or in their own kernels) with
-    FusedLayerOps equals the torch ops."""
+    on the skinny kernels) with FusedLayerOps equals the torch ops."""
     from forerun.runtime.runner import Chunk
 
     hf = hf_model(arch, num_hidden_layers=2)
     runners = [ours_from_hf(hf) for _ in range(2)]
     runners[1].model.ops = FusedLayerOps(devices=("cuda", "cpu"))
-    runners[1].model.ops.NORM_PROLOGUE_MAX = FusedLayerOps.NORM_PROLOGUE_MAX if prologue else 0
-    calls = []
-    monkeypatch.setattr(layer_ops, "skinny_norm_linear", lambda *a, **k: calls.append(1) or skinny_norm_linear(*a, **k))
     for r in runners:
         r.model.to(DEV)
         r.model.reset_rope(DEV)
@@ -174,7 +137,6 @@ def test_fused_layer_ops_model_forward(arch, prologue, monkeypatch):
     outs = [[r.forward(s)[0].logits for s in steps] for r in runners]
     for ref, got in zip(*outs):
         assert rel_err(got, ref) < 1e-5
-    assert bool(calls) == prologue  # the decode-sized steps took the path this case is about
 
 
 def test_chain_sample_realigns_unaligned_views():

@@ -13,16 +13,11 @@ from torch import nn
 
 from ..models.ops import LayerOps
 from .fused_norm import add_rmsnorm, qk_norm_rope_store
-from .skinny_gemm import (MAX_ROWS, GemmConfig, config_key, default_config, load_configs, skinny_linear,
-                          skinny_norm_linear)
+from .skinny_gemm import MAX_ROWS, GemmConfig, config_key, default_config, load_configs, skinny_linear
 
 
 class FusedLayerOps(LayerOps):
     PDL_NORM_ROWS = 8  # pdl_norms applies to steps of up to this many tokens
-    # add + RMSNorm fused into the prologue of the skinny product after it (skinny_norm_linear) where the step's
-    # rows hold at most this many elements (rows x hidden): every program of the product reads them once more.
-    # Set from benchmarks/norm_prologue_gpu.py (0: never).
-    NORM_PROLOGUE_MAX = 16 * 1024
 
     def __init__(self, max_skinny_rows: int = MAX_ROWS, devices: tuple[str, ...] = ("cuda",),
                  device_name: str | None = None, pdl_norms: bool | None = None) -> None:
@@ -60,24 +55,6 @@ class FusedLayerOps(LayerOps):
         # (not past 8 rows: before the 16-row tensor-core products of int4 models it measured 13 % slower)
         pdl = self.pdl_norms if x.shape[0] <= self.PDL_NORM_ROWS else False
         return add_rmsnorm(x, residual, norm.weight, norm.eps, pdl=pdl)
-
-    def _prologue(self, x: torch.Tensor, cfg: GemmConfig | None) -> bool:
-        return cfg is not None and x.numel() <= self.NORM_PROLOGUE_MAX
-
-    def norm_linear(self, x, residual, norm, layer, out_dtype=None):
-        cfg = self._config(x, layer)
-        if not self._prologue(x, cfg):
-            return super().norm_linear(x, residual, norm, layer, out_dtype)
-        return skinny_norm_linear(x, residual, norm.weight, norm.eps, layer.weight, layer.bias, out_dtype=out_dtype,
-                                  config=cfg)
-
-    def norm_mlp(self, x, residual, norm, mlp):
-        gate_up = mlp.gate_up_proj
-        cfg = self._config(x, gate_up, glu=True) if gate_up.bias is None else None
-        if not self._prologue(x, cfg):
-            return super().norm_mlp(x, residual, norm, mlp)
-        act, s = skinny_norm_linear(x, residual, norm.weight, norm.eps, gate_up.weight, glu=True, config=cfg)
-        return self.linear(act, mlp.down_proj), s
 
     def linear(self, x, layer, out_dtype=None):
         cfg = self._config(x, layer)

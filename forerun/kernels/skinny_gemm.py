@@ -72,15 +72,13 @@ def default_config(m: int, n: int, k: int, itemsize: int = 2) -> GemmConfig:
 @triton.jit
 def _skinny_gemm_kernel(
     X, W, Bias, Y,  # X [M, K], W [N or 2N (GLU), K], Bias [N], Y [M, N]
-    Res, NormW, S,  # NORM: Res [M, K] (or X when not HAS_RES), NormW [K], S [M, K] (x + res, written by program 0)
     M, N,
-    stride_xm, stride_wn, stride_ym, stride_rm, stride_sm, eps,
+    stride_xm, stride_wn, stride_ym,
     K: tl.constexpr,  # a compile-time constant: the loop count is known and the K mask folds away
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for float32 inputs (no TF32), else "tf32" (unused)
     PDL: tl.constexpr,  # programmatic dependent launch (kernels/pdl.py): start while the kernel before drains
-    NORM: tl.constexpr, HAS_RES: tl.constexpr,  # the add + RMSNorm before the product, fused into it
 ):
     if PDL:  # the next kernel (a norm, attention, another product) may launch once every program has started
         gdc_launch_dependents()
@@ -101,26 +99,10 @@ def _skinny_gemm_kernel(
         acc_u = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     if PDL:  # X is written by the kernel before: its launch, this grid's ramp and the setup above overlap its tail
         gdc_wait()
-    if NORM:  # rms(s) is not known before the loop: it sums s^2 as it goes and scales the products at the end
-        r_ptr = Res + offs_m[:, None] * stride_rm + offs_k[None, :]
-        s_ptr = S + offs_m[:, None] * stride_sm + offs_k[None, :]
-        sq = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_ok = (offs_k + k0) < K  # all true when BLOCK_K divides K (constant-folded)
         w = tl.load(w_ptr, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         x = tl.load(x_ptr, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if NORM:  # s = x + res (rounded as add_rmsnorm rounds it); the product reads s * norm weight
-            if HAS_RES:
-                x = (x.to(tl.float32) + tl.load(r_ptr, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                     .to(tl.float32)).to(X.dtype.element_ty)
-                if pid == 0:  # one program writes the new residual stream
-                    tl.store(s_ptr, x, mask=m_ok[:, None] & k_ok[None, :])
-                r_ptr += BLOCK_K
-                s_ptr += BLOCK_K
-            s32 = x.to(tl.float32)
-            sq += tl.sum(s32 * s32, 1)
-            nw = tl.load(NormW + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            x = (s32 * nw[None, :]).to(X.dtype.element_ty)
         if USE_DOT:
             acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
         else:
@@ -140,11 +122,6 @@ def _skinny_gemm_kernel(
     else:
         y = tl.sum(acc, 2)
         y_u = tl.sum(acc_u, 2)
-    if NORM:  # 1 / rms(s) per row
-        inv = 1.0 / tl.sqrt(sq / K + eps)
-        y *= inv[:, None]
-        if GLU:
-            y_u *= inv[:, None]
     if HAS_BIAS:
         y += tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if GLU:
@@ -167,34 +144,6 @@ def skinny_linear(
     out_dtype: torch.dtype | None = None,
     config: GemmConfig | None = None,
 ) -> torch.Tensor:  # [M, N]
-    return _launch(x, weight, bias, glu, out_dtype, config)[0]
-
-
-def skinny_norm_linear(
-    x: torch.Tensor,  # [M, K], M <= 16
-    residual: torch.Tensor | None,  # [M, K] or None (zero)
-    norm_weight: torch.Tensor,  # [K]
-    eps: float,
-    weight: torch.Tensor,  # [N, K] (glu: [2N, K])
-    bias: torch.Tensor | None = None,
-    glu: bool = False,
-    out_dtype: torch.dtype | None = None,
-    config: GemmConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # y [M, N], s = x + residual [M, K]
-    """skinny_linear(rmsnorm(x + residual) * norm_weight, weight) in one launch where fused_norm.add_rmsnorm +
-    skinny_linear make two. The norm is a per-row scale: the product reads s * norm_weight (s = x + residual,
-    rounded to the activation dtype as add_rmsnorm rounds it), sums s^2 in the same pass and scales each row
-    of the result by 1 / rms(s) at the end, so the weights stream as in skinny_linear. Program 0 writes s.
-    Rounding differs from add_rmsnorm's (one rounding of s * norm_weight, none of the normalised s): equal up
-    to the activation dtype's precision, not bit for bit."""
-    if norm_weight.shape != (x.shape[1],):
-        raise ValueError(f"skinny_norm_linear: norm weight {tuple(norm_weight.shape)} for x {tuple(x.shape)}")
-    if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
-        raise ValueError(f"skinny_norm_linear: residual {tuple(residual.shape)} for x {tuple(x.shape)}")
-    return _launch(x, weight, bias, glu, out_dtype, config, (residual, norm_weight, eps))
-
-
-def _launch(x, weight, bias, glu, out_dtype, config, norm=None) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"skinny_linear takes 1..{MAX_ROWS} rows, got {m}")
@@ -208,16 +157,11 @@ def _launch(x, weight, bias, glu, out_dtype, config, norm=None) -> tuple[torch.T
     block_m = 16 if cfg.use_dot else triton.next_power_of_2(m)
     grid = (triton.cdiv(n, cfg.block_n),)
     pdl = USE_PDL[0] and pdl_enabled(x)
-    res, norm_w, eps = norm if norm is not None else (None, weight, 0.0)
-    s = torch.empty_like(x) if res is not None else x
     _skinny_gemm_kernel[grid](
         x, weight, bias if bias is not None else weight, y,
-        res if res is not None else x, norm_w, s,
         m, n, x.stride(0), weight.stride(0), y.stride(0),
-        res.stride(0) if res is not None else 0, s.stride(0), eps,
         K=k, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, USE_DOT=cfg.use_dot,
         HAS_BIAS=bias is not None, GLU=glu, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        PDL=pdl, NORM=norm is not None, HAS_RES=res is not None,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(pdl),
+        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_kwargs(pdl),
     )
-    return y, s
+    return y

@@ -764,7 +764,10 @@ def cpu_main(args) -> dict:
         ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
         prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
 
+    at = [0]  # every config reads the same prompts in the same order (the prompts differ in length)
+
     def make(spec_kw):
+        at[0] = 0
         spec_kw = dict(spec_kw) if spec_kw is not None else None
         priced = spec_kw.pop("price_catch_up", True) if spec_kw is not None else True
         spec = SpecConfig() if spec_kw is None else SpecConfig(method="draft", draft_model=(draft, dtok), **spec_kw)
@@ -772,14 +775,16 @@ def cpu_main(args) -> dict:
         eng.PRICE_CATCH_UP = priced  # (Engine.PRICE_CATCH_UP: the draft's prompt reads priced against its savings)
         return eng
 
-    it = iter(range(10_000))
+    def prompts_for(n: int) -> list[list[int]]:
+        at[0] += n
+        return [prompts[i % len(prompts)] for i in range(at[0] - n, at[0])]
+
     configs = [("plain", None), ("k=4", dict(k=4))]
     if args.catch_up in ("on", "both"):
         configs.append(("adaptive", dict(adaptive=True, k_max=8)))
     if args.catch_up in ("off", "both"):
         configs.append(("adaptive, unpriced", dict(adaptive=True, k_max=8, price_catch_up=False)))
-    rows = run_grid(make, lambda n: [prompts[next(it) % len(prompts)] for _ in range(n)], args.new_tokens,
-                    args.concurrency, configs, log)
+    rows = run_grid(make, prompts_for, args.new_tokens, args.concurrency, configs, log)
     poisson = []
     for name, kw in configs if args.poisson_requests else ():  # (--poisson-requests 0: closed loop only)
         eng = make(kw)

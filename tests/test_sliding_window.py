@@ -202,6 +202,8 @@ print("ok")
 """
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the kernel itself is checked (..._on_cuda below); "
+                    "the GPU machine's Triton 3.6 interpreter cannot run it")
 def test_triton_kernel_window_matches_reference_under_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -20,6 +20,7 @@ import itertools
 import json
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -555,8 +556,9 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
     for name in dict.fromkeys(r["config"] for r in rows):
         rs = [r for r in rows if r["config"] == name and r.get("concurrency")]  # (Poisson rows: the JSON only)
-        ax[0].plot([r["concurrency"] for r in rs], [r["tok_s"] for r in rs], marker="o", label=name)
-        ax[1].plot([r["concurrency"] for r in rs], [r["tpot_p50"] * 1e3 for r in rs], marker="o", label=name)
+        ls = "" if any("rep" in r for r in rs) else "-"  # (--repeat: a point per repetition)
+        ax[0].plot([r["concurrency"] for r in rs], [r["tok_s"] for r in rs], marker="o", ls=ls, label=name)
+        ax[1].plot([r["concurrency"] for r in rs], [r["tpot_p50"] * 1e3 for r in rs], marker="o", ls=ls, label=name)
     for a, yl in zip(ax, ("throughput (tok/s)", "TPOT p50 (ms)")):
         a.set_xscale("log", base=2)
         a.set_xlabel("concurrency")
@@ -770,9 +772,12 @@ def cpu_main(args) -> dict:
         at[0] = 0
         spec_kw = dict(spec_kw) if spec_kw is not None else None
         priced = spec_kw.pop("price_catch_up", True) if spec_kw is not None else True
+        timed_plain = spec_kw.pop("plain_rounds", True) if spec_kw is not None else True
         spec = SpecConfig() if spec_kw is None else SpecConfig(method="draft", draft_model=(draft, dtok), **spec_kw)
         eng = Engine.from_model(target, tok, device="cpu", spec=spec, max_num_seqs=8)
         eng.PRICE_CATCH_UP = priced  # (Engine.PRICE_CATCH_UP: the draft's prompt reads priced against its savings)
+        if not timed_plain:  # the veto's plain step from the cost model, as before the seventeenth session
+            eng.k_policy.PLAIN_ROUNDS_MIN = 1 << 30
         return eng
 
     def prompts_for(n: int) -> list[list[int]]:
@@ -784,6 +789,12 @@ def cpu_main(args) -> dict:
         configs.append(("adaptive", dict(adaptive=True, k_max=8)))
     if args.catch_up in ("off", "both"):
         configs.append(("adaptive, unpriced", dict(adaptive=True, k_max=8, price_catch_up=False)))
+    if args.plain_rounds in ("off", "both"):
+        configs.append(("adaptive, modelled plain step", dict(adaptive=True, k_max=8, plain_rounds=False)))
+    if args.plain_rounds == "off":
+        configs = [c for c in configs if c[0] != "adaptive"]
+    if args.repeat:
+        return cpu_interleaved(make, configs, prompts, args, log)
     rows = run_grid(make, prompts_for, args.new_tokens, args.concurrency, configs, log)
     poisson = []
     for name, kw in configs if args.poisson_requests else ():  # (--poisson-requests 0: closed loop only)
@@ -793,6 +804,44 @@ def cpu_main(args) -> dict:
         poisson.append(r)
         log(f"Poisson {args.rate}/s {name}: {r['tok_s']:.2f} tok/s TTFT p50 {r['ttft_p50']:.2f} s TPOT p50 {r['tpot_p50'] * 1e3:.0f} ms")
     return dict(rows=rows, ratios=ratios(rows), poisson=poisson, new_tokens=args.new_tokens, quantize=q)
+
+
+def cpu_interleaved(make, configs, prompts, args, log) -> dict:
+    """--repeat N (CPU): every config's engine built and warmed once (its k policy keeps what it learns, as a
+    server's does), then N repetitions of the closed loop at each concurrency, configs interleaved in an order that
+    rotates per repetition, every config on the same prompts within a repetition. A config's ratio is the median
+    over repetitions of its throughput over plain's in the same repetition: this machine's speed drifts by 10-40 %
+    between runs minutes apart, so only same-repetition ratios compare."""
+    engines = {}
+    for name, kw in configs:
+        engines[name] = make(kw)
+        drive(engines[name], prompts[:1], 8, concurrency=1)  # warm-up
+    per = int(os.environ.get("ONLINE_REPEAT", 3))
+    rows, at = [], 0
+    for rep in range(args.repeat):
+        for c in args.concurrency:
+            ps = [prompts[(at + j) % len(prompts)] for j in range(per * c)]
+            at += per * c
+            names = [n for n, _ in configs]
+            names = names[rep % len(names):] + names[: rep % len(names)]
+            for name in names:
+                r = drive(engines[name], ps, args.new_tokens, concurrency=c)
+                r.update(config=name, concurrency=c, rep=rep)
+                rows.append(r)
+                log(f"rep {rep} {name:>20} c={c}: {r['tok_s']:.2f} tok/s, drafted {r['drafted']}, "
+                    f"acceptance {r['acceptance']}")
+    summary = []
+    for name, _ in configs:
+        if name == "plain":
+            continue
+        for c in args.concurrency:
+            got = {r["rep"]: r["tok_s"] for r in rows if r["config"] == name and r["concurrency"] == c}
+            base = {r["rep"]: r["tok_s"] for r in rows if r["config"] == "plain" and r["concurrency"] == c}
+            each = [got[i] / base[i] for i in sorted(got)]
+            summary.append(dict(config=name, concurrency=c, vs_plain=statistics.median(each),
+                                each=[round(x, 4) for x in each], min=min(each), max=max(each)))
+    return dict(rows=rows, ratios=summary, poisson=[], new_tokens=args.new_tokens, quantize=args.quantize,
+                repeat=args.repeat, requests_per_level=per)
 
 
 def main() -> None:
@@ -865,6 +914,12 @@ def main() -> None:
     ap.add_argument("--overlap-spec", choices=["on", "off", "both"], default="on",
                     help="GPU: speculative rounds overlapped (Engine(overlap_spec=True), engine/overlap_spec.py, the "
                          "default), not, or both side by side in the same run")
+    ap.add_argument("--plain-rounds", choices=["on", "off", "both"], default="on",
+                    help="CPU: the veto weighs drafting against the timed plain rounds (KPolicy.record_plain_round, "
+                         "the default), the cost model's plain step (before), or both side by side")
+    ap.add_argument("--repeat", type=int, default=0, metavar="N",
+                    help="CPU: N interleaved repetitions of the closed loop, every engine kept warm; ratios are "
+                         "medians of same-repetition ratios (no Poisson rows)")
     args = ap.parse_args()
     if args.cpu:  # GPU-only flags are refused, not ignored
         given = [f for f, v in (("--only", args.only), ("--profile", args.profile), ("--no-4k", args.no_4k),
@@ -885,7 +940,9 @@ def main() -> None:
         args.quantize = args.quantize or "auto"
     else:
         given = [f for f, v in (("--threads", args.threads), ("--rate", args.rate is not None),
-                                ("--quantize", args.quantize), ("--catch-up", args.catch_up != "on")) if v]
+                                ("--repeat", args.repeat),
+                                ("--quantize", args.quantize), ("--catch-up", args.catch_up != "on"),
+                                ("--plain-rounds", args.plain_rounds != "on")) if v]
         if given:
             ap.error(f"{', '.join(given)}: CPU only (--cpu)")
         args.acceptance = [0.6, 0.8, 0.9, 0.0] if args.acceptance is None else args.acceptance

@@ -466,7 +466,8 @@ def test_a_catch_up_is_paid_for_only_where_drafting_repays_it():
     stretch) must save more over its remaining tokens than the draft's read of them costs (its measured seconds
     per fed token). Here a plain round of 2 requests costs 40 ms, a k = 2 round 80 ms for 2.44 tokens each at
     a = 0.8 (32.8 ms a token: 7.2 ms saved per token), and the draft reads 1.5 ms a token: a 100-token prompt
-    (150 ms) is repaid by a 32-token answer (230 ms saved), not by a 16-token one (115 ms)."""
+    (150 ms) is repaid by a 32-token answer (230 ms saved), not by a 16-token one (115 ms). Not while the batch
+    size sits out a veto, and not where the rounds at this batch size measured drafting no faster than plain."""
     pol = KPolicy(SpecConfig(method="draft", draft_model="x", adaptive=True, k_max=2))
     pol.cost.record_target(2, 0.040)
     pol.cost.record_target(6, 0.060)
@@ -488,6 +489,23 @@ def test_a_catch_up_is_paid_for_only_where_drafting_repays_it():
     # ks drops k for the request whose catch-up does not pay, keeps it for the one that does
     ks = pol.ks([7, 7], [2, 2], plain_check=False, lags=[100, 100], remaining=[32, 16])
     assert ks == [2, 0], ks
+    # while the batch size sits out a veto nothing drafts: no read pays
+    pol._held[pol._bucket(2)] = [3, 16]
+    assert not pol.catch_up_pays(7, 100, 32, 2, k=2)
+    pol._held.clear()
+    # what the rounds measured overrules the model where it is less favourable to drafting: rounds at 2 requests
+    # that realized 1.2 tokens per request in 50 ms (41.7 ms a token), plain rounds of 40 ms: a 1000-token answer
+    # would not repay the read; drafting that realizes 2 tokens in 50 ms (25 ms a token) still does
+    for _ in range(3):
+        pol.record_plain_round(2, 0.040)
+    assert pol.catch_up_pays(7, 100, 32, 2, k=2)
+    for _ in range(KPolicy.REALIZED_MIN):
+        pol.record_realized(2, 2.4, 0.050)
+    assert not pol.catch_up_pays(7, 100, 1000, 2, k=2)
+    pol.realized.clear()
+    for _ in range(KPolicy.REALIZED_MIN):
+        pol.record_realized(2, 4, 0.050)
+    assert pol.catch_up_pays(7, 100, 32, 2, k=2)
 
 
 def test_the_cpu_path_prices_the_drafts_prompt_reads():
@@ -527,6 +545,9 @@ def test_the_cpu_path_prices_the_drafts_prompt_reads():
         assert timed and all(t > 0 for t in timed) and eng.k_policy.cost.draft_feed_per_token() > 0
         if priced_out:  # no prompt chunk passed on; drafting only before the policy had timed two forwards
             assert not chunks, chunks
+            # the plain rounds are timed, by their batch size: the step the veto weighs drafting against
+            timed_plain = eng.k_policy.plain_rounds
+            assert timed_plain and set(timed_plain) <= {1, 2, 3} and sum(map(len, timed_plain.values())) >= 20
         else:  # (prompts longer than the 8-token budget are read in chunks, the draft reading along)
             assert len(chunks) >= 3, chunks
 
@@ -841,6 +862,45 @@ def test_ks_vetoes_drafting_that_realizes_less_than_plain():
     assert ks() == [2, 2] and not pol._held
     rounds(1.0)
     assert ks() == [0, 0] and pol._held[pol._bucket(2)] == [KPolicy.PROBE_EVERY, KPolicy.PROBE_EVERY]
+
+
+def test_the_veto_weighs_drafting_against_the_measured_plain_rounds():
+    """On the path without CUDA graphs the veto's plain step is the median of the plain rounds timed at that batch
+    size (scheduling to commit), once there are PLAIN_ROUNDS_MIN of them, not the cost model's forward plus the
+    median overhead of every round (drafting rounds' host work included). On this CPU the model put a 2-request
+    plain round at 57 ms where they took 51: drafting that realized less than plain passed the veto."""
+    pol = KPolicy(SpecConfig(method="draft", draft_model="x", adaptive=True, k_max=2))
+    pol.cost.record_target(2, 0.040)
+    pol.cost.record_target(6, 0.060)
+    pol.cost.record_round_overhead(0.017)
+    for _ in range(3):
+        pol.cost.record_draft_step(0.010, 2)
+    for rid in (0, 1):
+        pol.estimates[rid] = AcceptanceEstimate(prior=0.8, prior_weight=1e9)
+
+    def ks():
+        return pol.ks([0, 1], [2, 2], plain_check=False, lags=[1, 1], remaining=[100, 100])
+
+    assert pol.plain_step(2) == pytest.approx(0.057)  # no plain round timed: the model's
+    assert ks() == [2, 2]
+    for _ in range(KPolicy.REALIZED_MIN):  # 18.5 tokens a second per request: more than 1 / 57 ms ...
+        pol.record_realized(2, 4, 0.108)
+    assert ks() == [2, 2] and pol.vetoes == 0
+    for t in (0.050, 0.051, 0.053):  # ... less than 1 / 51 ms, plain's timed rounds (other sizes apart)
+        pol.record_plain_round(2, t)
+    pol.record_plain_round(3, 0.5)
+    assert pol.plain_step(2) == pytest.approx(0.051) and pol.plain_step(3) != 0.5
+    assert ks() == [0, 0] and pol.vetoes == 1
+    # on this path drafting must beat plain by REALIZED_MARGIN_LAGGED (its trials' catch-ups and prompt reads are
+    # not in its rounds): 1.02x plain is overruled, 1.1x is not
+    pol._held.clear()
+    for _ in range(KPolicy.REALIZED_MIN):
+        pol.record_realized(2, 2 * 1.02 * 0.108 / 0.051, 0.108)
+    assert ks() == [0, 0] and pol.vetoes == 2
+    pol._held.clear()
+    for _ in range(KPolicy.REALIZED_MIN):
+        pol.record_realized(2, 2 * 1.1 * 0.108 / 0.051, 0.108)
+    assert ks() == [2, 2] and pol.vetoes == 2
 
 
 def test_batch_k_drafts_until_a_draft_step_is_timed():

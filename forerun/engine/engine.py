@@ -618,7 +618,10 @@ class Engine:
         elif self.spec.adaptive and self.runner.graphs is None and res.target_tokens == res.sampled_rows \
                 and res.sampled_rows:
             # no overlapped decoding: plain and speculative rounds pay the host work alike, once per round
-            self.k_policy.cost.record_round_overhead(time.perf_counter() - t_start - res.target_seconds - res.draft_seconds)
+            wall = time.perf_counter() - t_start
+            self.k_policy.cost.record_round_overhead(wall - res.target_seconds - res.draft_seconds)
+            if not any(res.num_drafted) and all(it.final and it.feed == 1 for it in items):
+                self.k_policy.record_plain_round(len(items), wall)  # (what the veto weighs drafting against)
         if realized and any(res.num_drafted) and not switch:
             # what the round delivered, host work, the draft's catch-up over new prompts and stalls included
             # (not a round whose draft first catches up on a stretch of plain decoding: that is paid once, as a

@@ -484,6 +484,14 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def rep_ratios(rows: list[dict], name: str, key: str, level, ratio) -> list[float]:
+    """ratio(row, plain's row) for config `name` at rows[key] == level, against plain's row of the same repetition
+    (rows carry `rep`), in repetition order."""
+    plain = {r["rep"]: r for r in rows if r["config"] == "plain" and r.get(key) == level}
+    return [ratio(r, plain[r["rep"]]) for r in sorted(rows, key=lambda r: r["rep"])
+            if r["config"] == name and r.get(key) == level and r["rep"] in plain]
+
+
 def poisson_ab(make_engine, configs, prompts_for, new_tokens, rates, reps: int, requests: int, log) -> dict:
     """Poisson arrivals with the configs interleaved: every engine is built and warmed first, then each rate runs
     `reps` times, every config once per repetition on the same arrival times (seed per repetition). Time per
@@ -520,10 +528,7 @@ def poisson_ab(make_engine, configs, prompts_for, new_tokens, rates, reps: int, 
         if name == "plain":
             continue
         for rate in rates:
-            rs = [plain["tpot_p50"] / r["tpot_p50"] for r in rows for plain in rows
-                  if r["config"] == name and r["rate"] == rate and plain["config"] == "plain"
-                  and plain["rate"] == rate and plain["rep"] == r["rep"]]
-            rs.sort()
+            rs = sorted(rep_ratios(rows, name, "rate", rate, lambda r, plain: plain["tpot_p50"] / r["tpot_p50"]))
             summary.append(dict(config=name, rate=rate, tpot_ratios=rs, median=rs[len(rs) // 2]))
             log(f"{name:>26} Poisson {rate:g}/s: plain TPOT / this TPOT, per repetition "
                 f"{' '.join(f'{x:.3f}' for x in rs)}; median {rs[len(rs) // 2]:.3f}x")
@@ -835,9 +840,7 @@ def cpu_interleaved(make, configs, prompts, args, log) -> dict:
         if name == "plain":
             continue
         for c in args.concurrency:
-            got = {r["rep"]: r["tok_s"] for r in rows if r["config"] == name and r["concurrency"] == c}
-            base = {r["rep"]: r["tok_s"] for r in rows if r["config"] == "plain" and r["concurrency"] == c}
-            each = [got[i] / base[i] for i in sorted(got)]
+            each = rep_ratios(rows, name, "concurrency", c, lambda r, plain: r["tok_s"] / plain["tok_s"])
             summary.append(dict(config=name, concurrency=c, vs_plain=statistics.median(each),
                                 each=[round(x, 4) for x in each], min=min(each), max=max(each)))
     return dict(rows=rows, ratios=summary, poisson=[], new_tokens=args.new_tokens, quantize=args.quantize,

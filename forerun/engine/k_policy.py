@@ -400,6 +400,11 @@ class KPolicy:
         if requests > 0 and seconds > 0:
             self.plain_rounds.setdefault(requests, deque(maxlen=self.REALIZED_WINDOW)).append(seconds)
 
+    def _timed_plain_step(self, requests: int) -> float | None:
+        """The median of the plain rounds timed at exactly this batch size (None: fewer than PLAIN_ROUNDS_MIN)."""
+        timed = self.plain_rounds.get(requests)
+        return _median(timed) if timed is not None and len(timed) >= self.PLAIN_ROUNDS_MIN else None
+
     def plain_step(self, requests: int) -> float | None:
         """Plain decoding's step at this batch size, from measurements: the steady step of plain overlapped sessions
         at this batch size when one ran (what plain decoding realizes, host work overlapped), else the median of
@@ -412,14 +417,14 @@ class KPolicy:
         steady = self._steady.get((False, self._bucket(requests)))
         if steady is not None:
             return steady
-        timed = self.plain_rounds.get(requests)
-        if timed is not None and len(timed) >= self.PLAIN_ROUNDS_MIN:
+        timed = self._timed_plain_step(requests)
+        if timed is not None:
             # the median of plain rounds at exactly this batch size, where they ran. The cost model's forward plus
             # its round overhead (a median over every round, drafting ones included, whose host work is larger)
             # put a 2-request plain round on this CPU at 57 ms where they took 51: drafting that realized 31 ms a
             # token against plain's 25.5 looked close to plain's estimated 28.5, trials passed the veto by chance
             # and adaptive k ran at 0.82x plain (seventeenth session)
-            return _median(timed)
+            return timed
         if any(x <= requests for x, _ in self.cost.target_obs):
             # (+ a round's host work where rounds are not overlapped: the CPU path records it, plain pays it too)
             return self.cost.target_time(requests) + (self.cost.round_overhead() if self.cost.round_obs else 0.0)
@@ -473,10 +478,10 @@ class KPolicy:
         if not optimistic:  # what rounds at this batch size measured, where they did, and the model agrees less:
             # the read pays only if drafting saves by both counts (the model's forwards leave out host work and
             # the draft's other catch-ups; on this CPU at 2 requests they predicted a gain the rounds did not give)
-            rate, step = self.realized_rate(n), self.plain_step(n)
+            rate, step = self.realized_rate(n), self._timed_plain_step(n)
             if rate is not None:
                 t_draft = max(t_draft, 1.0 / rate)
-            if step is not None and self.plain_rounds.get(n):
+            if step is not None:
                 t_plain = min(t_plain, step)
         return remaining * (t_plain - t_draft) > lag * per_token
 

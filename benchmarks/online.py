@@ -798,6 +798,10 @@ def cpu_main(args) -> dict:
         configs.append(("adaptive, modelled plain step", dict(adaptive=True, k_max=8, plain_rounds=False)))
     if args.plain_rounds == "off":
         configs = [c for c in configs if c[0] != "adaptive"]
+    if args.only:
+        configs = [c for c in configs if c[0] == "plain" or any(c[0].startswith(o) for o in args.only)]
+    if args.control:  # an A/A row: a second plain engine, measured like the others (the noise band of the run)
+        configs.insert(1, ("plain, control", None))
     if args.repeat:
         return cpu_interleaved(make, configs, prompts, args, log)
     rows = run_grid(make, prompts_for, args.new_tokens, args.concurrency, configs, log)
@@ -873,7 +877,7 @@ def main() -> None:
     ap.add_argument("--mixed-prefill", choices=["on", "off", "both"], default="off",
                     help="GPU: new prompts share rounds with verify rows (on: Engine(mixed_prefill=True)) or are read "
                          "alone while the others run overlapped sessions (off, the engine's default)")
-    ap.add_argument("--only", nargs="+", default=None, help="GPU: run only the configs whose names start so "
+    ap.add_argument("--only", nargs="+", default=None, help="run only the configs whose names start so "
                     "(plain, k=4, adaptive)")
     ap.add_argument("--profile", action="store_true", help="GPU: profile one speculative run instead")
     ap.add_argument("--switch-margin", type=float, nargs="+", default=None, metavar="M",
@@ -923,9 +927,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=0, metavar="N",
                     help="CPU: N interleaved repetitions of the closed loop, every engine kept warm; ratios are "
                          "medians of same-repetition ratios (no Poisson rows)")
+    ap.add_argument("--control", action="store_true",
+                    help="CPU: a second plain engine as one more config ('plain, control'): its ratio to plain is "
+                         "the run's noise (this machine: 0.84-1.05x between identical engines, 15 s apart)")
     args = ap.parse_args()
     if args.cpu:  # GPU-only flags are refused, not ignored
-        given = [f for f, v in (("--only", args.only), ("--profile", args.profile), ("--no-4k", args.no_4k),
+        given = [f for f, v in (("--profile", args.profile), ("--no-4k", args.no_4k),
                                 ("--new-tokens-range", args.new_tokens_range), ("--poisson-ab", args.poisson_ab),
                                 ("--switch-margin", args.switch_margin), ("--rates", args.rates),
                                 ("--restart-on-new-k", args.restart_on_new_k != "off"),
@@ -943,7 +950,7 @@ def main() -> None:
         args.quantize = args.quantize or "auto"
     else:
         given = [f for f, v in (("--threads", args.threads), ("--rate", args.rate is not None),
-                                ("--repeat", args.repeat),
+                                ("--repeat", args.repeat), ("--control", args.control),
                                 ("--quantize", args.quantize), ("--catch-up", args.catch_up != "on"),
                                 ("--plain-rounds", args.plain_rounds != "on")) if v]
         if given:

@@ -506,6 +506,15 @@ def test_a_catch_up_is_paid_for_only_where_drafting_repays_it():
     for _ in range(KPolicy.REALIZED_MIN):
         pol.record_realized(2, 4, 0.050)
     assert pol.catch_up_pays(7, 100, 32, 2, k=2)
+    # a probe (optimistic: a typical draft's acceptance, 0.6) is weighed against the plain rounds timed too: k = 1
+    # at 37.5 ms a token against the model's 40 ms plain step repays a 100-token read over 100 tokens, not
+    # against plain rounds timed at 35 ms
+    pol.realized.clear()
+    pol.plain_rounds.clear()
+    assert pol.catch_up_pays(7, 100, 100, 2, k=1, optimistic=True)
+    for _ in range(3):
+        pol.record_plain_round(2, 0.035)
+    assert not pol.catch_up_pays(7, 100, 100, 2, k=1, optimistic=True)
 
 
 def test_the_cpu_path_prices_the_drafts_prompt_reads():
@@ -550,6 +559,30 @@ def test_the_cpu_path_prices_the_drafts_prompt_reads():
             assert timed_plain and set(timed_plain) <= {1, 2, 3} and sum(map(len, timed_plain.values())) >= 20
         else:  # (prompts longer than the 8-token budget are read in chunks, the draft reading along)
             assert len(chunks) >= 3, chunks
+
+
+def test_the_cpu_path_prices_a_prompts_read_at_the_batch_it_will_decode_in():
+    """Engine._decode_batch: a prompt's last chunk is decided alone (the scheduler's k_for([r]) at admission), but its
+    draft read is priced at the batch it will decode in: running, these, and the waiting requests (at most
+    max_num_seqs). Two prompts arriving together were read at a batch of one, where drafting paid, and decoded at
+    two, where the veto had stopped drafting."""
+    llm = tiny_llm(hf_model("llama"), spec=draft_spec(hf_model("llama", seed=3, num_hidden_layers=1), adaptive=True,
+                                                     k_max=3))
+    eng = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for p in PROMPTS[:3]:
+        eng.add_request(p, sp)
+    first = eng.scheduler.waiting[0]
+    assert eng._decode_batch([first]) == 3
+    eng.scheduler.max_num_seqs = 2
+    assert eng._decode_batch([first]) == 2
+    eng.scheduler.max_num_seqs = 8
+    asked, real = [], eng.k_policy.ks
+    eng.k_policy.ks = lambda ids, *a, **kw: (asked.append((len(ids), kw.get("batch"))), real(ids, *a, **kw))[1]
+    while eng.has_unfinished():
+        eng.step()
+    assert asked and all(b is not None and b >= n for n, b in asked), asked
+    assert any(n == 1 and b == 3 for n, b in asked), asked  # (a prompt admitted alone, two others queued or running)
 
 
 def test_draft_step_time_and_spec_overhead_are_medians():
@@ -798,10 +831,20 @@ def test_batch_k_is_overruled_when_speculative_rounds_realize_less_than_plain():
     assert pol.batch_k(ids, room) == 0 and pol.vetoes == 1
 
     pol = policy()  # rounds that prefill a new prompt: compared with the same round without drafting
-    for _ in range(KPolicy.REALIZED_MIN):  # 3 tokens per request in 30 ms, where plain would give 1 in 20 ms
-        pol.record_realized(8, 24, 0.030, plain=(8, 0.020))
-    assert abs(pol.plain_rate(8) - 50.0) < 1e-9  # (not plain's bare 5 ms step: 200 tok/s)
+    for _ in range(KPolicy.REALIZED_MIN):  # 3 tokens per request in 30 ms, where plain would give 1 in 20 ms and
+        pol.record_realized(8, 24, 0.030, plain=(8, 0.020))  # the other 2 in two 5 ms steps
+    assert abs(pol.plain_rate(8) - 100.0) < 1e-9  # (not plain's bare 5 ms step: 200 tok/s)
     assert pol.batch_k(ids, room) >= 3 and pol.vetoes == 0
+
+    pol = policy()  # one prefill round among pure ones weighs as much in plain's time as in drafting's: 31 pure
+    for _ in range(31):  # rounds at 0.97x plain (3 tokens per request in 3 x 5 ms / 0.97) and one round that
+        pol.record_realized(8, 24, 0.015 / 0.97)  # prefilled a prompt (190 ms plain, 200 ms drafting)
+    pol.record_realized(8, 24, 0.200, plain=(8, 0.190))
+    # plain would give the same 96 tokens per request in 93 steps + the prefill round + 2 steps. (Counted as one
+    # plain step per pure round, plain's rate was 32 / 0.345 s = 93 tok/s against drafting's 141: not vetoed)
+    assert abs(pol.plain_rate(8) - 96 / (93 * 0.005 + 0.190 + 2 * 0.005)) < 1e-9
+    assert pol.realized_rate(8) < pol.plain_rate(8)
+    assert pol.batch_k(ids, room) == 0 and pol.vetoes == 1
     pol = policy()  # ... while 1.5 tokens per request in 40 ms loses to it
     for _ in range(KPolicy.REALIZED_MIN):
         pol.record_realized(8, 12, 0.040, plain=(8, 0.020))
@@ -901,6 +944,46 @@ def test_the_veto_weighs_drafting_against_the_measured_plain_rounds():
     for _ in range(KPolicy.REALIZED_MIN):
         pol.record_realized(2, 2 * 1.1 * 0.108 / 0.051, 0.108)
     assert ks() == [2, 2] and pol.vetoes == 2
+
+
+def test_a_veto_keeps_pricing_the_drafts_reads_at_the_trial_it_ended():
+    """The path without CUDA graphs (a separate draft): after a veto, the draft's reads are priced at the realized rate
+    of the trial the veto ended, after its wait too, for VETO_MEMORY rounds (the wait running out changes nothing
+    about what drafting realizes; priced by the model again, every arrival's prompt was read and drafted a round or
+    two before the next veto). And a prompt's read is priced at the batch it will decode in (`batch`), not at the
+    one request k_for([r]) asks about."""
+    pol = KPolicy(SpecConfig(method="draft", draft_model="x", adaptive=True, k_max=2))
+    for tokens, t in ((1, 0.030), (2, 0.040), (6, 0.060)):
+        pol.cost.record_target(tokens, t)
+    for b in (1, 2):
+        for _ in range(3):
+            pol.cost.record_draft_step(0.010, b)
+    for rid in (0, 1, 7):
+        pol.estimates[rid] = AcceptanceEstimate(prior=0.8, prior_weight=1e9)
+    pol.cost.record_draft_feed(100, 0.150)  # 1.5 ms a token
+    for _ in range(3):
+        pol.record_plain_round(2, 0.040)
+    # the model: k = 2 at 2 requests gives 2.44 tokens in 80 ms (32.8 ms a token against 40): a 100-token read pays
+    assert pol.catch_up_pays(7, 100, 100, 2, k=2)
+    for _ in range(KPolicy.REALIZED_MIN):  # the trial realizes 1.2 tokens per request in 50 ms (41.7 ms a token)
+        pol.record_realized(2, 2.4, 0.050)
+
+    def ks(ids=(0, 1), lags=(1, 1), batch=None):
+        return pol.ks(list(ids), [2] * len(ids), plain_check=False, lags=list(lags), remaining=[100] * len(ids),
+                      batch=batch)
+
+    assert ks() == [0, 0] and pol.vetoes == 1
+    for _ in range(KPolicy.PROBE_EVERY):  # the wait
+        assert ks() == [0, 0]
+    assert pol._held[2][0] == 0 and pol.realized_rate(2) is None  # waited out, the next trial measured afresh
+    assert not pol.catch_up_pays(7, 100, 100, 2, k=2)  # ... and a read still priced at the trial's 41.7 ms
+    assert ks() == [2, 2]  # (requests the draft has caught up with draft again: that is the next trial)
+    # a prompt decided alone: priced at one request it pays (26.6 ms a token against 30), at the 2 it will decode in
+    # it does not
+    assert ks(ids=[7], lags=[100]) == [2]
+    assert ks(ids=[7], lags=[100], batch=2) == [0]
+    pol._ks_calls += pol.VETO_MEMORY  # the memory lapses: the model prices reads again (a new trial can start)
+    assert pol.catch_up_pays(7, 100, 100, 2, k=2)
 
 
 def test_batch_k_drafts_until_a_draft_step_is_timed():

@@ -502,7 +502,7 @@ class Engine:
                 lags = [self._draft_lag(r) for r in reqs]
                 remaining = [r.remaining for r in reqs]
             return self.k_policy.ks([r.req_id for r in reqs], room, plain_check=steady, lags=lags,
-                                    remaining=remaining)
+                                    remaining=remaining, batch=self._decode_batch(reqs) if lags is not None else None)
         # CUDA graphs replay uniform steps only: a ragged verify batch (k differing per request) would run
         # eagerly, several times slower; so the batch drafts one k, chosen for the batch as a whole. A request
         # near its max_tokens drafts it too (commit drops what lies past its end); only the context caps it.
@@ -529,9 +529,17 @@ class Engine:
 
     def _feed_pays(self, r: Request) -> bool:
         """Whether the draft reads this request's prompt as the target does: drafting over its answer (its
-        max_tokens left), at the batch size the round has, saves more than the read costs."""
-        n = max(1, len(self.scheduler.running))
-        return self.k_policy.catch_up_pays(r.req_id, self._draft_lag(r), r.remaining, n)
+        max_tokens left), at the batch size it will decode in, saves more than the read costs."""
+        return self.k_policy.catch_up_pays(r.req_id, self._draft_lag(r), r.remaining, self._decode_batch([r]))
+
+    def _decode_batch(self, reqs: list[Request]) -> int:
+        """The batch these requests will decode in: the running requests, these, and the waiting ones (admitted as
+        the pools allow; at most max_num_seqs). A prompt is admitted alone (k_for([r])) before the one queued
+        behind it: priced at its own batch of one, the draft read every prompt of two that arrived together."""
+        sched = self.scheduler
+        ids = {r.req_id for r in sched.running} | {r.req_id for r in reqs}
+        waiting = sum(1 for r in sched.waiting if r.req_id not in ids)
+        return max(1, min(sched.max_num_seqs, len(ids) + waiting))
 
     def _draft_lag(self, r: Request) -> int:
         """Committed tokens of r that the draft's own cache (which the caller knows exists) does not hold."""

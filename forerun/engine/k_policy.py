@@ -274,6 +274,10 @@ class KPolicy:
         self.vetoes = 0  # rounds where the realized rate overruled the cost model's k > 0
         # ks with lags (the CPU path): batch-size bucket -> [plain rounds left to sit out, the wait] after a veto
         self._held: dict[int, list[int]] = {}
+        # ks with lags: batch-size bucket -> the realized rate (tokens per second per request) of the last trial the
+        # veto ended, until a new trial measures: what catch_up_pays weighs a read against after the wait
+        self._vetoed_rate: dict[int, tuple[float | None, int]] = {}  # (rate, self._ks_calls at the veto)
+        self._ks_calls = 0  # ks calls with lags (the CPU path): the clock VETO_MEMORY counts in
         # the last vetoes' inputs (batch size, realized and plain rates per request, plain's predicted step, the
         # target cost points it came from): what benchmarks/online.py reports for a run that went plain
         self.veto_log: deque = deque(maxlen=8)
@@ -431,12 +435,23 @@ class KPolicy:
         return None
 
     def plain_rate(self, requests: int) -> float:
-        """What plain decoding would have realized over the same rounds: one token per request in its step
-        (`plain_step`) for a pure round, the round's own plain equivalent for a round that prefilled a new prompt."""
+        """What plain decoding would have realized giving the same tokens as the same rounds: a pure round's t tokens
+        per request take it t steps (`plain_step`); a round that prefilled a new prompt takes it the round's own
+        plain equivalent (f tokens per request in s seconds) plus a step for each of the t - f tokens beyond.
+        (Counted as one plain step per round, pure rounds weighed ~1/3 of what they stand for at 2-3 tokens a
+        round, so a prompt's prefill in the window pulled plain's rate down ~2x more than drafting's: on this CPU
+        at 2 requests, drafting that realized 0.98x plain's step passed the veto's 1.05 margin; eighteenth
+        session.)"""
         kept = self._kept(requests) or []
         step = self.plain_step(requests) or self.cost.target_time(requests)
-        tokens = sum(1.0 if o[2] is None else o[2][0] for o in kept)
-        seconds = sum(step if o[2] is None else o[2][1] for o in kept)
+        tokens = seconds = 0.0
+        for t, _, p in kept:
+            tokens += t
+            if p is None:
+                seconds += t * step
+            else:
+                f, s = p
+                seconds += s + (t - f) * step if t >= f else s * t / max(f, 1e-9)
         return tokens / seconds if seconds > 0 else 1.0 / step
 
     # ks (the CPU path, a separate draft): drafting must realize this much more than plain decoding. Its rounds leave
@@ -475,22 +490,43 @@ class KPolicy:
         t_plain = self.cost.round_seconds(n, 0, n)  # a round gives each request one token
         options = range(1, kmax + 1) if k is None else [k]
         t_draft = min(self.cost.round_seconds(n * (kk + 1), kk, n) / expected[kk] for kk in options)
-        if not optimistic:  # what rounds at this batch size measured, where they did, and the model agrees less:
-            # the read pays only if drafting saves by both counts (the model's forwards leave out host work and
-            # the draft's other catch-ups; on this CPU at 2 requests they predicted a gain the rounds did not give)
-            rate, step = self.realized_rate(n), self._timed_plain_step(n)
-            if rate is not None:
-                t_draft = max(t_draft, 1.0 / rate)
-            if step is not None:
-                t_plain = min(t_plain, step)
+        # what rounds at this batch size measured, where they did, and the model agrees less: the read pays only if
+        # drafting saves by both counts (the model's forwards leave out host work and the draft's other catch-ups;
+        # on this CPU at 2 requests they predicted a gain the rounds did not give). A probe asks about acceptance,
+        # not about costs: it too weighs drafting against the plain rounds timed (a probe priced against the
+        # model's plain step read 60 tokens with the draft to draft one, ~2 % of a run at 2 requests)
+        step = self._timed_plain_step(n)
+        if step is not None:
+            t_plain = min(t_plain, step)
+        # (after a veto, for VETO_MEMORY rounds, the rate of the trial it ended: the wait running out changes nothing
+        # about what drafting realizes here. Priced by the model again, each arrival's prompt was read by the draft
+        # once the wait ran out and drafted one or two rounds before the veto fired again: ~0.2 s a read, 3-6 % of a
+        # run at 2 requests on this CPU, eighteenth session. A trial starts from a probe or when the memory lapses)
+        rate = None if optimistic else self.realized_rate(n) or self._vetoed(n)
+        if rate is not None:
+            t_draft = max(t_draft, 1.0 / rate)
         return remaining * (t_plain - t_draft) > lag * per_token
 
+    # ks: rounds (ks calls) for which a veto's realized rate prices the draft's reads at its batch size. Then it is
+    # forgotten and the next read (an arrival's prompt) starts a new trial: this machine's speed drifts by 10-40 %
+    # within minutes, and drafting that lost at 2 requests can win there later (1.1-1.3x plain in slow spells). A
+    # trial costs the draft's reads of ~2 requests' tokens (~0.4 s here): < 1 % of 2048 rounds
+    VETO_MEMORY = 2048
+
+    def _vetoed(self, n: int) -> float | None:
+        """The realized rate of the last trial the veto ended at this batch size, within VETO_MEMORY rounds."""
+        v = self._vetoed_rate.get(self._bucket(n))
+        return v[0] if v is not None and self._ks_calls - v[1] <= self.VETO_MEMORY else None
+
     def ks(self, req_ids: list[int], room: list[int], plain_check: bool = True, lags: list[int] | None = None,
-           remaining: list[int] | None = None) -> list[int]:
+           remaining: list[int] | None = None, batch: int | None = None) -> list[int]:
         """k per request this round; room[i] caps it (context and max_tokens left). plain_check: the requests decode
         this round (not a prompt's last chunk), so a plain round of them may time the plain step. lags / remaining:
         per request the tokens its draft cache lacks and the tokens it has left; a request drafts (or probes) only
-        where that catch-up pays (`catch_up_pays`)."""
+        where that catch-up pays (`catch_up_pays`), priced at `batch` requests where that is more than these (the
+        batch the requests will decode in: a prompt's last chunk is decided alone, k_for([r]); priced at one request,
+        every prompt that arrived with another was read by the draft at a batch size whose drafting the veto had
+        stopped, eighteenth session)."""
         if not self.spec.enabled:
             return [0] * len(req_ids)
         if not self.spec.adaptive:
@@ -500,12 +536,14 @@ class KPolicy:
         ks = [choose_k(self._estimate(rid), min(self.spec.k_max, r), n, self.cost) if warm else min(self.spec.k, r)
               for rid, r in zip(req_ids, room)]
         if lags is not None and warm:
+            self._ks_calls += 1
             b = self._bucket(n)
             held = self._held.get(b)
             if held is not None and held[0] > 0:  # a vetoed batch size sits out its wait: no drafting, no probe
                 held[0] -= 1
                 return [0] * n
-            ks = [k if k == 0 or self.catch_up_pays(rid, lag, rem, n, k) else 0
+            nb = max(n, batch or 0)
+            ks = [k if k == 0 or self.catch_up_pays(rid, lag, rem, nb, k) else 0
                   for rid, k, lag, rem in zip(req_ids, ks, lags, remaining)]
             if any(ks) and self._overruled(n, self.REALIZED_MARGIN_LAGGED):
                 # the model says drafting pays, the rounds it ran say it does not (the engine records them on the
@@ -516,11 +554,13 @@ class KPolicy:
                 # start a losing trial of REALIZED_MIN rounds every PROBE_EVERY rounds
                 wait = min(2 * held[1], self.BATCH_PROBE_MAX) if held is not None else self.PROBE_EVERY
                 self._held[b] = [wait, wait]
+                self._vetoed_rate[b] = (self.realized_rate(n), self._ks_calls)
                 self.realized.pop(b, None)  # (the next trial is measured from scratch)
                 self.vetoes += 1
                 return [0] * n
             elif any(ks) and held is not None and self._kept(n) is not None:
                 del self._held[b]  # a trial realized what plain decoding does: the wait starts over
+                self._vetoed_rate.pop(b, None)
         if plain_check and warm and any(ks) and self._plain_unmeasured(n):
             # drafting is chosen against a plain step the model never timed at this batch size, only extrapolated
             # from verify forwards: one plain round times it. On this CPU with int4 weights a 1-token forward costs
@@ -532,7 +572,8 @@ class KPolicy:
         for i, (rid, r, k) in enumerate(zip(req_ids, room, ks)):
             idle = self.idle_rounds.get(rid, 0) + 1 if k == 0 else 0
             if idle >= self.probe_every.setdefault(rid, self.default_probe_every) and r > 0 and (
-                    lags is None or not warm or self.catch_up_pays(rid, lags[i], remaining[i], n, 1, optimistic=True)):
+                    lags is None or not warm or self.catch_up_pays(rid, lags[i], remaining[i], max(n, batch or 0), 1,
+                                                                   optimistic=True)):
                 k, idle = 1, 0
                 self.probing.add(rid)
             self.idle_rounds[rid] = idle

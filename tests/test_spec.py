@@ -982,7 +982,20 @@ def test_a_veto_keeps_pricing_the_drafts_reads_at_the_trial_it_ended():
     # it does not
     assert ks(ids=[7], lags=[100]) == [2]
     assert ks(ids=[7], lags=[100], batch=2) == [0]
-    pol._ks_calls += pol.VETO_MEMORY  # the memory lapses: the model prices reads again (a new trial can start)
+    # the memory lapses (VETO_MEMORY waits): the model prices reads again (a new trial can start)
+    vetoed_at = pol._vetoed_rate[2][1]
+    pol._ks_calls = vetoed_at + KPolicy.VETO_MEMORY * KPolicy.PROBE_EVERY
+    assert not pol.catch_up_pays(7, 100, 100, 2, k=2)
+    pol._ks_calls += 1
+    assert pol.catch_up_pays(7, 100, 100, 2, k=2)
+    # a veto that follows doubles the wait and the memory
+    for _ in range(KPolicy.REALIZED_MIN):
+        pol.record_realized(2, 2.4, 0.050)
+    assert ks() == [0, 0] and pol.vetoes == 2 and pol._held[2] == [2 * KPolicy.PROBE_EVERY] * 2
+    pol._ks_calls += 2 * KPolicy.VETO_MEMORY * KPolicy.PROBE_EVERY
+    pol._held[2][0] = 0  # (the wait, counted by ks calls, is over)
+    assert not pol.catch_up_pays(7, 100, 100, 2, k=2)
+    pol._ks_calls += 1
     assert pol.catch_up_pays(7, 100, 100, 2, k=2)
 
 

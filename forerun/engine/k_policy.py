@@ -276,7 +276,7 @@ class KPolicy:
         self._held: dict[int, list[int]] = {}
         # ks with lags: batch-size bucket -> the realized rate (tokens per second per request) of the last trial the
         # veto ended, until a new trial measures: what catch_up_pays weighs a read against after the wait
-        self._vetoed_rate: dict[int, tuple[float | None, int]] = {}  # (rate, self._ks_calls at the veto)
+        self._vetoed_rate: dict[int, tuple[float | None, int, int]] = {}  # (rate, self._ks_calls then, memory)
         self._ks_calls = 0  # ks calls with lags (the CPU path): the clock VETO_MEMORY counts in
         # the last vetoes' inputs (batch size, realized and plain rates per request, plain's predicted step, the
         # target cost points it came from): what benchmarks/online.py reports for a run that went plain
@@ -507,16 +507,18 @@ class KPolicy:
             t_draft = max(t_draft, 1.0 / rate)
         return remaining * (t_plain - t_draft) > lag * per_token
 
-    # ks: rounds (ks calls) for which a veto's realized rate prices the draft's reads at its batch size. Then it is
-    # forgotten and the next read (an arrival's prompt) starts a new trial: this machine's speed drifts by 10-40 %
-    # within minutes, and drafting that lost at 2 requests can win there later (1.1-1.3x plain in slow spells). A
-    # trial costs the draft's reads of ~2 requests' tokens (~0.4 s here): < 1 % of 2048 rounds
-    VETO_MEMORY = 2048
+    # ks: for how many rounds (ks calls), in units of the veto's wait, its trial's realized rate prices the draft's
+    # reads at its batch size: 128 rounds after a first veto, doubling with the wait at each veto that follows
+    # (to 8192). Then it is forgotten and the next read (an arrival's prompt) starts a new trial: this machine's
+    # speed drifts by 10-40 % within minutes, drafting that lost at 2 requests can win there later (1.1-1.3x plain
+    # in slow spells), and a first trial can lose for a cold start (at 1 request the first 8 rounds realized 0.54x
+    # plain, where drafting then ran at 1.36x). A trial costs the draft's reads of ~2 requests' tokens (~0.4 s here)
+    VETO_MEMORY = 8
 
     def _vetoed(self, n: int) -> float | None:
-        """The realized rate of the last trial the veto ended at this batch size, within VETO_MEMORY rounds."""
+        """The realized rate of the last trial the veto ended at this batch size, while it is remembered."""
         v = self._vetoed_rate.get(self._bucket(n))
-        return v[0] if v is not None and self._ks_calls - v[1] <= self.VETO_MEMORY else None
+        return v[0] if v is not None and self._ks_calls - v[1] <= v[2] else None
 
     def ks(self, req_ids: list[int], room: list[int], plain_check: bool = True, lags: list[int] | None = None,
            remaining: list[int] | None = None, batch: int | None = None) -> list[int]:
@@ -554,7 +556,7 @@ class KPolicy:
                 # start a losing trial of REALIZED_MIN rounds every PROBE_EVERY rounds
                 wait = min(2 * held[1], self.BATCH_PROBE_MAX) if held is not None else self.PROBE_EVERY
                 self._held[b] = [wait, wait]
-                self._vetoed_rate[b] = (self.realized_rate(n), self._ks_calls)
+                self._vetoed_rate[b] = (self.realized_rate(n), self._ks_calls, wait * self.VETO_MEMORY)
                 self.realized.pop(b, None)  # (the next trial is measured from scratch)
                 self.vetoes += 1
                 return [0] * n

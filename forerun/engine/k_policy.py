@@ -275,7 +275,7 @@ class KPolicy:
         # ks with lags (the CPU path): batch-size bucket -> [plain rounds left to sit out, the wait] after a veto
         self._held: dict[int, list[int]] = {}
         # ks with lags: batch-size bucket -> the realized rate (tokens per second per request) of the last trial the
-        # veto ended, until a new trial measures: what catch_up_pays weighs a read against after the wait
+        # veto ended, for VETO_MEMORY of its waits or until a trial passes: what catch_up_pays weighs reads against
         self._vetoed_rate: dict[int, tuple[float | None, int, int]] = {}  # (rate, self._ks_calls then, memory)
         self._ks_calls = 0  # ks calls with lags (the CPU path): the clock VETO_MEMORY counts in
         # the last vetoes' inputs (batch size, realized and plain rates per request, plain's predicted step, the
@@ -498,10 +498,11 @@ class KPolicy:
         step = self._timed_plain_step(n)
         if step is not None:
             t_plain = min(t_plain, step)
-        # (after a veto, for VETO_MEMORY rounds, the rate of the trial it ended: the wait running out changes nothing
-        # about what drafting realizes here. Priced by the model again, each arrival's prompt was read by the draft
-        # once the wait ran out and drafted one or two rounds before the veto fired again: ~0.2 s a read, 3-6 % of a
-        # run at 2 requests on this CPU, eighteenth session. A trial starts from a probe or when the memory lapses)
+        # (after a veto, for VETO_MEMORY of its waits, the rate of the trial it ended: the wait running out changes
+        # nothing about what drafting realizes here. Priced by the model again, each arrival's prompt was read by the
+        # draft once the wait ran out and drafted one or two rounds before the veto fired again: ~0.2 s a read, 3-6 %
+        # of a run at 2 requests on this CPU, eighteenth session. A trial starts from a probe or when the memory
+        # lapses)
         rate = None if optimistic else self.realized_rate(n) or self._vetoed(n)
         if rate is not None:
             t_draft = max(t_draft, 1.0 / rate)

@@ -627,6 +627,8 @@ def gpu_main(args) -> dict:
                                                                                        eng._verify_kwargs())
         if tweaks.get("margin") is not None:  # KPolicy.SWITCH_MARGIN for this engine
             eng.k_policy.SWITCH_MARGIN = tweaks["margin"]
+        if os.environ.get("ONLINE_REALIZED_MARGIN"):  # KPolicy.REALIZED_MARGIN (batch_k's veto) for every engine
+            eng.k_policy.REALIZED_MARGIN = float(os.environ["ONLINE_REALIZED_MARGIN"])
         # a new k ends the overlapped session (the tenth session's engine) or goes on in it
         eng.KEEP_SESSION_ON_NEW_K = not tweaks.get("restart")
         # arrivals join running sessions and finished requests leave them (Engine.JOIN_IN_SESSION, the engine's

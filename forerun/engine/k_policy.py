@@ -274,9 +274,10 @@ class KPolicy:
         self.vetoes = 0  # rounds where the realized rate overruled the cost model's k > 0
         # ks with lags (the CPU path): batch-size bucket -> [plain rounds left to sit out, the wait] after a veto
         self._held: dict[int, list[int]] = {}
-        # ks with lags: batch-size bucket -> the realized rate (tokens per second per request) of the last trial the
-        # veto ended, for VETO_MEMORY of its waits or until a trial passes: what catch_up_pays weighs reads against
-        self._vetoed_rate: dict[int, tuple[float | None, int, int]] = {}  # (rate, self._ks_calls then, memory)
+        # ks with lags: batch-size bucket -> (the realized rate, tokens per second per request, of the last trial the
+        # veto ended; self._ks_calls then), for VETO_MEMORY of its waits (`_held`) or until a trial passes: what
+        # catch_up_pays weighs reads against
+        self._vetoed_rate: dict[int, tuple[float | None, int]] = {}
         self._ks_calls = 0  # ks calls with lags (the CPU path): the clock VETO_MEMORY counts in
         # the last vetoes' inputs (batch size, realized and plain rates per request, plain's predicted step, the
         # target cost points it came from): what benchmarks/online.py reports for a run that went plain
@@ -518,8 +519,10 @@ class KPolicy:
 
     def _vetoed(self, n: int) -> float | None:
         """The realized rate of the last trial the veto ended at this batch size, while it is remembered."""
-        v = self._vetoed_rate.get(self._bucket(n))
-        return v[0] if v is not None and self._ks_calls - v[1] <= v[2] else None
+        b = self._bucket(n)
+        v, held = self._vetoed_rate.get(b), self._held.get(b)
+        return v[0] if v is not None and held is not None and self._ks_calls - v[1] <= held[1] * self.VETO_MEMORY \
+            else None
 
     def ks(self, req_ids: list[int], room: list[int], plain_check: bool = True, lags: list[int] | None = None,
            remaining: list[int] | None = None, batch: int | None = None) -> list[int]:
@@ -557,7 +560,7 @@ class KPolicy:
                 # start a losing trial of REALIZED_MIN rounds every PROBE_EVERY rounds
                 wait = min(2 * held[1], self.BATCH_PROBE_MAX) if held is not None else self.PROBE_EVERY
                 self._held[b] = [wait, wait]
-                self._vetoed_rate[b] = (self.realized_rate(n), self._ks_calls, wait * self.VETO_MEMORY)
+                self._vetoed_rate[b] = (self.realized_rate(n), self._ks_calls)
                 self.realized.pop(b, None)  # (the next trial is measured from scratch)
                 self.vetoes += 1
                 return [0] * n

@@ -789,6 +789,81 @@ def test_a_veto_needs_a_measured_plain_step():
     assert pol.veto_log[-1]["plain_step"] == 0.003 and pol.veto_log[-1]["forward"] == 0.004
 
 
+def test_batch_k_prices_plain_decoding_at_its_measured_step():
+    """batch_k weighs drafting against plain decoding's measured step (a plain session's steady step, `plain_step`),
+    not against the cost model's forward of n tokens, whose median also holds ordinary rounds' slower forwards. On
+    the H200 at 64 requests the model's 7.1-7.6 ms against plain sessions' 5.9 ms made a = 0.6 draft at a predicted
+    1.17x that realized 0.75x (runs 63-69)."""
+    from forerun.engine.k_policy import KPolicy
+
+    def policy(accept_every: int):
+        pol = KPolicy(SpecConfig(method="draft", draft_model="x", adaptive=True, k_max=4))
+        for tokens, seconds in ((64, 0.0076), (128, 0.0076), (192, 0.0078), (256, 0.0080), (320, 0.0082)):
+            for _ in range(3):
+                pol.cost.record_target(tokens, seconds)  # (64 tokens: ordinary rounds, host launches included)
+        for _ in range(3):
+            pol.cost.record_draft_step(0.0019, 64)
+        for rid in range(64):
+            for j in range(40):
+                pol.observe(rid, 1, int(j % accept_every == 0), wanted=1)
+        return pol
+
+    ids, room = list(range(64)), [100] * 64
+    for accept_every, drafts_with_steady in ((2, False), (1, True)):  # acceptance 0.5: plain wins at 5.9 ms; 1.0: not
+        pol = policy(accept_every)
+        assert pol.plain_step(64) == pytest.approx(0.0076)  # (no plain session yet: the model's forward)
+        assert pol.batch_k(ids, room) >= 1  # 1.5 tokens in 9.5 ms beat 1 in 7.6
+        pol.record_session(False, 64, 0.007, 0.0059, 640, same_mode=False)  # plain sessions: 5.9 ms a step
+        assert pol.plain_step(64) == 0.0059
+        assert (pol.batch_k(ids, room) >= 1) == drafts_with_steady and pol.vetoes == 0  # the model, not a veto
+
+
+def test_a_batch_veto_is_remembered_past_the_next_probe():
+    """batch_k: a probe clears the rounds' record, but the shortfall of the trial the veto ended (realized over
+    predicted gain) keeps pricing drafting at that batch size until a trial passes or VETO_MEMORY probe waits pass.
+    Forgotten, each wave of 64 new requests on the H200 at a = 0.6 started drafting again and ran 8 rounds at
+    0.67x plain before the next veto (0.87-0.95x plain, runs 63-70). A draft that got better still drafts."""
+    from forerun.engine.k_policy import KPolicy
+
+    pol = KPolicy(SpecConfig(method="draft", draft_model="x", adaptive=True, k_max=4))
+    for tokens, seconds in ((8, 0.005), (16, 0.006), (24, 0.0065), (32, 0.007), (40, 0.0075)):
+        for _ in range(3):
+            pol.cost.record_target(tokens, seconds)
+    for _ in range(3):
+        pol.cost.record_draft_step(0.001, 8)
+    pol.record_session(False, 8, 0.006, 0.005, 100, same_mode=False)  # plain decoding: 5 ms a step, 200 tok/s
+    for rid in range(8):
+        for j in range(40):
+            pol.observe(rid, 1, int(j % 5 < 3), wanted=1)  # 60 % accepted
+    ids, room = list(range(8)), [100] * 8
+    assert pol.batch_k(ids, room) >= 1  # the model: ~1.15x plain
+    for _ in range(KPolicy.REALIZED_MIN):  # the trial realizes 140 tok/s per request: 0.7x plain
+        pol.record_realized(8, 13, 13 / 8 / 140)
+    assert pol.batch_k(ids, room) == 0 and pol.vetoes == 1
+    remembered = pol._batch_remembered(8)
+    assert remembered is not None and 0.55 < remembered < 0.65  # 0.7 / ~1.15
+    ks = []
+    while not pol.batch_probing:  # plain decoding until the probe, which clears the rounds' record
+        ks.append(pol.batch_k(ids, room))
+    assert ks[-1] == 1 and not any(ks[:-1]) and pol.realized_rate(8) is None
+    wait = pol.batch_probe_every
+    vetoes = pol.vetoes
+    assert pol.batch_k(ids, room) == 0 and pol.vetoes == vetoes + 1  # remembered: no new trial
+    assert pol.batch_probe_every == 2 * wait  # (the probe failed: the next waits twice as long)
+    assert pol._batch_remembered(6) == remembered and pol._batch_remembered(4) is None  # (per bucket: 5-8)
+    _, at, span = pol._batch_vetoed[8]
+    pol._bk_calls = at + span + 1  # VETO_MEMORY probe waits later: forgotten, the model decides again
+    assert pol._batch_remembered(8) is None and pol.batch_k(ids, room) >= 1
+    pol._bk_calls = at + 1
+    for rid in range(8):  # the draft got better: every draft accepted, the model's gain outgrows the shortfall
+        for _ in range(40):
+            pol.observe(rid, 4, 4, wanted=4)
+    assert pol._batch_remembered(8) == remembered and pol.batch_k(ids, room) >= 1
+    for _ in range(KPolicy.REALIZED_MIN):  # ... and its trial passes: nothing is remembered any more
+        pol.record_realized(8, 32, 4 / 300)
+    assert pol.batch_k(ids, room) >= 1 and pol._batch_remembered(8) is None
+
+
 def test_batch_k_is_overruled_when_speculative_rounds_realize_less_than_plain():
     """The cost model sees only pure verify rounds; the rounds the engine really runs (prefill chunks of joining
     requests, which a drafter makes dearer, stalls) can deliver less. batch_k compares what speculative rounds
@@ -822,6 +897,9 @@ def test_batch_k_is_overruled_when_speculative_rounds_realize_less_than_plain():
     ks = [pol.batch_k(ids, room) for _ in range(2 * KPolicy.PROBE_EVERY - 1)]
     assert ks[-1] == 1 and not any(ks[:-1])  # vetoed (once doubled) until the probe, a fresh measurement
     assert pol.batch_probe_every == 2 * KPolicy.PROBE_EVERY and pol.vetoes == 2 * KPolicy.PROBE_EVERY
+    # the probe cleared the rounds' record; the trial's shortfall is remembered (test_a_batch_veto_is_remembered_...)
+    assert pol.realized_rate(8) is None and pol.batch_k(ids, room) == 0
+    pol._bk_calls += pol._batch_vetoed[8][2]  # ... until VETO_MEMORY probe waits have passed: a fresh trial
     assert pol.realized_rate(8) is None and pol.batch_k(ids, room) >= 3
     assert pol.realized_rate(1) is None  # another batch size has its own record
 

@@ -279,6 +279,10 @@ class KPolicy:
         # catch_up_pays weighs reads against
         self._vetoed_rate: dict[int, tuple[float | None, int]] = {}
         self._ks_calls = 0  # ks calls with lags (the CPU path): the clock VETO_MEMORY counts in
+        # batch_k: batch-size bucket -> (what the trial a veto ended realized over what the model predicted, both as
+        # ratios to plain decoding; batch_k calls then; for how many calls it is remembered): see `_batch_remembered`
+        self._batch_vetoed: dict[int, tuple[float, int, int]] = {}
+        self._bk_calls = 0
         # the last vetoes' inputs (batch size, realized and plain rates per request, plain's predicted step, the
         # target cost points it came from): what benchmarks/online.py reports for a run that went plain
         self.veto_log: deque = deque(maxlen=8)
@@ -610,7 +614,9 @@ class KPolicy:
         batch where drafting barely pays must not flip between the two every few rounds (on the H200 at 2
         requests that flipping ran at 0.72x plain while fixed k = 4 ran at 1.31x)."""
         self.batch_mode = True
+        self._bk_calls += 1
         kmax = min(self.spec.k_max, max(room, default=0))
+        predicted = None  # the model's best rate over plain decoding's
         if len(self.cost.target_obs) < 2 or not self.cost.draft_obs:  # nothing measured yet: the configured k
             # (with no draft step timed, drafting would look free), at least 2: k = 1 rounds time no draft step
             # in ordinary rounds (ModelDrafter times steps 1..), so k = 0 or 1 would never measure one
@@ -629,22 +635,34 @@ class KPolicy:
             plain_start = self.restart_per_token(False, n)
             spec_start = self.restart_per_token(True, n) if self._starts_measured(True, n) else plain_start
             starts = (plain_start, spec_start)
+            # plain decoding priced at its measured step (a plain session's steady step at this batch size, as the
+            # veto weighs it), not at the cost model's forward of n tokens: that median also holds the ordinary,
+            # non-overlapped rounds' forwards. On the H200 at 64 requests it said 7.1-7.6 ms where plain sessions
+            # stepped in 5.9, so a = 0.6 drafted at k = 2 by a predicted 1.17x, realized 0.75x until vetoed, and
+            # the drafting spread the requests' finishes: 0.88-0.95x plain (runs 63-69)
+            plain_step = self.plain_step(n)
             for kk in range(kmax + 1):
-                seconds = self.cost.round_seconds(n * (kk + 1), kk, n) + starts[kk > 0] * expected[kk]
+                seconds = (self.cost.round_seconds(n * (kk + 1), kk, n) if kk or plain_step is None else plain_step) \
+                    + starts[kk > 0] * expected[kk]
                 rate = expected[kk] / seconds
                 if kk == 0:
                     plain = rate
                 if rate > best * 1.0001:
                     k, best = kk, rate
+            predicted = best / plain if plain > 0 else None
             if k > 0 and (self.batch_idle > 0 or self.batch_probing) and best < plain * (1 + self.SWITCH_MARGIN):
                 k = 0  # switching drafting on must promise more than its catch-up and spread joins cost
         if self.batch_probing:
             self.batch_probing, self.batch_trial = False, 0
-        if k > 0 and self._overruled(len(req_ids)):
+        n, b = len(req_ids), self._bucket(len(req_ids))
+        remembered = self._batch_remembered(n) if k > 0 and predicted is not None and self._kept(n) is None else None
+        if k > 0 and self._overruled(n):
             # the model says drafting pays, the rounds say it does not (on the H200 at 64 requests: k = 2-3
             # realized 0.46-0.75x plain): decode plainly, and wait twice as long before the next probe
             k, self.vetoes = 0, self.vetoes + 1
-            n = len(req_ids)
+            if predicted is not None:  # (remembered past the next probe, which clears the rounds' record)
+                self._batch_vetoed[b] = (min(1.0, self.realized_rate(n) / self.plain_rate(n) / predicted),
+                                         self._bk_calls, self.VETO_MEMORY * self._batch_probe_wait(n))
             self.veto_log.append(dict(requests=n, realized=self.realized_rate(n), plain=self.plain_rate(n),
                                       plain_step=self.plain_step(n), forward=self.cost.target_time(n),
                                       plain_steady=self._steady.get((False, self._bucket(n))),
@@ -652,6 +670,16 @@ class KPolicy:
             if self.batch_idle == 0:  # the batch was drafting: this trial of drafting failed
                 self.batch_probe_every = min(2 * self.batch_probe_every, self.BATCH_PROBE_MAX)
             self.batch_trial = None
+        elif remembered is not None and predicted * remembered < 1.0:
+            # no trial measured since the last probe, but the last one at this batch size realized less than the
+            # model predicted: its shortfall still applies (the model's costs and what joins and switches add
+            # have not changed; acceptance may have, and the prediction follows it). Forgotten at each probe, the
+            # veto's verdict let the model start drafting again with each wave of 64 new requests on the H200 at
+            # a = 0.6: a switch's catch-up, 8 rounds at 0.67x plain before the next veto, and finishes spread
+            # over many rounds (each join read alone): 0.87-0.95x plain (runs 63-70)
+            k, self.vetoes = 0, self.vetoes + 1
+        elif k > 0 and self._kept(n) is not None:
+            self._batch_vetoed.pop(b, None)  # a trial realized what plain decoding does: nothing to remember
         if k == 0:
             if self.batch_trial is not None:  # drafting did not last after the probe: probe half as often
                 self.batch_probe_every = min(2 * self.batch_probe_every, self.BATCH_PROBE_MAX)
@@ -669,6 +697,12 @@ class KPolicy:
                 if self.batch_trial >= self.PROBE_HOLD:
                     self.batch_probe_every, self.batch_trial = self.PROBE_EVERY, None
         return k
+
+    def _batch_remembered(self, n: int) -> float | None:
+        """batch_k: the ratio of realized to predicted gain of the last trial a veto ended at this batch size, for
+        VETO_MEMORY of the probe waits then (as `_vetoed` on the CPU path), or until a trial passes."""
+        v = self._batch_vetoed.get(self._bucket(n))
+        return v[0] if v is not None and self._bk_calls - v[1] <= v[2] else None
 
     def idle(self) -> bool:
         """Whether adaptive k last chose plain decoding (k = 0) for the batch (CUDA graphs) or for every request."""

@@ -255,6 +255,25 @@ def test_arrivals_join_the_session_and_finished_requests_leave_it(models, sessio
     assert count[True] == 1 and count[False] >= 6, count
 
 
+def test_a_mixed_join_is_read_by_the_draft_in_its_first_step(models):
+    """Engine.MIX_JOINS: a lone arrival's prompt is read by the target in the members' verify forward and by the
+    draft in the same round's first draft step (GraphRunner.run_uniform_join on the draft's runner; before, a
+    forward of its own after the verify). With the target as its own draft every draft must then be accepted:
+    the draft's cache of each joiner holds exactly its prompt. Outputs equal plain greedy; nothing is left behind."""
+    target = models[0]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (30, 8, 25, 12, 20, 9)]
+    arrivals = [0, 0, 4, 9, 13, 17]
+    want = run(make(models), PROMPTS, params, arrivals)
+    eng = make((target, ours_from_hf(target)), dict(k=3), in_session=True, mix_joins=True)
+    assert run(eng, PROMPTS, params, arrivals) == want
+    assert eng.mixed_joins >= 3 and eng.drafter.runner.graphs.join_replays == eng.mixed_joins, \
+        (eng.mixed_joins, eng.drafter.runner.graphs.join_replays)
+    totals = eng._spec_totals
+    assert totals.drafted > 50 and totals.accepted == totals.drafted, (totals.drafted, totals.accepted)
+    assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
+    assert eng.drafter.kv.num_free_blocks == eng.drafter.kv.num_blocks - 1
+
+
 @pytest.mark.parametrize("mix", [False, True])
 def test_joins_in_session_edge_cases(models, sessions, mix):
     """Arrivals during a session that do not simply join: a prompt one token longer than the step budget (its

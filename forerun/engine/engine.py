@@ -265,6 +265,8 @@ class Engine:
                             gr.capture(b, q, q, device_prep=True, join_len=j)
                 if dgr.max_q_len >= 2:
                     dgr.capture(b, 2, 1, device_prep=True)
+                    for j in sorted({dgr.join_len(b, n - 1) for n in join_lens} - {None}):  # the draft's read of
+                        dgr.capture(b, 2, 1, device_prep=True, join_len=j)  # a mixed join (overlap_spec.launch)
             if dgr is not None and self.spec.method == "draft":
                 for q in (1, 2):
                     if q <= dgr.max_q_len:

@@ -152,7 +152,17 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
         marks = Marks(dev) if timing is not None else None
         if marks is not None:
             marks.mark()
-        logits = dgr.run_uniform(last2, L - 1, 1, drafter.num_layers)  # [B, V]: feeds L - 1, L
+        # a joining prompt is read by the draft in this round's first draft step (one weight stream with the
+        # members' rows) where a join graph holds it, else after the verify forward (drafter.feed below): a
+        # separate read replayed its pieces after the verify and cost the next round ~2.7 ms at 4 requests on the
+        # H200 (a steady round: 8.2 ms)
+        dread = None if rd is None else rd.all_tokens[dkv.length(rd.req_id): rd.num_tokens - 1]
+        if dread and dgr.join_len(b, len(dread)) is not None:
+            logits, _ = dgr.run_uniform_join(last2, L - 1, 1, rd.req_id, dread, dkv.length(rd.req_id),
+                                             drafter.num_layers)  # [B, V]: the members' rows
+            dkv.set_length(rd.req_id, rd.num_tokens - 1)  # (the host's record: what the graph wrote)
+        else:
+            logits = dgr.run_uniform(last2, L - 1, 1, drafter.num_layers)  # [B, V]: feeds L - 1, L
         drafts = [logits.argmax(-1)]
         for j in range(1, kk):
             logits = dgr.run_uniform(drafts[-1].view(b, 1), L + j, 1, drafter.num_layers)
@@ -184,9 +194,9 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
             L = torch.cat([L, h2d([n], dev, torch.int64)])
         out, done = to_host_async(rows_out)  # (queued before the draft's read below: the commit does not wait on it)
         if rd is not None:
-            # the draft reads it now (after this round's draft steps, which read the members' block-table rows its
-            # forward overwrites; the next launch loads them again): all but its newest committed token once its
-            # first is in, the prefix step 0 of its first round expects (_enter)
+            # the draft reads it now unless its first step did (after this round's draft steps, which read the
+            # members' block-table rows its forward overwrites; the next launch loads them again): all but its
+            # newest committed token once its first is in, the prefix step 0 of its first round expects (_enter)
             drafter.feed([rd], [n - 1])
             host_len[rd.req_id] = n - 1  # (its round commits one token: L = n)
             everyone[rd.req_id] = rd

@@ -701,6 +701,10 @@ def gpu_main(args) -> dict:
                                        join_in_session=jis, hold=hold, mix_joins=mj)))]
     if args.only:  # e.g. --only plain adaptive: a shorter run
         configs = [c for c in configs if any(c[0].startswith(o) for o in args.only)]
+    if args.control:  # an A/A row: a second plain engine, measured after every other config (its ratio to plain
+        # is the run's noise and order effect: in run 75 every host function ran ~35 % slower in the adaptive
+        # engine measured after plain, a useless draft that never drafted included)
+        configs.append(("plain, control", ("plain", {})))
 
     def sample_prompts(n: int) -> list[list[int]]:
         return rng.sample(pool, min(n, len(pool)))
@@ -930,8 +934,8 @@ def main() -> None:
                     help="CPU: N interleaved repetitions of the closed loop, every engine kept warm; ratios are "
                          "medians of same-repetition ratios (no Poisson rows)")
     ap.add_argument("--control", action="store_true",
-                    help="CPU: a second plain engine as one more config ('plain, control'): its ratio to plain is "
-                         "the run's noise (this machine: 0.84-1.05x between identical engines, 15 s apart)")
+                    help="a second plain engine as one more config ('plain, control'; GPU: measured last): its ratio "
+                         "to plain is the run's noise (this CPU: 0.84-1.05x between identical engines, 15 s apart)")
     args = ap.parse_args()
     if args.cpu:  # GPU-only flags are refused, not ignored
         given = [f for f, v in (("--profile", args.profile), ("--no-4k", args.no_4k),
@@ -952,7 +956,7 @@ def main() -> None:
         args.quantize = args.quantize or "auto"
     else:
         given = [f for f, v in (("--threads", args.threads), ("--rate", args.rate is not None),
-                                ("--repeat", args.repeat), ("--control", args.control),
+                                ("--repeat", args.repeat),
                                 ("--quantize", args.quantize), ("--catch-up", args.catch_up != "on"),
                                 ("--plain-rounds", args.plain_rounds != "on")) if v]
         if given:

@@ -612,7 +612,8 @@ def gpu_main(args) -> dict:
                          None if spec_kw is None else spec_kw[1])
         a, kw, overlapped, mixed, tweaks = (*spec_kw, *(False, {})[len(spec_kw) - 3:])  # (defaults by position)
         key = (tuple(sorted(kw.items())), overlapped, mixed)
-        eng = built.get(key) if not args.poisson_ab else None  # (--poisson-ab: engines side by side, each its own)
+        alive = args.poisson_ab or args.repeat  # (--poisson-ab, --repeat: engines side by side, each its own)
+        eng = built.get(key) if not alive else None
         if eng is None:
             if len(built) >= 2:  # at most two kept (~17 GB of caches each on the 141 GB card): the oldest goes
                 built.pop(next(iter(built)))
@@ -620,7 +621,7 @@ def gpu_main(args) -> dict:
             eng = Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64,
                                     spec=SpecConfig(method="draft", draft_model=(draft, tok), **kw),
                                     overlap_spec=overlapped, mixed_prefill=mixed)
-            if not args.poisson_ab:
+            if not alive:
                 built[key] = eng
         eng.k_policy = KPolicy(eng.spec)
         eng.round.sampler = eng.sampler = SyntheticSampler(a) if a > 0 else RoundSampler(eng.spec.rule,
@@ -709,21 +710,24 @@ def gpu_main(args) -> dict:
     def sample_prompts(n: int) -> list[list[int]]:
         return rng.sample(pool, min(n, len(pool)))
 
+    taken = []  # models an engine already holds
+
+    def make_own(spec_kw):  # engines alive side by side: each its own models (enable_cuda_graphs replaces a
+        nonlocal target, draft  # model's attention backend, whose buffers another engine's graphs would read)
+        if taken:  # (the first engine takes the models built above)
+            target = build_model(QWEN3_8B, None, seed=0)
+            draft = build_model(QWEN3_06B, None, seed=3) if spec_kw is not None and spec_kw[0] != "plain" else None
+        taken.append(target)
+        return make_warm(spec_kw)
+
+    if (args.poisson_ab or args.repeat) and len(configs) > 4:  # ~18 GB of weights, ~17 GB of caches per engine
+        raise SystemExit(f"--poisson-ab / --repeat keep every engine alive: at most 4 configs on the 141 GB card "
+                         f"(got {len(configs)}; narrow with --acceptance / --only)")
+    if args.repeat:  # the closed loop's repetitions interleaved, as on the CPU (a drawn-length run at 64 requests
+        # moved 7 % between two identical plain engines: run 76)
+        res = interleaved(make_own, configs, pool, args, log, warm_levels=True)
+        return dict(res, long_prompt=[], prompt_len=prompt_len)
     if args.poisson_ab:
-        if len(configs) > 4:  # ~18 GB of weights and ~17 GB of caches per engine on the 141 GB card
-            raise SystemExit(f"--poisson-ab keeps every engine alive: at most 4 configs (got {len(configs)}; "
-                             "narrow with --acceptance / --only)")
-
-        taken = []  # models an engine already holds
-
-        def make_own(spec_kw):  # engines alive side by side: each its own models (enable_cuda_graphs replaces a
-            nonlocal target, draft  # model's attention backend, whose buffers another engine's graphs would read)
-            if taken:  # (the first engine takes the models built above)
-                target = build_model(QWEN3_8B, None, seed=0)
-                draft = build_model(QWEN3_06B, None, seed=3) if spec_kw is not None and spec_kw[0] != "plain" else None
-            taken.append(target)
-            return make_warm(spec_kw)
-
         ab = poisson_ab(make_own, configs, sample_prompts, new, args.rates, args.poisson_ab, args.poisson_requests,
                         log)
         return dict(rows=ab["rows"], ratios=[], poisson_ab=ab["summary"], long_prompt=[], prompt_len=prompt_len,
@@ -809,7 +813,7 @@ def cpu_main(args) -> dict:
     if args.control:  # an A/A row: a second plain engine, measured like the others (the noise band of the run)
         configs.insert(1, ("plain, control", None))
     if args.repeat:
-        return cpu_interleaved(make, configs, prompts, args, log)
+        return interleaved(make, configs, prompts, args, log)
     rows = run_grid(make, prompts_for, args.new_tokens, args.concurrency, configs, log)
     poisson = []
     for name, kw in configs if args.poisson_requests else ():  # (--poisson-requests 0: closed loop only)
@@ -821,16 +825,19 @@ def cpu_main(args) -> dict:
     return dict(rows=rows, ratios=ratios(rows), poisson=poisson, new_tokens=args.new_tokens, quantize=q)
 
 
-def cpu_interleaved(make, configs, prompts, args, log) -> dict:
-    """--repeat N (CPU): every config's engine built and warmed once (its k policy keeps what it learns, as a
-    server's does), then N repetitions of the closed loop at each concurrency, configs interleaved in an order that
-    rotates per repetition, every config on the same prompts within a repetition. A config's ratio is the median
-    over repetitions of its throughput over plain's in the same repetition: this machine's speed drifts by 10-40 %
-    between runs minutes apart, so only same-repetition ratios compare."""
+def interleaved(make, configs, prompts, args, log, warm_levels: bool = False) -> dict:
+    """--repeat N: every config's engine built and warmed once (its k policy keeps what it learns, as a server's
+    does), then N repetitions of the closed loop at each concurrency, configs interleaved in an order that rotates
+    per repetition, every config on the same prompts within a repetition. A config's ratio is the median over
+    repetitions of its throughput over plain's in the same repetition: this CPU's speed drifts by 10-40 % between
+    runs minutes apart, and on the H200 two identical plain engines ran 7 % apart, so only same-repetition ratios
+    compare. warm_levels (GPU): each engine first runs the workload of every level once (its graphs captured)."""
     engines = {}
     for name, kw in configs:
         engines[name] = make(kw)
         drive(engines[name], prompts[:1], 8, concurrency=1)  # warm-up
+        for c in args.concurrency if warm_levels else ():
+            drive(engines[name], prompts[: 2 * c], args.new_tokens, concurrency=c)
     per = int(os.environ.get("ONLINE_REPEAT", 3))
     rows, at = [], 0
     for rep in range(args.repeat):
@@ -931,8 +938,8 @@ def main() -> None:
                     help="CPU: the veto weighs drafting against the timed plain rounds (KPolicy.record_plain_round, "
                          "the default), the cost model's plain step (before), or both side by side")
     ap.add_argument("--repeat", type=int, default=0, metavar="N",
-                    help="CPU: N interleaved repetitions of the closed loop, every engine kept warm; ratios are "
-                         "medians of same-repetition ratios (no Poisson rows)")
+                    help="N interleaved repetitions of the closed loop, every engine kept warm (GPU: at most 4 configs, "
+                         "each its own models); ratios are medians of same-repetition ratios (no Poisson rows)")
     ap.add_argument("--control", action="store_true",
                     help="a second plain engine as one more config ('plain, control'; GPU: measured last): its ratio "
                          "to plain is the run's noise (this CPU: 0.84-1.05x between identical engines, 15 s apart)")
@@ -956,7 +963,6 @@ def main() -> None:
         args.quantize = args.quantize or "auto"
     else:
         given = [f for f, v in (("--threads", args.threads), ("--rate", args.rate is not None),
-                                ("--repeat", args.repeat),
                                 ("--quantize", args.quantize), ("--catch-up", args.catch_up != "on"),
                                 ("--plain-rounds", args.plain_rounds != "on")) if v]
         if given:

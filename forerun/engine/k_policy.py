@@ -14,7 +14,8 @@ tokens are no longer free (compute-bound decode).
 With CUDA graphs the batch drafts one k (`batch_k`), and what speculative rounds really deliver is checked
 against the model: the committed tokens per request per second of recent rounds that drafted (prefill chunks of
 joining requests, host work and stalls included, which the model does not see) against plain decoding's
-predicted step; drafting that realizes less is overruled until the next probe.
+measured step; drafting that realizes less is overruled until the next probe, and its shortfall against the model
+still prices drafting after it (`_batch_remembered`).
 """
 from __future__ import annotations
 

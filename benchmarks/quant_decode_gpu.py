@@ -14,6 +14,9 @@ per 32 weights).
    per step / copy bandwidth); the kernels of a Q4 decode step (torch profiler).
 
     python benchmarks/quant_decode_gpu.py [--quick]     # writes $OUT (else benchmarks/results)/quant_decode_h200.json
+
+3. --bits 8: the same for 8-bit weights quantized like GGUF Q8_0 (int8 codes, one bf16 scale per 32 weights,
+   CudaQ8Linear / q8v_linear; 1..8 rows): products and the whole model (bf16 vs q8), quant_decode_h200_q8.json.
 """
 from __future__ import annotations
 
@@ -37,7 +40,9 @@ from forerun.kernels.quant_gemm import (dequantize_int4, q4_linear, q4w_linear, 
 from forerun.kernels.skinny_gemm import default_config, skinny_linear  # noqa: E402
 from forerun.kernels import pdl  # noqa: E402
 from forerun.models import quant_cuda  # noqa: E402
-from forerun.models.quant_cuda import CudaQ4Linear, config_key, q4_product, quantize_model_cuda  # noqa: E402
+from forerun.kernels.quant_gemm import pack_int8_w32  # noqa: E402
+from forerun.models.quant_cuda import (CudaQ4Linear, CudaQ8Linear, config_key, q4_product, q8_product,  # noqa: E402
+                                       quantize_int8_groups, quantize_model_cuda)
 from forerun.runtime.cuda_graph import GraphRunner  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096, False), "o": (4096, 4096, False), "gate_up": (12288, 4096, True),
@@ -136,11 +141,71 @@ def sweep(bw: float, rows: list[int], quick: bool) -> tuple[list[dict], dict]:
     return results, table
 
 
+def sweep_q8(bw: float, rows: list[int], quick: bool) -> tuple[list[dict], dict]:
+    """As sweep() for the 8-bit layout (q8v_linear), 1..8 rows; config keys q8_m*_n*_k*."""
+    name = torch.cuda.get_device_name()
+    results, table = [], {}
+    for shape, (n, k, glu) in SHAPES.items():
+        nw = 2 * n if glu else n
+        w = torch.randn(nw, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        q, s = quantize_int8_groups(w, torch.bfloat16)
+        qw8 = pack_int8_w32(q)
+        wd = (q.float().reshape(nw, k // 32, 32) * s.float()[..., None]).reshape(nw, k).to(torch.bfloat16)
+        del w, q
+        qbytes = qw8.numel() * 4 + s.numel() * 2
+        copies = max(2, min(24, int(3e8 // qbytes) + 1))
+        Q = [(qw8.clone(), s.clone()) for _ in range(copies)]
+        for m in rows:
+            if m > 8:
+                continue
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ wd.float().t()
+            if glu:
+                ref = torch.nn.functional.silu(ref[:, :n]) * ref[:, n:]
+            bytes_ = qbytes + x.numel() * 2 + m * n * 2
+            row = {"shape": shape, "n": n, "k": k, "glu": glu, "m": m, "q8_bytes": bytes_,
+                   "floor_us": bytes_ / bw * 1e6}
+            grid = [dict(kernel="q8v", block_n=bn, block_k=bk, use_dot=False, num_warps=nw_, num_stages=2)
+                    for bn, bk, nw_ in ((2, 1024, 4), (4, 1024, 4), (8, 1024, 4), (4, 2048, 4), (8, 2048, 8),
+                                        (16, 1024, 8))]
+            if m > 2:
+                grid = grid[:4]
+            if quick:
+                grid = grid[:2]
+            best = None
+            for cfg in grid:
+                try:
+                    y = q8_product(x, qw8, s, glu, cfg)
+                    err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                    if err > 2e-2:
+                        raise ValueError(f"rel err {err:.2e}")
+                    us = graph_us([lambda c=c, cfg=cfg: q8_product(x, *c, glu, cfg) for c in Q])
+                except Exception as e:  # a config the compiler refuses: skip it
+                    log(f"  q8 {shape} m={m} {cfg}: {type(e).__name__} {str(e)[:100]}")
+                    continue
+                if best is None or us < best["us"]:
+                    best = {**cfg, "us": us, "rel_err": err}
+            row["q8"] = {**best, "of_floor": row["floor_us"] / best["us"]}
+            table[config_key(m, n, k, glu, 8)] = best
+            results.append(row)
+            log(f"q8 {shape:8s} m={m:2d}: {best['us']:7.1f} us ({100 * row['q8']['of_floor']:5.1f}% of its floor "
+                f"{row['floor_us']:.1f}); cfg bn {best['block_n']} bk {best['block_k']} warps {best['num_warps']} "
+                f"err {best['rel_err']:.1e}")
+        del Q, wd, qw8
+        torch.cuda.empty_cache()
+    try:  # keep every committed configuration (the q4 ones, q8 rows not swept)
+        table = {**json.loads(quant_cuda.CONFIGS.read_text()).get(name, {}), **table}
+    except (OSError, ValueError):
+        pass
+    quant_cuda.set_configs(name, table)
+    return results, table
+
+
 def model_bytes(model: torch.nn.Module) -> int:
     """Bytes a decode step streams: every parameter and quantized buffer except the input embedding (rows)."""
     total = 0
     for mname, mod in model.named_modules():
-        if isinstance(mod, CudaQ4Linear):
+        if isinstance(mod, (CudaQ4Linear, CudaQ8Linear)):
             total += mod.weight_bytes
     for pname, p in model.named_parameters():
         if "embed_tokens" not in pname:
@@ -148,20 +213,22 @@ def model_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def whole_model(bw: float, quick: bool, ctx0: int = 512) -> dict:
+def whole_model(bw: float, quick: bool, ctx0: int = 512, bits: int = 4) -> dict:
     out = {}
+    quant = "q8" if bits == 8 else "q4"
     model = G.build_model(G.QWEN3_8B, 4 if quick else None, seed=1)
     model.ops = G.FusedLayerOps()  # the fused Triton layer kernels, as the engine runs on CUDA
     side = G.make_side(model, 1, ctx0 + 256)
     qs = list(range(1, 17))
-    for label in ("bf16", "q4_no_pdl", "q4"):  # PDL: forerun/kernels/pdl.py, on by default where supported
+    labels = ("bf16", "q4_no_pdl", "q4") if bits == 4 else ("bf16", "q8")
+    for label in labels:  # PDL: forerun/kernels/pdl.py, on by default where supported
         pdl.set_enabled(label != "q4_no_pdl")
         if label != "bf16":
             del side.graphs
-        if label == "q4_no_pdl":
-            n = quantize_model_cuda(model)
-            model.ops.pdl_norms = True  # as enable_cuda_graphs sets it for int4 models
-            log(f"quantized {n} linears to int4")
+        if label == labels[1]:
+            n = quantize_model_cuda(model, bits=bits)
+            model.ops.pdl_norms = True  # as enable_cuda_graphs sets it for quantized models
+            log(f"quantized {n} linears to int{bits}")
             torch.cuda.empty_cache()
         bytes_ = model_bytes(model)
         side.graphs = GraphRunner(side.runner, batch_sizes=[1], max_q_len=16)
@@ -182,14 +249,14 @@ def whole_model(bw: float, quick: bool, ctx0: int = 512) -> dict:
         log(f"{label}: {bytes_ / 1e9:.2f} GB streamed per token, floor {floor:.3f} ms; decode {ms:.3f} ms/token "
             f"= {100 * floor / ms:.1f}% of floor ({100 * (floor + kv) / ms:.1f}% counting the KV); "
             f"verify q=1/5/16: {curve[1]:.3f} / {curve[5]:.3f} / {curve[16]:.3f} ms")
-        if label == "q4":
+        if label == quant:
             out["pdl_launch_supported"] = pdl.enabled(ids.new_zeros(1, dtype=torch.float32))
             ids1 = torch.zeros(1, 1, dtype=torch.int64, device="cuda")
             ctx1 = torch.full((1,), ctx0, device="cuda")
             try:
-                out["q4_kernels_b1"] = G.kernel_breakdown(lambda: side.graphs.run_uniform(ids1, ctx1, 1))
-                ks = out["q4_kernels_b1"]["kernels"][:8]
-                log("q4 decode kernels: " + "; ".join(f"{k['name'][:40]} {k['us']:.0f} us x{k['count']:.0f}"
+                out[f"{quant}_kernels_b1"] = G.kernel_breakdown(lambda: side.graphs.run_uniform(ids1, ctx1, 1))
+                ks = out[f"{quant}_kernels_b1"]["kernels"][:8]
+                log(f"{quant} decode kernels: " + "; ".join(f"{k['name'][:40]} {k['us']:.0f} us x{k['count']:.0f}"
                                                        for k in ks))
             except Exception as e:
                 log(f"no kernel breakdown: {e!r}")
@@ -197,24 +264,26 @@ def whole_model(bw: float, quick: bool, ctx0: int = 512) -> dict:
 
 
 def plot(res: dict, path: str) -> None:
-    """Left: each product's time as a fraction of its floor by rows (q4 word layout); right: whole-model decode
-    and verify cost (ms) against q, bf16 vs q4, with the two floors."""
+    """Left: each product's time as a fraction of its floor by rows (q4 or q8 word layout); right: whole-model
+    decode and verify cost (ms) against q, bf16 vs the quantized model, with the two floors."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    quant = "q8" if res.get("bits") == 8 else "q4"
+    key = "q8" if quant == "q8" else "q4w"
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for shape in SHAPES:
         rows = [r for r in res["kernels"] if r["shape"] == shape]
-        a.plot([r["m"] for r in rows], [100 * r["q4w"]["of_floor"] for r in rows], "o-", label=f"q4 {shape}")
+        a.plot([r["m"] for r in rows], [100 * r[key]["of_floor"] for r in rows], "o-", label=f"{quant} {shape}")
     a.axhline(75, color="r", ls="--", label="goal 75%")
     a.set_xscale("log", base=2)
     a.set_xlabel("rows (tokens in the product)")
     a.set_ylabel("% of its own floor (bytes / copy bw)")
-    a.set_title(f"int4 products, {res['card']}")
+    a.set_title(f"{'int8' if quant == 'q8' else 'int4'} products, {res['card']}")
     a.legend(fontsize=7)
     if "model" in res:
-        for label, c in (("bf16", "C0"), ("q4", "C1")):
+        for label, c in (("bf16", "C0"), (quant, "C1")):
             m = res["model"][label]
             qs = sorted(int(q) for q in m["verify_ms"])
             b.plot(qs, [m["verify_ms"][str(q)] if str(q) in m["verify_ms"] else m["verify_ms"][q] for q in qs], "o-",
@@ -232,7 +301,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--plot", metavar="JSON", help="only re-plot a result file (PNG beside it)")
     ap.add_argument("--quick", action="store_true", help="3 configs, 4 layers: a smoke run")
-    ap.add_argument("--rows", default="1,2,4,8,16")
+    ap.add_argument("--rows", default=None, help="rows swept (default 1,2,4,8,16; --bits 8: 1,2,4,8)")
+    ap.add_argument("--bits", type=int, choices=(4, 8), default=4, help="4: int4 (Q4_1-like); 8: int8 (Q8_0-like)")
     ap.add_argument("--skip-model", action="store_true")
     a = ap.parse_args()
     if a.plot:
@@ -246,30 +316,40 @@ def main() -> int:
     card = torch.cuda.get_device_name()
     log(f"{card}: copy bandwidth {bw / 1e12:.2f} TB/s")
     res = {"card": card, "date": datetime.datetime.now().isoformat(timespec="seconds"), "torch": torch.__version__,
-           "copy_bw_bytes_per_s": bw}
-    res["kernels"], table = sweep(bw, [int(r) for r in a.rows.split(",")], a.quick)
+           "copy_bw_bytes_per_s": bw, "bits": a.bits}
+    rows = [int(r) for r in (a.rows or ("1,2,4,8" if a.bits == 8 else "1,2,4,8,16")).split(",")]
+    res["kernels"], table = (sweep_q8 if a.bits == 8 else sweep)(bw, rows, a.quick)
     path = os.path.join(outdir, "q4_configs.json")
     with open(path, "w") as f:
         json.dump({card: table}, f, indent=1, sort_keys=True)
     if not a.skip_model:
-        res["model"] = whole_model(bw, a.quick)
-    path = os.path.join(outdir, "quant_decode_h200.json" if "H200" in card else "quant_decode_gpu.json")
+        res["model"] = whole_model(bw, a.quick, bits=a.bits)
+    stem = "quant_decode_h200" if "H200" in card else "quant_decode_gpu"
+    path = os.path.join(outdir, f"{stem}{'_q8' if a.bits == 8 else ''}.json")
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
     plot(res, path[:-5] + ".png")
-    print("\n| product | rows | q4 (word) us | % of floor | q4 (chunk) us | bf16 cuBLAS us | bf16 floor us |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for r in res["kernels"]:
-        print(f"| {r['shape']} | {r['m']} | {r['q4w']['us']:.1f} | {100 * r['q4w']['of_floor']:.0f}% | "
-              f"{r.get('q4_chunk_us', float('nan')):.1f} | {r['bf16_cublas_us']:.1f} | {r['bf16_floor_us']:.1f} |")
+    quant = "q8" if a.bits == 8 else "q4"
+    if a.bits == 8:
+        print("\n| product | rows | q8 us | % of floor | bf16 floor us |")
+        print("| --- | --- | --- | --- | --- |")
+        for r in res["kernels"]:
+            print(f"| {r['shape']} | {r['m']} | {r['q8']['us']:.1f} | {100 * r['q8']['of_floor']:.0f}% | "
+                  f"{2 * r['n'] * (2 if r['glu'] else 1) * r['k'] / bw * 1e6:.1f} |")
+    else:
+        print("\n| product | rows | q4 (word) us | % of floor | q4 (chunk) us | bf16 cuBLAS us | bf16 floor us |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for r in res["kernels"]:
+            print(f"| {r['shape']} | {r['m']} | {r['q4w']['us']:.1f} | {100 * r['q4w']['of_floor']:.0f}% | "
+                  f"{r.get('q4_chunk_us', float('nan')):.1f} | {r['bf16_cublas_us']:.1f} | {r['bf16_floor_us']:.1f} |")
     if "model" in res:
         print("\n| weights | GB/token | floor ms | decode ms | % of floor | verify q=5 / q=1 | q=16 / q=1 |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
-        for label in ("bf16", "q4_no_pdl", "q4"):
+        for label in (("bf16", "q4_no_pdl", "q4") if a.bits == 4 else ("bf16", "q8")):
             m = res["model"][label]
             print(f"| {label} | {m['weight_bytes'] / 1e9:.2f} | {m['floor_ms']:.3f} | {m['decode_ms']:.3f} | "
                   f"{100 * m['fraction_of_floor']:.1f}% | {m['verify_q5_over_q1']:.2f} | {m['verify_q16_over_q1']:.2f} |")
-    print(f"wrote {path}")
+    print(f"wrote {path} ({quant})")
     return 0
 
 

@@ -1,7 +1,7 @@
-"""GGUF / safetensors weights loaded in the CUDA int4 layout (forerun/models/gguf_cuda.py: CudaQ4Linear built
-straight from the blocks), run on the CPU: CudaQ4Linear.forward on CPU tensors is dequantized() + linear, so the
-mapping, the re-quantization and whole models are checked here without a GPU (the Triton products themselves
-are tested in tests/test_q4_gpu_kernels.py)."""
+"""GGUF / safetensors weights loaded in the CUDA int4 / int8 layouts (forerun/models/gguf_cuda.py: CudaQ4Linear and
+CudaQ8Linear built straight from the blocks), run on the CPU: their forward on CPU tensors is dequantized() +
+linear, so the mapping, the re-quantization and whole models are checked here without a GPU (the Triton products
+themselves are tested in tests/test_q4_gpu_kernels.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,10 +15,11 @@ from gguf.quants import dequantize, quantize
 import test_loader
 from forerun.config import SpecConfig
 from forerun.engine.llm import LLM
-from forerun.models.gguf_cuda import build_cuda_q4_model, check_cuda_layout, make_cuda_linear
+from forerun.models.gguf_cuda import (build_cuda_quantized_model, check_cuda_layout, gguf_q8_0_groups,
+                                      make_cuda_linear)
 from forerun.models.loader import GGUFQuantized, load_checkpoint
 from forerun.models.quant import gguf_int4_groups, parse_quantize, quantize_groups_int4, weight_bytes
-from forerun.models.quant_cuda import CudaQ4Linear
+from forerun.models.quant_cuda import CudaQ4Linear, CudaQ8Linear
 from forerun.models.registry import build_model
 from forerun.runtime.runner import Chunk
 from forerun.sampling_params import SamplingParams
@@ -167,16 +168,34 @@ def test_5_6_bit_matrices_requantized_to_int4_groups(qtype):
     assert torch.equal(lin.dequantized(), CudaQ4Linear(*quantize_groups_int4(ref), None, torch.float32).dequantized())
 
 
-def test_q8_0_matrices_stay_bf16_and_fused_parts_follow_the_4bit_part():
+def _int8_half_step_ok(lin, ref):
+    """Re-quantized to symmetric int8 groups of 32: within half a step (the stored scale) of the exact values
+    (plus the one rounding of dequantized() to a 16-bit dtype)."""
+    n = ref.shape[0]
+    err = (lin.dequantized().float() - ref).view(n, -1, 32).abs()
+    rounding = ref.abs().view(n, -1, 32) * 2.0 ** -8 if lin.dtype != torch.float32 else 0.0
+    return bool((err <= lin.scale.float()[..., None] / 2 * (1 + 1e-3) + rounding + 1e-7).all())
+
+
+def test_q8_0_matrices_kept_8bit_exactly_and_fused_parts_follow_the_4bit_part():
     rng = np.random.default_rng(4)
     n, k = 32, 256
     w = rng.standard_normal((n, k)).astype(np.float32)
     q8 = quantize(w, QT.Q8_0)
     ref8 = torch.from_numpy(dequantize(q8, QT.Q8_0).reshape(n, k).copy())
-    lin = make_cuda_linear([_gq(q8, "Q8_0", n, k)], None, "cpu", torch.bfloat16)
-    assert type(lin) is torch.nn.Linear and lin.weight.dtype == torch.bfloat16
-    assert torch.equal(lin.weight, ref8.bfloat16())  # the only loss: one bf16 rounding (2^-9 relative)
+    for dtype in (torch.float32, torch.bfloat16):
+        lin = make_cuda_linear([_gq(q8, "Q8_0", n, k)], None, "cpu", dtype)
+        assert isinstance(lin, CudaQ8Linear) and lin.scale.dtype == torch.float16  # the GGUF's fp16 scales
+        assert lin.weight_bytes == n * k + n * k // 32 * 2  # 8.5 bits per weight, as the file
+        codes, scales = gguf_q8_0_groups(_gq(q8, "Q8_0", n, k))
+        assert torch.equal(lin.codes(), codes)
+        # exact: codes and scales copied (float32); in bf16 one rounding of each weight
+        want = ref8 if dtype == torch.float32 else ref8.bfloat16()
+        assert torch.equal(lin.dequantized(), want)
+    # a tied head stays tied in the int4 layout; the int8 layout quantizes it (as the CPU int8 layout does)
     assert make_cuda_linear([_gq(q8, "Q8_0", n, k)], None, "cpu", torch.bfloat16, tied_head=True) is None
+    assert isinstance(make_cuda_linear([_gq(q8, "Q8_0", n, k)], None, "cpu", torch.bfloat16, tied_head=True,
+                                       layout="int8"), CudaQ8Linear)
     # fused qkv with Q4_K q/k and Q8_0 v: one int4 matrix, the 4-bit rows exact, v re-quantized
     q4 = _random_q4k(n, k, rng)
     ref4 = torch.from_numpy(dequantize(q4, QT.Q4_K).reshape(n, k).copy())
@@ -186,6 +205,28 @@ def test_q8_0_matrices_stay_bf16_and_fused_parts_follow_the_4bit_part():
     g = ref8.view(n, -1, 32)
     assert ((fused.dequantized()[n:] - ref8).view(n, -1, 32).abs().amax(-1)
             <= (g.amax(-1) - g.amin(-1)) / 30 * (1 + 1e-5)).all()
+    # the int8 layout: Q8_0 parts exact beside re-quantized ones (float32 scales then), Q4_K within half a step
+    fused8 = make_cuda_linear([_gq(q4, "Q4_K", n, k), _gq(q8, "Q8_0", n, k)], None, "cpu", torch.float32,
+                              layout="int8")
+    assert isinstance(fused8, CudaQ8Linear) and fused8.scale.dtype == torch.float32
+    assert torch.equal(fused8.dequantized()[n:], ref8)
+    assert _int8_half_step_ok(CudaQ8Linear(fused8.codes()[:n], fused8.scale[:n], None, torch.float32,
+                                           scale_dtype=torch.float32), ref4)
+
+
+def test_q6_k_head_requantized_to_int8_within_half_a_step():
+    rng = np.random.default_rng(5)
+    n, k = 24, 512
+    data = _quantize_q6k(rng.standard_normal((n, k)).astype(np.float32))
+    ref = torch.from_numpy(dequantize(data, QT.Q6_K).reshape(n, k).copy())
+    # the head: not re-quantized to int4 by default (INT4_OTHERS="layers")
+    part = GGUFQuantized(data, "Q6_K", (n, k), None, "tensor output.weight")
+    lin = make_cuda_linear([part], None, "cpu", torch.float32)
+    assert isinstance(lin, CudaQ8Linear) and lin.scale.dtype == torch.float32
+    assert _int8_half_step_ok(lin, ref)
+    err8 = (lin.dequantized() - ref).abs().max().item()
+    err4 = (CudaQ4Linear(*quantize_groups_int4(ref), None, torch.float32).dequantized() - ref).abs().max().item()
+    assert err8 < err4 / 8  # 8 bits keep ~16x less error than int4 groups would
 
 
 def test_safetensors_tensors_quantized_like_from_float():
@@ -195,6 +236,10 @@ def test_safetensors_tensors_quantized_like_from_float():
     assert isinstance(lin, CudaQ4Linear)
     assert torch.equal(lin.dequantized(), CudaQ4Linear.from_float(w, b).dequantized())
     assert make_cuda_linear([torch.randn(8, 40)], None, "cpu", torch.bfloat16).weight.shape == (8, 40)  # K % 32
+    lin8 = make_cuda_linear([w[:40], w[40:]], b, "cpu", torch.bfloat16, layout="int8")
+    assert isinstance(lin8, CudaQ8Linear) and lin8.scale.dtype == torch.bfloat16
+    assert torch.equal(lin8.dequantized(), CudaQ8Linear.from_float(w, b).dequantized())
+    assert _int8_half_step_ok(lin8, w.float())
 
 
 # ====================================================================== (3) whole tiny models
@@ -235,26 +280,28 @@ def test_tiny_gguf_loads_as_cuda_q4_close_to_fp32(tmp_path, monkeypatch, kind):
     path, expect = _write(tmp_path, kind, monkeypatch)
     ckpt = load_checkpoint(path)
     ref_model = build_model(ckpt, "cpu", torch.float32, progress=False, pack_cpu=False)
-    model = build_cuda_q4_model(ckpt, "cpu", torch.float32, progress=False)
+    model = build_cuda_quantized_model(ckpt, "cpu", torch.float32, progress=False)
     layers = model.model.layers
     for i, layer in enumerate(layers):
         assert isinstance(layer.self_attn.qkv_proj, CudaQ4Linear) and isinstance(layer.mlp.gate_up_proj, CudaQ4Linear)
-        # layer 0's Q6_K ffn_down is re-quantized to int4, layer 1's Q8_0 one stays float (bf16 on CUDA)
-        assert isinstance(layer.mlp.down_proj, CudaQ4Linear) == (i % 2 == 0)
+        # layer 0's Q6_K ffn_down is re-quantized to int4, layer 1's Q8_0 one stays 8-bit, exactly
+        assert isinstance(layer.mlp.down_proj, (CudaQ4Linear, CudaQ8Linear)[i % 2])
+        if i % 2:
+            assert torch.equal(layer.mlp.down_proj.dequantized(), expect[f"model.layers.{i}.mlp.down_proj.weight"])
         # Q4_K rows exact, including Llama's un-permuted Q/K rows
         qk = torch.cat([expect[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qk"])
         assert torch.equal(layer.self_attn.qkv_proj.dequantized()[:qk.shape[0]], qk)
         assert torch.equal(layer.self_attn.o_proj.dequantized(), expect[f"model.layers.{i}.self_attn.o_proj.weight"])
     if kind == "qwen2":  # tied Q8_0 embedding: the head stays the embedding, no copy
         assert model.lm_head.weight is model.model.embed_tokens.weight
-    else:  # Q6_K head: kept in floats (bf16 on CUDA), the GGUF's values
-        assert type(model.lm_head) is torch.nn.Linear and torch.equal(model.lm_head.weight, expect["lm_head.weight"])
+    else:  # Q6_K head: re-quantized to int8 groups, within half a step of the GGUF's values
+        assert isinstance(model.lm_head, CudaQ8Linear) and _int8_half_step_ok(model.lm_head, expect["lm_head.weight"])
     ids = list(range(3, 60))
     ref = _logits(ref_model, ids)
     got = _logits(model, ids)
     # fp32: only the re-quantized Q6_K matrices (v, one ffn_down) differ from the dequantized model
     kl = _kl(got, ref)
-    assert kl < 0.02, kl  # measured: llama 2.6e-3, qwen2 2.1e-3
+    assert kl < 0.02, kl  # measured: llama 7.8e-4, qwen2 1.3e-5 (2.6e-3, 2.1e-3 with the Q8_0 / Q6_K ones bf16)
     top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
     print(f"\n{kind}: fp32 layout KL {kl:.2e} top-1 {top1:.3f}")
     assert top1 >= 0.75
@@ -262,17 +309,17 @@ def test_tiny_gguf_loads_as_cuda_q4_close_to_fp32(tmp_path, monkeypatch, kind):
     assert wb["quantized_linear_bytes"] > 0
 
     # bf16 (the CUDA dtype): bf16 scales, embedding, norms, activations
-    model16 = build_cuda_q4_model(ckpt, "cpu", torch.bfloat16, progress=False)
+    model16 = build_cuda_quantized_model(ckpt, "cpu", torch.bfloat16, progress=False)
     assert model16.model.layers[0].self_attn.qkv_proj.scale.dtype == torch.bfloat16
     got16 = _logits(model16, ids, torch.bfloat16)
     kl16 = _kl(got16, ref)
     print(f"{kind}: bf16 layout KL {kl16:.2e} top-1 {(got16.argmax(-1) == ref.argmax(-1)).float().mean().item():.3f}")
-    assert kl16 < 0.05, kl16  # measured: llama 3.8e-3, qwen2 3.2e-3
+    assert kl16 < 0.05, kl16  # measured: llama 8.2e-4, qwen2 1.4e-5
 
 
 def test_tiny_gguf_cuda_q4_generates_greedy_spec_equals_plain(tmp_path, monkeypatch):
     path, _ = _write(tmp_path, "qwen2", monkeypatch)
-    model = build_cuda_q4_model(load_checkpoint(path), "cpu", torch.float32, progress=False)
+    model = build_cuda_quantized_model(load_checkpoint(path), "cpu", torch.float32, progress=False)
     tok = tiny_tokenizer(model.config.vocab_size)
     prompts = ["t5 t6 t7 t5 t6 t7 t5 t6", "t9 t10 t11 t12 t9 t10 t11"]
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -286,10 +333,29 @@ def test_safetensors_int4_cuda_layout(tmp_path):
     hf = tiny_model("qwen2", hidden_size=128, intermediate_size=256, tie_word_embeddings=True)
     d = test_loader.save(hf, tmp_path / "m")
     ckpt = load_checkpoint(d)
-    model = build_cuda_q4_model(ckpt, "cpu", torch.float32, progress=False)
+    model = build_cuda_quantized_model(ckpt, "cpu", torch.float32, progress=False)
     assert isinstance(model.lm_head, CudaQ4Linear)  # as the CPU int4 layout: every linear, the tied head too
     ids = list(range(3, 40))
     assert _kl(_logits(model, ids), _logits(build_model(ckpt, "cpu", torch.float32, progress=False), ids)) < 0.2
+
+
+@pytest.mark.parametrize("kind", ["gguf", "safetensors"])
+def test_int8_cuda_layout_every_linear_8bit(tmp_path, monkeypatch, kind):
+    """quantize="int8" on CUDA: every linear a CudaQ8Linear (the head too), logits close to the fp32 model."""
+    if kind == "gguf":
+        path, _ = _write(tmp_path, "qwen2", monkeypatch)
+    else:
+        path = test_loader.save(tiny_model("qwen2", hidden_size=128, intermediate_size=256,
+                                           tie_word_embeddings=True), tmp_path / "m")
+    ckpt = load_checkpoint(path)
+    model = build_cuda_quantized_model(ckpt, "cpu", torch.float32, layout="int8", progress=False)
+    linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, CudaQ4Linear, CudaQ8Linear))]
+    assert linears and all(isinstance(m, CudaQ8Linear) for m in linears)
+    assert weight_bytes(model)["quantized_linear_bytes"] == sum(m.weight_bytes for m in linears)
+    ids = list(range(3, 40))
+    kl = _kl(_logits(model, ids), _logits(build_model(ckpt, "cpu", torch.float32, progress=False), ids))
+    print(f"\n{kind}: int8 layout KL {kl:.2e}")
+    assert kl < 0.01, kl
 
 
 # ====================================================================== (4) what cannot run where
@@ -300,17 +366,20 @@ def test_parse_quantize_on_cuda_and_errors(tmp_path):
     assert parse_quantize(None, "gguf", torch.device("cuda", 0)) == "int4"
     assert parse_quantize("auto", "safetensors", "cuda") == "none"
     assert parse_quantize("none", "gguf", "cuda") == "none"
-    with pytest.raises(ValueError, match=r"^quantize='int8' has no CUDA layout; on cuda use 'int4'"):
-        check_cuda_layout("int8", "cuda", torch.bfloat16)
+    check_cuda_layout("int8", "cuda", torch.bfloat16)  # both quantized layouts exist on CUDA
+    with pytest.raises(ValueError, match=r"^quantize='int2' has no CUDA layout; on cuda use 'int4'"):
+        check_cuda_layout("int2", "cuda", torch.bfloat16)
     with pytest.raises(ValueError, match=r"^quantize='int4' on cuda multiplies bfloat16/float16 activations"):
         check_cuda_layout("int4", "cuda", torch.float32)
+    with pytest.raises(ValueError, match=r"^quantize='int8' on cuda multiplies bfloat16/float16 activations"):
+        check_cuda_layout("int8", "cuda", torch.float32)
     with pytest.raises(ValueError, match=r"^quantize='int4' runs on cpu and cuda only \(got device mps\)"):
         check_cuda_layout("int4", "mps", torch.bfloat16)
     # through build_model: refused before anything touches the device
     path = tmp_path / "t.gguf"
     write_gguf(path, "qwen2", tiny_model("qwen2"))
-    with pytest.raises(ValueError, match="has no CUDA layout"):
-        build_model(load_checkpoint(path), "cuda", torch.bfloat16, progress=False, quantize="int8")
+    with pytest.raises(ValueError, match="bfloat16/float16"):
+        build_model(load_checkpoint(path), "cuda", torch.float32, progress=False, quantize="int8")
     with pytest.raises(ValueError, match="bfloat16/float16"):
         build_model(load_checkpoint(path), "cuda", torch.float32, progress=False, quantize="auto")
 
@@ -335,8 +404,8 @@ def test_real_gguf_cuda_layout_vs_fp32_and_cpu_int4(name):
     ids = tok.encode("Speculative decoding checks a draft with one forward pass of the target model. "
                      "def fibonacci(n):\n    if n < 2:\n        return n\n")
     ref = _logits(build_model(ckpt, "cpu", torch.float32, progress=False), ids)
-    got32 = _logits(build_cuda_q4_model(ckpt, "cpu", torch.float32, progress=False), ids)
-    got16 = _logits(build_cuda_q4_model(ckpt, "cpu", torch.bfloat16, progress=False), ids, torch.bfloat16)
+    got32 = _logits(build_cuda_quantized_model(ckpt, "cpu", torch.float32, progress=False), ids)
+    got16 = _logits(build_cuda_quantized_model(ckpt, "cpu", torch.bfloat16, progress=False), ids, torch.bfloat16)
     cpu4 = _logits(build_model(ckpt, "cpu", torch.float32, progress=False, quantize="int4"), ids)
     kl32, kl16, klcpu = _kl(got32, ref), _kl(got16, ref), _kl(cpu4, ref)
     top = lambda a: (a.argmax(-1) == ref.argmax(-1)).float().mean().item()  # noqa: E731
@@ -360,7 +429,9 @@ def test_tiny_gguf_on_cuda_runs_the_q4_kernels(tmp_path, monkeypatch, kind):
     model = build_model(ckpt, "cuda", torch.bfloat16, progress=False, quantize="auto")
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, CudaQ4Linear) and qkv.qw32.is_cuda
-    ref_model = build_cuda_q4_model(ckpt, "cpu", torch.float32, progress=False)
+    down8 = model.model.layers[1].mlp.down_proj  # the Q8_0 ffn_down: 8-bit on the GPU, through q8v_linear
+    assert isinstance(down8, CudaQ8Linear) and down8.qw8.is_cuda
+    ref_model = build_cuda_quantized_model(ckpt, "cpu", torch.float32, progress=False)
     ids = list(range(3, 40))
     ref = _logits(ref_model, ids)  # [37, V]
     tok = tiny_tokenizer(model.config.vocab_size)
@@ -368,8 +439,8 @@ def test_tiny_gguf_on_cuda_runs_the_q4_kernels(tmp_path, monkeypatch, kind):
     llm.runner.kv.add_sequence(7)
     with torch.no_grad():
         llm.runner.forward([Chunk(7, ids[:30], logits="last")])  # prefill (> 16 rows: dequantized + cuBLAS)
-        one = llm.runner.forward([Chunk(7, ids[30:31], logits="all")])[0].logits.float().cpu()  # 1 row: q4v
-        four = llm.runner.forward([Chunk(7, ids[31:35], logits="all")])[0].logits.float().cpu()  # 4 rows: q4r
+        one = llm.runner.forward([Chunk(7, ids[30:31], logits="all")])[0].logits.float().cpu()  # 1 row: q4v, q8v
+        four = llm.runner.forward([Chunk(7, ids[31:35], logits="all")])[0].logits.float().cpu()  # 4 rows: q4r, q8v
     for got, want in ((one, ref[30:31]), (four, ref[31:35])):
         kl = _kl(got, want)
         assert kl < 0.05, (kind, got.shape, kl)  # bf16 activations and scales vs the fp32 CPU layout

@@ -1,6 +1,7 @@
-"""The GPU int4 word-layout kernels (forerun/kernels/quant_gemm.py: q4w_linear, q4w2_linear) and the CUDA
-linear built on them (forerun/models/quant_cuda.py), run by Triton's CPU interpreter (fp16: the interpreter
-has no bf16 dot) against x @ dequantized(W)^T. Timing lives in benchmarks/quant_decode_gpu.py."""
+"""The GPU int4 and int8 word-layout kernels (forerun/kernels/quant_gemm.py) and the CUDA linears built on them
+(forerun/models/quant_cuda.py: CudaQ4Linear, CudaQ8Linear) against x @ dequantized(W)^T: the Triton kernels
+without inline PTX in Triton's CPU interpreter (fp16: the interpreter has no bf16 dot), the PTX kernels on the
+GPU machine, their arithmetic emulated bit for bit on the CPU. Timing lives in benchmarks/quant_decode_gpu.py."""
 import os
 import subprocess
 import sys
@@ -234,3 +235,108 @@ def test_products_of_more_than_16_rows_on_gpu():
         assert ((lin(x).float() - y).abs().max() / y.abs().max()) < 1e-2, m
         glu = torch.nn.functional.silu(y[:, :128]) * y[:, 128:]
         assert ((lin.glu(x).float() - glu).abs().max() / glu.abs().max()) < 2e-2, m
+
+
+# ====================================================================== int8 (GGUF Q8_0) word layout: CudaQ8Linear
+
+
+def test_int8_word_layout_round_trips_and_cuda_q8_linear_falls_back_off_gpu():
+    from forerun.kernels.quant_gemm import pack_int8_w32, unpack_int8_w32
+    from forerun.models.quant_cuda import CudaQ8Linear
+
+    q = torch.randint(-128, 128, (24, 256), dtype=torch.int8)
+    w = pack_int8_w32(q)
+    assert w.dtype == torch.int32 and w.shape == (24, 64)
+    assert torch.equal(unpack_int8_w32(w), q)
+    word = int(w[0, 0]) & 0xFFFFFFFF  # byte j of word i: code 4i + j, biased by +128
+    assert word == sum((int(q[0, j]) + 128) << (8 * j) for j in range(4))
+    torch.manual_seed(0)
+    wf = torch.randn(48, 256).to(torch.bfloat16)
+    lin = CudaQ8Linear.from_float(wf)
+    assert lin.weight_bytes == 48 * 256 + 48 * 8 * 2  # 8.5 bits per weight with bf16 scales
+    ref = (lin.codes().float().reshape(48, 8, 32) * lin.scale.float()[..., None]).reshape(48, 256)
+    assert (ref - wf.float()).view(48, 8, 32).abs().amax(-1).le(lin.scale.float() / 2 * 1.001).all()
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    y = x.float() @ ref.t()
+    assert ((lin(x).float() - y).abs().max() / y.abs().max()) < 1e-2
+    glu = torch.nn.functional.silu(y[:, :24]) * y[:, 24:]
+    assert ((lin.glu(x).float() - glu).abs().max() / glu.abs().max()) < 1e-2
+
+
+def _emulate_q8_word(words: np.ndarray, x0: np.ndarray, x1: np.ndarray, sel=(0x4140, 0x4342)) -> np.ndarray:
+    """The PTX block of `_q8v_kernel` (quant_gemm._Q8_WORD_UNPACK / _Q8_WORD_DOT) in numpy, bit for bit in float16:
+    prmt(word, 0x64646464, sel) picks, per result byte, byte sel-nibble of (word bytes 0-3, 0x64 x 4); words
+    uint32 [n]; x0, x1: float16 [n, 2] (activations 4i, 4i+1 and 4i+2, 4i+3, pre-scaled) -> float32 [n]."""
+    src = np.concatenate([words.view(np.uint8).reshape(-1, 4), np.full((len(words), 4), 0x64, np.uint8)], 1)
+    magic = np.array([1152, 1152], dtype=np.float16)
+    pairs = []
+    for s in sel:
+        idx = [(s >> (4 * b)) & 7 for b in range(4)]
+        pairs.append(src[:, idx].copy().view(np.float16).reshape(-1, 2) - magic)  # sub.f16x2: exact
+    a = (pairs[0].astype(np.float32) * x0.astype(np.float32)).astype(np.float16)
+    a = (pairs[1].astype(np.float32) * x1.astype(np.float32) + a.astype(np.float32)).astype(np.float16)
+    return a.astype(np.float32).sum(1)
+
+
+def test_int8_packed_f16_unpacking_matches_the_word_layout():
+    """CPU check of the 8-bit kernel's arithmetic (the PTX runs on the GPU machine): the prmt selectors put codes
+    4i, 4i+1 in the first f16 pair and 4i+2, 4i+3 in the second, as the f16 values 1024 + (q + 128), so after
+    subtracting 1152 and with activations pre-scaled by 1/128 the word's products times 128 equal the exact dot
+    product to f16 rounding; swapped selectors or unbiased codes do not."""
+    from forerun.kernels.quant_gemm import pack_int8_w32
+
+    rng = np.random.default_rng(0)
+    q = torch.from_numpy(rng.integers(-128, 128, (16, 32), dtype=np.int8))  # 16 rows of 8 words
+    words = pack_int8_w32(q).numpy().reshape(-1).view(np.uint32)  # [128] words, 4 codes each
+    qq = q.numpy().reshape(128, 4).astype(np.float64)
+    x = rng.standard_normal((128, 4)).astype(np.float32) * 3
+    x0, x1 = (x[:, 0:2] / 128).astype(np.float16), (x[:, 2:4] / 128).astype(np.float16)
+    want = (qq * x).sum(1)
+    got = 128 * _emulate_q8_word(words, x0, x1)
+    assert np.abs(got - want).max() <= 2e-3 * np.abs(want).max()  # f16 rounding
+    assert np.abs(128 * _emulate_q8_word(words, x0, x1, (0x4342, 0x4140)) - want).max() > 0.05 * np.abs(want).max()
+    raw = q.contiguous().view(torch.int32).numpy().reshape(-1).view(np.uint32)  # codes not biased
+    assert np.abs(128 * _emulate_q8_word(raw, x0, x1) - want).max() > 0.05 * np.abs(want).max()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX: CUDA only (run on the GPU machine)")
+def test_int8_kernel_on_gpu():
+    """q8v_linear against x @ dequantized(W)^T in float32 for 1..8 rows, plain and fused SwiGLU, one and several K
+    steps, small and large activations (the f16 pre-scaling), a width that is not a power of two (896); then
+    CudaQ8Linear past 8 rows (8-row calls, then dequantization + cuBLAS); unbiased codes must fail."""
+    from forerun.kernels.quant_gemm import pack_int8_w32, q8v_linear
+    from forerun.models.quant_cuda import CudaQ8Linear, quantize_int8_groups
+
+    torch.manual_seed(0)
+    for n, k, bks in ((96, 1024, (256, 1024)), (64, 896, (128,))):
+        w = torch.randn(n, k, device="cuda") * 0.05
+        q, s = quantize_int8_groups(w, torch.bfloat16)
+        qw8 = pack_int8_w32(q)
+        wd = (q.float().reshape(n, k // 32, 32) * s.float()[..., None]).reshape(n, k)
+        for m in range(1, 9):
+            for amp in (1.0, 3000.0):
+                x = (torch.randn(m, k, device="cuda") * amp).to(torch.bfloat16)
+                ref = x.float() @ wd.t()
+                glu = torch.nn.functional.silu(ref[:, :n // 2]) * ref[:, n // 2:]
+                for bk in bks:
+                    for bn in (4, 16):
+                        y = q8v_linear(x, qw8, s, block_k=bk, block_n=bn)
+                        err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                        assert err < 1e-2, (n, k, m, amp, bk, bn, err)
+                        y = q8v_linear(x, qw8, s, block_k=bk, block_n=bn, glu=True)
+                        err = ((y.float() - glu).abs().max() / glu.abs().max()).item()
+                        assert err < 2e-2, ("glu", n, k, m, amp, bk, bn, err)
+        lin = CudaQ8Linear(q, s)
+        for m in (1, 5, 9, 16, 17, 64, 65, 200):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ wd.t()
+            assert ((lin(x).float() - ref).abs().max() / ref.abs().max()).item() < 1e-2, ("CudaQ8Linear", m, k)
+            glu = torch.nn.functional.silu(ref[:, :n // 2]) * ref[:, n // 2:]
+            assert ((lin.glu(x).float() - glu).abs().max() / glu.abs().max()).item() < 2e-2, ("glu", m, k)
+    x = torch.randn(1, 1024, device="cuda").to(torch.bfloat16)
+    w = torch.randn(96, 1024, device="cuda") * 0.05
+    q, s = quantize_int8_groups(w, torch.bfloat16)
+    wd = (q.float().reshape(96, 32, 32) * s.float()[..., None]).reshape(96, 1024)
+    ref = x.float() @ wd.t()
+    raw = q.contiguous().view(torch.int32)  # the codes without the +128 bias
+    assert ((q8v_linear(x, raw, s).float() - ref).abs().max() / ref.abs().max()).item() > 0.05

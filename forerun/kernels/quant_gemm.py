@@ -14,6 +14,7 @@ Layouts (built by `pack_int4` / `pack_int8` from integer codes and group scales)
     (fp16/bf16): w = q * scale + zero, q in 0..15.
   * int8: ``qw`` int8 [N, K]; ``scale`` [N, K / 32]: w = q * scale.
   * int4 word layout (what `CudaQ4Linear` holds; see the section below): ``qw32`` int32 [N, K / 8].
+  * int8 word layout (what `CudaQ8Linear` holds; last section): ``qw8`` int32 [N, K / 4], bytes q + 128.
 
 The kernels, in the order they were written (each section says why the next one exists); the engine uses the
 word layout's, picked per row count and shape from kernels/q4_configs.json by models/quant_cuda.py:
@@ -22,7 +23,9 @@ word layout's, picked per row count and shape from kernels/q4_configs.json by mo
   * `q4v_linear` (1-2 rows, decode): inline PTX, two codes per instruction in packed f16, weights prefetched
     before the programmatic-dependent-launch wait (kernels/pdl.py);
   * `q4r_linear` (3-8 rows, short verification): the same PTX, one unpacking per 4 rows;
-  * `q4t_linear` (<= 16 rows): bf16 dequantization in PTX, tensor-core products.
+  * `q4t_linear` (<= 16 rows): bf16 dequantization in PTX, tensor-core products;
+  * `q8v_linear` (1-8 rows): 8-bit word layout (``qw8`` int32 [N, K / 4], codes biased by +128), the same PTX
+    scheme (what `CudaQ8Linear` uses).
 """
 from __future__ import annotations
 
@@ -847,6 +850,27 @@ def _q4r_store(Y, stride_ym, offs_n, n_ok, r: tl.constexpr, acc, acc_u, GLU: tl.
 
 
 @triton.jit
+def _store_rows(Y, stride_ym, offs_n, n_ok, M: tl.constexpr, g0, g1, g2, g3, g4, g5, g6, g7, u0, u1, u2, u3, u4, u5,
+                u6, u7, GLU: tl.constexpr):
+    """The first M of 8 rows' accumulators [BN, NG] (gate g, up u when GLU) summed and stored."""
+    _q4r_store(Y, stride_ym, offs_n, n_ok, 0, g0, u0, GLU)
+    if M > 1:
+        _q4r_store(Y, stride_ym, offs_n, n_ok, 1, g1, u1, GLU)
+    if M > 2:
+        _q4r_store(Y, stride_ym, offs_n, n_ok, 2, g2, u2, GLU)
+    if M > 3:
+        _q4r_store(Y, stride_ym, offs_n, n_ok, 3, g3, u3, GLU)
+    if M > 4:
+        _q4r_store(Y, stride_ym, offs_n, n_ok, 4, g4, u4, GLU)
+    if M > 5:
+        _q4r_store(Y, stride_ym, offs_n, n_ok, 5, g5, u5, GLU)
+    if M > 6:
+        _q4r_store(Y, stride_ym, offs_n, n_ok, 6, g6, u6, GLU)
+    if M > 7:
+        _q4r_store(Y, stride_ym, offs_n, n_ok, 7, g7, u7, GLU)
+
+
+@triton.jit
 def _q4r_kernel(X, QW, S, Z, Y, N, stride_xm, stride_ym, GLU_OFF,
                 K: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 GLU: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr):
@@ -911,21 +935,7 @@ def _q4r_kernel(X, QW, S, Z, Y, N, stride_xm, stride_ym, GLU_OFF,
                 u5 += c1
                 u6 += c2
                 u7 += c3
-    _q4r_store(Y, stride_ym, offs_n, n_ok, 0, g0, u0, GLU)
-    if M > 1:
-        _q4r_store(Y, stride_ym, offs_n, n_ok, 1, g1, u1, GLU)
-    if M > 2:
-        _q4r_store(Y, stride_ym, offs_n, n_ok, 2, g2, u2, GLU)
-    if M > 3:
-        _q4r_store(Y, stride_ym, offs_n, n_ok, 3, g3, u3, GLU)
-    if M > 4:
-        _q4r_store(Y, stride_ym, offs_n, n_ok, 4, g4, u4, GLU)
-    if M > 5:
-        _q4r_store(Y, stride_ym, offs_n, n_ok, 5, g5, u5, GLU)
-    if M > 6:
-        _q4r_store(Y, stride_ym, offs_n, n_ok, 6, g6, u6, GLU)
-    if M > 7:
-        _q4r_store(Y, stride_ym, offs_n, n_ok, 7, g7, u7, GLU)
+    _store_rows(Y, stride_ym, offs_n, n_ok, M, g0, g1, g2, g3, g4, g5, g6, g7, u0, u1, u2, u3, u4, u5, u6, u7, GLU)
 
 
 def q4r_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, glu: bool = False,
@@ -944,6 +954,224 @@ def q4r_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: t
     y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     pdl_on = pdl_enabled(x)
     _q4r_kernel[(triton.cdiv(n_out, block_n),)](x, qw32, scale, zero, y, n_out, x.stride(0), y.stride(0), n_out,
+                                                K=k, M=m, BLOCK_N=block_n, BLOCK_K=block_k, GLU=glu, GROUP=GROUP,
+                                                PDL=pdl_on, num_warps=num_warps, num_stages=num_stages,
+                                                **launch_kwargs(pdl_on))
+    return y
+
+
+# ============================================================================= int8, word layout, packed f16
+# The 8-bit counterpart of q4v / q4r (GGUF Q8_0: w = q * scale, q in -128..127, one scale per 32 weights), for
+# 1..8 rows. Layout ``qw8`` int32 [N, K / 4]: byte j of word i is code 4i + j stored biased, u = q + 128 (the
+# int8 codes viewed as bytes, +128). Per word one inline-PTX block:
+#   prmt(w, 0x64646464, 0x4140) is the f16 pair (1024 + u_0, 1024 + u_1) (the byte under the exponent 0x64),
+#   0x4342 gives (1024 + u_2, 1024 + u_3); subtracting the pair (1152, 1152) leaves (q_0, q_1), (q_2, q_3)
+#   exactly (f16 has ulp 1 in [1024, 2048)); then per activation row one mul and one fma.f16x2 against the
+#   activation pairs (x[4i], x[4i+1]), (x[4i+2], x[4i+3]), and a conversion of the two halves to float32.
+# Activations are pre-scaled by 1/128 (so |q x / 128| <= |x|; a half's two products sum to at most 2 |x|: exact
+# to f16 rounding for |x| < 32000) and the group scale by 128. Per word (4 weights): 2 prmt + 2 sub, then 2 f16x2
+# products, 2 cvt and 1 add per row: ~2.25 instructions per weight for one row, ~1.25 per extra row; per byte
+# streamed that is half the int4 kernel's work, so the 8-bit products stay bound by memory.
+_Q8_WORD_UNPACK = """
+    mov.b32 m, 0x64806480;
+    prmt.b32 t0, $W, 0x64646464, 0x4140;
+    prmt.b32 t1, $W, 0x64646464, 0x4342;
+    sub.f16x2 t0, t0, m;
+    sub.f16x2 t1, t1, m;
+"""
+_Q8_WORD_DOT = """
+    mul.f16x2 a, t0, $X0;
+    fma.rn.f16x2 a, t1, $X1, a;
+    mov.b32 {lo, hi}, a;
+    cvt.f32.f16 f0, lo;
+    cvt.f32.f16 f1, hi;
+    add.f32 $OUT, f0, f1;
+"""
+_Q8_DECLS = ".reg .b32 t0, t1, m, a;\n.reg .b16 lo, hi;\n.reg .f32 f0, f1;\n"
+
+
+def _q8_word_asm(rows: int) -> str:
+    """PTX for `rows` activation rows: outputs $0 .. $rows-1 (float32), then the word, then 2 pairs per row."""
+    body = _Q8_WORD_UNPACK.replace("$W", f"${rows}")
+    for r in range(rows):
+        body += (_Q8_WORD_DOT.replace("$OUT", f"${r}").replace("$X0", f"${rows + 1 + 2 * r}")
+                 .replace("$X1", f"${rows + 2 + 2 * r}"))
+    return "{\n" + _Q8_DECLS + body + "}\n"
+
+
+_Q8_ASM_1 = tl.constexpr(_q8_word_asm(1))
+_Q8_ASM_2 = tl.constexpr(_q8_word_asm(2))
+_Q8_ASM_3 = tl.constexpr(_q8_word_asm(3))
+_Q8_ASM_4 = tl.constexpr(_q8_word_asm(4))
+
+
+def pack_int8_w32(q: torch.Tensor) -> torch.Tensor:
+    """q: [N, K] integer codes -128..127 (K a multiple of 32) -> [N, K / 4] int32, bytes biased by +128."""
+    n, k = q.shape
+    if k % GROUP:
+        raise ValueError(f"pack_int8_w32 needs K divisible by {GROUP}, got {k}")
+    return (q.to(torch.int16) + 128).to(torch.uint8).contiguous().view(torch.int32)
+
+
+def unpack_int8_w32(qw8: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_int8_w32: [N, K / 4] int32 -> [N, K] int8 codes."""
+    return (qw8.contiguous().view(torch.uint8).to(torch.int16) - 128).to(torch.int8)
+
+
+def dequantize_int8_w32(qw8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[N, K] in dtype: (u - 128) * scale, rounded once to dtype (products of more than the kernels' rows)."""
+    u = qw8.contiguous().view(torch.uint8)
+    n, k = u.shape
+    w = (u.reshape(n, k // GROUP, GROUP).to(torch.float32) - 128.0) * scale.to(torch.float32)[..., None]
+    return w.reshape(n, k).to(dtype)
+
+
+@triton.jit
+def _x8_pairs(X32, k0, offs_w, BW: tl.constexpr):
+    """The activations of BW words from k0 as the 2 f16 pairs per word, pre-scaled by 1/128: [1, BW] each."""
+    v = tl.load(X32 + k0 // 2 + tl.arange(0, 2 * BW))  # [2 BW] int32: bf16 pairs, 8 contiguous bytes per word
+    v0, v1 = tl.split(tl.reshape(v, [BW, 2]))
+    return _f16_pair(v0, 0.0078125)[None, :], _f16_pair(v1, 0.0078125)[None, :]
+
+
+@triton.jit
+def _q8v_tile(QW, S, r, n_ok, k0, offs_w, offs_g, K: tl.constexpr, GROUP: tl.constexpr):
+    """Words [BN, BW] int32 and scale * 128 [BN, NG] float32 of rows r from code k0 (masked rows: 0)."""
+    wv = tl.load(QW + r * (K // 4) + k0 // 4 + offs_w[None, :], mask=n_ok[:, None], other=0,
+                 eviction_policy="evict_first")
+    s = tl.load(S + r * (K // GROUP) + k0 // GROUP + offs_g[None, :], mask=n_ok[:, None],
+                other=0.0).to(tl.float32) * 128.0
+    return wv, s
+
+
+@triton.jit
+def _q8_block(wv, s, X32, stride_x32, k0, offs_w, R: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr,
+              BW: tl.constexpr):
+    """R (1..4) activation rows from X32 against the words wv: 4 contributions [BN, NG] (zeros past R)."""
+    a0, a1 = _x8_pairs(X32, k0, offs_w, BW)
+    zero = tl.zeros([BN, NG], tl.float32)
+    if R == 1:
+        d0 = tl.inline_asm_elementwise(_Q8_ASM_1, "=f,r,r,r", [wv, a0, a1], dtype=tl.float32, is_pure=True, pack=1)
+        return tl.sum(tl.reshape(d0, [BN, NG, 8]), 2) * s, zero, zero, zero
+    b0, b1 = _x8_pairs(X32 + stride_x32, k0, offs_w, BW)
+    if R == 2:
+        d0, d1 = tl.inline_asm_elementwise(_Q8_ASM_2, "=f,=f" + ",r" * 5, [wv, a0, a1, b0, b1],
+                                           dtype=(tl.float32,) * 2, is_pure=True, pack=1)
+        return tl.sum(tl.reshape(d0, [BN, NG, 8]), 2) * s, tl.sum(tl.reshape(d1, [BN, NG, 8]), 2) * s, zero, zero
+    c0, c1 = _x8_pairs(X32 + 2 * stride_x32, k0, offs_w, BW)
+    if R == 3:
+        d0, d1, d2 = tl.inline_asm_elementwise(_Q8_ASM_3, "=f,=f,=f" + ",r" * 7, [wv, a0, a1, b0, b1, c0, c1],
+                                               dtype=(tl.float32,) * 3, is_pure=True, pack=1)
+        return (tl.sum(tl.reshape(d0, [BN, NG, 8]), 2) * s, tl.sum(tl.reshape(d1, [BN, NG, 8]), 2) * s,
+                tl.sum(tl.reshape(d2, [BN, NG, 8]), 2) * s, zero)
+    e0, e1 = _x8_pairs(X32 + 3 * stride_x32, k0, offs_w, BW)
+    d0, d1, d2, d3 = tl.inline_asm_elementwise(_Q8_ASM_4, "=f,=f,=f,=f" + ",r" * 9,
+                                               [wv, a0, a1, b0, b1, c0, c1, e0, e1],
+                                               dtype=(tl.float32,) * 4, is_pure=True, pack=1)
+    return (tl.sum(tl.reshape(d0, [BN, NG, 8]), 2) * s, tl.sum(tl.reshape(d1, [BN, NG, 8]), 2) * s,
+            tl.sum(tl.reshape(d2, [BN, NG, 8]), 2) * s, tl.sum(tl.reshape(d3, [BN, NG, 8]), 2) * s)
+
+
+@triton.jit
+def _q8v_kernel(X, QW, S, Y, N, stride_xm, stride_ym, GLU_OFF,
+                K: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                GLU: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr):
+    # one program: BLOCK_N output features (GLU: gate rows n and up rows GLU_OFF + n) of M = 1..8 activation rows,
+    # K walked in BLOCK_K steps with the next step's weights loaded while this one computes; rows 0-3 and 4-7
+    # each share one unpacking of a word. PDL as in _q4v_kernel: the first weights before the wait.
+    pid = tl.program_id(0)
+    if PDL:
+        gdc_launch_dependents()
+    BW: tl.constexpr = BLOCK_K // 4
+    NG: tl.constexpr = BLOCK_K // GROUP
+    R0: tl.constexpr = 4 if M > 4 else M
+    R1: tl.constexpr = M - R0
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_w = tl.arange(0, BW)
+    offs_g = tl.arange(0, NG)
+    rows = offs_n[:, None].to(tl.int64)
+    up = rows + GLU_OFF
+    X32 = X.to(tl.pointer_type(tl.int32))  # the bf16 activations as pairs
+    sx = stride_xm // 2
+    wv, s = _q8v_tile(QW, S, rows, n_ok, 0, offs_w, offs_g, K, GROUP)
+    if GLU:
+        uv, us = _q8v_tile(QW, S, up, n_ok, 0, offs_w, offs_g, K, GROUP)
+    if PDL:
+        gdc_wait()  # X is written by the previous kernel
+    g0 = tl.zeros([BLOCK_N, NG], tl.float32)  # gate (or only) rows: activation rows 0..7
+    g1 = tl.zeros([BLOCK_N, NG], tl.float32)
+    g2 = tl.zeros([BLOCK_N, NG], tl.float32)
+    g3 = tl.zeros([BLOCK_N, NG], tl.float32)
+    g4 = tl.zeros([BLOCK_N, NG], tl.float32)
+    g5 = tl.zeros([BLOCK_N, NG], tl.float32)
+    g6 = tl.zeros([BLOCK_N, NG], tl.float32)
+    g7 = tl.zeros([BLOCK_N, NG], tl.float32)
+    u0 = tl.zeros([BLOCK_N, NG], tl.float32)  # up rows (GLU)
+    u1 = tl.zeros([BLOCK_N, NG], tl.float32)
+    u2 = tl.zeros([BLOCK_N, NG], tl.float32)
+    u3 = tl.zeros([BLOCK_N, NG], tl.float32)
+    u4 = tl.zeros([BLOCK_N, NG], tl.float32)
+    u5 = tl.zeros([BLOCK_N, NG], tl.float32)
+    u6 = tl.zeros([BLOCK_N, NG], tl.float32)
+    u7 = tl.zeros([BLOCK_N, NG], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if K > BLOCK_K:  # the next step's weights (none after the last)
+            more = n_ok & (k0 + BLOCK_K < K)
+            nwv, ns = _q8v_tile(QW, S, rows, more, k0 + BLOCK_K, offs_w, offs_g, K, GROUP)
+            if GLU:
+                nuv, nus = _q8v_tile(QW, S, up, more, k0 + BLOCK_K, offs_w, offs_g, K, GROUP)
+        c0, c1, c2, c3 = _q8_block(wv, s, X32, sx, k0, offs_w, R0, BLOCK_N, NG, BW)
+        g0 += c0
+        g1 += c1
+        g2 += c2
+        g3 += c3
+        if R1 > 0:
+            c0, c1, c2, c3 = _q8_block(wv, s, X32 + 4 * sx, sx, k0, offs_w, R1, BLOCK_N, NG, BW)
+            g4 += c0
+            g5 += c1
+            g6 += c2
+            g7 += c3
+        if GLU:
+            c0, c1, c2, c3 = _q8_block(uv, us, X32, sx, k0, offs_w, R0, BLOCK_N, NG, BW)
+            u0 += c0
+            u1 += c1
+            u2 += c2
+            u3 += c3
+            if R1 > 0:
+                c0, c1, c2, c3 = _q8_block(uv, us, X32 + 4 * sx, sx, k0, offs_w, R1, BLOCK_N, NG, BW)
+                u4 += c0
+                u5 += c1
+                u6 += c2
+                u7 += c3
+            if K > BLOCK_K:
+                uv, us = nuv, nus
+        if K > BLOCK_K:
+            wv, s = nwv, ns
+    _store_rows(Y, stride_ym, offs_n, n_ok, M, g0, g1, g2, g3, g4, g5, g6, g7, u0, u1, u2, u3, u4, u5, u6, u7, GLU)
+
+
+Q8_MAX_ROWS = 8
+
+
+def q8v_linear(x: torch.Tensor, qw8: torch.Tensor, scale: torch.Tensor, glu: bool = False,
+               block_n: int | None = None, block_k: int | None = None, num_warps: int = 4,
+               num_stages: int = 2) -> torch.Tensor:
+    """y = x @ W^T for 1..8 contiguous bf16 rows x [M, K] and 8-bit weights in the word layout (`pack_int8_w32`,
+    scale [N, K / 32]); glu: W is gate rows then up rows, y = silu(x @ gate^T) * (x @ up^T). block_k defaults to
+    the largest power of two dividing K, up to 1024. CUDA only (inline PTX)."""
+    m, k = x.shape
+    n = qw8.shape[0]
+    block_k = block_k or min(k & -k, 1024)
+    if not 1 <= m <= Q8_MAX_ROWS or x.dtype != torch.bfloat16 or qw8.shape[1] * 4 != k or k % block_k \
+            or block_k % GROUP or x.stride(1) != 1 or x.stride(0) % 2 or (glu and n % 2):
+        raise ValueError(f"q8v_linear: takes 1-{Q8_MAX_ROWS} contiguous bf16 rows; got x {tuple(x.shape)} "
+                         f"{x.dtype} qw8 {tuple(qw8.shape)} block_k {block_k}")
+    block_n = block_n or 4
+    n_out = n // 2 if glu else n
+    y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
+    pdl_on = pdl_enabled(x)
+    _q8v_kernel[(triton.cdiv(n_out, block_n),)](x, qw8, scale, y, n_out, x.stride(0), y.stride(0), n_out,
                                                 K=k, M=m, BLOCK_N=block_n, BLOCK_K=block_k, GLU=glu, GROUP=GROUP,
                                                 PDL=pdl_on, num_warps=num_warps, num_stages=num_stages,
                                                 **launch_kwargs(pdl_on))

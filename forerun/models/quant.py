@@ -58,7 +58,8 @@ def _requantize_to_int4(part) -> bool:
 def parse_quantize(value: str | None, fmt: str, device: torch.device | str = "cpu") -> str:
     """Resolve a user's ``quantize`` choice for a checkpoint of format ``fmt`` ("gguf" | "safetensors").
     None / "auto": GGUF files stay quantized: int4 where forerun's C kernel runs (gcc, AVX512-VNNI; GGUF 4-bit
-    blocks kept exactly, see Q4Linear), else int8; on CUDA int4 (CudaQ4Linear, models/gguf_cuda.py);
+    blocks kept exactly, see Q4Linear), else int8; on CUDA int4 (CudaQ4Linear, with CudaQ8Linear for the 8-bit
+    matrices, models/gguf_cuda.py);
     safetensors checkpoints load as stored ("none")."""
     if value is None or value == "auto":
         if fmt != "gguf":
@@ -275,9 +276,10 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes held by quantized linears, by other parameters/buffers, and in total (deduplicated)."""
     seen, quant, other = set(), 0, 0
     for m in model.modules():
-        if hasattr(m, "qw32"):  # CudaQ4Linear (quant_cuda.py): its buffers are the quantized weights
-            quant += m.weight_bytes
-            seen.update(t.data_ptr() for t in (m.qw32, m.scale, m.zero))
+        if hasattr(m, "qw32") or hasattr(m, "qw8"):  # CudaQ4Linear / CudaQ8Linear (quant_cuda.py): their buffers
+            quant += m.weight_bytes  # are the quantized weights
+            seen.update(t.data_ptr() for t in (getattr(m, "qw32", None), getattr(m, "qw8", None), m.scale,
+                                               getattr(m, "zero", None)) if t is not None)
         elif isinstance(m, (Int8Linear, Int4Linear, Q4Linear)):
             quant += m.weight_bytes
             for t in (m.bias,):

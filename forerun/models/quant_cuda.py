@@ -1,4 +1,5 @@
-"""Weight-only int4 linears on CUDA (issue 12): GGUF Q4-style group-wise weights kept 4-bit on the GPU.
+"""Weight-only int4 and int8 linears on CUDA (issue 12): GGUF Q4 / Q8_0-style group-wise weights kept quantized
+on the GPU.
 
 `CudaQ4Linear` holds a matrix in the word layout of forerun/kernels/quant_gemm.py (int32 words of 8 codes, a
 bf16 scale and offset per 32 weights: 5 bits per weight, w = q * scale + zero). Products with at most 16 rows
@@ -7,9 +8,15 @@ bf16 scale and offset per 32 weights: 5 bits per weight, w = q * scale + zero). 
 pass (`dequantize_int4_w32`) and use cuBLAS. A fused gate/up matrix also offers `glu(x)`: the
 SwiGLU in the kernel's epilogue, as FusedLayerOps does for bf16.
 
-`quantize_model_cuda(model)` replaces every decoder linear (and the head) of a bf16 model on the GPU by its
-int4 form, quantized with min/max per group of 32 (the GGUF Q4_1 recipe). Kernel configurations come from
-forerun/kernels/q4_configs.json (written by benchmarks/quant_decode_gpu.py) per card and shape, else a default.
+`CudaQ8Linear` holds a matrix as 8-bit codes with one scale per 32 weights (GGUF Q8_0: 8.5 bits per weight with
+fp16 scales, w = q * scale) in the int8 word layout (int32 words of 4 codes biased by +128); products of up to 8
+rows run `q8v_linear` (the same packed-f16 PTX scheme), up to CHUNKED_ROWS rows as 8-row calls, larger ones
+dequantize to bf16 and use cuBLAS.
+
+`quantize_model_cuda(model, bits=4)` replaces every decoder linear (and the head) of a bf16 model on the GPU by
+its int4 form, quantized with min/max per group of 32 (the GGUF Q4_1 recipe), or (bits=8) by its int8 form
+(symmetric per group of 32, the Q8_0 recipe). Kernel configurations come from forerun/kernels/q4_configs.json
+(written by benchmarks/quant_decode_gpu.py) per card and shape, else a default.
 """
 from __future__ import annotations
 
@@ -19,8 +26,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..kernels.quant_gemm import (GROUP, MAX_ROWS, dequantize_int4_w32, pack_int4_w32, q4r_linear, q4t_linear,
-                                  q4v_linear, q4w2_linear, q4w_linear)
+from ..kernels.quant_gemm import (GROUP, MAX_ROWS, Q8_MAX_ROWS, dequantize_int4_w32, dequantize_int8_w32,
+                                  pack_int4_w32, pack_int8_w32, q4r_linear, q4t_linear, q4v_linear, q4w2_linear,
+                                  q4w_linear, q8v_linear, unpack_int8_w32)
 from .quant import quantize_groups_int4
 
 KERNELS = {"w": q4w_linear, "w2": q4w2_linear, "v": q4v_linear,  # v: 1-2 bf16 rows, packed f16 (decode)
@@ -33,11 +41,13 @@ _tables: dict[str, dict] = {}
 _card: list[str] = []
 
 
-def config_key(m: int, n: int, k: int, glu: bool) -> str:
-    return f"m{m}_n{n}_k{k}{'_glu' if glu else ''}"
+def config_key(m: int, n: int, k: int, glu: bool, bits: int = 4) -> str:
+    return f"{'q8_' if bits == 8 else ''}m{m}_n{n}_k{k}{'_glu' if glu else ''}"
 
 
-def default_config(m: int) -> dict:
+def default_config(m: int, bits: int = 4) -> dict:
+    if bits == 8:
+        return dict(kernel="q8v", block_n=4, block_k=1024, use_dot=False, num_warps=4, num_stages=2)
     return dict(kernel="t", block_n=64, block_k=256, use_dot=True, num_warps=4, num_stages=3) if m > 2 else \
         dict(kernel="v", block_n=8, block_k=4096, use_dot=False, num_warps=4, num_stages=2)
 
@@ -47,7 +57,7 @@ def set_configs(name: str, table: dict) -> None:
     _tables[name] = table
 
 
-def tuned(m: int, n: int, k: int, glu: bool) -> dict:
+def tuned(m: int, n: int, k: int, glu: bool, bits: int = 4) -> dict:
     if not _card:
         _card.append(torch.cuda.get_device_name() if torch.cuda.is_available() else "")
     name = _card[0]
@@ -57,15 +67,15 @@ def tuned(m: int, n: int, k: int, glu: bool) -> dict:
         except (OSError, ValueError):
             _tables[name] = {}
     table = _tables[name]
-    got = table.get(config_key(m, n, k, glu))
-    for m2 in range(m + 1, MAX_ROWS + 1):  # an untuned row count: the next tuned one above (its tiles hold m rows)
-        if got is not None:
+    got = table.get(config_key(m, n, k, glu, bits))
+    for m2 in range(m + 1, (Q8_MAX_ROWS if bits == 8 else MAX_ROWS) + 1):  # an untuned row count: the next tuned
+        if got is not None:  # one above (its tiles hold m rows)
             break
-        got = table.get(config_key(m2, n, k, glu))
+        got = table.get(config_key(m2, n, k, glu, bits))
         if got is not None and m > MAX_KERNEL_ROWS.get(got["kernel"], MAX_ROWS):
             got = None  # a kernel tuned for fewer rows than m
     return {key: got[key] for key in ("kernel", "block_n", "block_k", "use_dot", "num_warps", "num_stages")} \
-        if got else default_config(m)
+        if got else default_config(m, bits)
 
 
 def q4_product(x: torch.Tensor, qw32, scale, zero, glu: bool, cfg: dict) -> torch.Tensor:
@@ -76,7 +86,36 @@ def q4_product(x: torch.Tensor, qw32, scale, zero, glu: bool, cfg: dict) -> torc
     return KERNELS[cfg.pop("kernel")](x, qw32, scale, zero, glu=glu, **cfg)
 
 
-class CudaQ4Linear(nn.Module):
+class CudaQuantLinear(nn.Module):
+    """What CudaQ4Linear and CudaQ8Linear share: products through their kernels where `_kernel_ok`, else the
+    dequantized matrix and torch; `glu` for a fused gate/up matrix. Subclasses give `dequantized()`,
+    `_kernel_ok(x)` and `_product(x, glu)` (x [M, K] -> [M, N or N/2])."""
+
+    # Products of up to this many rows run as kernel calls; more (prefill) dequantize the matrix once and multiply
+    # with cuBLAS. On the H200 (8B shape, benchmarks/pdl_gpu.py) a forward of 20 rows cost 169 ms with the torch
+    # int4 dequantization and 64 ms with the one-pass kernel, against ~13 ms per 16 rows in the kernels.
+    CHUNKED_ROWS = 64
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self._kernel_ok(x2):
+            y = self._product(x2, False)
+            if self.bias is not None:
+                y = y + self.bias
+        else:
+            y = nn.functional.linear(x2, self.dequantized().to(x2.dtype), self.bias)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def glu(self, x: torch.Tensor) -> torch.Tensor:
+        """This matrix as gate rows then up rows: silu(x @ gate^T) * (x @ up^T), [T, N/2]."""
+        if self.bias is None and self._kernel_ok(x):
+            return self._product(x, True)
+        g, u = self(x).chunk(2, dim=-1)
+        return nn.functional.silu(g) * u
+
+
+class CudaQ4Linear(CudaQuantLinear):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None = None,
                  dtype: torch.dtype = torch.bfloat16) -> None:
         """q: [N, K] codes 0..15; scale, zero: [N, K/32] (w = q * scale + zero); bias [N] or None."""
@@ -111,11 +150,6 @@ class CudaQ4Linear(nn.Module):
         q = torch.stack([lo, hi], -1).reshape(n, -1, GROUP).to(self.dtype)
         return (q * self.scale[..., None] + self.zero[..., None]).reshape(n, -1)
 
-    # Products of up to this many rows run as 16-row kernel calls; more (prefill) dequantize the matrix once and
-    # multiply with cuBLAS. On the H200 (8B shape, benchmarks/pdl_gpu.py) a forward of 20 rows cost 169 ms with
-    # the torch dequantization and 64 ms with the one-pass kernel, against ~13 ms per 16 rows in the kernels.
-    CHUNKED_ROWS = 64
-
     def _kernel_ok(self, x: torch.Tensor) -> bool:
         """The Triton kernels take x [M, K]: CUDA, 1..CHUNKED_ROWS rows, K a multiple of 64 (K steps are powers of
         two from 64 up: every GGUF model's widths, e.g. 576, 896, 1536, 4864, 8960)."""
@@ -132,28 +166,77 @@ class CudaQ4Linear(nn.Module):
                                     tuned(xs.shape[0], n, self.in_features, glu)))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if self._kernel_ok(x2):
-            y = self._product(x2, False)
-            if self.bias is not None:
-                y = y + self.bias
-        else:
-            y = nn.functional.linear(x2, self.dequantized(), self.bias)
-        return y.reshape(*shape[:-1], self.out_features)
 
-    def glu(self, x: torch.Tensor) -> torch.Tensor:
-        """This matrix as gate rows then up rows: silu(x @ gate^T) * (x @ up^T), [T, N/2]."""
-        if self.bias is None and self._kernel_ok(x):
-            return self._product(x, True)
-        g, u = self(x).chunk(2, dim=-1)
-        return nn.functional.silu(g) * u
+def q8_product(x: torch.Tensor, qw8, scale, glu: bool, cfg: dict) -> torch.Tensor:
+    cfg = dict(cfg)
+    k = x.shape[-1]
+    while k % cfg["block_k"]:  # K steps must divide K (and stay powers of two of at least one group)
+        cfg["block_k"] //= 2
+    cfg.pop("kernel")
+    cfg.pop("use_dot", None)
+    return q8v_linear(x, qw8, scale, glu=glu, **cfg)
 
 
-def quantize_model_cuda(model: nn.Module, head: bool = True) -> int:
-    """Replace the nn.Linear layers of a model on the GPU by CudaQ4Linear (the head too unless head=False, or
-    when it is tied to the embedding). Returns the number replaced. Frees the bf16 weights as it goes."""
+def quantize_int8_groups(w: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q [N, K] int8, scale [N, K/32] in scale_dtype): symmetric per group of 32 (the Q8_0 recipe),
+    the codes rounded against the stored (rounded) scale, so the error is at most half a step of it."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // GROUP, GROUP)
+    s = (g.abs().amax(-1) / 127).clamp_min(1e-30).to(scale_dtype)
+    q = torch.round(g / s.float()[..., None]).clamp_(-128, 127).to(torch.int8).reshape(n, k)
+    return q, s
+
+
+class CudaQ8Linear(CudaQuantLinear):
+    """8-bit codes with one scale per 32 weights (GGUF Q8_0), w = q * scale, kept 8-bit on the GPU (module doc)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 dtype: torch.dtype = torch.bfloat16, scale_dtype: torch.dtype | None = None) -> None:
+        """q: [N, K] codes -128..127; scale: [N, K/32], stored as scale_dtype (default: dtype; GGUF Q8_0 keeps its
+        fp16 scales exactly with torch.float16); bias [N] or None; dtype: the activations'."""
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.register_buffer("qw8", pack_int8_w32(q))
+        self.register_buffer("scale", scale.to(scale_dtype or dtype).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
+        self.dtype = dtype
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> "CudaQ8Linear":
+        dtype = w.dtype if w.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        q, s = quantize_int8_groups(w, dtype)
+        return cls(q, s, bias, dtype)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qw8, self.scale))
+
+    def codes(self) -> torch.Tensor:  # [N, K] int8
+        return unpack_int8_w32(self.qw8)
+
+    def dequantized(self) -> torch.Tensor:  # [N, K] in self.dtype, rounded once
+        return dequantize_int8_w32(self.qw8, self.scale, self.dtype)
+
+    def _kernel_ok(self, x: torch.Tensor) -> bool:
+        """x [M, K]: CUDA, 1..CHUNKED_ROWS rows, bf16 (the kernel's activations), K a multiple of 64."""
+        return x.is_cuda and 1 <= x.shape[0] <= self.CHUNKED_ROWS and x.dtype == torch.bfloat16 \
+            and self.dtype == torch.bfloat16 and x.stride(-1) == 1 and x.stride(0) % 2 == 0 \
+            and self.in_features % 64 == 0
+
+    def _product(self, x: torch.Tensor, glu: bool) -> torch.Tensor:
+        """x [M, K] through the kernel, 8 rows per call."""
+        n = self.out_features // 2 if glu else self.out_features
+        parts = []
+        for at in range(0, x.shape[0], Q8_MAX_ROWS):
+            xs = x[at: at + Q8_MAX_ROWS]
+            parts.append(q8_product(xs, self.qw8, self.scale, glu, tuned(xs.shape[0], n, self.in_features, glu, 8)))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def quantize_model_cuda(model: nn.Module, head: bool = True, bits: int = 4) -> int:
+    """Replace the nn.Linear layers of a model on the GPU by CudaQ4Linear (bits=4) or CudaQ8Linear (bits=8) (the
+    head too unless head=False, or when it is tied to the embedding). Returns the number replaced. Frees the bf16
+    weights as it goes."""
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     targets = []
     for name, mod in model.named_modules():
@@ -164,7 +247,8 @@ def quantize_model_cuda(model: nn.Module, head: bool = True) -> int:
                     continue
                 targets.append((mod, child_name, child))
     for mod, child_name, child in targets:
-        q = CudaQ4Linear.from_float(child.weight.data, None if child.bias is None else child.bias.data)
+        cls = CudaQ8Linear if bits == 8 else CudaQ4Linear
+        q = cls.from_float(child.weight.data, None if child.bias is None else child.bias.data)
         setattr(mod, child_name, q)
         del child
     torch.cuda.empty_cache()

@@ -29,14 +29,14 @@ def build_model(ckpt: Checkpoint, device: torch.device | str, dtype: torch.dtype
     On the CPU in fp32, linear weights are then packed for oneDNN (see cpu_linear.py).
     ``quantize``: "none" (weights as ``dtype``), "int8" / "int4" (linear weights kept quantized, CPU; see
     quant.py), or None / "auto" (GGUF files stay quantized: int4 / int8 on the CPU, int4 on CUDA; safetensors
-    as "none"). On CUDA the quantized layout is int4 `CudaQ4Linear` (gguf_cuda.py)."""
+    as "none"). On CUDA the quantized layouts are int4 and int8 (`CudaQ4Linear` / `CudaQ8Linear`, gguf_cuda.py)."""
     layout = parse_quantize(quantize, ckpt.format, device)
     if layout != "none":
         if torch.device(device).type != "cpu":
-            from .gguf_cuda import build_cuda_q4_model, check_cuda_layout
+            from .gguf_cuda import build_cuda_quantized_model, check_cuda_layout
 
             check_cuda_layout(layout, device, dtype)
-            return build_cuda_q4_model(ckpt, device, dtype, max_positions, progress)
+            return build_cuda_quantized_model(ckpt, device, dtype, layout, max_positions, progress)
         return build_quantized_model(ckpt, device, layout, max_positions, progress)
     cls = model_class(ckpt.config)
     with torch.device("meta"):

@@ -530,9 +530,10 @@ def enable_cuda_graphs(runner: ModelRunner, max_q_len: int, batch_sizes: tuple[i
     if fused:
         from ..kernels.layer_ops import FusedLayerOps
 
-        # int4 products (CudaQ4Linear) fetch weights before waiting on the norm before them: the norm waits too
-        runner.model.ops = FusedLayerOps(pdl_norms=True if any(hasattr(m, "qw32") for m in runner.model.modules())
-                                         else None)
+        # quantized products (CudaQ4Linear, CudaQ8Linear) fetch weights before waiting on the norm before them: the
+        # norm waits too
+        runner.model.ops = FusedLayerOps(pdl_norms=True if any(hasattr(m, "qw32") or hasattr(m, "qw8")
+                                                               for m in runner.model.modules()) else None)
     else:
         compile_elementwise(runner.model)
     # max_seqs: the engine's batch limit (its target buffers hold two sequences more, for run_uniform_join: the

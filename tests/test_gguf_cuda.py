@@ -245,16 +245,18 @@ def test_safetensors_tensors_quantized_like_from_float():
 # ====================================================================== (3) whole tiny models
 
 
-def _write(tmp_path, kind: str, monkeypatch) -> tuple[Path, dict]:
+def _write(tmp_path, kind: str, monkeypatch, q8_qk: bool = False) -> tuple[Path, dict]:
     """A tiny model as a Q4_K_M-like GGUF: Q4_K q/k/gate/up, Q6_K v (fused with Q4_K), Q4_1 o, ffn_down Q6_K
-    (layer 0) / Q8_0 (layer 1), the head Q6_K (untied) or a Q8_0 embedding (tied)."""
+    (layer 0) / Q8_0 (layer 1), the head Q6_K (untied) or a Q8_0 embedding (tied); q8_qk: q and k Q8_0 (a Llama
+    file's permuted Q/K rows then go through the Q8_0 un-permutation)."""
     monkeypatch.setattr(test_loader, "quantize", _quantize_any)
     tied = kind == "qwen2"
     hf = tiny_model(kind, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                     tie_word_embeddings=tied)
     quant = {}
     for i in range(hf.config.num_hidden_layers):
-        for part, t in (("attn_q", QT.Q4_K), ("attn_k", QT.Q4_K), ("attn_v", QT.Q6_K), ("attn_output", QT.Q4_1),
+        qk = QT.Q8_0 if q8_qk else QT.Q4_K
+        for part, t in (("attn_q", qk), ("attn_k", qk), ("attn_v", QT.Q6_K), ("attn_output", QT.Q4_1),
                         ("ffn_gate", QT.Q4_K), ("ffn_up", QT.Q4_K), ("ffn_down", (QT.Q6_K, QT.Q8_0)[i % 2])):
             quant[f"blk.{i}.{part}.weight"] = t
     quant["token_embd.weight" if tied else "output.weight"] = QT.Q8_0 if tied else QT.Q6_K
@@ -339,11 +341,21 @@ def test_safetensors_int4_cuda_layout(tmp_path):
     assert _kl(_logits(model, ids), _logits(build_model(ckpt, "cpu", torch.float32, progress=False), ids)) < 0.2
 
 
-@pytest.mark.parametrize("kind", ["gguf", "safetensors"])
+@pytest.mark.parametrize("kind", ["gguf", "llama_gguf", "safetensors"])
 def test_int8_cuda_layout_every_linear_8bit(tmp_path, monkeypatch, kind):
-    """quantize="int8" on CUDA: every linear a CudaQ8Linear (the head too), logits close to the fp32 model."""
-    if kind == "gguf":
-        path, _ = _write(tmp_path, "qwen2", monkeypatch)
+    """quantize="int8" on CUDA: every linear a CudaQ8Linear (the head too), logits close to the fp32 model; a Llama
+    GGUF's Q8_0 q / k rows (stored permuted) come out exactly as the dequantized checkpoint's."""
+    if kind == "llama_gguf":
+        path, expect = _write(tmp_path, "llama", monkeypatch, q8_qk=True)
+        for layout in ("int8", "int4"):  # int4: the fused qkv re-quantizes them (no 4-bit part), not exact
+            model = build_cuda_quantized_model(load_checkpoint(path), "cpu", torch.float32, layout=layout,
+                                               progress=False)
+            if layout == "int8":
+                qkv = model.model.layers[0].self_attn.qkv_proj
+                qk = torch.cat([expect[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qk"])
+                assert isinstance(qkv, CudaQ8Linear) and torch.equal(qkv.dequantized()[:qk.shape[0]], qk)
+    if kind in ("gguf", "llama_gguf"):
+        path, _ = _write(tmp_path, "qwen2" if kind == "gguf" else "llama", monkeypatch, q8_qk=kind == "llama_gguf")
     else:
         path = test_loader.save(tiny_model("qwen2", hidden_size=128, intermediate_size=256,
                                            tie_word_embeddings=True), tmp_path / "m")
@@ -369,18 +381,21 @@ def test_parse_quantize_on_cuda_and_errors(tmp_path):
     check_cuda_layout("int8", "cuda", torch.bfloat16)  # both quantized layouts exist on CUDA
     with pytest.raises(ValueError, match=r"^quantize='int2' has no CUDA layout; on cuda use 'int4'"):
         check_cuda_layout("int2", "cuda", torch.bfloat16)
-    with pytest.raises(ValueError, match=r"^quantize='int4' on cuda multiplies bfloat16/float16 activations"):
+    with pytest.raises(ValueError, match=r"^quantize='int4' on cuda multiplies bfloat16 activations"):
         check_cuda_layout("int4", "cuda", torch.float32)
-    with pytest.raises(ValueError, match=r"^quantize='int8' on cuda multiplies bfloat16/float16 activations"):
+    with pytest.raises(ValueError, match=r"^quantize='int8' on cuda multiplies bfloat16 activations"):
         check_cuda_layout("int8", "cuda", torch.float32)
+    with pytest.raises(ValueError, match=r"^quantize='int4' on cuda multiplies bfloat16 activations; got dtype "
+                                         r"torch.float16"):  # the kernels take bf16 rows: refused, not slow
+        check_cuda_layout("int4", "cuda", torch.float16)
     with pytest.raises(ValueError, match=r"^quantize='int4' runs on cpu and cuda only \(got device mps\)"):
         check_cuda_layout("int4", "mps", torch.bfloat16)
     # through build_model: refused before anything touches the device
     path = tmp_path / "t.gguf"
     write_gguf(path, "qwen2", tiny_model("qwen2"))
-    with pytest.raises(ValueError, match="bfloat16/float16"):
+    with pytest.raises(ValueError, match="multiplies bfloat16 activations"):
         build_model(load_checkpoint(path), "cuda", torch.float32, progress=False, quantize="int8")
-    with pytest.raises(ValueError, match="bfloat16/float16"):
+    with pytest.raises(ValueError, match="multiplies bfloat16 activations"):
         build_model(load_checkpoint(path), "cuda", torch.float32, progress=False, quantize="auto")
 
 

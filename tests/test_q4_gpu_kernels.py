@@ -263,12 +263,30 @@ def test_int8_word_layout_round_trips_and_cuda_q8_linear_falls_back_off_gpu():
     assert ((lin.glu(x).float() - glu).abs().max() / glu.abs().max()) < 1e-2
 
 
-def _emulate_q8_word(words: np.ndarray, x0: np.ndarray, x1: np.ndarray, sel=(0x4140, 0x4342)) -> np.ndarray:
-    """The PTX block of `_q8v_kernel` (quant_gemm._Q8_WORD_UNPACK / _Q8_WORD_DOT) in numpy, bit for bit in float16:
-    prmt(word, 0x64646464, sel) picks, per result byte, byte sel-nibble of (word bytes 0-3, 0x64 x 4); words
-    uint32 [n]; x0, x1: float16 [n, 2] (activations 4i, 4i+1 and 4i+2, 4i+3, pre-scaled) -> float32 [n]."""
-    src = np.concatenate([words.view(np.uint8).reshape(-1, 4), np.full((len(words), 4), 0x64, np.uint8)], 1)
-    magic = np.array([1152, 1152], dtype=np.float16)
+def _q8_ptx_constants() -> tuple[int, int, tuple[int, int]]:
+    """(the prmt source constant, the subtracted f16 pair, the two prmt selectors) read from the kernel's PTX."""
+    import re
+
+    from forerun.kernels.quant_gemm import _Q8_WORD_UNPACK
+
+    magic = int(re.search(r"mov\.b32 m, (0x[0-9A-Fa-f]+);", _Q8_WORD_UNPACK).group(1), 16)
+    prmt = re.findall(r"prmt\.b32 t(\d), \$W, (0x[0-9A-Fa-f]+), (0x[0-9A-Fa-f]+);", _Q8_WORD_UNPACK)
+    assert [t for t, _, _ in prmt] == ["0", "1"] and prmt[0][1] == prmt[1][1]
+    return int(prmt[0][1], 16), magic, (int(prmt[0][2], 16), int(prmt[1][2], 16))
+
+
+def _emulate_q8_word(words: np.ndarray, x0: np.ndarray, x1: np.ndarray, sel=None) -> np.ndarray:
+    """The PTX block of `_q8v_kernel` (quant_gemm._Q8_WORD_UNPACK / _Q8_WORD_DOT) in numpy, with its constants
+    read from the PTX text: prmt(word, src, sel) picks, per result byte, byte sel-nibble of (word bytes 0-3, src
+    bytes), then sub.f16x2 of the magic pair (exact); the products in float32 rounded to f16 after each step (an
+    fma rounds once: for these small integer codes times f16 activations the float32 product is exact, so this
+    is the fma's rounding); words uint32 [n]; x0, x1: float16 [n, 2] (activations 4i, 4i+1 and 4i+2, 4i+3,
+    pre-scaled) -> float32 [n]."""
+    src_const, magic_bits, ptx_sel = _q8_ptx_constants()
+    sel = ptx_sel if sel is None else sel
+    src_bytes = np.frombuffer(np.uint32(src_const).tobytes(), np.uint8)
+    src = np.concatenate([words.view(np.uint8).reshape(-1, 4), np.tile(src_bytes, (len(words), 1))], 1)
+    magic = np.array([magic_bits & 0xFFFF, magic_bits >> 16], dtype=np.uint16).view(np.float16)
     pairs = []
     for s in sel:
         idx = [(s >> (4 * b)) & 7 for b in range(4)]
@@ -294,9 +312,31 @@ def test_int8_packed_f16_unpacking_matches_the_word_layout():
     want = (qq * x).sum(1)
     got = 128 * _emulate_q8_word(words, x0, x1)
     assert np.abs(got - want).max() <= 2e-3 * np.abs(want).max()  # f16 rounding
-    assert np.abs(128 * _emulate_q8_word(words, x0, x1, (0x4342, 0x4140)) - want).max() > 0.05 * np.abs(want).max()
+    sel = _q8_ptx_constants()[2]
+    assert np.abs(128 * _emulate_q8_word(words, x0, x1, sel[::-1]) - want).max() > 0.05 * np.abs(want).max()
     raw = q.contiguous().view(torch.int32).numpy().reshape(-1).view(np.uint32)  # codes not biased
     assert np.abs(128 * _emulate_q8_word(raw, x0, x1) - want).max() > 0.05 * np.abs(want).max()
+
+
+def test_int8_dequant_kernel_in_interpreter_equals_the_groups_exactly():
+    """dequantize_int8_w32 (CudaQ8Linear's products of more than CHUNKED_ROWS rows: prefill) in Triton's
+    interpreter gives every weight as code * scale of its own group, rounded once, as the torch path does."""
+    code = """
+import torch
+from forerun.kernels.quant_gemm import dequantize_int8_w32, pack_int8_w32
+torch.manual_seed(0)
+n, k = 40, 320  # rows past one 16-row tile, codes past one 256-wide tile only in the masks
+q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+s = (torch.rand(n, k // 32) + 0.5).half()
+ref = (q.float().reshape(n, k // 32, 32) * s.float()[..., None]).reshape(n, k)
+got = dequantize_int8_w32(pack_int8_w32(q), s, torch.float32, kernel=True)
+assert got.shape == (n, k) and torch.equal(got, ref), (got - ref).abs().max()
+assert torch.equal(dequantize_int8_w32(pack_int8_w32(q), s, torch.float32, kernel=False), ref)  # the torch path
+got16 = dequantize_int8_w32(pack_int8_w32(q), s, torch.bfloat16, kernel=True).float()  # one rounding (the interpreter truncates)
+assert ((got16 - ref).abs() <= ref.abs() * 2.0 ** -7).all()
+print("ok")
+"""
+    _in_interpreter(code)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inline PTX: CUDA only (run on the GPU machine)")

@@ -1018,10 +1018,32 @@ def unpack_int8_w32(qw8: torch.Tensor) -> torch.Tensor:
     return (qw8.contiguous().view(torch.uint8).to(torch.int16) - 128).to(torch.int8)
 
 
-def dequantize_int8_w32(qw8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[N, K] in dtype: (u - 128) * scale, rounded once to dtype (products of more than the kernels' rows)."""
+@triton.jit
+def _q8_dequant_kernel(U, S, Y, N, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP: tl.constexpr):
+    # one program: BLOCK_N rows x BLOCK_K codes (biased bytes) -> Y: (u - 128) * scale in float32, rounded once
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    rows = offs_n[:, None].to(tl.int64)
+    u = tl.load(U + rows * K + offs_k[None, :], mask=ok, other=128).to(tl.float32)
+    s = tl.load(S + rows * (K // GROUP) + (offs_k // GROUP)[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(Y + rows * K + offs_k[None, :], ((u - 128.0) * s).to(Y.dtype.element_ty), mask=ok)
+
+
+def dequantize_int8_w32(qw8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                        kernel: bool | None = None) -> torch.Tensor:
+    """[N, K] in dtype: (u - 128) * scale, rounded once to dtype (products of more rows than the kernel takes:
+    prefill). kernel (default: on CUDA): one memory-bound Triton pass (tests run it in Triton's interpreter);
+    else torch ops (CPU stand-ins)."""
     u = qw8.contiguous().view(torch.uint8)
     n, k = u.shape
+    if u.is_cuda if kernel is None else kernel:
+        y = torch.empty(n, k, dtype=dtype, device=u.device)
+        bn, bk = 16, 256
+        _q8_dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](u, scale, y, n, K=k, BLOCK_N=bn, BLOCK_K=bk,
+                                                                      GROUP=GROUP)
+        return y
     w = (u.reshape(n, k // GROUP, GROUP).to(torch.float32) - 128.0) * scale.to(torch.float32)[..., None]
     return w.reshape(n, k).to(dtype)
 

@@ -184,6 +184,8 @@ class EagleHead(nn.Module):
         w = getattr(head, "weight", None)
         if w is not None:
             return w.dtype
+        if isinstance(getattr(head, "dtype", None), torch.dtype):  # CudaQ4Linear / CudaQ8Linear: their activations
+            return head.dtype
         packed = getattr(head, "packed", None)  # PackedLinear: fp32 / bf16; quantized linears take float32
         return packed.dtype if packed is not None and packed.is_floating_point() else torch.float32
 

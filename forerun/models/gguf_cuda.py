@@ -34,7 +34,7 @@ import numpy as np
 
 from .quant import GROUP, _as_float, _exact_int4, _requantize_to_int4, quantize_groups_int4
 
-CUDA_DTYPES = (torch.bfloat16, torch.float16)
+CUDA_DTYPES = (torch.bfloat16,)  # the kernels' activations (q4v / q4r / q4t / q8v take bf16 rows)
 CUDA_LAYOUTS = ("int4", "int8")
 
 
@@ -47,7 +47,7 @@ def check_cuda_layout(layout: str, device: torch.device | str, dtype: torch.dtyp
         raise ValueError(f"quantize={layout!r} has no CUDA layout; on cuda use 'int4' (or 'auto' for GGUF files), "
                          f"'int8' or 'none' (bf16)")
     if dtype not in CUDA_DTYPES:
-        raise ValueError(f"quantize={layout!r} on cuda multiplies bfloat16/float16 activations; got dtype {dtype} "
+        raise ValueError(f"quantize={layout!r} on cuda multiplies bfloat16 activations; got dtype {dtype} "
                          f"(pass dtype=torch.bfloat16 or quantize='none')")
 
 
@@ -92,7 +92,8 @@ def int8_groups(parts: list, device: torch.device | str, dtype: torch.dtype
 
 def int4_groups(parts: list, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(q [N, K] uint8, scale [N, K/32] f32, offset [N, K/32] f32) on ``device`` for the row blocks of a (fused)
-    matrix, or None where the int4 layout keeps it in floats (same choice as quant.make_quantized_linear)."""
+    matrix, or None where the int4 layout keeps it at 8 bits (CudaQ8Linear; the CPU's choice of int8 in
+    quant.make_quantized_linear)."""
     k = parts[0].shape[1]
     if k % GROUP:
         return None

@@ -95,6 +95,15 @@ class CudaQuantLinear(nn.Module):
     # with cuBLAS. On the H200 (8B shape, benchmarks/pdl_gpu.py) a forward of 20 rows cost 169 ms with the torch
     # int4 dequantization and 64 ms with the one-pass kernel, against ~13 ms per 16 rows in the kernels.
     CHUNKED_ROWS = 64
+    K_MULTIPLE = 64  # the widths the kernels' K steps divide (powers of two from K_MULTIPLE up)
+
+    def _kernel_ok(self, x: torch.Tensor) -> bool:
+        """The Triton kernels take x [M, K]: CUDA, 1..CHUNKED_ROWS contiguous bf16 rows (their activations), K a
+        multiple of K_MULTIPLE (every GGUF model's widths, e.g. 576, 896, 1536, 4864, 8960). Anything else (a
+        float32 EAGLE input, a CPU tensor) multiplies the dequantized matrix."""
+        return x.is_cuda and 1 <= x.shape[0] <= self.CHUNKED_ROWS and x.dtype == torch.bfloat16 \
+            and self.dtype == torch.bfloat16 and x.stride(-1) == 1 and x.stride(0) % 2 == 0 \
+            and self.in_features % self.K_MULTIPLE == 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         shape = x.shape
@@ -104,7 +113,8 @@ class CudaQuantLinear(nn.Module):
             if self.bias is not None:
                 y = y + self.bias
         else:
-            y = nn.functional.linear(x2, self.dequantized().to(x2.dtype), self.bias)
+            y = nn.functional.linear(x2, self.dequantized().to(x2.dtype),
+                                     None if self.bias is None else self.bias.to(x2.dtype))
         return y.reshape(*shape[:-1], self.out_features)
 
     def glu(self, x: torch.Tensor) -> torch.Tensor:
@@ -149,12 +159,6 @@ class CudaQ4Linear(CudaQuantLinear):
         hi = (v[..., None] >> (shifts + 16)) & 15
         q = torch.stack([lo, hi], -1).reshape(n, -1, GROUP).to(self.dtype)
         return (q * self.scale[..., None] + self.zero[..., None]).reshape(n, -1)
-
-    def _kernel_ok(self, x: torch.Tensor) -> bool:
-        """The Triton kernels take x [M, K]: CUDA, 1..CHUNKED_ROWS rows, K a multiple of 64 (K steps are powers of
-        two from 64 up: every GGUF model's widths, e.g. 576, 896, 1536, 4864, 8960)."""
-        return x.is_cuda and 1 <= x.shape[0] <= self.CHUNKED_ROWS and x.dtype == self.dtype and x.stride(-1) == 1 \
-            and self.in_features % 64 == 0
 
     def _product(self, x: torch.Tensor, glu: bool) -> torch.Tensor:
         """x [M, K] through the kernels, 16 rows per call."""
@@ -217,11 +221,7 @@ class CudaQ8Linear(CudaQuantLinear):
     def dequantized(self) -> torch.Tensor:  # [N, K] in self.dtype, rounded once
         return dequantize_int8_w32(self.qw8, self.scale, self.dtype)
 
-    def _kernel_ok(self, x: torch.Tensor) -> bool:
-        """x [M, K]: CUDA, 1..CHUNKED_ROWS rows, bf16 (the kernel's activations), K a multiple of 64."""
-        return x.is_cuda and 1 <= x.shape[0] <= self.CHUNKED_ROWS and x.dtype == torch.bfloat16 \
-            and self.dtype == torch.bfloat16 and x.stride(-1) == 1 and x.stride(0) % 2 == 0 \
-            and self.in_features % 64 == 0
+    K_MULTIPLE = GROUP  # q8v's K steps go down to one group of 32
 
     def _product(self, x: torch.Tensor, glu: bool) -> torch.Tensor:
         """x [M, K] through the kernel, 8 rows per call."""

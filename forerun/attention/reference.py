@@ -79,7 +79,7 @@ def paged_attention_padded(q, k_cache, v_cache, meta: AttnMetadata, scale: float
 
 # ---------------------------------------------------------------------------------------------- batch-invariant
 
-_plan_cache: list = [None, None]  # (key, plan): every layer of one forward shares one plan
+_plan_cache: list = [None, None, None]  # (key, plan, flat plan): every layer of one forward shares one plan
 
 
 def _row_plan(meta: AttnMetadata, block_size: int, window: int | None) -> list:
@@ -121,8 +121,34 @@ def _row_plan(meta: AttnMetadata, block_size: int, window: int | None) -> list:
                 else:
                     rows.append((r0 + i, idx))
         plan.append((slots, rows))
-    _plan_cache[:] = [key, plan]
+    _plan_cache[:] = [key, plan, None]
     return plan
+
+
+def _flat_plan(plan: list, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The plan as flat arrays for the C kernel (cached with it): (key slots int64, off [T], len [T], the longest
+    row): row r's visible keys are slots[off[r] : off[r] + len[r]], in position order."""
+    if _plan_cache[1] is plan and _plan_cache[2] is not None:
+        return _plan_cache[2]
+    parts, at = [], 0
+    off = torch.zeros(t, dtype=torch.int64)
+    lens = torch.zeros(t, dtype=torch.int64)
+    for slots, rows in plan:
+        base = at
+        parts.append(slots)
+        at += slots.numel()
+        for r, keys in rows:
+            if isinstance(keys, tuple):
+                off[r], lens[r] = base + keys[0], keys[1] - keys[0]
+            else:  # a tree row: its own list of slots
+                parts.append(slots[keys])
+                off[r], lens[r] = at, keys.numel()
+                at += keys.numel()
+    keys = torch.cat(parts).contiguous() if parts else torch.zeros(0, dtype=torch.int64)
+    flat = (keys, off, lens, int(lens.max()) if t else 0)
+    if _plan_cache[1] is plan:
+        _plan_cache[2] = flat
+    return flat
 
 
 def paged_attention_rowwise(q, k_cache, v_cache, meta: AttnMetadata, scale: float, window: int | None = None):
@@ -137,12 +163,19 @@ def paged_attention_rowwise(q, k_cache, v_cache, meta: AttnMetadata, scale: floa
     g = hq // hkv
     kf, vf = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
     qs = (q * scale).view(t, hkv, g, d)
+    plan = _row_plan(meta, k_cache.shape[1], window)
+    if q.dtype == torch.float32:  # the C kernel (forerun/kernels/cpu_layer.c): the same rows, one call
+        from ..kernels.cpu_layer import attention_rows
+
+        fast = attention_rows(qs.reshape(t, hq, d), kf, vf, *_flat_plan(plan, t))
+        if fast is not None:
+            return fast
     out = q.new_empty(t, hkv, g, d)
     threads = torch.get_num_threads()
     if threads > 1:  # row-sized ops gain nothing from a thread pool, and lose a wake-up per op on a busy machine
         torch.set_num_threads(1)
     try:
-        _rows(qs, kf, vf, out, _row_plan(meta, k_cache.shape[1], window))
+        _rows(qs, kf, vf, out, plan)
     finally:
         if threads > 1:
             torch.set_num_threads(threads)

@@ -14,30 +14,16 @@ so a row's result is bit-identical alone or in a verify batch (tests/test_batch_
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from .cbuild import AVX512_FLAGS, load_c_library
+
 _SRC = Path(__file__).with_name("cpu_q4.c")
-# -fopenmp: the .so needs libgomp.so.1, which resolves to the copy torch already loaded (same soname), so the
-# kernel's threads are torch's OpenMP threads and torch.set_num_threads applies to both.
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp", "-shared",
-          "-fPIC"]
+_FLAGS = AVX512_FLAGS
 _lib = None
 _tried = False
-
-
-def _cpu_ok() -> bool:
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return False
-    return all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma"))
 
 
 def _load():
@@ -45,21 +31,9 @@ def _load():
     if _tried:
         return _lib
     _tried = True
-    if os.environ.get("FORERUN_NO_CPU_KERNELS") or not _cpu_ok() or shutil.which("gcc") is None:
+    lib = load_c_library(_SRC, _FLAGS)
+    if lib is None:
         return None
-    src = _SRC.read_bytes()
-    tag = hashlib.sha256(src + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("FORERUN_CACHE", Path.home() / ".cache" / "forerun")) / "kernels"
-    so = cache / f"cpu_q4-{tag}.so"
-    if not so.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            out = Path(tmp) / so.name
-            r = subprocess.run(["gcc", *_FLAGS, str(_SRC), "-o", str(out)], capture_output=True, text=True)
-            if r.returncode:
-                return None
-            os.replace(out, so)  # atomic: concurrent processes see a whole file or none
-    lib = ctypes.CDLL(str(so))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.q4_gemm.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int]
     lib.q4_gemm.restype = None

@@ -14,6 +14,7 @@ from ..devices import h2d
 from ..config import CacheConfig
 from ..kvcache.pool import KVPool
 from ..models.llama import ForwardOutput, LlamaForCausalLM
+from ..models.ops import LayerOps
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,11 @@ class ModelRunner:
         max_blocks = -(-model.max_positions // cache.block_size) + 1
         self.buffers = StepBuffers(max_batch_tokens, max_seqs, max_blocks, self.device)
         self.graphs = None  # a cuda_graph.GraphRunner over this runner, when CUDA graphs are on
+        if self.device.type == "cpu" and dtype == torch.float32 and type(getattr(model, "ops", None)) is LayerOps:
+            from ..kernels.cpu_layer import CpuLayerOps, available
+
+            if available():  # norms, RoPE and the cache write in C (kernels/cpu_layer.c); attention too
+                model.ops = CpuLayerOps()
 
     @property
     def config(self):

@@ -1,0 +1,129 @@
+"""The CPU layer kernels (forerun/kernels/cpu_layer.c: attention one query row at a time, add + RMSNorm, Q/K norm
++ RoPE + cache write) against the torch code they replace (LayerOps, the reference attention's torch rows), and
+their batch invariance: a row's bits do not depend on the rows beside it or on the thread count."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import forerun.attention.reference as R
+from forerun.attention.reference import paged_attention_padded, paged_attention_rowwise
+from forerun.config import CacheConfig
+from forerun.engine.llm import LLM
+from forerun.kernels import cpu_layer
+from forerun.kvcache.pool import KVPool
+from forerun.models.layers import RMSNorm, RotaryEmbedding
+from forerun.models.loader import load_checkpoint
+from forerun.models.ops import LayerOps
+from forerun.models.registry import build_model
+from test_batch_invariance import _meta
+from test_loader import save
+from tiny import hf_model, tiny_tokenizer
+
+pytestmark = pytest.mark.skipif(not cpu_layer.available(), reason="needs gcc and AVX-512 (the C kernels)")
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    old = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+def _torch_rows(monkeypatch):
+    """Make paged_attention_rowwise take its torch path (the C kernel refused)."""
+    monkeypatch.setattr(cpu_layer, "attention_rows", lambda *a, **k: None)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_c_attention_equals_torch_rows_and_sdpa(threads, window, monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    page, hq, hkv, d = 4, 12, 2, 128  # Qwen2.5-1.5B's heads
+    nblocks = 64
+    tables = torch.randperm(nblocks, generator=g)[:48].view(4, 12)
+    k = torch.randn(nblocks, page, hkv, d, generator=g)
+    v = torch.randn(nblocks, page, hkv, d, generator=g)
+    scale = d ** -0.5
+    q_lens, prefixes = [5, 1, 9, 2], [30, 17, 3, 40]
+    q = torch.randn(sum(q_lens), hq, d, generator=g)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 1]], dtype=torch.bool)
+    cases = [(q, _meta(q_lens, prefixes, page, tables)), (q[:4], _meta([4], [30], page, tables[:1], tree))]
+    for qq, meta in cases:
+        c = paged_attention_rowwise(qq, k, v, meta, scale, window)
+        with monkeypatch.context() as m:
+            _torch_rows(m)
+            t = paged_attention_rowwise(qq, k, v, meta, scale, window)
+        torch.testing.assert_close(c, t, rtol=2e-6, atol=2e-6)  # float32 sums in another order
+        torch.testing.assert_close(c, paged_attention_padded(qq, k, v, meta, scale, window), rtol=1e-5, atol=1e-5)
+        assert not torch.equal(c, torch.zeros_like(c))
+    # a row alone == the same row in the batch, bit for bit (sequence 0's rows as decode steps)
+    out = paged_attention_rowwise(q, k, v, _meta(q_lens, prefixes, page, tables), scale, window)
+    for i in range(5):
+        alone = paged_attention_rowwise(q[i:i + 1], k, v, _meta([1], [30 + i], page, tables[:1]), scale, window)
+        assert torch.equal(alone[0], out[i]), i
+    # a wrong key list must show: drop a row's newest key from the flat plan
+    R._plan_cache[:] = [None, None, None]
+    meta = _meta([1], [30], page, tables[:1])
+    plan = R._row_plan(meta, page, window)
+    keys, off, lens, mx = R._flat_plan(plan, 1)
+    bad = cpu_layer.attention_rows((q[:1] * scale).contiguous(), k.view(-1, hkv, d), v.view(-1, hkv, d), keys, off,
+                                   lens - 1, mx)
+    good = paged_attention_rowwise(q[:1], k, v, meta, scale, window)
+    assert (bad - good).abs().max() > 1e-3
+
+
+def test_add_rmsnorm_equals_torch_and_is_row_invariant(threads):
+    torch.manual_seed(0)
+    ops, ref = cpu_layer.CpuLayerOps(), LayerOps()
+    x, r = torch.randn(17, 1536), torch.randn(17, 1536)
+    norm = RMSNorm(1536, 1e-6)
+    norm.weight.data = torch.rand(1536) + 0.5
+    with torch.inference_mode():
+        for res in (r, None):
+            y, s = ops.add_rmsnorm(x, res, norm)
+            y0, s0 = ref.add_rmsnorm(x, res, norm)
+            assert torch.equal(s, s0)  # the sum is exact either way
+            torch.testing.assert_close(y, y0, rtol=1e-6, atol=1e-6)
+            for i in (0, 7, 16):
+                yi, _ = ops.add_rmsnorm(x[i:i + 1].clone(), None if res is None else res[i:i + 1].clone(), norm)
+                assert torch.equal(yi[0], y[i])
+        norm.weight.data[3] = 0.0  # the weight is applied: a zeroed channel comes out zero
+        assert (ops.add_rmsnorm(x, r, norm)[0][:, 3] == 0).all()
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_qkv_rope_store_equals_torch(threads, qk_norm):
+    torch.manual_seed(0)
+    hq, hkv, d, t = 4, 2, 64, 7
+    cfg = SimpleNamespace(num_layers=2, num_kv_heads=hkv, head_dim=d, sliding_window=None)
+    pools = [KVPool(cfg, CacheConfig(block_size=4, num_blocks=16), torch.float32, "cpu") for _ in range(2)]
+    rope = RotaryEmbedding(d, 10000.0, None, 256)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d)
+    pos = torch.tensor([3, 9, 10, 11, 40, 41, 200])
+    slots = torch.tensor([5, 17, 18, 2, 33, 34, 60])
+    norms = (RMSNorm(d, 1e-6), RMSNorm(d, 1e-6)) if qk_norm else (None, None)
+    if qk_norm:  # Qwen3's per-head Q / K norms
+        norms[0].weight.data, norms[1].weight.data = torch.rand(d) + 0.5, torch.rand(d) + 0.5
+    with torch.inference_mode():
+        q = cpu_layer.CpuLayerOps().qkv_to_cache(qkv, pos, rope, *norms, 1, SimpleNamespace(slot_mapping=slots),
+                                                 pools[0], hq, hkv, d)
+        q0 = LayerOps().qkv_to_cache(qkv, pos, rope, *norms, 1, SimpleNamespace(slot_mapping=slots), pools[1],
+                                     hq, hkv, d)
+        torch.testing.assert_close(q, q0, rtol=1e-6, atol=1e-6)
+        for a, b in ((pools[0].k, pools[1].k), (pools[0].v, pools[1].v)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        assert pools[0].k[1].abs().sum() > 0 and pools[0].k[0].abs().sum() == 0  # layer 1 written, layer 0 not
+        q3 = cpu_layer.CpuLayerOps().qkv_to_cache(qkv[3:4].clone(), pos[3:4].clone(), rope, *norms, 1,
+                                                  SimpleNamespace(slot_mapping=slots[3:4].clone()), pools[0],
+                                                  hq, hkv, d)
+        assert torch.equal(q3[0], q[3])  # a row alone: the same bits
+
+
+def test_cpu_float32_runner_uses_the_c_layer_ops(tmp_path):
+    hf = hf_model("qwen2", hidden_size=128, intermediate_size=256, vocab_size=300)
+    model = build_model(load_checkpoint(save(hf, tmp_path / "m")), "cpu", torch.float32, progress=False)
+    llm = LLM.from_model(model, tiny_tokenizer(300), device="cpu")
+    assert type(llm.runner.model.ops) is cpu_layer.CpuLayerOps

@@ -18,19 +18,11 @@ from forerun.models.layers import RMSNorm, RotaryEmbedding
 from forerun.models.loader import load_checkpoint
 from forerun.models.ops import LayerOps
 from forerun.models.registry import build_model
-from test_batch_invariance import _meta
+from test_batch_invariance import _meta, threads  # noqa: F401  (the 1 / 2 thread fixture)
 from test_loader import save
 from tiny import hf_model, tiny_tokenizer
 
 pytestmark = pytest.mark.skipif(not cpu_layer.available(), reason="needs gcc and AVX-512 (the C kernels)")
-
-
-@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
-def threads(request):
-    old = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(old)
 
 
 def _torch_rows(monkeypatch):

@@ -30,6 +30,22 @@ def cpu_ok(features=CPU_FEATURES) -> bool:
     return all(f in flags for f in features)
 
 
+def lazy_library(src: Path, flags: list[str], declare) -> "callable":
+    """A loader for one C library: the first call builds / loads it and runs declare(lib) (its ctypes signatures);
+    every call returns the library, or None where it cannot run."""
+    state: list = []
+
+    def load() -> ctypes.CDLL | None:
+        if not state:
+            lib = load_c_library(src, flags)
+            if lib is not None:
+                declare(lib)
+            state.append(lib)
+        return state[0]
+
+    return load
+
+
 def load_c_library(src: Path, flags: list[str]) -> ctypes.CDLL | None:
     if os.environ.get("FORERUN_NO_CPU_KERNELS") or not cpu_ok() or shutil.which("gcc") is None:
         return None

@@ -16,30 +16,20 @@ from pathlib import Path
 import torch
 
 from ..models.ops import LayerOps
-from .cbuild import AVX512_FLAGS, load_c_library
-
-_SRC = Path(__file__).with_name("cpu_layer.c")
-_FLAGS = [*AVX512_FLAGS, "-ffp-contract=off"]  # a * b + c rounded twice, as torch's separate ops round it
-_lib = None
-_tried = False
+from .cbuild import AVX512_FLAGS, lazy_library
 
 
-def _load():
-    global _lib, _tried
-    if _tried:
-        return _lib
-    _tried = True
-    lib = load_c_library(_SRC, _FLAGS)
-    if lib is None:
-        return None
+def _declare(lib) -> None:
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     lib.attn_rows.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, i64]
     lib.add_rmsnorm.argtypes = [p, p, p, f32, p, p, i64, i64]
     lib.qkv_rope_store.argtypes = [p, p, p, p, p, p, f32, p, p, p, p, i64, i64, i64, i64]
     for f in (lib.attn_rows, lib.add_rmsnorm, lib.qkv_rope_store):
         f.restype = None
-    _lib = lib
-    return lib
+
+
+# -ffp-contract=off: a * b + c rounded twice, as torch's separate ops round it
+_load = lazy_library(Path(__file__).with_name("cpu_layer.c"), [*AVX512_FLAGS, "-ffp-contract=off"], _declare)
 
 
 def available() -> bool:
@@ -63,7 +53,7 @@ def attention_rows(qs: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, keys: t
         return None
     t, hq, d = qs.shape
     out = torch.empty_like(qs)
-    _lib.attn_rows(_ptr(qs), _ptr(kf), _ptr(vf), _ptr(keys), _ptr(off), _ptr(lens), _ptr(out), t, hq, kf.shape[1],
+    _load().attn_rows(_ptr(qs), _ptr(kf), _ptr(vf), _ptr(keys), _ptr(off), _ptr(lens), _ptr(out), t, hq, kf.shape[1],
                    d, max(maxlen, 1))
     return out
 
@@ -79,7 +69,7 @@ class CpuLayerOps(LayerOps):
         t, h = x.shape
         s = torch.empty_like(x) if residual is not None else x
         y = torch.empty_like(x)
-        _lib.add_rmsnorm(_ptr(x), _ptr(residual), _ptr(norm.weight), norm.eps, _ptr(s), _ptr(y), t, h)
+        _load().add_rmsnorm(_ptr(x), _ptr(residual), _ptr(norm.weight), norm.eps, _ptr(s), _ptr(y), t, h)
         return y, s
 
     def qkv_to_cache(self, qkv, positions, rope, q_norm, k_norm, layer, meta, kv, num_heads, num_kv_heads, head_dim):
@@ -93,7 +83,7 @@ class CpuLayerOps(LayerOps):
                                         num_kv_heads, head_dim)
         t = qkv.shape[0]
         q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype)
-        _lib.qkv_rope_store(_ptr(qkv), _ptr(positions), _ptr(rope.cos), _ptr(rope.sin),
+        _load().qkv_rope_store(_ptr(qkv), _ptr(positions), _ptr(rope.cos), _ptr(rope.sin),
                             _ptr(None if q_norm is None else q_norm.weight),
                             _ptr(None if k_norm is None else k_norm.weight),
                             q_norm.eps if q_norm is not None else 0.0, _ptr(meta.slot_mapping), _ptr(kc), _ptr(vc),

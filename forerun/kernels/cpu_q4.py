@@ -18,22 +18,10 @@ from pathlib import Path
 
 import torch
 
-from .cbuild import AVX512_FLAGS, load_c_library
-
-_SRC = Path(__file__).with_name("cpu_q4.c")
-_FLAGS = AVX512_FLAGS
-_lib = None
-_tried = False
+from .cbuild import AVX512_FLAGS, lazy_library
 
 
-def _load():
-    global _lib, _tried
-    if _tried:
-        return _lib
-    _tried = True
-    lib = load_c_library(_SRC, _FLAGS)
-    if lib is None:
-        return None
+def _declare(lib) -> None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.q4_gemm.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int]
     lib.q4_gemm.restype = None
@@ -41,8 +29,9 @@ def _load():
     lib.q4_quant_act.restype = None
     lib.q4_group_bytes.argtypes = [i64]
     lib.q4_group_bytes.restype = i64
-    _lib = lib
-    return lib
+
+
+_load = lazy_library(Path(__file__).with_name("cpu_q4.c"), AVX512_FLAGS, _declare)
 
 
 def available() -> bool:

@@ -5,7 +5,13 @@ Why: issue 12 asks for parity within a stated tolerance; the int4 layout keeps G
 activations are quantized to int8 (per 32 values) and the matrices with no 4-bit part (Q6_K / Q8_0) are held
 either as per-row int8 or re-quantized to int4 (``--others``), which this measures.
 
+The CUDA layouts (``cuda:int4``, ``cuda:int8``: `CudaQ4Linear` / `CudaQ8Linear` from models/gguf_cuda.py) are
+measured here too, on the CPU: their CPU forward is the dequantized weight times the row, the product the GPU
+kernels compute up to float32 summation order, and the real GGUF files cannot travel to the GPU machine.
+``cuda:LAYOUT`` runs in bf16 (the dtype the kernels take), ``cuda:LAYOUT:fp32`` isolates the weights' own loss.
+
     python benchmarks/quant_accuracy.py [--model qwen2.5-coder-1.5b-instruct] [--variants int8,int4,int4:int4]
+    python benchmarks/quant_accuracy.py --model qwen2.5-coder-0.5b-instruct --variants cuda:int4,cuda:int8
 """
 from __future__ import annotations
 
@@ -29,11 +35,11 @@ def texts(tok) -> list[list[int]]:
     return [tok.encode(t)[:400] for t in out + code]
 
 
-def logits(model, ids_list) -> list[torch.Tensor]:
+def logits(model, ids_list, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     from forerun.config import CacheConfig
     from forerun.runtime.runner import Chunk, ModelRunner
 
-    runner = ModelRunner(model, CacheConfig(block_size=16, num_blocks=128), "cpu", torch.float32)
+    runner = ModelRunner(model, CacheConfig(block_size=16, num_blocks=128), "cpu", dtype)
     res = []
     with torch.inference_mode():
         for i, ids in enumerate(ids_list):
@@ -47,24 +53,32 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--variants", default="int8,int4:int8,int4,int4:int4",
-                    help="layouts; int4:X = int4 with quant.INT4_OTHERS = X (int8, layers (default), int4)")
+                    help="layouts; int4:X = int4 with quant.INT4_OTHERS = X (int8, layers (default), int4); "
+                         "cuda:int4 / cuda:int8 (bf16; cuda:LAYOUT:fp32 in float32) the CUDA layouts on the CPU")
     ap.add_argument("--out")
     a = ap.parse_args()
     from forerun.models import quant
+    from forerun.models.registry import build_cuda_quantized_model
     from forerun.models.registry import load_model
 
-    model, tok, _ = load_model(a.model, quantize="none", progress=False)
+    model, tok, ckpt = load_model(a.model, quantize="none", progress=False)
     ids = texts(tok)
     ref = logits(model, ids)
     del model
     gc.collect()
     rows = []
     for v in a.variants.split(","):
-        layout, _, others = v.partition(":")
-        quant.INT4_OTHERS = others or "layers"
         t = time.perf_counter()
-        model, _, _ = load_model(a.model, quantize=layout, progress=False)
-        got = logits(model, ids)
+        if v.startswith("cuda:"):
+            layout, _, dt = v[len("cuda:"):].partition(":")
+            dtype = {"": torch.bfloat16, "bf16": torch.bfloat16, "fp32": torch.float32}[dt]
+            model = build_cuda_quantized_model(ckpt, "cpu", dtype, layout=layout, progress=False)
+            got = logits(model, ids, dtype)
+        else:
+            layout, _, others = v.partition(":")
+            quant.INT4_OTHERS = others or "layers"
+            model, _, _ = load_model(a.model, quantize=layout, progress=False)
+            got = logits(model, ids)
         wb = quant.weight_bytes(model)
         del model
         gc.collect()
@@ -76,8 +90,9 @@ def main() -> int:
             top1 += (g.argmax(-1) == r.argmax(-1)).float().sum().item()
             n += g.shape[0]
             rel = max(rel, ((g - r).abs().max() / r.abs().max()).item())
-        row = {"variant": v, "positions": int(n), "kl_per_token": round(kl / n, 4), "top1_agreement": round(top1 / n, 4),
+        row = {"variant": v, "positions": int(n), "kl_per_token": float(f"{kl / n:.3g}"), "top1_agreement": round(top1 / n, 4),
                "max_abs_diff_over_max_logit": round(rel, 4), "quantized_linear_bytes": wb["quantized_linear_bytes"],
+               "other_bytes": wb["other_bytes"],
                "load_s": round(time.perf_counter() - t, 1)}
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -26,6 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .bench_prompts import CODE_PROMPTS
+from .usage import ArgumentParser
 
 
 DEFAULT_EAGLE_HEAD = "~/.cache/forerun/eagle/qwen1.5b"
@@ -345,7 +346,7 @@ def plot(json_path: Path, png_path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="forerun bench", description=__doc__)
+    ap = ArgumentParser(prog="forerun bench", description=__doc__)
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--drafters", default="draft,early-exit,ngram",

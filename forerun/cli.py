@@ -12,18 +12,9 @@ import os
 import sys
 import time
 
+from .usage import ArgumentParser, UsageError  # noqa: F401 - UsageError is part of this module's interface
+
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
-
-
-class UsageError(Exception):
-    """A command line that cannot run as given (exit code 2, no traceback)."""
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse with a one-line error ("forerun: error: ...; see `PROG --help`") and exit code 2."""
-
-    def error(self, message: str):  # noqa: D401 - argparse's hook
-        raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
 def _one_line(text: str) -> str:

@@ -75,6 +75,11 @@ USAGE = [
     (["generate", "hi", "--draft", "none", "--compare-plain"], "--compare-plain does nothing with --draft none"),
     (["generate", "hi", "--draft", "early-exit:x"], "early-exit:N needs a positive layer count"),
     (["generate", "hi", "--model", "smollm2-135m-instruct", "--tree", "2,2"], "no known compatible draft"),
+    # the subcommands with parsers of their own: argparse's errors are one line too (no usage block)
+    (["bench", "--no-such-flag"], "unrecognized arguments: --no-such-flag (see `forerun bench --help`)"),
+    (["serve", "m", "--port", "x"], "argument --port: invalid int value: 'x' (see `forerun serve --help`)"),
+    (["serve"], "the following arguments are required: model"),
+    (["train-eagle", "--out", "o"], "the following arguments are required: --target"),
 ]
 
 

@@ -151,6 +151,8 @@ def test_eagle_sampled_trees_near_the_end_run(eagle_setup):
     outs = llm.generate(PROMPTS, sps)
     assert [len(o.token_ids) for o in outs] == [3, 4, 2, 5]
     assert sum(o.stats.drafted_nodes for o in outs) > 0
+    # the greedy request among sampled neighbours: token for token what plain greedy decoding gives
+    assert outs[2].token_ids == _llm(hf, None).generate([PROMPTS[2]], sps[2])[0].token_ids
 
 
 def test_scheduler_reserves_blocks_for_the_tree_that_fits():

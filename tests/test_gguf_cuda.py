@@ -15,12 +15,11 @@ from gguf.quants import dequantize, quantize
 import test_loader
 from forerun.config import SpecConfig
 from forerun.engine.llm import LLM
-from forerun.models.gguf_cuda import (build_cuda_quantized_model, check_cuda_layout, gguf_q8_0_groups,
-                                      make_cuda_linear)
+from forerun.models.gguf_cuda import check_cuda_layout, gguf_q8_0_groups, make_cuda_linear
 from forerun.models.loader import GGUFQuantized, load_checkpoint
 from forerun.models.quant import gguf_int4_groups, parse_quantize, quantize_groups_int4, weight_bytes
 from forerun.models.quant_cuda import CudaQ4Linear, CudaQ8Linear
-from forerun.models.registry import build_model
+from forerun.models.registry import build_cuda_quantized_model, build_model
 from forerun.runtime.runner import Chunk
 from forerun.sampling_params import SamplingParams
 from test_loader import tiny_model, write_gguf
@@ -462,3 +461,7 @@ def test_tiny_gguf_on_cuda_runs_the_q4_kernels(tmp_path, monkeypatch, kind):
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     out = llm.generate(["t5 t6 t7 t5 t6 t7 t5 t6"], sp)
     assert len(out[0].token_ids) == 12
+    # n-gram speculation through the kernels (verify rows: q4r / q8v) gives plain decoding's tokens
+    spec = LLM.from_model(model, tok, device="cuda", dtype=torch.bfloat16, spec=SpecConfig(method="ngram", k=3))
+    got = spec.generate(["t5 t6 t7 t5 t6 t7 t5 t6"], sp)[0]
+    assert got.token_ids == out[0].token_ids and got.stats.drafted > 0

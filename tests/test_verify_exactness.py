@@ -4,7 +4,8 @@ the same tests reject deliberately biased samplers (power). Many i.i.d. trials r
 Each trial drafts two tokens (chain) or a two-level tree from a draft model q, verifies it against a
 target p, and records the first two tokens of the generation: the emitted ones, completed where only
 one token was emitted by a plain sample of p( . | x1) (what the next round would do exactly). The
-2-token prefix must follow p(x1) p(x2 | x1) over all V^2 cells.
+2-token prefix must follow p(x1) p(x2 | x1) over all V^2 cells. Where every draft was accepted, the third
+token is the bonus sample: given x2 it must follow p( . | x2) whatever the drafts were (`_bonus_pvalue`).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 import forerun.verify.chain as chain_module
 import forerun.verify.tree as tree_module
 from forerun.verify import logits_to_probs, residual_weights, verify_chain, verify_tree
+from scipy.stats import chi2 as chi2_dist
 from test_verify_common import chi2_pvalue, const_sampling
 
 V = 8
@@ -31,11 +33,12 @@ def _probs(logits: torch.Tensor, cfg: dict) -> torch.Tensor:
     return logits_to_probs(logits, s.temperature, s.top_k, s.top_p, s.min_p)
 
 
-def _world(seed: int, cfg: dict):
-    """Target and draft logits for position 1 ([V]) and position 2 given token 1 ([V, V])."""
+def _world(seed: int, cfg: dict, draft_noise: float = 1.2):
+    """Target and draft logits for position 1 ([V]) and position 2 given token 1 ([V, V]); the draft's logits
+    are the target's plus Gaussian noise of scale draft_noise (small: most drafts accepted)."""
     g = torch.Generator().manual_seed(seed)
     t1, t2 = torch.randn(1, V, generator=g) * 1.5, torch.randn(V, V, generator=g) * 1.5
-    d1, d2 = t1 + torch.randn(1, V, generator=g) * 1.2, t2 + torch.randn(V, V, generator=g) * 1.2
+    d1, d2 = t1 + torch.randn(1, V, generator=g) * draft_noise, t2 + torch.randn(V, V, generator=g) * draft_noise
     return dict(t1=t1[0], t2=t2, p1=_probs(t1, cfg)[0], p2=_probs(t2, cfg), q1=_probs(d1, cfg)[0], q2=_probs(d2, cfg))
 
 
@@ -49,7 +52,33 @@ def _prefix_pvalue(w: dict, out: torch.Tensor, num_emitted: torch.Tensor, g: tor
     return 2 * min(first, joint)
 
 
-def _chain_trials(w: dict, cfg: dict, n: int, seed: int, rule: str = "rejection") -> float:
+def _bonus_pvalue(w: dict, out: torch.Tensor, num_emitted: torch.Tensor) -> float:
+    """Chi-square of the bonus token given the token before it: the trials that emitted 3 tokens, grouped by
+    x2, each group's x3 counts against p( . | x2); the statistics and degrees of freedom add up over groups.
+    Cells expected below 5 are pooled per group."""
+    full = num_emitted == 3
+    x2, x3 = out[full, 1], out[full, 2]
+    stat, dof = 0.0, 0
+    for c in range(V):
+        counts = torch.bincount(x3[x2 == c], minlength=V).double()
+        n, probs = counts.sum(), w["p2"][c].double()
+        if n == 0:
+            continue
+        assert counts[probs == 0].sum() == 0, "a bonus token of target probability 0 was emitted"
+        exp = probs[probs > 0] * n
+        cnt = counts[probs > 0]
+        small = exp < 5
+        if small.any():
+            cnt = torch.cat([cnt[~small], cnt[small].sum().view(1)])
+            exp = torch.cat([exp[~small], exp[small].sum().view(1)])
+        if len(cnt) > 1:
+            stat += float(((cnt - exp) ** 2 / exp).sum())
+            dof += len(cnt) - 1
+    assert dof > 0 and int(full.sum()) > 0.2 * len(num_emitted), "too few bonus tokens for the test to have power"
+    return float(chi2_dist.sf(stat, dof))
+
+
+def _chain_trials(w: dict, cfg: dict, n: int, seed: int, rule: str = "rejection", bonus: bool = False) -> float:
     g = torch.Generator().manual_seed(seed)
     d1 = torch.multinomial(w["q1"], n, replacement=True, generator=g)
     d2 = torch.multinomial(w["q2"][d1], 1, generator=g).squeeze(1)
@@ -58,6 +87,8 @@ def _chain_trials(w: dict, cfg: dict, n: int, seed: int, rule: str = "rejection"
     drafts = torch.stack([d1, d2, torch.full_like(d1, -1)], 1).flatten()
     r = verify_chain(logits, drafts, torch.arange(n) * 3, torch.full((n,), 3), const_sampling(n, **cfg),
                      torch.rand(3 * n, 2, generator=g), draft_probs=draft_probs, rule=rule)
+    if bonus:
+        return _bonus_pvalue(w, r.output_token_ids, r.num_emitted)
     return _prefix_pvalue(w, r.output_token_ids, r.num_emitted, g)
 
 
@@ -71,6 +102,30 @@ def test_chain_test_rejects_accept_ratio_off_by_one_percent(monkeypatch):
     cfg = CONFIGS["t1.3"]
     monkeypatch.setattr(chain_module, "ratio_accept", lambda p_x, q_x, u: u * q_x * 0.99 < p_x)
     assert _chain_trials(_world(1, cfg), cfg, CHAIN_N, seed=2) < 1e-6
+
+
+@pytest.mark.parametrize("name", ["t0.7", "top_k3"])
+def test_chain_bonus_token_follows_the_target_given_the_last_draft(name):
+    cfg = CONFIGS[name]  # a draft close to the target: most trials end with a bonus token
+    assert _chain_trials(_world(1, cfg, draft_noise=0.3), cfg, CHAIN_N, seed=8, bonus=True) > ALPHA
+
+
+def test_bonus_test_rejects_a_bonus_token_off_by_one_percent(monkeypatch):
+    """Power: the bonus row (q = 0 there) samples p with 1% of its mass moved onto its most likely token (total
+    variation 0.01 x (1 - p_max)); the residual rows are untouched, so only the bonus check can see it. Measured:
+    p ~ 4e-17 (0.5% of the mass: ~1e-4, under the 1e-3 the exact paths must pass)."""
+    cfg = CONFIGS["t1.3"]
+    exact = chain_module.residual_weights
+
+    def biased(p, q, alpha=1.0):
+        w = exact(p, q, alpha)
+        bonus = q.sum(1) == 0
+        pb = p[bonus] / p[bonus].sum(1, keepdim=True)
+        w[bonus] = 0.99 * pb + 0.01 * torch.nn.functional.one_hot(pb.argmax(1), pb.shape[1]).to(pb.dtype)
+        return w
+
+    monkeypatch.setattr(chain_module, "residual_weights", biased)
+    assert _chain_trials(_world(1, cfg, draft_noise=0.3), cfg, CHAIN_N, seed=8, bonus=True) < 1e-6
 
 
 def test_chain_test_rejects_residual_without_subtraction(monkeypatch):

@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 
 from ..models.eagle_head import EagleConfig, EagleHead, load_eagle_head, save_eagle_head
 from . import data as D
+from ..usage import ArgumentParser, run
 
 
 def choose_draft_vocab(counts: torch.Tensor, size: int, must: tuple[int, ...] = ()) -> torch.Tensor:
@@ -393,7 +394,7 @@ def generate_answers(target, tok, data_dir: Path, a, device, deadline: float | N
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="forerun train-eagle", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="forerun train-eagle", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="target model: known name, GGUF file or HF folder")
     p.add_argument("--out", required=True, help="folder for the head (config.json + model.safetensors)")
     p.add_argument("--data", default=None, help="feature cache folder (default OUT/data); reused and resumed")
@@ -543,4 +544,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

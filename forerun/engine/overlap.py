@@ -26,6 +26,7 @@ from typing import Callable, Generator
 
 import torch
 
+from ..devices import h2d
 from ..kvcache.pool import OutOfBlocks
 from ..request import Request
 from ..verify import SamplingTensors, verify_chain
@@ -97,10 +98,10 @@ def overlapped_decode(runner: ModelRunner, requests: list[Request], limit: int,
         logits = gr.run_uniform(ids, ctx, 1)  # [B, V]
         if coupled:  # (the graph's static output is not overwritten)
             logits = logits.clone()
-            rows = torch.tensor(coupled, device=dev)
-            t = torch.tensor([requests[i].params.temperature for i in coupled], device=dev)
+            rows = h2d(coupled, dev, torch.int64)  # queued copies: the forward above is still running
+            t = h2d([requests[i].params.temperature for i in coupled], dev, torch.float32)
             p = logits_to_probs(logits[rows], t, torch.zeros_like(rows), torch.ones_like(t), torch.zeros_like(t))
-            logits[rows] = coupled_scores(p, torch.tensor(keys, dtype=torch.int64, device=dev))
+            logits[rows] = coupled_scores(p, h2d(keys, dev, torch.int64))
         if cuda:  # the fused Triton sampler; the CPU (tests) samples with the reference verifier
             from ..kernels.chain_sample import chain_sample
 

@@ -17,8 +17,9 @@ engine/overlap.py does for plain decoding):
 
 The host reserves cache blocks two rounds ahead and commits a round while the next one runs. Exactness: the
 verdict is the greedy rule's (argmax, first index on ties, as plain decoding), so output equals the ordinary
-rounds' token for token. A request that finishes (stop token / string, max_tokens) ends the session; the round
-in flight is still committed for the others (its inputs were theirs), and the host lengths are set back to the
+rounds' token for token. A request that finishes (stop token / string, max_tokens) leaves the session between two
+rounds (`regroup`, with `Engine.JOIN_IN_SESSION`, the default; without it, it ends the session); the round in
+flight is still committed for the others (its inputs were theirs), and the host lengths are set back to the
 rollback invariant (target: every committed token but the newest; draft: a prefix of that).
 
 Scope: a separate draft model (ModelDrafter, own cache, no confidence stop), CUDA graphs on both runners (or

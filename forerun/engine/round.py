@@ -95,7 +95,8 @@ class Round(ABC):
     def _forward_split(self, chunks: list[Chunk], feeds: list[int], device_drafts: torch.Tensor | None):
         """The round's target forward. On CUDA graphs a round mixing decode / verify rows (one new token plus k
         drafts each, the same k) with anything else (prefill chunks, a prompt's last chunk) runs as two
-        forwards: the uniform rows replay their graph, the rest runs eagerly; logits (and hidden states) are
+        forwards: the uniform rows replay their graph, the rest replays as pieces (`GraphRunner.forward_pieces`;
+        eagerly past its replay cap); logits (and hidden states) are
         joined, uniform rows first. device_drafts: the drafts still on the device, flat in chunk order (they
         are the last len - feed tokens of each chunk).
         Returns (output, per chunk its first logits row, per chunk its first flat token row)."""

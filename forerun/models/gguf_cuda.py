@@ -22,8 +22,8 @@ int8:
 * safetensors with ``quantize="int4"``: every linear re-quantized to int4 groups (the head too, as on the CPU).
 * norms and the embedding: the model dtype.
 
-`build_cuda_quantized_model(ckpt, device, dtype, layout)` takes any device, so the CPU tests build the same modules
-(their forward on CPU tensors is ``dequantized()`` + linear).
+`registry.build_cuda_quantized_model(ckpt, device, dtype, layout)` builds a model of these modules; it takes any
+device, so the CPU tests build the same modules (their forward on CPU tensors is ``dequantized()`` + linear).
 """
 from __future__ import annotations
 
@@ -133,24 +133,3 @@ def make_cuda_linear(parts: list, bias: torch.Tensor | None, device: torch.devic
     if b is not None:
         lin.bias = nn.Parameter(b.to(dtype), requires_grad=False)
     return lin
-
-
-def build_cuda_quantized_model(ckpt, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16,
-                               layout: str = "int4", max_positions: int | None = None, progress: bool = True):
-    """The checkpoint with its linears as CudaQ4Linear / CudaQ8Linear (see the module doc) on ``device``, everything
-    else in ``dtype``. On cuda ``dtype`` must be bf16/fp16; any device and dtype are accepted for tests."""
-    from .registry import build_quantized_model
-
-    if torch.device(device).type == "cuda":
-        check_cuda_layout(layout, device, dtype)
-    elif layout not in CUDA_LAYOUTS:
-        raise ValueError(f"quantize={layout!r} has no CUDA layout")
-    model = build_quantized_model(
-        ckpt, device, layout, max_positions, progress, dtype=dtype,
-        make_linear=lambda parts, bias, path: make_cuda_linear(parts, bias, device, dtype,
-                                                               tied_head=(path == "lm_head"
-                                                                          and ckpt.config.tie_word_embeddings),
-                                                               layout=layout))
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
-    return model

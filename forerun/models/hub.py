@@ -461,7 +461,7 @@ def verify(name: str, cache_dir: str | Path | None = None, progress: bool = True
 
 def _argument_parser(**kw) -> argparse.ArgumentParser:
     """forerun's parser: a usage error is one line (forerun.cli turns it into exit code 2)."""
-    from forerun.cli import ArgumentParser
+    from forerun.usage import ArgumentParser
 
     return ArgumentParser(**kw)
 
@@ -531,9 +531,3 @@ def main_verify(argv: Sequence[str] | None = None) -> int:
             print(f"{name}: MISMATCH: sha256 {got}, expected {get_source(name).sha256}; "
                   f"run `forerun models pull {name}` to fetch it again")
     return 1 if bad else 0
-
-
-if __name__ == "__main__":  # python -m forerun.models.hub NAME...
-    from forerun.cli import main as _cli_main
-
-    raise SystemExit(_cli_main(["models", "pull", *sys.argv[1:]]))

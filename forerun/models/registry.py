@@ -33,9 +33,6 @@ def build_model(ckpt: Checkpoint, device: torch.device | str, dtype: torch.dtype
     layout = parse_quantize(quantize, ckpt.format, device)
     if layout != "none":
         if torch.device(device).type != "cpu":
-            from .gguf_cuda import build_cuda_quantized_model, check_cuda_layout
-
-            check_cuda_layout(layout, device, dtype)
             return build_cuda_quantized_model(ckpt, device, dtype, layout, max_positions, progress)
         return build_quantized_model(ckpt, device, layout, max_positions, progress)
     cls = model_class(ckpt.config)
@@ -50,6 +47,27 @@ def build_model(ckpt: Checkpoint, device: torch.device | str, dtype: torch.dtype
     if pack_cpu and torch.device(device).type == "cpu":
         pack_linears(model)
     return model.eval()
+
+
+def build_cuda_quantized_model(ckpt, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16,
+                               layout: str = "int4", max_positions: int | None = None, progress: bool = True):
+    """The checkpoint with its linears as CudaQ4Linear / CudaQ8Linear (see gguf_cuda.py's doc) on ``device``,
+    everything else in ``dtype``. On cuda ``dtype`` must be bf16; any device and dtype are accepted for tests."""
+    from .gguf_cuda import CUDA_LAYOUTS, check_cuda_layout, make_cuda_linear
+
+    if torch.device(device).type == "cuda":
+        check_cuda_layout(layout, device, dtype)
+    elif layout not in CUDA_LAYOUTS:
+        raise ValueError(f"quantize={layout!r} has no CUDA layout")
+    model = build_quantized_model(
+        ckpt, device, layout, max_positions, progress, dtype=dtype,
+        make_linear=lambda parts, bias, path: make_cuda_linear(parts, bias, device, dtype,
+                                                               tied_head=(path == "lm_head"
+                                                                          and ckpt.config.tie_word_embeddings),
+                                                               layout=layout))
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return model
 
 
 def load_model(path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

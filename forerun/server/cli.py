@@ -14,9 +14,11 @@ import signal
 import sys
 import time
 
+from ..usage import ArgumentParser, run
+
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="forerun serve", description="OpenAI-compatible HTTP server (FastAPI + uvicorn)")
+    p = ArgumentParser(prog="forerun serve", description="OpenAI-compatible HTTP server (FastAPI + uvicorn)")
     p.add_argument("model", help="model name (see `forerun models list`), .gguf file or HF checkpoint directory")
     p.add_argument("--draft", default="none", help="MODEL | early-exit:N | ngram | none (default: none)")
     p.add_argument("--k", default=None, help="drafts per round, or 'auto' (adaptive; the default with a drafter)")
@@ -145,4 +147,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(main))

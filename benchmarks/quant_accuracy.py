@@ -49,6 +49,27 @@ def logits(model, ids_list, dtype: torch.dtype = torch.float32) -> list[torch.Te
     return res
 
 
+def plot(model: str, rows: list[dict], path: Path) -> None:
+    """KL per token and top-1 disagreement per layout, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["variant"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    ax1.bar(names, [max(r["kl_per_token"], 0.0) for r in rows], color="tab:blue")
+    ax1.set_ylabel("KL(fp32 || layout) per token")
+    ax2.bar(names, [1 - r["top1_agreement"] for r in rows], color="tab:orange")
+    ax2.set_ylabel("top-1 disagreement with fp32")
+    for ax in (ax1, ax2):
+        ax.tick_params(axis="x", rotation=30)
+    fig.suptitle(f"{model}: quantized layouts against the dequantized fp32 model")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
@@ -99,6 +120,7 @@ def main() -> int:
     quant.INT4_OTHERS = "layers"
     if a.out:
         Path(a.out).write_text(json.dumps({"model": a.model, "results": rows}, indent=1))
+        plot(a.model, rows, Path(a.out).with_suffix(".png"))
     return 0
 
 

@@ -12,6 +12,7 @@ import os
 import sys
 import time
 
+from .config import VERIFY_RULES
 from .usage import ArgumentParser, UsageError  # noqa: F401 - UsageError is part of this module's interface
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
@@ -203,7 +204,7 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--draft", default=None,
                    help="MODEL | early-exit:N | ngram | none (default: a draft known to fit --model, else ngram)")
     g.add_argument("--k", default=None, help="drafts per round, or 'auto' (adaptive; the default)")
-    g.add_argument("--rule", default=None, choices=["auto", "greedy", "rejection", "penalty", "typical"],
+    g.add_argument("--rule", default=None, choices=list(VERIFY_RULES),
                    help="verification rule (default auto: greedy at temperature 0, exact sampling otherwise)")
     g.add_argument("--tree", default=None, help="tree drafting with the draft model: children per depth, e.g. 2,2,1")
     g.add_argument("--confidence", type=float, default=None, help="stop a draft when its top probability is below this")

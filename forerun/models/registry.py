@@ -5,14 +5,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..config import ModelConfig
+from ..config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .cpu_linear import pack_linears
 from .llama import LlamaForCausalLM
 from .loader import Checkpoint, GGUFQuantized, load_checkpoint
 from .quant import available, make_quantized_linear, parse_quantize
 
-MODEL_CLASSES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM,
-                 "qwen3": LlamaForCausalLM}
+MODEL_CLASSES = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}  # one decoder (llama.py) for all
 
 
 def model_class(cfg: ModelConfig):

@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 
+from ..config import VERIFY_RULES
 from ..usage import ArgumentParser, run
 
 
@@ -22,7 +23,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="model name (see `forerun models list`), .gguf file or HF checkpoint directory")
     p.add_argument("--draft", default="none", help="MODEL | early-exit:N | ngram | none (default: none)")
     p.add_argument("--k", default=None, help="drafts per round, or 'auto' (adaptive; the default with a drafter)")
-    p.add_argument("--rule", default=None, choices=["auto", "greedy", "rejection", "penalty", "typical"])
+    p.add_argument("--rule", default=None, choices=list(VERIFY_RULES))
     p.add_argument("--tree", default=None, help="tree drafting with the draft model: children per depth, e.g. 2,2,1")
     p.add_argument("--confidence", type=float, default=None, help="stop a draft when its top probability is below this")
     p.add_argument("--host", default="127.0.0.1")

@@ -19,7 +19,7 @@ from .layout import (accept_prefix, apply_token_bitmasks, chain_rows, columns_to
                      step_counters, vocab_to_columns)
 from .probs import Logprobs, SamplingTensors, check_logits, check_probs, compute_logprobs, sample_from_probs
 
-RULES = ("auto", "greedy", "rejection", "penalty", "typical")
+from ..config import VERIFY_RULES as RULES  # the rule names, said once (config.py)
 DRAFT_PROB_PENALTY = 5e-5  # DeepInfer's default: alpha = exp(-5e-5), epsilon = 1 - alpha ~ 5.0e-5
 
 

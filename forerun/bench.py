@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .bench_prompts import CODE_PROMPTS
-from .usage import ArgumentParser
+from .usage import ArgumentParser, UsageError
 
 
 DEFAULT_EAGLE_HEAD = "~/.cache/forerun/eagle/qwen1.5b"
@@ -345,6 +345,56 @@ def plot(json_path: Path, png_path: Path) -> None:
     fig.savefig(png_path, dpi=110)
 
 
+DRAFTERS = ("draft", "early-exit", "ngram", "eagle")
+
+
+def _check_bench(args, ap) -> None:
+    """Everything about the command line that can be judged before the models load (UsageError, one line): bad
+    values, and flags for rows that will not run (they would be ignored)."""
+    from .config import SpecConfig
+
+    drafters = [d for d in args.drafters.split(",") if d]
+    bad = [d for d in drafters if d not in DRAFTERS]
+    if bad or len(set(drafters)) != len(drafters):
+        raise UsageError(f"--drafters takes distinct names from {', '.join(DRAFTERS)}; got {args.drafters!r}")
+    if not 1 <= args.num_prompts <= len(CODE_PROMPTS):
+        raise UsageError(f"--num-prompts must be in [1, {len(CODE_PROMPTS)}] (the bench prompts), got {args.num_prompts}")
+    if args.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.threads < 0:
+        raise UsageError(f"--threads must be >= 0 (0 = torch's default), got {args.threads}")
+    if args.early_exit_layers < 1:
+        raise UsageError(f"--early-exit-layers must be >= 1, got {args.early_exit_layers}")
+    if args.llamacpp_draft_max < 1:
+        raise UsageError(f"--llamacpp-draft-max must be >= 1, got {args.llamacpp_draft_max}")
+    try:
+        for k in [k for k in args.ks.split(",") if k] + [k for k in args.eagle_ks.split(",") if k]:
+            SpecConfig.from_flags("ngram", k, None, None)  # (validates k)
+        if "eagle" in drafters:
+            from .config import parse_eagle_tree
+
+            for tree in filter(None, args.eagle_trees.split(";")):
+                parse_eagle_tree(tree)
+    except ValueError as e:
+        raise UsageError(str(e).replace("--k ", "--ks / --eagle-ks: ")) from None
+    unused = {"--early-exit-layers": ("early_exit_layers", "early-exit" in drafters),
+              # (the draft model also drafts llama.cpp's speculative and transformers' assisted rows)
+              "--draft": ("draft", "draft" in drafters or args.llamacpp or not args.no_transformers),
+              "--ks": ("ks", any(d != "eagle" for d in drafters)),
+              "--eagle-head": ("eagle_head", "eagle" in drafters), "--eagle-ks": ("eagle_ks", "eagle" in drafters),
+              "--eagle-trees": ("eagle_trees", "eagle" in drafters),
+              "--eagle-budget": ("eagle_budget", "eagle" in drafters),
+              "--eagle-head-quantize": ("eagle_head_quantize", "eagle" in drafters),
+              "--llamacpp-draft-max": ("llamacpp_draft_max", args.llamacpp)}
+    ignored = [flag for flag, (dest, used) in unused.items() if not used and getattr(args, dest) != ap.get_default(dest)]
+    if ignored:
+        raise UsageError(f"{', '.join(ignored)} do(es) nothing in this run: its rows are not requested "
+                         f"(--drafters {args.drafters}{'' if args.llamacpp else ', no --llamacpp'})")
+    if "eagle" in drafters and not (Path(args.eagle_head).expanduser() / "config.json").exists():
+        raise UsageError(f"--drafters eagle: no EAGLE head in {args.eagle_head} (train one with forerun train-eagle, "
+                         "or point --eagle-head at a head's folder)")
+
+
 def main(argv=None) -> int:
     ap = ArgumentParser(prog="forerun bench", description=__doc__)
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
@@ -372,6 +422,7 @@ def main(argv=None) -> int:
                     help="the EAGLE head's linears (auto: the target's layout when it is quantized; none: fp32)")
     ap.add_argument("--out", default="benchmarks/results/cpu_pair.json")
     args = ap.parse_args(argv)
+    _check_bench(args, ap)
     os.environ["FORERUN_EAGLE_QUANTIZE"] = args.eagle_head_quantize  # read by EagleDrafter
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -75,19 +75,21 @@ def _check_generate(a):
                                 max_tokens=a.max_tokens, stop=tuple(a.stop or ()), ignore_eos=a.ignore_eos)
     except ValueError as e:
         raise UsageError(_flagged(str(e))) from None
+    if params.temperature == 0:  # greedy: the sampling flags would be ignored
+        given = [f for f, v, off in (("--top-k", a.top_k, 0), ("--top-p", a.top_p, 1.0), ("--min-p", a.min_p, 0.0),
+                                     ("--seed", a.seed, None)) if v != off]
+        if given:
+            raise UsageError(f"{', '.join(given)} do(es) nothing at --temperature 0 (greedy decoding); "
+                             "pass --temperature T > 0 to sample")
     if a.threads < 0:
         raise UsageError(f"--threads must be >= 0 (0 = torch's default), got {a.threads}")
     if any(not p for p in a.prompt):
         raise UsageError("a prompt is empty")
-    if a.device is not None:
-        import torch
+    from .devices import device_problem
 
-        try:
-            dev = torch.device(a.device)
-        except (RuntimeError, ValueError) as e:
-            raise UsageError(f"--device {a.device!r}: {e}") from None
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise UsageError(f"--device {a.device}: no CUDA device is available here")
+    problem = device_problem(a.device)
+    if problem:
+        raise UsageError(problem)
     # the model: a known name, or a path that exists (nothing is downloaded or loaded for a bad one)
     if not (os.path.exists(os.path.expanduser(a.model)) or a.model in hub.known_models()):
         kind = "model path" if hub._looks_like_path(a.model) else "model"
@@ -116,8 +118,15 @@ def _check_generate(a):
             raise UsageError(f"unknown draft model {draft!r}; known models: {', '.join(hub.known_models())} "
                              "(or early-exit:N, ngram, none)")
         _check_pair(a.model, draft)
-    if spec.method == "eagle" and not os.path.isdir(os.path.expanduser(spec.eagle_head)):
-        raise UsageError(f"--draft eagle:DIR: no such folder {spec.eagle_head!r} (train one with forerun train-eagle)")
+    if spec.method == "eagle":
+        head = os.path.expanduser(spec.eagle_head)
+        if not os.path.isdir(head):
+            raise UsageError(f"--draft eagle:DIR: no such folder {spec.eagle_head!r} (train one with forerun train-eagle)")
+        if not os.path.isfile(os.path.join(head, "config.json")):
+            raise UsageError(f"--draft eagle:DIR: {spec.eagle_head!r} is not an EAGLE head folder (no config.json; "
+                             "train one with forerun train-eagle)")
+    if a.compare_plain and not spec.enabled:
+        raise UsageError("--compare-plain does nothing with --k 0 (both runs would be plain)")
     return spec, params
 
 
@@ -183,7 +192,7 @@ def cmd_generate(a) -> int:
     for o in outs:
         print(o.text)
         print("-" * 40, file=sys.stderr)
-    if a.stats:
+    if a.stats or a.compare_plain:  # (--compare-plain prints its comparison with or without --stats)
         s = _print_stats(spec_label(spec), outs, spec_s)
         if a.compare_plain and spec.enabled:
             b = _print_stats("plain", base, base_s)

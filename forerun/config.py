@@ -252,10 +252,14 @@ class SpecConfig:
             raise ValueError(f"--confidence must be in [0, 1), got {confidence}")
         common = dict(k=kk, adaptive=adaptive, confidence_threshold=confidence or 0.0, rule=rule or "auto")
         if not draft or draft == "none":
-            given = [f for f, v in (("--tree", tree), ("--confidence", confidence)) if v is not None]
+            given = [f for f, v in (("--tree", tree), ("--confidence", confidence), ("--rule", rule)) if v is not None]
             if given:
                 raise ValueError(f"{', '.join(given)} need(s) a drafter; --draft none turns speculation off")
             return cls(rule=rule or "auto")
+        if not adaptive and kk == 0:  # a drafter at k = 0 never drafts: the flags that shape drafting do nothing
+            given = [f for f, v in (("--tree", tree), ("--confidence", confidence), ("--rule", rule)) if v is not None]
+            if given:
+                raise ValueError(f"{', '.join(given)} do(es) nothing with --k 0 (no drafts: plain decoding)")
         if tree is not None and draft == "ngram" or tree is not None and draft.startswith("early-exit"):
             raise ValueError(f"--tree works with a draft model only, not with --draft {draft}")
         if draft == "ngram":
@@ -266,7 +270,14 @@ class SpecConfig:
             head = draft.partition(":")[2]
             if not head:
                 raise ValueError("--draft eagle:DIR needs the head's folder, e.g. eagle:~/.cache/forerun/eagle/qwen1.5b")
+            if confidence is not None:
+                raise ValueError("--confidence does nothing with --draft eagle:DIR (an EAGLE chain drafts k tokens, a "
+                                 "tree its budget)")
             if tree is not None:
+                if rule is not None:
+                    raise ValueError(f"--rule {rule} does nothing with --tree (trees verify with the exact rule 'auto')")
+                if k != "auto":
+                    raise ValueError("--k does nothing with --tree (TOPK,STEPS,NODES set the drafts)")
                 return cls(method="eagle", eagle_head=head, eagle_tree=parse_eagle_tree(tree), **common)
             return cls(method="eagle", eagle_head=head, **common)
         if draft.startswith("early-exit"):

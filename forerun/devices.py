@@ -3,11 +3,30 @@
 `torch.tensor(x, device="cuda")` copies synchronously: the host waits until every kernel queued before the copy
 has finished, so a round's host work could never overlap its GPU work. A non-blocking copy from ordinary
 (pageable) host memory is staged by the driver at once and runs in stream order behind those kernels: the host
-goes on. Every host list that becomes a device tensor in a round goes through `h2d`.
+goes on. Every host list that becomes a device tensor in a round goes through `h2d`. (`device_problem` judges a
+--device flag for the command lines.)
 """
 from __future__ import annotations
 
 import torch
+
+
+def device_problem(name: str | None) -> str | None:
+    """Why --device NAME cannot run forerun here (one line), or None: forerun runs on cpu and cuda[:N]."""
+    if name is None:
+        return None
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError):
+        return f"--device {name!r}: not a device name (cpu, cuda, cuda:N)"
+    if dev.type not in ("cpu", "cuda"):
+        return f"--device {name!r}: forerun runs on cpu and cuda only"
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            return f"--device {name}: no CUDA device is available here"
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            return f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
 
 
 def h2d(data, device: torch.device | str | None, dtype: torch.dtype | None = None) -> torch.Tensor:

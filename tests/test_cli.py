@@ -55,6 +55,8 @@ USAGE = [
     (["generate", "hi", "--rule", "fast"], "argument --rule: invalid choice: 'fast'"),
     (["generate", "hi", "--threads", "-2"], "--threads must be >= 0"),
     (["generate", "hi", "--device", "warp9"], "--device 'warp9'"),
+    (["generate", "hi", "--device", "meta"], "--device 'meta': forerun runs on cpu and cuda only"),
+    (["generate", "hi", "--device", "mps"], "--device 'mps': forerun runs on cpu and cuda only"),
     (["generate", ""], "a prompt is empty"),
     (["generate"], "the following arguments are required: prompt"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
@@ -75,8 +77,30 @@ USAGE = [
     (["generate", "hi", "--draft", "none", "--compare-plain"], "--compare-plain does nothing with --draft none"),
     (["generate", "hi", "--draft", "early-exit:x"], "early-exit:N needs a positive layer count"),
     (["generate", "hi", "--model", "smollm2-135m-instruct", "--tree", "2,2"], "no known compatible draft"),
+    # sampling flags at temperature 0, drafting flags where nothing drafts, EAGLE flags that do nothing
+    (["generate", "hi", "--top-p", "0.5", "--seed", "3"], "--top-p, --seed do(es) nothing at --temperature 0"),
+    (["generate", "hi", "--min-p", "0.1"], "--min-p do(es) nothing at --temperature 0"),
+    (["generate", "hi", "--draft", "none", "--rule", "typical"], "--rule need(s) a drafter"),
+    (["generate", "hi", "--draft", "ngram", "--k", "0", "--rule", "typical"], "--rule do(es) nothing with --k 0"),
+    (["generate", "hi", "--draft", "ngram", "--k", "0", "--compare-plain"], "--compare-plain does nothing with --k 0"),
+    (["generate", "hi", "--draft", "eagle:/tmp", "--confidence", "0.5"], "--confidence does nothing with --draft eagle"),
+    (["generate", "hi", "--draft", "eagle:/tmp", "--tree", "4,4,16", "--k", "3"], "--k does nothing with --tree"),
+    (["generate", "hi", "--draft", "eagle:/tmp", "--tree", "4,4,16", "--rule", "typical"], "does nothing with --tree"),
+    (["generate", "hi", "--draft", "eagle:/tmp"], "is not an EAGLE head folder (no config.json"),
     # the subcommands with parsers of their own: argparse's errors are one line too (no usage block)
     (["bench", "--no-such-flag"], "unrecognized arguments: --no-such-flag (see `forerun bench --help`)"),
+    # bench: judged before its models load (they used to fail with KeyError / ValueError after loading)
+    (["bench", "--drafters", "foo"], "--drafters takes distinct names from draft, early-exit, ngram, eagle"),
+    (["bench", "--drafters", "ngram,ngram"], "--drafters takes distinct names"),
+    (["bench", "--ks", "2,-1"], "--ks / --eagle-ks: must be a non-negative integer"),
+    (["bench", "--num-prompts", "0"], "--num-prompts must be in [1, 20]"),
+    (["bench", "--num-prompts", "500"], "--num-prompts must be in [1, 20]"),
+    (["bench", "--max-tokens", "0"], "--max-tokens must be >= 1"),
+    (["bench", "--threads", "-1"], "--threads must be >= 0"),
+    (["bench", "--drafters", "ngram", "--early-exit-layers", "3"], "--early-exit-layers do(es) nothing in this run"),
+    (["bench", "--eagle-ks", "9"], "--eagle-ks do(es) nothing in this run"),
+    (["bench", "--llamacpp-draft-max", "2"], "--llamacpp-draft-max do(es) nothing in this run"),
+    (["bench", "--drafters", "eagle", "--eagle-head", "/nowhere"], "--drafters eagle: no EAGLE head in /nowhere"),
     (["serve", "m", "--port", "x"], "argument --port: invalid int value: 'x' (see `forerun serve --help`)"),
     (["serve"], "the following arguments are required: model"),
     (["train-eagle", "--out", "o"], "the following arguments are required: --target"),
@@ -189,3 +213,22 @@ def test_models_verify_is_a_subcommand(monkeypatch):
 def test_help_exits_0(capsys):
     rc, out, _ = run(["generate", "--help"], capsys)
     assert rc == 0 and "--draft" in out and "--debug" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--threads", "-1"], "--threads must be >= 0"),
+    (["--lr", "nan"], "--lr must be a finite number > 0"),
+    (["--lr", "0"], "--lr must be a finite number > 0"),
+    (["--intermediate", "0"], "--intermediate must be >= 1"),
+    (["--wall-minutes", "0"], "--wall-minutes must be a finite number > 0"),
+    (["--minutes", "-3"], "--minutes must be a finite number > 0"),
+    (["--extra-data", "/nowhere/at/all"], "--extra-data /nowhere/at/all: no such folder"),
+    (["--resume"], "holds no train_state.pt to resume from"),
+    (["--restart-schedule"], "--restart-schedule works with --resume only"),
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--device", "bogus"], "--device 'bogus': not a device name"),
+])
+def test_train_eagle_flags_are_judged_before_anything_loads(args, message, capsys, no_loading, tmp_path):
+    rc, out, err = run(["train-eagle", "--target", "smollm2-135m-instruct", "--out", str(tmp_path / "head"), *args],
+                       capsys)
+    assert rc == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err, err

@@ -341,6 +341,10 @@ def test_models_verify_rehashes_in_full(tmp_path, monkeypatch, capsys):
     assert "MISMATCH" in capsys.readouterr().out
     assert not hub.is_cached(src.name, registry=[src])  # marker dropped: list and pull no longer trust it
     assert hub.main_verify(["no-such-model"]) == 2
+    capsys.readouterr()
+    # an empty cache: said, and not a pass (it used to print nothing and exit 0)
+    assert hub.main_verify(["--quiet", "--cache-dir", str(tmp_path / "empty")]) == 1
+    assert "no model is pulled in" in capsys.readouterr().out
 
 
 def test_first_load_after_pull_rehashes_once(tmp_path, monkeypatch, capsys):

@@ -140,8 +140,10 @@ def test_from_flags_defaults_are_not_refused():
     """What generate / serve / bench pass when the user gave nothing: auto rule, confidence 0."""
     assert SpecConfig.from_flags("ngram", "auto", 0.0, "auto").method == "ngram"
     assert SpecConfig.from_flags("m", "auto", 0.0, "auto", tree="2,2,1").tree == (2, 2, 1)
-    assert SpecConfig.from_flags("none", "auto", 0.0, "greedy").rule == "greedy"
+    assert SpecConfig.from_flags("none", "auto", 0.0, "auto").rule == "auto"
     assert not SpecConfig.from_flags(None, None, None, None).enabled
+    with pytest.raises(ValueError, match="need"):  # a verification rule with nothing to verify is refused
+        SpecConfig.from_flags("none", "auto", 0.0, "greedy")
 
 
 # ---------------------------------------------------------------- the default KV pool (issue 10: 15)

@@ -679,9 +679,23 @@ def test_client_gone_while_request_is_being_added_is_aborted(tiny_engine):
         run.stop()
 
 
-def test_cli_refuses_flags_that_would_do_nothing(capsys):
-    assert serve_main(["x", "--draft", "none", "--k", "4"]) == 2
-    assert "--k does nothing" in capsys.readouterr().err
+@pytest.mark.parametrize("args, message", [
+    (["--draft", "none", "--k", "4"], "--k does nothing"),
+    (["--draft", "none", "--rule", "greedy"], "--rule need(s) a drafter"),
+    (["--draft", "ngram", "--confidence", "0.5"], "--confidence does nothing with --draft ngram"),
+    (["--draft", "no-such-draft"], "unknown draft model 'no-such-draft'"),
+    (["--draft", "eagle:/nowhere"], "is not an EAGLE head folder"),
+    (["--threads", "-1"], "--threads must be >= 0"),
+    (["--kv-cache-gb", "inf"], "finite numbers"),
+    (["--join-wait", "1", "inf"], "finite numbers"),
+    (["--served-model-name", " "], "--served-model-name must not be empty"),
+    (["--device", "bogus"], "--device 'bogus': not a device name"),
+])
+def test_cli_refuses_flags_that_would_do_nothing_or_break_late(capsys, args, message):
+    """Judged before any weights load, one line, exit code 2 (a bad draft used to load the target first)."""
+    assert serve_main(["x", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and err.startswith("forerun serve: error:"), err
 
 
 def test_server_refuses_sampling_its_spec_would_ignore(tiny_engine):

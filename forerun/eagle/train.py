@@ -444,6 +444,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_flags(a) -> str | None:
+    """What the non-count flags allow, judged before anything loads (one line, exit code 2)."""
+    import math
+
+    if a.threads < 0:
+        return f"--threads must be >= 0 (0 = torch's default), got {a.threads}"
+    from ..devices import device_problem
+
+    if device_problem(a.device):
+        return device_problem(a.device)
+    if not (math.isfinite(a.lr) and a.lr > 0):
+        return f"--lr must be a finite number > 0, got {a.lr}"
+    if a.intermediate is not None and a.intermediate < 1:
+        return f"--intermediate must be >= 1, got {a.intermediate}"
+    for name in ("minutes", "wall_minutes"):
+        v = getattr(a, name)
+        if v is not None and not (math.isfinite(v) and v > 0):
+            return f"--{name.replace('_', '-')} must be a finite number > 0 (leave it out for no limit), got {v}"
+    missing = [d for d in a.extra_data if not Path(d).expanduser().is_dir()]
+    if missing:
+        return f"--extra-data {missing[0]}: no such folder"
+    out = Path(a.out).expanduser()
+    if a.resume and not (out / "train_state.pt").exists():
+        return f"--resume: {out} holds no train_state.pt to resume from (leave --resume out to start a new head)"
+    if a.restart_schedule and not a.resume:
+        return "--restart-schedule works with --resume only"
+    return None
+
+
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     for name in ("train_tokens", "heldout_tokens", "distill_max_new", "distill_batch", "seq_len", "draft_vocab", "steps", "ttt", "accum",
@@ -451,6 +480,10 @@ def main(argv=None) -> int:
         if getattr(a, name) < 1:
             print(f"forerun train-eagle: error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    problem = _check_flags(a)
+    if problem:
+        print(f"forerun train-eagle: error: {problem}", file=sys.stderr)
+        return 2
     if a.threads:
         torch.set_num_threads(a.threads)
     from ..models.registry import load_model

@@ -516,7 +516,7 @@ def main_verify(argv: Sequence[str] | None = None) -> int:
             print(f"forerun: error: {UnknownModelError(name, known_models())}", file=sys.stderr)
             return 2
     names = args.names or known_models()
-    bad = 0
+    bad = checked = 0
     for name in names:
         state, got = verify(name, cache_dir=args.cache_dir, progress=not args.quiet)
         if state == "not pulled":
@@ -524,10 +524,14 @@ def main_verify(argv: Sequence[str] | None = None) -> int:
                 print(f"{name}: not pulled (forerun models pull {name})")
                 bad += 1
             continue
+        checked += 1
         if state == "ok":
             print(f"{name}: ok (sha256 {got})")
         else:
             bad += 1
             print(f"{name}: MISMATCH: sha256 {got}, expected {get_source(name).sha256}; "
                   f"run `forerun models pull {name}` to fetch it again")
+    if not args.names and not checked:  # nothing to verify: say so rather than print nothing and pass
+        print(f"no model is pulled in {args.cache_dir or cache_dir()} (forerun models pull NAME)")
+        return 1
     return 1 if bad else 0

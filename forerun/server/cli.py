@@ -10,6 +10,8 @@ import argparse
 import atexit
 import gc
 import logging
+import math
+import os
 import signal
 import sys
 import time
@@ -68,6 +70,8 @@ def _check(a) -> str | None:
         return "--max-queue must be >= 0"
     if a.max_model_len is not None and a.max_model_len < 2:
         return "--max-model-len must be >= 2"
+    if not math.isfinite(a.kv_cache_gb) or (a.join_wait is not None and not all(map(math.isfinite, a.join_wait))):
+        return "--kv-cache-gb and --join-wait take finite numbers"
     if not a.kv_cache_gb > 0:
         return "--kv-cache-gb must be > 0"
     if not a.shutdown_timeout >= 0:
@@ -79,6 +83,29 @@ def _check(a) -> str | None:
         return "--join-wait takes RATIO >= 0 and whole STEPS >= 0"
     if a.draft in (None, "none") and a.k is not None:
         return "--k does nothing with --draft none (no speculation)"
+    if a.threads < 0:
+        return f"--threads must be >= 0 (0 = torch's default), got {a.threads}"
+    from ..devices import device_problem
+
+    if device_problem(a.device):
+        return device_problem(a.device)
+    if a.served_model_name is not None and not all(n.strip() for n in a.served_model_name):
+        return "--served-model-name must not be empty"
+    # the drafter's flags, judged before any weights load (as `forerun generate` does)
+    from ..config import SpecConfig
+
+    try:
+        spec = SpecConfig.from_flags(a.draft, a.k, a.confidence, a.rule, tree=a.tree)
+    except ValueError as e:
+        return str(e)
+    if spec.method == "draft":
+        from ..models import hub
+
+        if not (os.path.exists(os.path.expanduser(spec.draft_model)) or spec.draft_model in hub.known_models()):
+            return (f"unknown draft model {spec.draft_model!r}; known models: {', '.join(hub.known_models())} "
+                    "(or early-exit:N, ngram, eagle:DIR, none)")
+    if spec.method == "eagle" and not os.path.isfile(os.path.join(os.path.expanduser(spec.eagle_head), "config.json")):
+        return f"--draft eagle:DIR: {spec.eagle_head!r} is not an EAGLE head folder (no config.json)"
     return None
 
 

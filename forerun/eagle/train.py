@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 
 from ..models.eagle_head import EagleConfig, EagleHead, load_eagle_head, save_eagle_head
 from . import data as D
-from ..usage import ArgumentParser, run
+from ..usage import ArgumentParser, run as run_main
 
 
 def choose_draft_vocab(counts: torch.Tensor, size: int, must: tuple[int, ...] = ()) -> torch.Tensor:
@@ -577,4 +577,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run(main))
+    sys.exit(run_main(main))

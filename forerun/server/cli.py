@@ -17,7 +17,7 @@ import sys
 import time
 
 from ..config import VERIFY_RULES
-from ..usage import ArgumentParser, run
+from ..usage import ArgumentParser, run as run_main
 
 
 def parser() -> argparse.ArgumentParser:
@@ -175,4 +175,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run(main))
+    sys.exit(run_main(main))

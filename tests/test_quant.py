@@ -229,9 +229,12 @@ def test_qwen_coder_pair_speculative_greedy_identical_to_plain(layout):
                "Write a function that reverses a string in JavaScript.",
                "Write a Python class for a stack with push, pop and peek."]
     sp = SamplingParams(temperature=0, max_tokens=48)
+    specs = [SpecConfig(method="draft", draft_model=(draft, dtok), k=4),
+             SpecConfig(method="draft", draft_model=(draft, dtok), adaptive=True, k_max=6)]
+    if layout == "int8":  # the fallback layout: one spec and two prompts keep CI under ~20 minutes (int4 runs all)
+        prompts, specs = prompts[:2], specs[:1]
     plain = LLM.from_model(target, tok, device="cpu").generate(prompts, sp, chat=True)
-    for spec in (SpecConfig(method="draft", draft_model=(draft, dtok), k=4),
-                 SpecConfig(method="draft", draft_model=(draft, dtok), adaptive=True, k_max=6)):
+    for spec in specs:
         llm = LLM.from_model(target, tok, device="cpu", check_invariants=True, spec=spec)
         outs = llm.generate(prompts, sp, chat=True)
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain], spec

@@ -91,7 +91,7 @@ def _check_generate(a):
     if problem:
         raise UsageError(problem)
     # the model: a known name, or a path that exists (nothing is downloaded or loaded for a bad one)
-    if not (os.path.exists(os.path.expanduser(a.model)) or a.model in hub.known_models()):
+    if not hub.nameable(a.model):
         kind = "model path" if hub._looks_like_path(a.model) else "model"
         raise UsageError(f"unknown {kind} {a.model!r}; known models: {', '.join(hub.known_models())} "
                          "(or a .gguf file / Hugging Face checkpoint directory)")
@@ -114,7 +114,7 @@ def _check_generate(a):
     except ValueError as e:
         raise UsageError(_flagged(str(e))) from None
     if spec.method == "draft":
-        if not (os.path.exists(os.path.expanduser(draft)) or draft in hub.known_models()):
+        if not hub.nameable(draft):
             raise UsageError(f"unknown draft model {draft!r}; known models: {', '.join(hub.known_models())} "
                              "(or early-exit:N, ngram, none)")
         _check_pair(a.model, draft)

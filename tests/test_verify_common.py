@@ -85,9 +85,9 @@ def emitted(result) -> list[list[int]]:
     return [row[: n] for row, n in zip(result.output_token_ids.tolist(), result.num_emitted.tolist())]
 
 
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Chi-square goodness of fit of integer counts [C] to probabilities [C]. Cells of probability 0
-    must be empty (asserted); cells with expected count < 5 are pooled into one."""
+def pooled_cells(counts: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(observed, expected) float64 cells of integer counts [C] against probabilities [C]: cells of probability 0
+    must be empty (asserted) and are dropped; cells with expected count < 5 are pooled into one."""
     counts, probs = counts.double().flatten().cpu(), probs.double().flatten().cpu()
     assert counts[probs == 0].sum() == 0, "a token of target probability 0 was emitted"
     keep = probs > 0
@@ -97,6 +97,12 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     if small.any():
         counts = torch.cat([counts[~small], counts[small].sum().view(1)])
         expected = torch.cat([expected[~small], expected[small].sum().view(1)])
+    return counts, expected
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Chi-square goodness of fit of integer counts [C] to probabilities [C] (cells as `pooled_cells`)."""
+    counts, expected = pooled_cells(counts, probs)
     if len(counts) < 2:
         return 1.0
     return float(chisquare(np.asarray(counts), np.asarray(expected)).pvalue)

@@ -18,7 +18,7 @@ import forerun.verify.chain as chain_module
 import forerun.verify.tree as tree_module
 from forerun.verify import logits_to_probs, residual_weights, verify_chain, verify_tree
 from scipy.stats import chi2 as chi2_dist
-from test_verify_common import chi2_pvalue, const_sampling
+from test_verify_common import chi2_pvalue, const_sampling, pooled_cells
 
 V = 8
 CONFIGS = {"t0.7": dict(temperature=0.7), "t1.3": dict(temperature=1.3),
@@ -60,17 +60,10 @@ def _bonus_pvalue(w: dict, out: torch.Tensor, num_emitted: torch.Tensor) -> floa
     x2, x3 = out[full, 1], out[full, 2]
     stat, dof = 0.0, 0
     for c in range(V):
-        counts = torch.bincount(x3[x2 == c], minlength=V).double()
-        n, probs = counts.sum(), w["p2"][c].double()
-        if n == 0:
+        counts = torch.bincount(x3[x2 == c], minlength=V)
+        if counts.sum() == 0:
             continue
-        assert counts[probs == 0].sum() == 0, "a bonus token of target probability 0 was emitted"
-        exp = probs[probs > 0] * n
-        cnt = counts[probs > 0]
-        small = exp < 5
-        if small.any():
-            cnt = torch.cat([cnt[~small], cnt[small].sum().view(1)])
-            exp = torch.cat([exp[~small], exp[small].sum().view(1)])
+        cnt, exp = pooled_cells(counts, w["p2"][c])
         if len(cnt) > 1:
             stat += float(((cnt - exp) ** 2 / exp).sum())
             dof += len(cnt) - 1

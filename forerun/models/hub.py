@@ -164,6 +164,12 @@ def known_models(registry: Iterable[ModelSource] | None = None) -> list[str]:
     return [m.name for m in (REGISTRY if registry is None else registry)]
 
 
+def nameable(arg: str) -> bool:
+    """Whether a --model / --draft argument can name a model: a known name or a path that exists (judged before
+    anything is downloaded or loaded)."""
+    return arg in known_models() or os.path.exists(os.path.expanduser(arg))
+
+
 def get_source(name: str, registry: Iterable[ModelSource] | None = None) -> ModelSource:
     registry = tuple(REGISTRY if registry is None else registry)
     for m in registry:

@@ -101,7 +101,7 @@ def _check(a) -> str | None:
     if spec.method == "draft":
         from ..models import hub
 
-        if not (os.path.exists(os.path.expanduser(spec.draft_model)) or spec.draft_model in hub.known_models()):
+        if not hub.nameable(spec.draft_model):
             return (f"unknown draft model {spec.draft_model!r}; known models: {', '.join(hub.known_models())} "
                     "(or early-exit:N, ngram, eagle:DIR, none)")
     if spec.method == "eagle" and not os.path.isfile(os.path.join(os.path.expanduser(spec.eagle_head), "config.json")):

@@ -91,10 +91,9 @@ def _check_generate(a):
     if problem:
         raise UsageError(problem)
     # the model: a known name, or a path that exists (nothing is downloaded or loaded for a bad one)
-    if not hub.nameable(a.model):
-        kind = "model path" if hub._looks_like_path(a.model) else "model"
-        raise UsageError(f"unknown {kind} {a.model!r}; known models: {', '.join(hub.known_models())} "
-                         "(or a .gguf file / Hugging Face checkpoint directory)")
+    problem = hub.model_problem(a.model)
+    if problem:
+        raise UsageError(problem)
     draft = a.draft
     if draft is None:
         from .models.compat import default_draft_for
@@ -114,9 +113,9 @@ def _check_generate(a):
     except ValueError as e:
         raise UsageError(_flagged(str(e))) from None
     if spec.method == "draft":
-        if not hub.nameable(draft):
-            raise UsageError(f"unknown draft model {draft!r}; known models: {', '.join(hub.known_models())} "
-                             "(or early-exit:N, ngram, none)")
+        problem = hub.model_problem(draft, "draft model", "early-exit:N, ngram, eagle:DIR, none")
+        if problem:
+            raise UsageError(problem)
         _check_pair(a.model, draft)
     if spec.method == "eagle":
         head = os.path.expanduser(spec.eagle_head)

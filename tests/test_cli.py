@@ -232,3 +232,21 @@ def test_train_eagle_flags_are_judged_before_anything_loads(args, message, capsy
     rc, out, err = run(["train-eagle", "--target", "smollm2-135m-instruct", "--out", str(tmp_path / "head"), *args],
                        capsys)
     assert rc == 2 and message in err and err.count("\n") == 1 and "Traceback" not in err, err
+
+
+def test_model_paths_that_are_not_checkpoints_are_usage_errors(tmp_path, capsys, no_loading):
+    """A path that exists but holds no checkpoint is refused before anything loads, with exit code 2, for the
+    target and the draft of generate and for serve."""
+    (tmp_path / "notes.txt").write_text("not a model")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "ggufs").mkdir()
+    (tmp_path / "ggufs" / "m.gguf").write_bytes(b"GGUF")
+    cases = [(tmp_path / "notes.txt", "notes.txt: not a checkpoint (expected a directory with config.json"),
+             (tmp_path / "empty", "empty is not a Hugging Face checkpoint: no config.json"),
+             (tmp_path / "ggufs", "no config.json (it has GGUF files ['m.gguf']: pass one of them instead)")]
+    for path, message in cases:
+        for args in (["generate", "hi", "--model", str(path)], ["generate", "hi", "--draft", str(path)],
+                     ["serve", str(path)]):
+            rc, out, err = run(args, capsys)
+            assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, (args, rc, err)
+            assert "Traceback" not in err and out == ""

@@ -164,10 +164,19 @@ def known_models(registry: Iterable[ModelSource] | None = None) -> list[str]:
     return [m.name for m in (REGISTRY if registry is None else registry)]
 
 
-def nameable(arg: str) -> bool:
-    """Whether a --model / --draft argument can name a model: a known name or a path that exists (judged before
-    anything is downloaded or loaded)."""
-    return arg in known_models() or os.path.exists(os.path.expanduser(arg))
+def model_problem(arg: str, what: str = "model", others: str = "") -> str | None:
+    """Why a --model / --draft argument names no model (one line), or None: it must be a known name, or a path
+    to a checkpoint (`loader.checkpoint_problem`). Judged before anything is downloaded or loaded. others: what
+    else the flag takes, for the message (e.g. "early-exit:N, ngram, none")."""
+    if arg in known_models():
+        return None
+    if os.path.exists(os.path.expanduser(arg)):
+        from .loader import checkpoint_problem
+
+        return checkpoint_problem(arg)
+    kind = f"{what} path" if _looks_like_path(arg) else what
+    return (f"unknown {kind} {arg!r}; known models: {', '.join(known_models())} "
+            f"(or {others + ', ' if others else ''}a .gguf file / Hugging Face checkpoint directory)")
 
 
 def get_source(name: str, registry: Iterable[ModelSource] | None = None) -> ModelSource:

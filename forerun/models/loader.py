@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -317,13 +318,8 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     p = Path(path).expanduser()
     if not p.exists():
         hint = ""
-        try:
-            from forerun.models.hub import known_models
-
-            if str(path) in known_models():
-                hint = f" ({path!r} is a model name: use forerun.models.hub.resolve_model({str(path)!r}) to get its file)"
-        except Exception:  # noqa: BLE001
-            pass
+        if "/" not in str(path) and os.sep not in str(path) and not p.suffix:  # a bare name, e.g. a registry name
+            hint = f" (if {str(path)!r} is a model name: forerun.models.hub.resolve_model({str(path)!r}) gives its file)"
         raise FileNotFoundError(f"checkpoint path {str(p)!r} does not exist{hint}")
     if p.is_dir():
         return _load_hf_dir(p)
@@ -331,7 +327,29 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         return _load_gguf(p)
     if p.name == "config.json" or p.suffix == ".safetensors":
         return _load_hf_dir(p.parent)
-    raise ValueError(f"{p}: not a checkpoint (expected a directory with config.json + *.safetensors, or a .gguf file)")
+    raise ValueError(checkpoint_problem(p))
+
+
+def checkpoint_problem(path: str | Path) -> str | None:
+    """Why an existing path cannot be opened as a checkpoint (one line), or None: a directory needs config.json; a
+    file must be a GGUF file (suffix or magic), or a config.json or .safetensors file of a checkpoint directory.
+    Judged from names and four bytes, before anything loads."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return _hf_dir_problem(p)
+    if p.suffix.lower() == ".gguf" or _has_gguf_magic(p):
+        return None
+    if p.name == "config.json" or p.suffix == ".safetensors":
+        return _hf_dir_problem(p.parent)
+    return f"{p}: not a checkpoint (expected a directory with config.json + *.safetensors, or a .gguf file)"
+
+
+def _hf_dir_problem(d: Path) -> str | None:
+    if (d / "config.json").is_file():
+        return None
+    ggufs = sorted(x.name for x in d.glob("*.gguf"))
+    hint = f" (it has GGUF files {ggufs}: pass one of them instead)" if ggufs else ""
+    return f"{d} is not a Hugging Face checkpoint: no config.json{hint}"
 
 
 def _has_gguf_magic(p: Path) -> bool:
@@ -347,10 +365,9 @@ def _has_gguf_magic(p: Path) -> bool:
 
 def _load_hf_dir(d: Path) -> Checkpoint:
     cfg_file = d / "config.json"
-    if not cfg_file.is_file():
-        ggufs = sorted(x.name for x in d.glob("*.gguf"))
-        hint = f" (it has GGUF files {ggufs}: pass one of them instead)" if ggufs else ""
-        raise FileNotFoundError(f"{d} is not a Hugging Face checkpoint: no config.json{hint}")
+    problem = _hf_dir_problem(d)
+    if problem:
+        raise FileNotFoundError(problem)
     try:
         hf_config = json.loads(cfg_file.read_text())
     except ValueError as e:

@@ -91,6 +91,8 @@ def _check(a) -> str | None:
         return device_problem(a.device)
     if a.served_model_name is not None and not all(n.strip() for n in a.served_model_name):
         return "--served-model-name must not be empty"
+    from ..models import hub
+
     # the drafter's flags, judged before any weights load (as `forerun generate` does)
     from ..config import SpecConfig
 
@@ -99,14 +101,12 @@ def _check(a) -> str | None:
     except ValueError as e:
         return str(e)
     if spec.method == "draft":
-        from ..models import hub
-
-        if not hub.nameable(spec.draft_model):
-            return (f"unknown draft model {spec.draft_model!r}; known models: {', '.join(hub.known_models())} "
-                    "(or early-exit:N, ngram, eagle:DIR, none)")
+        problem = hub.model_problem(spec.draft_model, "draft model", "early-exit:N, ngram, eagle:DIR, none")
+        if problem:
+            return problem
     if spec.method == "eagle" and not os.path.isfile(os.path.join(os.path.expanduser(spec.eagle_head), "config.json")):
         return f"--draft eagle:DIR: {spec.eagle_head!r} is not an EAGLE head folder (no config.json)"
-    return None
+    return hub.model_problem(a.model)
 
 
 def main(argv=None) -> int:

@@ -230,22 +230,31 @@ def test_chain_sample_sampling_matches_reference(with_q):
 
 
 def test_chain_sample_small_vocab_distribution():
-    """Many draws at a small vocabulary: the emitted first token follows the target distribution."""
-    vocab, n = 37, 4000
+    """10^6 draws at a small vocabulary: the emitted first token follows the target distribution (chi-square),
+    and the same draws reject it with one point (0.01) of probability moved between its two likeliest tokens."""
+    from test_verify_common import chi2_pvalue
+
+    vocab, n = 37, 1_000_000
     g = torch.Generator().manual_seed(5)
     target = torch.randn(vocab, generator=g) * 2
     draft = target + torch.randn(vocab, generator=g)
     q = torch.softmax(draft, -1)
     drafts = torch.multinomial(q, n, replacement=True, generator=g)
-    logits = target.repeat(2 * n, 1)
+    logits = target.to(DEV).repeat(2 * n, 1)
     ids = torch.stack([drafts, torch.full((n,), -1)], 1).reshape(-1)
-    qp = q.repeat(2 * n, 1)
-    res = chain_sample(logits.to(DEV), ids.to(DEV), torch.arange(0, 2 * n, 2).to(DEV), torch.full((n,), 2).to(DEV),
-                       torch.ones(n).to(DEV), torch.rand(2 * n, 2, generator=g).to(DEV), qp.to(DEV), max_seqlen=2)
+    qp = q.to(DEV).repeat(2 * n, 1)
+    res = chain_sample(logits, ids.to(DEV), torch.arange(0, 2 * n, 2).to(DEV), torch.full((n,), 2).to(DEV),
+                       torch.ones(n).to(DEV), torch.rand(2 * n, 2, generator=g).to(DEV), qp, max_seqlen=2)
     first = res.output_token_ids[:, 0].cpu()
-    freq = torch.bincount(first, minlength=vocab).double() / n
+    counts = torch.bincount(first, minlength=vocab)
     p = torch.softmax(target.double(), -1)
-    assert (freq - p).abs().max() < 0.03
+    assert chi2_pvalue(counts, p) > 1e-3
+    top = p.topk(2).indices
+    for sign in (1, -1):
+        biased = p.clone()
+        biased[top[0]] += sign * 0.01
+        biased[top[1]] -= sign * 0.01
+        assert chi2_pvalue(counts, biased) < 1e-3
 
 
 # -- CUDA graphs -----------------------------------------------------------------------------------------

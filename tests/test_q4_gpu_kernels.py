@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from forerun.kernels.quant_gemm import (dequantize_int4, pack_int4_w32, quantize_int4, repack_int4_w32, unpack_int4,
-                                        unpack_int4_w32)
+                                        unpack_int4_w32, x_pairs_f16)
 from forerun.models.quant import quantize_groups_int4
 from forerun.models.quant_cuda import CudaQ4Linear
 
@@ -84,7 +84,7 @@ print("ok")
 def test_packed_f16_decode_kernel_on_gpu():
     """q4v_linear (inline-PTX unpacking, f16 pair products) against x @ dequantized(W)^T in float32, 1 and 2 rows,
     plain and fused SwiGLU, one and several K steps, small and large activations (the f16 pre-scaling)."""
-    from forerun.kernels.quant_gemm import q4v_linear
+    from forerun.kernels.quant_gemm import q4v_linear, x_pairs_f16
     torch.manual_seed(0)
     w = torch.randn(96, 1024, device="cuda") * 0.05
     q, s, z = quantize_groups_int4(w)
@@ -101,9 +101,13 @@ def test_packed_f16_decode_kernel_on_gpu():
                     y = q4v_linear(x, q32, s, z, block_k=bk, block_n=bn)
                     err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
                     assert err < 1e-2, (m, amp, bk, bn, err)
+                    # activations converted beforehand (x_pairs_f16): the same result bit for bit
+                    assert torch.equal(q4v_linear(x, q32, s, z, block_k=bk, block_n=bn, x_pairs=x_pairs_f16(x)), y)
                     y = q4v_linear(x, q32, s, z, block_k=bk, block_n=bn, glu=True)
                     err = ((y.float() - glu).abs().max() / glu.abs().max()).item()
                     assert err < 2e-2, ("glu", m, amp, bk, bn, err)
+                    assert torch.equal(q4v_linear(x, q32, s, z, block_k=bk, block_n=bn, glu=True,
+                                                  x_pairs=x_pairs_f16(x)), y)
     # a broken unpacking (nibbles of the wrong word half) must not pass: swap the code halves
     bad = pack_int4_w32(q.reshape(96, -1, 2).flip(-1).reshape(96, 1024))
     x = torch.randn(1, 1024, device="cuda").to(torch.bfloat16)
@@ -195,6 +199,13 @@ def test_packed_f16_unpacking_matches_the_word_layout():
     pairs = [(x[:, 2 * j: 2 * j + 2] * (1 / 16 if j % 2 == 0 else 1 / 256)).astype(np.float16) for j in range(4)]
     got = 16 * _emulate_q4v_word(words, pairs)
     want = (q.numpy().astype(np.float64) * x).sum(1)
+    # x_pairs_f16 (the activations converted once, outside the kernel) makes exactly these pairs and group sums
+    xb = torch.from_numpy(x).to(torch.bfloat16).reshape(16, 32)
+    conv, sums = x_pairs_f16(xb)
+    xf = xb.float().numpy().reshape(64, 8)
+    want_pairs = [(xf[:, 2 * j: 2 * j + 2] * (1 / 16 if j % 2 == 0 else 1 / 256)).astype(np.float16) for j in range(4)]
+    assert np.array_equal(conv.numpy().view(np.float16).reshape(64, 4, 2), np.stack(want_pairs, 1))
+    assert torch.allclose(sums, xb.float().reshape(16, 1, 32).sum(-1), rtol=0, atol=1e-5)
     assert np.abs(got - want).max() <= 2e-3 * np.abs(want).max()  # measured 5e-4 (f16 rounding)
     swapped = pack_int4_w32(q.reshape(64, 4, 2).flip(-1).reshape(16, 32)).numpy().reshape(-1).view(np.uint32)
     assert np.abs(16 * _emulate_q4v_word(swapped, pairs) - want).max() > 0.05 * np.abs(want).max()

@@ -578,6 +578,27 @@ def _x_pairs(X32, k0, offs_w, BW: tl.constexpr):
 
 
 @triton.jit
+def _x_pairs_pre(X32, XS, k0, BW: tl.constexpr, GROUP: tl.constexpr):
+    """As _x_pairs, from activations already converted (`x_pairs_f16`): the pre-scaled f16 pairs and group sums."""
+    v = tl.reshape(tl.load(X32 + k0 // 2 + tl.arange(0, 4 * BW)), [BW, 2, 2])
+    ve, vo = tl.split(v)
+    v0, v2 = tl.split(ve)
+    v1, v3 = tl.split(vo)
+    xs = tl.load(XS + k0 // GROUP + tl.arange(0, BW // 4))
+    return v0[None, :], v1[None, :], v2[None, :], v3[None, :], xs[None, :]
+
+
+def x_pairs_f16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [M, K] bf16 -> (int32 [M, K / 2]: the f16 pairs q4v's PTX block takes, pair j of each word of 8 scaled by
+    1/16 (j even) or 1/256 (j odd); float32 [M, K / 32]: the group sums of x) -- what _x_pairs computes in-kernel."""
+    m, k = x.shape
+    f = x.float().view(m, k // 8, 4, 2)
+    sc = torch.tensor([0.0625, 0.00390625, 0.0625, 0.00390625], device=x.device)[:, None]
+    pairs = (f * sc).half().view(m, k).view(torch.int32)
+    return pairs, x.float().view(m, k // GROUP, GROUP).sum(-1)
+
+
+@triton.jit
 def _q4v_tile(QW, S, Z, r, n_ok, k0, offs_w, offs_g, K: tl.constexpr, GROUP: tl.constexpr):
     """Words [BN, BW] int32, scale * 16 and offset [BN, NG] float32 of rows r from code k0 (masked rows: 0)."""
     wv = tl.load(QW + r * (K // 8) + k0 // 8 + offs_w[None, :], mask=n_ok[:, None], other=0,
@@ -604,9 +625,9 @@ def _q4v_dot(wv, s, z, a0, a1, a2, a3, xs, b0, b1, b2, b3, xs1, BN: tl.constexpr
 
 
 @triton.jit
-def _q4v_kernel(X, QW, S, Z, Y, N, stride_xm, stride_ym, GLU_OFF,
+def _q4v_kernel(X, QW, S, Z, Y, N, stride_xm, stride_ym, GLU_OFF, XS,
                 K: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                GLU: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr):
+                GLU: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr, XPRE: tl.constexpr = False):
     # one program: BLOCK_N output features (GLU: gate rows n and up rows GLU_OFF + n) of M = 1 or 2 rows,
     # K walked in BLOCK_K steps, the next step's weights loaded while this one computes. Words are
     # [BLOCK_N, BW] as loaded; a word's products are summed over its group of 4 words ([BLOCK_N, NG]) before the
@@ -639,9 +660,15 @@ def _q4v_kernel(X, QW, S, Z, Y, N, stride_xm, stride_ym, GLU_OFF,
             nwv, ns, nz = _q4v_tile(QW, S, Z, rows, more, k0 + BLOCK_K, offs_w, offs_g, K, GROUP)
             if GLU:
                 nuv, nus, nuz = _q4v_tile(QW, S, Z, up, more, k0 + BLOCK_K, offs_w, offs_g, K, GROUP)
-        a0, a1, a2, a3, xs = _x_pairs(X32, k0, offs_w, BW)
+        if XPRE:  # X: x_pairs_f16's pairs, XS its group sums
+            a0, a1, a2, a3, xs = _x_pairs_pre(X32, XS, k0, BW, GROUP)
+        else:
+            a0, a1, a2, a3, xs = _x_pairs(X32, k0, offs_w, BW)
         if M == 2:
-            b0, b1, b2, b3, xs1 = _x_pairs(X32 + stride_xm // 2, k0, offs_w, BW)
+            if XPRE:
+                b0, b1, b2, b3, xs1 = _x_pairs_pre(X32 + stride_xm // 2, XS + K // GROUP, k0, BW, GROUP)
+            else:
+                b0, b1, b2, b3, xs1 = _x_pairs(X32 + stride_xm // 2, k0, offs_w, BW)
         else:
             b0, b1, b2, b3, xs1 = a0, a1, a2, a3, xs
         c0, c1 = _q4v_dot(wv, s, z, a0, a1, a2, a3, xs, b0, b1, b2, b3, xs1, BLOCK_N, NG, M)
@@ -670,11 +697,13 @@ def _q4v_kernel(X, QW, S, Z, Y, N, stride_xm, stride_ym, GLU_OFF,
 
 def q4v_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, glu: bool = False,
                block_n: int | None = None, block_k: int | None = None, use_dot: bool = False, num_warps: int = 4,
-               num_stages: int = 2) -> torch.Tensor:
+               num_stages: int = 2, x_pairs: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """As q4w_linear (same layout and result up to f16 rounding of the products) for 1 or 2 bf16 rows, with
     the packed-f16 decode kernel `_q4v_kernel`; block_k defaults to the largest power of two dividing K, up
-    to 4096. CUDA only (inline
-    PTX: Triton's interpreter cannot run it)."""
+    to 4096. x_pairs: `x_pairs_f16(x)`, made beforehand: the kernel reads them instead of converting x in every
+    program (the same result bit for bit; an experiment of benchmarks/q4v_xprep_gpu.py, which measured it 4 %
+    faster summed over a decode step's products: the engine does not use it). CUDA only (inline PTX: Triton's
+    interpreter cannot run it)."""
     m, k = x.shape
     n = qw32.shape[0]
     block_k = block_k or min(k & -k, 4096)  # the largest power of two dividing K
@@ -686,10 +715,16 @@ def q4v_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: t
     n_out = n // 2 if glu else n
     y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     pdl_on = pdl_enabled(x)
-    _q4v_kernel[(triton.cdiv(n_out, block_n),)](x, qw32, scale, zero, y, n_out, x.stride(0), y.stride(0), n_out,
+    xin, xs, stride = x, x, x.stride(0)
+    if x_pairs is not None:
+        xin, xs = x_pairs
+        if xin.shape != (m, k // 2) or xs.shape != (m, k // GROUP) or not (xin.is_contiguous() and xs.is_contiguous()):
+            raise ValueError(f"q4v_linear: x_pairs must be x_pairs_f16(x) of x {tuple(x.shape)}")
+        stride = k  # in bf16 elements, as the kernel counts
+    _q4v_kernel[(triton.cdiv(n_out, block_n),)](xin, qw32, scale, zero, y, n_out, stride, y.stride(0), n_out, xs,
                                                 K=k, M=m, BLOCK_N=block_n, BLOCK_K=block_k, GLU=glu, GROUP=GROUP,
-                                                PDL=pdl_on, num_warps=num_warps, num_stages=num_stages,
-                                                **launch_kwargs(pdl_on))
+                                                PDL=pdl_on, XPRE=x_pairs is not None, num_warps=num_warps,
+                                                num_stages=num_stages, **launch_kwargs(pdl_on))
     return y
 
 

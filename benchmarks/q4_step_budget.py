@@ -1,0 +1,135 @@
+"""Where an int4 decode step goes (#12), by knock-out: the random Qwen3-8B-shape model quantized to int4 on the GPU
+(CudaQ4Linear), one batch-1 decode forward replayed from a CUDA graph (512 cached tokens), with the operations
+between the matrix products replaced, one kind at a time, by stand-ins that launch nothing. The step time a
+variant saves is the most that fusing that operation away could save; "products only" is the step that is left
+when every one of them is gone. Also: attention with fewer KV splits (the split merge is a launch of its own).
+Variants run interleaved (the card's clocks drift); best of the runs. Prints a table, writes JSON (+ PNG).
+
+    python benchmarks/q4_step_budget.py --out benchmarks/results/q4_step_budget_h200.json
+
+The stand-ins give wrong numbers on purpose: only the times mean anything.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import gpu as G  # noqa: E402
+from forerun.attention.triton_backend import TritonPagedAttention  # noqa: E402
+from forerun.runtime.cuda_graph import GraphRunner  # noqa: E402
+
+# variant -> (operations knocked out, attention KV splits (None: the backend's own choice))
+VARIANTS = {
+    "engine": ((), None),
+    "attention 1 split": ((), 1),
+    "attention 4 splits": ((), 4),
+    "no add+norm": (("norm",), None),
+    "no qk-norm/rope/cache write": (("rope",), None),
+    "no attention": (("attn",), None),
+    "products only": (("norm", "rope", "attn"), None),
+}
+
+
+def install(model, knocked: tuple[str, ...], splits: int | None, originals: dict) -> None:
+    """Put back the real operations, then replace the knocked-out ones by stand-ins that launch no kernel."""
+    ops = model.ops
+    for name, fn in originals.items():
+        setattr(ops, name, fn)
+    model.backend = TritonPagedAttention(num_splits=splits)
+    bufs: dict = {}
+    if "norm" in knocked:
+        ops.add_rmsnorm = lambda x, residual, norm: (x, x if residual is None else residual)
+    if "rope" in knocked:
+        def qkv_to_cache(qkv, positions, rope, q_norm, k_norm, layer, meta, kv, num_heads, num_kv_heads, head_dim):
+            shape = (qkv.shape[0], num_heads, head_dim)
+            if shape not in bufs:
+                bufs[shape] = torch.zeros(shape, dtype=qkv.dtype, device=qkv.device)
+            return bufs[shape]
+        ops.qkv_to_cache = qkv_to_cache
+    if "attn" in knocked:
+        model.backend.forward = lambda q, k, v, meta, scale, window=None: q
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(res["variants"])
+    ms = [res["variants"][n]["ms"] for n in names]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.barh(names, ms, color="tab:blue")
+    ax.axvline(res["floor_ms"], color="k", ls="--", label=f"weight-streaming floor {res['floor_ms']:.3f} ms")
+    ax.axvline(res["floor_ms"] / 0.75, color="tab:red", ls=":", label="75 % of the floor")
+    ax.set_xlabel("decode forward, batch 1 (ms)")
+    ax.set_title("int4 8B-shape decode step: what each operation costs (knock-out)")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results/q4_step_budget.json")
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers (a smoke run)")
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    from forerun.models.quant_cuda import quantize_model_cuda
+    from quant_decode_gpu import model_bytes
+
+    ctx0 = 512
+    bw = G.copy_bandwidth(2.0)
+    model = G.build_model(G.QWEN3_8B, args.layers, seed=1)
+    model.ops = G.FusedLayerOps()
+    quantize_model_cuda(model)
+    model.ops.pdl_norms = True  # as enable_cuda_graphs sets it for quantized models
+    torch.cuda.empty_cache()
+    floor = model_bytes(model) / bw * 1e3
+    side = G.make_side(model, 1, ctx0 + 64)
+    originals = {n: getattr(model.ops, n) for n in ("add_rmsnorm", "qkv_to_cache")}
+    ids = torch.zeros(1, 1, dtype=torch.int64, device=G.DEV)
+    ctx = torch.full((1,), ctx0, dtype=torch.int64, device=G.DEV)
+    runs: dict[str, list[float]] = {n: [] for n in VARIANTS}
+    breakdown = {}
+    for rep in range(args.repeats):
+        for name, (knocked, splits) in VARIANTS.items():
+            install(model, knocked, splits, originals)
+            side.graphs = GraphRunner(side.runner, batch_sizes=[1], max_q_len=1)
+            fn = lambda: side.graphs.run_uniform(ids, ctx, 1)  # noqa: E731
+            runs[name].append(G.bench_ms(fn, inner=20, outer=5))
+            if rep == 0 and name in ("engine", "products only"):
+                breakdown[name] = G.kernel_breakdown(fn)
+            G.log(f"[{rep}] {name:28s} {runs[name][-1]:.4f} ms")
+            del side.graphs
+    install(model, (), None, originals)
+    base = min(runs["engine"])
+    res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, ctx=ctx0, copy_bw_bytes_per_s=bw,
+               weight_bytes=model_bytes(model), floor_ms=floor, layers=model.config.num_layers,
+               variants={n: dict(ms=min(t), runs=t, saves_ms=base - min(t), of_floor=floor / min(t))
+                         for n, t in runs.items()},
+               kernels=breakdown)
+    print(f"\nint4 decode forward, batch 1, {ctx0} cached tokens; floor {floor:.3f} ms "
+          f"({res['weight_bytes'] / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s); 75 % of it: {floor / 0.75:.3f} ms")
+    print(f"| variant | ms | saves | % of floor |\n| --- | --- | --- | --- |")
+    for n, v in res["variants"].items():
+        print(f"| {n} | {v['ms']:.3f} | {v['saves_ms']:+.3f} | {100 * v['of_floor']:.1f} % |")
+    for n, b in breakdown.items():
+        cats = ", ".join(f"{c} {v['us']:.0f} us x{v['count']:.0f}" for c, v in b["categories"].items())
+        print(f"kernels ({n}): {b['total_us']:.0f} us: {cats}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    plot(res, os.path.splitext(args.out)[0] + ".png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -227,6 +227,12 @@ def test_help_exits_0(capsys):
     (["--restart-schedule"], "--restart-schedule works with --resume only"),
     (["--steps", "0"], "--steps must be >= 1"),
     (["--device", "bogus"], "--device 'bogus': not a device name"),
+    (["--distill-batch", "4"], "--distill-batch works with --corpus distill only"),
+    (["--corpus", "code", "--distill-minutes", "3"], "--distill-minutes works with --corpus distill only"),
+    (["--version", "1", "--draft-vocab", "8000"], "--draft-vocab is for EAGLE-3 heads"),
+    (["--version", "1", "--train-lm-head"], "--train-lm-head is for EAGLE-3 heads"),
+    (["--corpus", "distill", "--distill-batch", "0"], "--distill-batch must be >= 1"),
+    (["--draft-vocab", "0"], "--draft-vocab must be >= 1"),
 ])
 def test_train_eagle_flags_are_judged_before_anything_loads(args, message, capsys, no_loading, tmp_path):
     rc, out, err = run(["train-eagle", "--target", "smollm2-135m-instruct", "--out", str(tmp_path / "head"), *args],
@@ -250,3 +256,15 @@ def test_model_paths_that_are_not_checkpoints_are_usage_errors(tmp_path, capsys,
             rc, out, err = run(args, capsys)
             assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, (args, rc, err)
             assert "Traceback" not in err and out == ""
+
+
+def test_train_eagle_target_must_name_a_model_and_defaults_fill_in(capsys, no_loading, tmp_path):
+    (tmp_path / "notes.txt").write_text("not a model")
+    rc, _, err = run(["train-eagle", "--target", str(tmp_path / "notes.txt"), "--out", str(tmp_path / "h")], capsys)
+    assert rc == 2 and "notes.txt: not a checkpoint" in err and err.count("\n") == 1, err
+    from forerun.eagle.train import DEFAULTS, parse_flags
+
+    a = parse_flags(["--target", "smollm2-135m-instruct", "--out", str(tmp_path / "h"), "--corpus", "distill",
+                     "--distill-batch", "4"])
+    assert a.distill_batch == 4 and a.distill_max_new == DEFAULTS["distill_max_new"]
+    assert a.draft_vocab == DEFAULTS["draft_vocab"]

@@ -393,6 +393,9 @@ def generate_answers(target, tok, data_dir: Path, a, device, deadline: float | N
     return train, held
 
 
+DEFAULTS = {"distill_max_new": 160, "distill_batch": 16, "draft_vocab": 32000}  # flags that default to None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="forerun train-eagle", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="target model: known name, GGUF file or HF folder")
@@ -411,15 +414,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--corpus distill: answer tokens to generate for training (default: --train-tokens)")
     p.add_argument("--distill-heldout-tokens", type=int, default=None,
                    help="--corpus distill: answer tokens to generate for held-out (default: --heldout-tokens)")
-    p.add_argument("--distill-max-new", type=int, default=160, help="--corpus distill: new tokens per answer")
-    p.add_argument("--distill-batch", type=int, default=16, help="--corpus distill: sequences decoded at once")
+    p.add_argument("--distill-max-new", type=int, default=None,
+                   help=f"--corpus distill: new tokens per answer (default {DEFAULTS['distill_max_new']})")
+    p.add_argument("--distill-batch", type=int, default=None,
+                   help=f"--corpus distill: sequences decoded at once (default {DEFAULTS['distill_batch']})")
     p.add_argument("--distill-minutes", type=float, default=None,
                    help="--corpus distill: bound this run's generation time (what was generated is kept)")
     p.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="the target's weights for the features, as `forerun bench` loads them (default auto: a GGUF "
                         "stays int4 where the kernel runs); drafting should run against the same layout")
     p.add_argument("--seq-len", type=int, default=384, help="longest corpus sample (tokens)")
-    p.add_argument("--draft-vocab", type=int, default=32000, help="EAGLE-3 draft vocabulary size")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help=f"EAGLE-3 draft vocabulary size (default {DEFAULTS['draft_vocab']})")
     p.add_argument("--intermediate", type=int, default=None, help="head MLP width (default: the target's)")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps (upper bound)")
     p.add_argument("--minutes", type=float, default=None,
@@ -450,6 +456,11 @@ def _check_flags(a) -> str | None:
 
     if a.threads < 0:
         return f"--threads must be >= 0 (0 = torch's default), got {a.threads}"
+    from ..models import hub
+
+    problem = hub.model_problem(a.target, "target")
+    if problem:
+        return problem
     from ..devices import device_problem
 
     if device_problem(a.device):
@@ -470,19 +481,39 @@ def _check_flags(a) -> str | None:
         return f"--resume: {out} holds no train_state.pt to resume from (leave --resume out to start a new head)"
     if a.restart_schedule and not a.resume:
         return "--restart-schedule works with --resume only"
+    if a.corpus != "distill":
+        given = [n for n in ("distill_tokens", "distill_heldout_tokens", "distill_max_new", "distill_batch",
+                             "distill_minutes") if getattr(a, n) is not None]
+        if given:
+            return f"--{given[0].replace('_', '-')} works with --corpus distill only"
+    if a.version == 1 and a.draft_vocab is not None:
+        return "--draft-vocab is for EAGLE-3 heads: an EAGLE-1 head drafts over the target's whole vocabulary"
+    if a.version == 1 and a.train_lm_head:
+        return "--train-lm-head is for EAGLE-3 heads: an EAGLE-1 head uses the target's lm_head"
     return None
 
 
-def main(argv=None) -> int:
+def parse_flags(argv=None) -> argparse.Namespace | str:
+    """The command line judged before anything loads: the flags with DEFAULTS filled in where left out, or what
+    is wrong with them (one line)."""
     a = build_parser().parse_args(argv)
-    for name in ("train_tokens", "heldout_tokens", "distill_max_new", "distill_batch", "seq_len", "draft_vocab", "steps", "ttt", "accum",
-                 "eval_every", "eval_k", "save_every"):
-        if getattr(a, name) < 1:
-            print(f"forerun train-eagle: error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
-            return 2
+    for name in ("train_tokens", "heldout_tokens", "distill_max_new", "distill_batch", "seq_len", "draft_vocab",
+                 "steps", "ttt", "accum", "eval_every", "eval_k", "save_every"):
+        if getattr(a, name) is not None and getattr(a, name) < 1:
+            return f"--{name.replace('_', '-')} must be >= 1"
     problem = _check_flags(a)
     if problem:
-        print(f"forerun train-eagle: error: {problem}", file=sys.stderr)
+        return problem
+    for name, value in DEFAULTS.items():  # None until judged: a given one may have been refused above
+        if getattr(a, name) is None:
+            setattr(a, name, value)
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_flags(argv)
+    if isinstance(a, str):
+        print(f"forerun train-eagle: error: {a}", file=sys.stderr)
         return 2
     if a.threads:
         torch.set_num_threads(a.threads)

@@ -372,3 +372,18 @@ def test_models_list_says_what_cached_means(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FORERUN_CACHE", str(tmp_path))
     assert hub.main_list([]) == 0
     assert "forerun models verify" in capsys.readouterr().out
+
+
+def test_models_list_takes_a_cache_dir(tmp_path, monkeypatch, capsys):
+    """--cache-dir lists that cache (as pull and verify take it), not $FORERUN_CACHE's."""
+    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path / "env"))
+    src = hub.REGISTRY[0]
+    other = tmp_path / "other" / "models"
+    other.mkdir(parents=True)
+    (other / src.filename).write_bytes(b"partial")
+    assert hub.main_list(["--cache-dir", str(tmp_path / "other")]) == 0
+    out = capsys.readouterr().out
+    assert f"unverified  {other / src.filename}" in out and str(tmp_path / "env") not in out
+    assert hub.main_list([]) == 0
+    out = capsys.readouterr().out
+    assert str(tmp_path / "env" / "models" / src.filename) in out and "unverified" not in out

@@ -507,11 +507,13 @@ def main_pull(argv: Sequence[str] | None = None) -> int:
 
 
 def main_list(argv: Sequence[str] | None = None) -> int:
-    """``forerun models list``: known models, whether cached, and where. "cached" means the size and mtime
+    """``forerun models list [--cache-dir DIR]``: known models, whether cached, and where. "cached" means the size and mtime
     match the file that was verified; only ``forerun models verify`` rehashes the content."""
-    _argument_parser(prog="forerun models list", description="List known models.").parse_args(argv)
+    ap = _argument_parser(prog="forerun models list", description="List known models.")
+    ap.add_argument("--cache-dir", default=None, help=f"cache root (default {cache_dir()})")
+    args = ap.parse_args(argv)
     for src in REGISTRY:
-        path = _models_dir(None) / src.filename
+        path = _models_dir(args.cache_dir) / src.filename
         state = "cached" if _marker_ok(path, src.sha256) else ("unverified" if path.exists() else "not pulled")
         print(f"{src.name:32s} {state:11s} {path}\n    {src.description}")
     print("(\"cached\" checks size and mtime only; `forerun models verify` rehashes the files in full)")

@@ -29,6 +29,7 @@ from forerun.structured import ALL_ALLOWED, apply_bitmask_, bitmask_words, gramm
 from forerun.verify import SamplingTensors, verify_tree
 from forerun.verify.probs import logits_to_probs, sample_from_probs
 
+from test_verify_common import assert_exact_with_one_point_power
 from tiny import hf_model, ours_from_hf
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
@@ -483,32 +484,18 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def _assert_exact_with_one_point_power(counts: torch.Tensor, p: torch.Tensor) -> None:
-    """The counts fit p (chi-square, p-value > 1e-3), and the same counts reject p with one point (0.01) of
-    probability moved between its two likeliest tokens (p-value < 1e-3): the draws resolve a 1 % bias."""
-    from test_verify_common import chi2_pvalue
-
-    assert chi2_pvalue(counts, p) > 1e-3
-    top = p.topk(2).indices
-    for sign in (1, -1):
-        q = p.clone()
-        q[top[0]] += sign * 0.01
-        q[top[1]] -= sign * 0.01
-        assert chi2_pvalue(counts, q) < 1e-3
-
-
 def test_sampled_tree_is_exact_chi_square(one_thread):
     """The drafting scheme for sampled requests (i.i.d. children, no pruning by value) keeps the exact rule
     lossless: the first emitted token follows the target (chi-square over 60000 rounds, which resolve a 1-point
     bias; the power check below shows a wrong scheme is off by 4-20 points per token)."""
     counts, p = _first_token_counts(60000)
-    _assert_exact_with_one_point_power(counts, p)
+    assert_exact_with_one_point_power(counts, p)
 
 
 def test_capped_sampled_tree_is_exact_chi_square(one_thread):
     """The same check for a tree cut to fit its request (depth and node caps, in a batch with an uncapped tree)."""
     counts, p = _first_token_counts(60000, capped=True)
-    _assert_exact_with_one_point_power(counts, p)
+    assert_exact_with_one_point_power(counts, p)
 
 
 def test_sampled_tree_power_check(monkeypatch, one_thread):

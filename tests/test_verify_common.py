@@ -108,6 +108,18 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(np.asarray(counts), np.asarray(expected)).pvalue)
 
 
+def assert_exact_with_one_point_power(counts: torch.Tensor, p: torch.Tensor) -> None:
+    """The counts fit p (chi-square, p-value > 1e-3), and the same counts reject p with one point (0.01) of
+    probability moved, either way, between its two likeliest tokens (p-value < 1e-3): the draws resolve a 1 % bias."""
+    assert chi2_pvalue(counts, p) > 1e-3
+    top = p.topk(2).indices
+    for sign in (1, -1):
+        biased = p.clone()
+        biased[top[0]] += sign * 0.01
+        biased[top[1]] -= sign * 0.01
+        assert chi2_pvalue(counts, biased) < 1e-3
+
+
 def test_chi2_helper_accepts_fair_and_rejects_one_percent_bias():
     g = torch.Generator().manual_seed(0)
     p = torch.tensor([0.5, 0.3, 0.2])

@@ -307,7 +307,7 @@ def kernel_breakdown(fn, reps: int = 5, top: int = 25) -> dict:
             return "attention (Triton)"
         if "_skinny_gemm" in low:
             return "matmul (skinny Triton)"
-        if low.startswith(("_q4", "_q8")):
+        if low.startswith(("_q4", "_q8", "_rows_kernel")):
             return "matmul (quantized Triton)"
         if "_add_rmsnorm" in low or "_qk_norm_rope" in low:
             return "fused norm / rope / KV write (Triton)"

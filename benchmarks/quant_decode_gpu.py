@@ -59,6 +59,36 @@ def graph_us(calls, reps: int = 10) -> float:
     return bench_graph(lambda: [f() for f in calls], reps=reps) * 1e3 / len(calls)
 
 
+def best_config(grid: list[dict], ref: torch.Tensor, product, copies: list, what: str) -> dict:
+    """The fastest configuration in `grid` whose product(weights, cfg) is within 2e-2 of ref (relative to its
+    largest entry), timed over the weight copies; configurations the compiler refuses are logged and skipped."""
+    best = None
+    for cfg in grid:
+        try:
+            y = product(copies[0], cfg)
+            err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+            if err > 2e-2:
+                raise ValueError(f"rel err {err:.2e}")
+            us = graph_us([lambda c=c, cfg=cfg: product(c, cfg) for c in copies])
+        except Exception as e:  # e.g. more shared memory than the card has
+            log(f"  {what} {cfg}: {type(e).__name__} {str(e)[:100]}")
+            continue
+        if best is None or us < best["us"]:
+            best = {**cfg, "us": us, "rel_err": err}
+    return best
+
+
+def keep_committed(name: str, table: dict) -> dict:
+    """The swept table over the committed one for this card (rows not swept this run keep theirs), in use from now
+    on (quant_cuda.set_configs)."""
+    try:
+        table = {**json.loads(quant_cuda.CONFIGS.read_text()).get(name, {}), **table}
+    except (OSError, ValueError):
+        pass
+    quant_cuda.set_configs(name, table)
+    return table
+
+
 def sweep(bw: float, rows: list[int], quick: bool) -> tuple[list[dict], dict]:
     name = torch.cuda.get_device_name()
     results, table = [], {}
@@ -95,19 +125,7 @@ def sweep(bw: float, rows: list[int], quick: bool) -> tuple[list[dict], dict]:
                          dict(kernel="w2", block_n=32, block_k=256, use_dot=True, num_warps=4, num_stages=3)]
             if quick:
                 grid = grid[:2] + grid[-1:]
-            best = None
-            for cfg in grid:
-                try:
-                    y = q4_product(x, q32, s, z, glu, cfg)
-                    err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
-                    if err > 2e-2:
-                        raise ValueError(f"rel err {err:.2e}")
-                    us = graph_us([lambda c=c, cfg=cfg: q4_product(x, *c, glu, cfg) for c in Q])
-                except Exception as e:  # a config the compiler refuses (shared memory): skip it
-                    log(f"  {shape} m={m} {cfg}: {type(e).__name__} {str(e)[:100]}")
-                    continue
-                if best is None or us < best["us"]:
-                    best = {**cfg, "us": us, "rel_err": err}
+            best = best_config(grid, ref, lambda c, cfg: q4_product(x, *c, glu, cfg), Q, f"{shape} m={m}")
             row["q4w"] = {**best, "of_floor": row["floor_us"] / best["us"]}
             table[config_key(m, n, k, glu)] = best
             if not glu:  # the chunk-layout kernel, its default config
@@ -133,11 +151,7 @@ def sweep(bw: float, rows: list[int], quick: bool) -> tuple[list[dict], dict]:
                 f"err {best['rel_err']:.1e}")
         del Q, old, wb, wd, qw, q32
         torch.cuda.empty_cache()
-    try:  # rows not swept this run keep the committed configurations
-        table = {**json.loads(quant_cuda.CONFIGS.read_text()).get(name, {}), **table}
-    except (OSError, ValueError):
-        pass
-    quant_cuda.set_configs(name, table)
+    table = keep_committed(name, table)
     return results, table
 
 
@@ -172,19 +186,7 @@ def sweep_q8(bw: float, rows: list[int], quick: bool) -> tuple[list[dict], dict]
                 grid = grid[:4]
             if quick:
                 grid = grid[:2]
-            best = None
-            for cfg in grid:
-                try:
-                    y = q8_product(x, qw8, s, glu, cfg)
-                    err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
-                    if err > 2e-2:
-                        raise ValueError(f"rel err {err:.2e}")
-                    us = graph_us([lambda c=c, cfg=cfg: q8_product(x, *c, glu, cfg) for c in Q])
-                except Exception as e:  # a config the compiler refuses: skip it
-                    log(f"  q8 {shape} m={m} {cfg}: {type(e).__name__} {str(e)[:100]}")
-                    continue
-                if best is None or us < best["us"]:
-                    best = {**cfg, "us": us, "rel_err": err}
+            best = best_config(grid, ref, lambda c, cfg: q8_product(x, *c, glu, cfg), Q, f"q8 {shape} m={m}")
             row["q8"] = {**best, "of_floor": row["floor_us"] / best["us"]}
             table[config_key(m, n, k, glu, 8)] = best
             results.append(row)
@@ -193,11 +195,7 @@ def sweep_q8(bw: float, rows: list[int], quick: bool) -> tuple[list[dict], dict]
                 f"err {best['rel_err']:.1e}")
         del Q, wd, qw8
         torch.cuda.empty_cache()
-    try:  # keep every committed configuration (the q4 ones, q8 rows not swept)
-        table = {**json.loads(quant_cuda.CONFIGS.read_text()).get(name, {}), **table}
-    except (OSError, ValueError):
-        pass
-    quant_cuda.set_configs(name, table)
+    table = keep_committed(name, table)
     return results, table
 
 

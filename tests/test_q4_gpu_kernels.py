@@ -287,7 +287,7 @@ def _q8_ptx_constants() -> tuple[int, int, tuple[int, int]]:
 
 
 def _emulate_q8_word(words: np.ndarray, x0: np.ndarray, x1: np.ndarray, sel=None) -> np.ndarray:
-    """The PTX block of `_q8v_kernel` (quant_gemm._Q8_WORD_UNPACK / _Q8_WORD_DOT) in numpy, with its constants
+    """The PTX block of `_rows_kernel` with BITS=8 (quant_gemm._Q8_WORD_UNPACK / _Q8_WORD_DOT) in numpy, with its constants
     read from the PTX text: prmt(word, src, sel) picks, per result byte, byte sel-nibble of (word bytes 0-3, src
     bytes), then sub.f16x2 of the magic pair (exact); the products in float32 rounded to f16 after each step (an
     fma rounds once: for these small integer codes times f16 activations the float32 product is exact, so this

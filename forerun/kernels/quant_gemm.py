@@ -25,7 +25,7 @@ word layout's, picked per row count and shape from kernels/q4_configs.json by mo
   * `q4r_linear` (3-8 rows, short verification): the same PTX, one unpacking per 4 rows;
   * `q4t_linear` (<= 16 rows): bf16 dequantization in PTX, tensor-core products;
   * `q8v_linear` (1-8 rows): 8-bit word layout (``qw8`` int32 [N, K / 4], codes biased by +128), the same PTX
-    scheme (what `CudaQ8Linear` uses).
+    scheme (what `CudaQ8Linear` uses); it and `q4r_linear` share one kernel, `_rows_kernel`.
 """
 from __future__ import annotations
 
@@ -906,14 +906,38 @@ def _store_rows(Y, stride_ym, offs_n, n_ok, M: tl.constexpr, g0, g1, g2, g3, g4,
 
 
 @triton.jit
-def _q4r_kernel(X, QW, S, Z, Y, N, stride_xm, stride_ym, GLU_OFF,
-                K: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                GLU: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr):
-    # as _q4v_kernel for M = 3..8 rows: rows 0-3 and 4-7 each share one unpacking of a word
+def _rows_tile(QW, S, Z, r, n_ok, k0, offs_w, offs_g, K: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr):
+    """A weight tile of either layout as (words, scale, offset); 8-bit weights have no offset (its slot: scale)."""
+    if BITS == 4:
+        return _q4v_tile(QW, S, Z, r, n_ok, k0, offs_w, offs_g, K, GROUP)
+    else:
+        wv, sc = _q8v_tile(QW, S, r, n_ok, k0, offs_w, offs_g, K, GROUP)
+        return wv, sc, sc
+
+
+@triton.jit
+def _rows_block(wv, s, z, X32, stride_x32, k0, offs_w, R: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr,
+                BW: tl.constexpr, BITS: tl.constexpr):
+    if BITS == 4:
+        return _q4r_block(wv, s, z, X32, stride_x32, k0, offs_w, R, BN, NG, BW)
+    else:
+        return _q8_block(wv, s, X32, stride_x32, k0, offs_w, R, BN, NG, BW)
+
+
+@triton.jit
+def _rows_kernel(X, QW, S, Z, Y, N, stride_xm, stride_ym, GLU_OFF,
+                 K: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GLU: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr,
+                 PREFETCH: tl.constexpr):
+    # The 1..8-row kernel of both word layouts (BITS 4: `q4r_linear`, 8: `q8v_linear`). One program: BLOCK_N
+    # output features (GLU: gate rows n and up rows GLU_OFF + n) of M activation rows; rows 0-3 and 4-7 each
+    # share one unpacking of a word. K walked in BLOCK_K steps; PREFETCH: the next step's weights (gate and up)
+    # are loaded while this one computes, else each step loads its own (the up rows after the gate rows' products).
+    # PDL as in _q4v_kernel: the first weights before the wait.
     pid = tl.program_id(0)
     if PDL:
         gdc_launch_dependents()
-    BW: tl.constexpr = BLOCK_K // 8
+    BW: tl.constexpr = BLOCK_K // (32 // BITS)  # words per step (8 or 4 codes a word)
     NG: tl.constexpr = BLOCK_K // GROUP
     R0: tl.constexpr = 4 if M > 4 else M
     R1: tl.constexpr = M - R0
@@ -922,11 +946,14 @@ def _q4r_kernel(X, QW, S, Z, Y, N, stride_xm, stride_ym, GLU_OFF,
     offs_w = tl.arange(0, BW)
     offs_g = tl.arange(0, NG)
     rows = offs_n[:, None].to(tl.int64)
-    X32 = X.to(tl.pointer_type(tl.int32))
+    up = rows + GLU_OFF
+    X32 = X.to(tl.pointer_type(tl.int32))  # the bf16 activations as pairs
     sx = stride_xm // 2
-    wv, s, z = _q4v_tile(QW, S, Z, rows, n_ok, 0, offs_w, offs_g, K, GROUP)
+    wv, s, z = _rows_tile(QW, S, Z, rows, n_ok, 0, offs_w, offs_g, K, GROUP, BITS)
+    if GLU and PREFETCH:
+        uv, us, uz = _rows_tile(QW, S, Z, up, n_ok, 0, offs_w, offs_g, K, GROUP, BITS)
     if PDL:
-        gdc_wait()
+        gdc_wait()  # X is written by the previous kernel
     g0 = tl.zeros([BLOCK_N, NG], tl.float32)  # gate (or only) rows: activation rows 0..7
     g1 = tl.zeros([BLOCK_N, NG], tl.float32)
     g2 = tl.zeros([BLOCK_N, NG], tl.float32)
@@ -944,39 +971,51 @@ def _q4r_kernel(X, QW, S, Z, Y, N, stride_xm, stride_ym, GLU_OFF,
     u6 = tl.zeros([BLOCK_N, NG], tl.float32)
     u7 = tl.zeros([BLOCK_N, NG], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if k0 > 0:
-            wv, s, z = _q4v_tile(QW, S, Z, rows, n_ok, k0, offs_w, offs_g, K, GROUP)
-        c0, c1, c2, c3 = _q4r_block(wv, s, z, X32, sx, k0, offs_w, R0, BLOCK_N, NG, BW)
+        if PREFETCH:
+            if K > BLOCK_K:  # the next step's weights (none after the last)
+                more = n_ok & (k0 + BLOCK_K < K)
+                nwv, ns, nz = _rows_tile(QW, S, Z, rows, more, k0 + BLOCK_K, offs_w, offs_g, K, GROUP, BITS)
+                if GLU:
+                    nuv, nus, nuz = _rows_tile(QW, S, Z, up, more, k0 + BLOCK_K, offs_w, offs_g, K, GROUP, BITS)
+        elif k0 > 0:
+            wv, s, z = _rows_tile(QW, S, Z, rows, n_ok, k0, offs_w, offs_g, K, GROUP, BITS)
+        c0, c1, c2, c3 = _rows_block(wv, s, z, X32, sx, k0, offs_w, R0, BLOCK_N, NG, BW, BITS)
         g0 += c0
         g1 += c1
         g2 += c2
         g3 += c3
         if R1 > 0:
-            c0, c1, c2, c3 = _q4r_block(wv, s, z, X32 + 4 * sx, sx, k0, offs_w, R1, BLOCK_N, NG, BW)
+            c0, c1, c2, c3 = _rows_block(wv, s, z, X32 + 4 * sx, sx, k0, offs_w, R1, BLOCK_N, NG, BW, BITS)
             g4 += c0
             g5 += c1
             g6 += c2
             g7 += c3
         if GLU:
-            uv, us, uz = _q4v_tile(QW, S, Z, rows + GLU_OFF, n_ok, k0, offs_w, offs_g, K, GROUP)
-            c0, c1, c2, c3 = _q4r_block(uv, us, uz, X32, sx, k0, offs_w, R0, BLOCK_N, NG, BW)
+            if not PREFETCH:
+                uv, us, uz = _rows_tile(QW, S, Z, up, n_ok, k0, offs_w, offs_g, K, GROUP, BITS)
+            c0, c1, c2, c3 = _rows_block(uv, us, uz, X32, sx, k0, offs_w, R0, BLOCK_N, NG, BW, BITS)
             u0 += c0
             u1 += c1
             u2 += c2
             u3 += c3
             if R1 > 0:
-                c0, c1, c2, c3 = _q4r_block(uv, us, uz, X32 + 4 * sx, sx, k0, offs_w, R1, BLOCK_N, NG, BW)
+                c0, c1, c2, c3 = _rows_block(uv, us, uz, X32 + 4 * sx, sx, k0, offs_w, R1, BLOCK_N, NG, BW, BITS)
                 u4 += c0
                 u5 += c1
                 u6 += c2
                 u7 += c3
+            if PREFETCH and K > BLOCK_K:
+                uv, us, uz = nuv, nus, nuz
+        if PREFETCH and K > BLOCK_K:
+            wv, s, z = nwv, ns, nz
     _store_rows(Y, stride_ym, offs_n, n_ok, M, g0, g1, g2, g3, g4, g5, g6, g7, u0, u1, u2, u3, u4, u5, u6, u7, GLU)
 
 
 def q4r_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, glu: bool = False,
                block_n: int | None = None, block_k: int | None = None, use_dot: bool = False, num_warps: int = 4,
                num_stages: int = 2) -> torch.Tensor:
-    """As q4v_linear for 1..8 bf16 rows (`_q4r_kernel`: one unpacking of each word per 4 rows). CUDA only."""
+    """As q4v_linear for 1..8 bf16 rows (`_rows_kernel` with BITS=4: one unpacking of each word per 4 rows). CUDA
+    only."""
     m, k = x.shape
     n = qw32.shape[0]
     block_k = block_k or min(k & -k, 1024)
@@ -988,10 +1027,10 @@ def q4r_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: t
     n_out = n // 2 if glu else n
     y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     pdl_on = pdl_enabled(x)
-    _q4r_kernel[(triton.cdiv(n_out, block_n),)](x, qw32, scale, zero, y, n_out, x.stride(0), y.stride(0), n_out,
-                                                K=k, M=m, BLOCK_N=block_n, BLOCK_K=block_k, GLU=glu, GROUP=GROUP,
-                                                PDL=pdl_on, num_warps=num_warps, num_stages=num_stages,
-                                                **launch_kwargs(pdl_on))
+    _rows_kernel[(triton.cdiv(n_out, block_n),)](x, qw32, scale, zero, y, n_out, x.stride(0), y.stride(0), n_out,
+                                                 K=k, M=m, BLOCK_N=block_n, BLOCK_K=block_k, GLU=glu, GROUP=GROUP,
+                                                 PDL=pdl_on, BITS=4, PREFETCH=False, num_warps=num_warps,
+                                                 num_stages=num_stages, **launch_kwargs(pdl_on))
     return y
 
 
@@ -1129,85 +1168,6 @@ def _q8_block(wv, s, X32, stride_x32, k0, offs_w, R: tl.constexpr, BN: tl.conste
             tl.sum(tl.reshape(d2, [BN, NG, 8]), 2) * s, tl.sum(tl.reshape(d3, [BN, NG, 8]), 2) * s)
 
 
-@triton.jit
-def _q8v_kernel(X, QW, S, Y, N, stride_xm, stride_ym, GLU_OFF,
-                K: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                GLU: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr):
-    # one program: BLOCK_N output features (GLU: gate rows n and up rows GLU_OFF + n) of M = 1..8 activation rows,
-    # K walked in BLOCK_K steps with the next step's weights loaded while this one computes; rows 0-3 and 4-7
-    # each share one unpacking of a word. PDL as in _q4v_kernel: the first weights before the wait.
-    pid = tl.program_id(0)
-    if PDL:
-        gdc_launch_dependents()
-    BW: tl.constexpr = BLOCK_K // 4
-    NG: tl.constexpr = BLOCK_K // GROUP
-    R0: tl.constexpr = 4 if M > 4 else M
-    R1: tl.constexpr = M - R0
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    offs_w = tl.arange(0, BW)
-    offs_g = tl.arange(0, NG)
-    rows = offs_n[:, None].to(tl.int64)
-    up = rows + GLU_OFF
-    X32 = X.to(tl.pointer_type(tl.int32))  # the bf16 activations as pairs
-    sx = stride_xm // 2
-    wv, s = _q8v_tile(QW, S, rows, n_ok, 0, offs_w, offs_g, K, GROUP)
-    if GLU:
-        uv, us = _q8v_tile(QW, S, up, n_ok, 0, offs_w, offs_g, K, GROUP)
-    if PDL:
-        gdc_wait()  # X is written by the previous kernel
-    g0 = tl.zeros([BLOCK_N, NG], tl.float32)  # gate (or only) rows: activation rows 0..7
-    g1 = tl.zeros([BLOCK_N, NG], tl.float32)
-    g2 = tl.zeros([BLOCK_N, NG], tl.float32)
-    g3 = tl.zeros([BLOCK_N, NG], tl.float32)
-    g4 = tl.zeros([BLOCK_N, NG], tl.float32)
-    g5 = tl.zeros([BLOCK_N, NG], tl.float32)
-    g6 = tl.zeros([BLOCK_N, NG], tl.float32)
-    g7 = tl.zeros([BLOCK_N, NG], tl.float32)
-    u0 = tl.zeros([BLOCK_N, NG], tl.float32)  # up rows (GLU)
-    u1 = tl.zeros([BLOCK_N, NG], tl.float32)
-    u2 = tl.zeros([BLOCK_N, NG], tl.float32)
-    u3 = tl.zeros([BLOCK_N, NG], tl.float32)
-    u4 = tl.zeros([BLOCK_N, NG], tl.float32)
-    u5 = tl.zeros([BLOCK_N, NG], tl.float32)
-    u6 = tl.zeros([BLOCK_N, NG], tl.float32)
-    u7 = tl.zeros([BLOCK_N, NG], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if K > BLOCK_K:  # the next step's weights (none after the last)
-            more = n_ok & (k0 + BLOCK_K < K)
-            nwv, ns = _q8v_tile(QW, S, rows, more, k0 + BLOCK_K, offs_w, offs_g, K, GROUP)
-            if GLU:
-                nuv, nus = _q8v_tile(QW, S, up, more, k0 + BLOCK_K, offs_w, offs_g, K, GROUP)
-        c0, c1, c2, c3 = _q8_block(wv, s, X32, sx, k0, offs_w, R0, BLOCK_N, NG, BW)
-        g0 += c0
-        g1 += c1
-        g2 += c2
-        g3 += c3
-        if R1 > 0:
-            c0, c1, c2, c3 = _q8_block(wv, s, X32 + 4 * sx, sx, k0, offs_w, R1, BLOCK_N, NG, BW)
-            g4 += c0
-            g5 += c1
-            g6 += c2
-            g7 += c3
-        if GLU:
-            c0, c1, c2, c3 = _q8_block(uv, us, X32, sx, k0, offs_w, R0, BLOCK_N, NG, BW)
-            u0 += c0
-            u1 += c1
-            u2 += c2
-            u3 += c3
-            if R1 > 0:
-                c0, c1, c2, c3 = _q8_block(uv, us, X32 + 4 * sx, sx, k0, offs_w, R1, BLOCK_N, NG, BW)
-                u4 += c0
-                u5 += c1
-                u6 += c2
-                u7 += c3
-            if K > BLOCK_K:
-                uv, us = nuv, nus
-        if K > BLOCK_K:
-            wv, s = nwv, ns
-    _store_rows(Y, stride_ym, offs_n, n_ok, M, g0, g1, g2, g3, g4, g5, g6, g7, u0, u1, u2, u3, u4, u5, u6, u7, GLU)
-
-
 Q8_MAX_ROWS = 8
 
 
@@ -1228,8 +1188,8 @@ def q8v_linear(x: torch.Tensor, qw8: torch.Tensor, scale: torch.Tensor, glu: boo
     n_out = n // 2 if glu else n
     y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     pdl_on = pdl_enabled(x)
-    _q8v_kernel[(triton.cdiv(n_out, block_n),)](x, qw8, scale, y, n_out, x.stride(0), y.stride(0), n_out,
-                                                K=k, M=m, BLOCK_N=block_n, BLOCK_K=block_k, GLU=glu, GROUP=GROUP,
-                                                PDL=pdl_on, num_warps=num_warps, num_stages=num_stages,
-                                                **launch_kwargs(pdl_on))
+    _rows_kernel[(triton.cdiv(n_out, block_n),)](x, qw8, scale, scale, y, n_out, x.stride(0), y.stride(0), n_out,
+                                                 K=k, M=m, BLOCK_N=block_n, BLOCK_K=block_k, GLU=glu, GROUP=GROUP,
+                                                 PDL=pdl_on, BITS=8, PREFETCH=True, num_warps=num_warps,
+                                                 num_stages=num_stages, **launch_kwargs(pdl_on))
     return y

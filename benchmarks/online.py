@@ -84,9 +84,7 @@ class SyntheticSampler(RoundSampler):
     def device_verdict(self, logits, drafts):
         """The same on the device, for overlapped speculative rounds (engine/overlap_spec.py): the greedy verdict
         is computed (its cost paid), then each request accepts its drafts while coins < a."""
-        from forerun.engine.overlap_spec import greedy_chain_verdict
-
-        best, _ = greedy_chain_verdict(logits, drafts)
+        best, _ = super().device_verdict(logits, drafts)
         b, k = drafts.shape
         if getattr(self, "_gen", None) is None:
             self._gen = torch.Generator(device=drafts.device).manual_seed(self.rng.randrange(1 << 30))

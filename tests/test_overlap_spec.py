@@ -16,7 +16,7 @@ import torch
 import forerun.engine.engine as engine_module
 from forerun.config import CacheConfig, SpecConfig
 from forerun.engine.engine import Engine
-from forerun.engine.overlap_spec import greedy_chain_verdict
+from forerun.engine.sampler import RoundSampler
 from forerun.runtime.cuda_graph import GraphRunner
 from forerun.runtime.runner import Chunk, ModelRunner
 from forerun.sampling_params import SamplingParams
@@ -552,7 +552,7 @@ def test_greedy_chain_verdict():
         if m < k:
             drafts[i, m] = (drafts[i, m] + 1) % v
         want_acc.append(m)
-    tokens, acc = greedy_chain_verdict(logits, drafts)
+    tokens, acc = RoundSampler().device_verdict(logits, drafts)
     assert acc.tolist() == want_acc
     assert torch.equal(tokens, best)
 

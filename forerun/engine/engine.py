@@ -32,7 +32,7 @@ from ..sampling_params import SamplingParams
 from ..stats import RequestStats
 from .k_policy import KPolicy
 from .overlap import overlap_applies, overlapped_decode
-from .overlap_spec import (greedy_chain_verdict, overlapped_spec_rounds, request_in_scope, samples_in_scope,
+from .overlap_spec import (overlapped_spec_rounds, request_in_scope, samples_in_scope,
                            spec_overlap_applies)
 from .round import ChainRound, RoundItem, RoundResult, TreeRound
 from .sampler import RoundSampler, forcing, is_coupled
@@ -742,7 +742,8 @@ class Engine:
                 return False
         ids = [r.req_id for r in running]
         steps = self.k_policy.rounds_before_probe(ids) if self.drafter is not None else None
-        gen = overlapped_decode(self.runner, running, limit, self._commit_overlapped, max_steps=steps,
+        gen = overlapped_decode(self.runner, running, limit, self._commit_overlapped, self.sampler,
+                                max_steps=steps,
                                 should_stop=lambda: self._joins_due(hold_k=hold) or any(r.finished for r in running),
                                 step_time=self.k_policy.cost.record_target if self.drafter is not None else None)
         self._overlap = (gen, running, False)
@@ -865,10 +866,9 @@ class Engine:
                             steady=False, switch=False)
             return new
 
-        verdict = getattr(self.sampler, "device_verdict", None) or greedy_chain_verdict
         self._end_session = False
         gen = overlapped_spec_rounds(self.runner, self.drafter, running, k, self.max_model_len, commit,
-                                     verdict=verdict, should_stop=should_stop,
+                                     verdict=self.sampler.device_verdict, should_stop=should_stop,
                                      timing=timing if self.spec.adaptive else None,
                                      next_k=next_k if self.spec.adaptive else None,
                                      regroup=regroup if in_session else None)

@@ -29,11 +29,9 @@ import torch
 from ..devices import h2d
 from ..kvcache.pool import OutOfBlocks
 from ..request import Request
-from ..verify import SamplingTensors, verify_chain
-from ..verify.coupling import coupled_scores, row_key
-from ..verify.probs import logits_to_probs
+from ..verify.coupling import row_key
 from ..runtime.runner import ModelRunner
-from .sampler import temperature_only
+from .sampler import RoundSampler, is_coupled, temperature_only
 
 
 def overlap_applies(runner: ModelRunner, requests: list[Request], limit: int, rule: str) -> bool:
@@ -49,7 +47,7 @@ def overlap_applies(runner: ModelRunner, requests: list[Request], limit: int, ru
 
 
 def overlapped_decode(runner: ModelRunner, requests: list[Request], limit: int,
-                      commit: Callable[[Request, list[int], None], int],
+                      commit: Callable[[Request, list[int], None], int], sampler: RoundSampler,
                       max_steps: int | None = None, should_stop: Callable[[], bool] | None = None,
                       step_time: Callable[[int, float], None] | None = None) -> Generator[int, None, int]:
     """Decode steps for `requests` with one step in flight; yields tokens committed per step; stops when a
@@ -58,20 +56,16 @@ def overlapped_decode(runner: ModelRunner, requests: list[Request], limit: int,
     the number of steps run (each committed for every request still unfinished). On return every unfinished
     request holds the round invariant (its cache has every committed token but the newest).
     step_time(tokens, seconds): each step's device time (CUDA events, read when its tokens are), for the k
-    policy's cost model: what a plain step of this batch costs."""
+    policy's cost model: what a plain step of this batch costs. sampler: the engine's verifier entry, whose
+    `plain_launch` samples each step on the device."""
     gr, kv, dev = runner.graphs, runner.kv, runner.device
     cuda = dev.type == "cuda"
     b = len(requests)
     ids = torch.tensor([[r.all_tokens[-1]] for r in requests], device=dev)  # [B, 1] next input, fed on device
     ctx = torch.tensor([kv.length(r.req_id) for r in requests], device=dev)  # [B] cached tokens before a step
     runner.load_block_tables([r.req_id for r in requests])  # row i = requests[i] (run_uniform's rows)
-    coupled = [i for i, r in enumerate(requests) if r.coupled]  # seeded: greedy on log p + g(seed, position)
-    temps = [0.0 if r.coupled else r.params.temperature for r in requests]
-    sampling = SamplingTensors(torch.tensor(temps, device=dev), torch.zeros(b, dtype=torch.int64, device=dev),
-                               torch.ones(b, device=dev), torch.zeros(b, device=dev))
-    no_draft = torch.full((b,), -1, dtype=torch.int64, device=dev)
-    first = torch.arange(b, device=dev)
-    ones = torch.ones(b, dtype=torch.int64, device=dev)
+    inputs = sampler.plain_inputs(requests, dev)  # seeded requests: greedy on log p + g(seed, position)
+    coupled = [r for r in requests if is_coupled(r, sampler.rule)]
 
     def launch() -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Reserve a slot per request, replay the step, sample, feed the tokens back; start the token copy."""
@@ -84,7 +78,7 @@ def overlapped_decode(runner: ModelRunner, requests: list[Request], limit: int,
             return None
         for i, r in enumerate(requests):
             n = kv.length(r.req_id)
-            if r.coupled:  # the token sampled now sits at index n + 1 of the sequence
+            if is_coupled(r, sampler.rule):  # the token sampled now sits at index n + 1 of the sequence
                 keys.append(row_key(r.params.seed, n + 1))
             for j, blk in enumerate(kv.blocks(r.req_id)[before[i]:], start=before[i]):
                 runner.buffers.block_tables[i, j] = blk
@@ -96,18 +90,8 @@ def overlapped_decode(runner: ModelRunner, requests: list[Request], limit: int,
             t0 = torch.cuda.Event(enable_timing=True)
             t0.record()
         logits = gr.run_uniform(ids, ctx, 1)  # [B, V]
-        if coupled:  # (the graph's static output is not overwritten)
-            logits = logits.clone()
-            rows = h2d(coupled, dev, torch.int64)  # queued copies: the forward above is still running
-            t = h2d([requests[i].params.temperature for i in coupled], dev, torch.float32)
-            p = logits_to_probs(logits[rows], t, torch.zeros_like(rows), torch.ones_like(t), torch.zeros_like(t))
-            logits[rows] = coupled_scores(p, h2d(keys, dev, torch.int64))
-        if cuda:  # the fused Triton sampler; the CPU (tests) samples with the reference verifier
-            from ..kernels.chain_sample import chain_sample
-
-            tok = chain_sample(logits, no_draft, first, ones, sampling, coins, None, max_seqlen=1).output_token_ids[:, 0]
-        else:
-            tok = verify_chain(logits, no_draft, first, ones, sampling, coins).output_token_ids[:, 0]
+        # queued copies (the forward above is still running); the verifier is RoundSampler.chain's
+        tok = sampler.plain_launch(logits, inputs, coins, h2d(keys, dev, torch.int64) if coupled else None)
         ids.copy_(tok.view(b, 1))
         ctx.add_(1)
         if not cuda:

@@ -35,7 +35,7 @@ import torch
 from ..devices import Marks, h2d, to_host_async
 from ..kvcache.pool import OutOfBlocks
 from ..request import Request
-from .sampler import forcing
+from .sampler import RoundSampler, forcing
 
 
 def samples_in_scope(r: Request) -> bool:
@@ -67,15 +67,6 @@ def request_in_scope(kv, r: Request, k: int, limit: int) -> bool:
     return not r.finished and r.num_tokens + 2 * (k + 1) + 1 < limit  # (near max_tokens is fine: see room())
 
 
-def greedy_chain_verdict(logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy chain verification on the device. logits [B * (k+1), V] (request-major), drafts [B, k].
-    Returns (tokens [B, k+1]: row i emits tokens[i, :accepted[i] + 1], accepted [B])."""
-    b, k = drafts.shape
-    best = logits.view(b, k + 1, -1).argmax(-1)  # [B, k+1]
-    accepted = (best[:, :k] == drafts).to(torch.int64).cumprod(1).sum(1)  # leading matches
-    return best, accepted
-
-
 def _enter(drafter, requests: list[Request]) -> None:
     """Bring the draft cache of requests entering a session to a prefix reaching position L - 2 (step 0 feeds
     L - 1 and L, re-feeding L - 1 with the token the draft holds there)."""
@@ -87,7 +78,7 @@ def _enter(drafter, requests: list[Request]) -> None:
 
 def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, limit: int,
                            commit: Callable[[Request, list[int], int], int],
-                           verdict: Callable = greedy_chain_verdict,
+                           verdict: Callable | None = None,
                            should_stop: Callable[[], bool] | None = None,
                            max_rounds: int | None = None,
                            timing: Callable[[int, float, float, int], None] | None = None,
@@ -97,7 +88,8 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
     """Speculative rounds for `requests` with one round in flight, the first drafting k tokens. Yields the tokens
     committed per round; returns the number of rounds launched. commit(request, tokens, accepted, k) commits one
     round's tokens (stop checks included) and returns how many it took. verdict(logits, drafts) -> (tokens,
-    accepted): the verification rule (greedy; benchmarks substitute synthetic acceptance). Stops when should_stop()
+    accepted): the verification rule (default `RoundSampler.device_verdict`, greedy; the engine passes its own
+    sampler's, which benchmarks replace with synthetic acceptance). Stops when should_stop()
     says so, max_rounds rounds were launched, or another round could pass a request's limits. next_k(): asked
     before every launch after the first, the k of that round (the device-side state, L and the two newest tokens,
     does not depend on k, so k may change from round to round); 0, or a k without a verify step of its length,
@@ -116,6 +108,7 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
 
     timing(k, draft_seconds, verify_seconds, batch): each committed round's k draft steps and verify forward, timed
     in stream order (CUDA events, read once the round's verdict is on the host): the k policy's cost model."""
+    verdict = verdict or RoundSampler().device_verdict
     tkv, dkv = target.kv, drafter.runner.kv
     gr, dgr = target.graphs, drafter.runner.graphs
     dev = target.device

@@ -73,11 +73,10 @@ class RoundSampler:
                     continue
                 sl = slice(starts[i], starts[i] + rows[i])
                 n = rows[i]
-                p = logits_to_probs(logits[sl], st.temperature[i].expand(n), st.top_k[i].expand(n),
-                                    st.top_p[i].expand(n), st.min_p[i].expand(n))
                 offs = depths[i] if depths is not None else range(n)
                 keys = h2d([row_key(r.params.seed, r.num_tokens + o) for o in offs], device, torch.int64)
-                logits[sl] = coupled_scores(p, keys)
+                logits[sl] = _coupled(logits[sl], st.temperature[i].expand(n), keys, st.top_k[i].expand(n),
+                                      st.top_p[i].expand(n), st.min_p[i].expand(n))
                 temps[i] = 0.0
             st = SamplingTensors(temps, st.top_k, st.top_p, st.min_p)
         return st, coins, logits, coupled
@@ -201,6 +200,52 @@ class RoundSampler:
         lp_rows = [[s + n for n in path] for s, path in zip(pending.starts, paths)]
         return Verdict(num_acc, emitted, self._logprobs(pending.raw, pending.requests, emitted, lp_rows)), paths
 
+    # -- rounds whose verdict stays on the device (overlapped sessions, engine/overlap*.py) --------------
+    def device_verdict(self, logits: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy chain verification without a host read (overlapped speculative rounds: greedy requests only).
+        logits [B * (k+1), V] (request-major), drafts [B, k] on the device. Returns (tokens [B, k+1]: row i
+        emits tokens[i, :accepted[i] + 1], accepted [B]). Subclasses may replace the verdict (the synthetic
+        acceptance mode of benchmarks/online.py)."""
+        b, k = drafts.shape
+        best = logits.view(b, k + 1, -1).argmax(-1)  # [B, k+1]
+        accepted = (best[:, :k] == drafts).to(torch.int64).cumprod(1).sum(1)  # leading matches
+        return best, accepted
+
+    def plain_inputs(self, requests: list[Request], device: torch.device) -> "PlainInputs":
+        """What every k = 0 step of an overlapped session (engine/overlap.py) verifies with, built once: the
+        sampling tensors (coupled requests greedy on perturbed scores), and which verifier runs."""
+        if self.rule != "auto" or self.verify_kwargs or not temperature_only(requests):
+            raise ValueError("overlapped plain steps take rule 'auto' and temperature-only sampling")
+        b = len(requests)
+        coupled = [i for i, r in enumerate(requests) if is_coupled(r, self.rule)]
+        temps = [0.0 if i in coupled else r.params.temperature for i, r in enumerate(requests)]
+        st = SamplingTensors(h2d(temps, device, torch.float32), torch.zeros(b, dtype=torch.int64, device=device),
+                             torch.ones(b, device=device), torch.zeros(b, device=device))
+        return PlainInputs(st, torch.full((b,), -1, dtype=torch.int64, device=device),
+                           torch.arange(b, device=device), torch.ones(b, dtype=torch.int64, device=device),
+                           h2d(coupled, device, torch.int64) if coupled else None,
+                           h2d([requests[i].params.temperature for i in coupled], device, torch.float32)
+                           if coupled else None, self._fused_ok(device, requests))
+
+    def plain_launch(self, logits: torch.Tensor, inp: "PlainInputs", coins: torch.Tensor,
+                     keys: torch.Tensor | None) -> torch.Tensor:
+        """One k = 0 step's tokens [B] on the device, no host read: logits [B, V], coins [B, 2] (each request's
+        two, from its generator, as `chain` draws them), keys [len(coupled)] the coupled rows' position keys
+        (`row_key(seed, index of the sampled token)`; None without coupled rows). The verifier is `chain`'s."""
+        if inp.coupled_rows is not None:
+            logits = logits.clone()  # (a graph's static output is not overwritten)
+            n = inp.coupled_rows.numel()
+            zeros = torch.zeros(n, dtype=torch.int64, device=logits.device)
+            logits[inp.coupled_rows] = _coupled(logits[inp.coupled_rows], inp.coupled_temps, keys, zeros,
+                                                torch.ones(n, device=logits.device), torch.zeros(n, device=logits.device))
+        if inp.fused:
+            from ..kernels.chain_sample import chain_sample
+
+            res = chain_sample(logits, inp.no_draft, inp.first, inp.ones, inp.sampling, coins, None, max_seqlen=1)
+        else:
+            res = verify_chain(logits, inp.no_draft, inp.first, inp.ones, inp.sampling, coins)
+        return res.output_token_ids[:, 0]
+
     # -- logprobs ------------------------------------------------------------------------------------
     @staticmethod
     def _logprobs(raw: torch.Tensor, requests: list[Request], emitted: list[list[int]],
@@ -230,6 +275,25 @@ class RoundSampler:
                 at += 1
             out[i] = entries
         return out
+
+
+@dataclass
+class PlainInputs:
+    """`RoundSampler.plain_inputs`: the per-session tensors of overlapped k = 0 steps (B requests)."""
+
+    sampling: SamplingTensors  # coupled requests at temperature 0 (verified greedily on perturbed scores)
+    no_draft: torch.Tensor  # [B] -1
+    first: torch.Tensor  # [B] row of each request
+    ones: torch.Tensor  # [B] one verify row each
+    coupled_rows: torch.Tensor | None  # [C] rows of the coupled requests
+    coupled_temps: torch.Tensor | None  # [C] their temperatures
+    fused: bool  # the fused CUDA sampler (else verify_chain)
+
+
+def _coupled(logits: torch.Tensor, temps: torch.Tensor, keys: torch.Tensor, top_k: torch.Tensor,
+             top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Coupled rows' scores log p + g(key): greedy on them samples p (forerun/verify/coupling.py)."""
+    return coupled_scores(logits_to_probs(logits, temps, top_k, top_p, min_p), keys)
 
 
 @dataclass

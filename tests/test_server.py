@@ -595,6 +595,23 @@ def test_sigterm_aborts_inflight_and_exits_0(tiny_dir):
             proc.wait(10)
 
 
+def test_a_taken_port_is_reported_before_the_weights_load(tiny_dir, capsys, monkeypatch):
+    """The port is bound before the engine is built: a taken one ends `forerun serve` at once, one line, status 1."""
+    import forerun.engine.engine as engine_module
+
+    def boom(*a, **k):
+        raise AssertionError("the engine was built before the port was bound")
+
+    monkeypatch.setattr(engine_module, "Engine", boom)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert serve_main([str(tiny_dir), "--host", "127.0.0.1", "--port", str(port)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"forerun serve: error: cannot listen on 127.0.0.1:{port}: ") and err.count("\n") == 1, err
+
+
 @pytest.mark.slow
 def test_response_format_json_schema_validates(served):
     """response_format json_schema through the server (structured output with n-gram speculation): the

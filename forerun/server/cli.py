@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -115,6 +116,11 @@ def main(argv=None) -> int:
     if problem:
         print(f"forerun serve: error: {problem}", file=sys.stderr)
         return 2
+    try:  # the port first: a taken one is reported now, not after the weights load (as vLLM does)
+        sock = _listen(a.host, a.port)
+    except OSError as e:
+        print(f"forerun serve: error: cannot listen on {a.host}:{a.port}: {e.strerror or e}", file=sys.stderr)
+        return 1
     import torch
     import uvicorn
 
@@ -168,10 +174,19 @@ def main(argv=None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
-        _Uvicorn(ucfg).run()
-    except SystemExit as e:  # uvicorn exits 1 when it cannot bind the port
+        _Uvicorn(ucfg).run(sockets=[sock])
+    except SystemExit as e:  # uvicorn exits 1 when it cannot start
         return int(e.code or 0) if isinstance(e.code, int) else 1
     return 0 if not srv.aeng.dead else 1
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on host:port (IPv4 or IPv6 as the host resolves), handed to uvicorn once the engine
+    is up; connections made while the weights load wait in its backlog."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.create_server((host, port), family=family, backlog=2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ def overlapped_decode(runner: ModelRunner, requests: list[Request], limit: int,
     ctx = torch.tensor([kv.length(r.req_id) for r in requests], device=dev)  # [B] cached tokens before a step
     runner.load_block_tables([r.req_id for r in requests])  # row i = requests[i] (run_uniform's rows)
     inputs = sampler.plain_inputs(requests, dev)  # seeded requests: greedy on log p + g(seed, position)
-    coupled = [r for r in requests if is_coupled(r, sampler.rule)]
+    coupled = {i for i, r in enumerate(requests) if is_coupled(r, sampler.rule)}  # the rows inputs perturbs
 
     def launch() -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Reserve a slot per request, replay the step, sample, feed the tokens back; start the token copy."""
@@ -78,7 +78,7 @@ def overlapped_decode(runner: ModelRunner, requests: list[Request], limit: int,
             return None
         for i, r in enumerate(requests):
             n = kv.length(r.req_id)
-            if is_coupled(r, sampler.rule):  # the token sampled now sits at index n + 1 of the sequence
+            if i in coupled:  # the token sampled now sits at index n + 1 of the sequence
                 keys.append(row_key(r.params.seed, n + 1))
             for j, blk in enumerate(kv.blocks(r.req_id)[before[i]:], start=before[i]):
                 runner.buffers.block_tables[i, j] = blk

@@ -82,9 +82,13 @@ def keep_committed(name: str, table: dict) -> dict:
     """The swept table over the committed one for this card (rows not swept this run keep theirs), in use from now
     on (quant_cuda.set_configs)."""
     try:
-        table = {**json.loads(quant_cuda.CONFIGS.read_text()).get(name, {}), **table}
+        committed = json.loads(quant_cuda.CONFIGS.read_text()).get(name, {})
     except (OSError, ValueError):
-        pass
+        committed = {}
+    # a 1-row entry that is the CUDA C++ kernel (benchmarks/q4_cuda_gpu.py) stays; this sweep's Triton winner
+    # becomes its fallback ("triton_<key>": what runs where NVRTC cannot)
+    table = {("triton_" + k if committed.get(k, {}).get("kernel") == "c" else k): v for k, v in table.items()}
+    table = {**committed, **table}
     quant_cuda.set_configs(name, table)
     return table
 

@@ -248,6 +248,151 @@ def test_products_of_more_than_16_rows_on_gpu():
         assert ((lin.glu(x).float() - glu).abs().max() / glu.abs().max()) < 2e-2, m
 
 
+# ====================================================================== int4, 1 row, CUDA C++ (kernels/q4_cuda.py)
+
+
+def test_cuda_c_kernel_source_compiles_for_every_shape_it_takes():
+    """The NVRTC kernel's source, instantiated for K below, at and past a multiple of 32 groups (tails of the lane
+    loop), SwiGLU and PDL, compiles with nvcc where a CUDA toolkit is installed (this CPU machine has one; the GPU
+    machine compiles it with NVRTC in the tests below) and uses no local memory (a spill would mean the register
+    ring of weights in flight did not fit)."""
+    import shutil
+    import tempfile
+
+    from forerun.kernels import q4_cuda
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc here")
+    with tempfile.TemporaryDirectory() as d:
+        for k, r, w, depth, glu, pdl in ((896, 1, 4, 2, 0, 0), (1536, 2, 4, 2, 1, 1), (4096, 4, 8, 4, 0, 1),
+                                         (12288, 2, 8, 4, 0, 1)):
+            src = os.path.join(d, "k.cu")
+            with open(src, "w") as f:
+                f.write(q4_cuda._SRC.format(K=k, R=r, WARPS=w, DEPTH=depth, GLU=glu, PDL=pdl))
+            out = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", os.path.join(d, "k.cubin"), src,
+                                  "-Xptxas", "-v"], capture_output=True, text=True, timeout=300)
+            assert out.returncode == 0, out.stderr[-2000:]
+            assert "0 bytes spill stores" in out.stderr, (k, r, w, depth, out.stderr[-500:])
+
+
+def test_cuda_c_kernel_falls_back_to_triton_configs_where_it_cannot_run(monkeypatch):
+    """A tuned table whose 1-row entry is the CUDA kernel ("c") gives the Triton winner kept beside it (or the
+    default) on a machine where the kernel cannot compile or is switched off (FORERUN_Q4_CUDA=0)."""
+    from forerun.models import quant_cuda
+    monkeypatch.setattr(quant_cuda, "_card", ["test card"])
+    key = quant_cuda.config_key(1, 64, 256, False)
+    c = dict(kernel="c", block_n=2, block_k=256, use_dot=False, num_warps=4, num_stages=2)
+    v = dict(kernel="v", block_n=8, block_k=256, use_dot=False, num_warps=2, num_stages=2)
+    quant_cuda.set_configs("test card", {key: c, "triton_" + key: v})
+    monkeypatch.setattr(quant_cuda, "q4c_available", lambda: False)
+    assert quant_cuda.tuned(1, 64, 256, False) == v
+    quant_cuda.set_configs("test card", {key: c})
+    assert quant_cuda.tuned(1, 64, 256, False) == quant_cuda.default_config(1)
+    monkeypatch.setattr(quant_cuda, "q4c_available", lambda: True)
+    assert quant_cuda.tuned(1, 64, 256, False) == c
+    assert quant_cuda.tuned(2, 64, 256, False) != c  # one row only
+    monkeypatch.setenv("FORERUN_Q4_CUDA", "0")
+    from forerun.kernels import q4_cuda
+    assert not q4_cuda.available()
+
+
+def test_cuda_c_launch_structures_match_the_driver_abi():
+    """cuLaunchKernelEx's CUlaunchConfig (56 bytes: 7 uint32, the stream at 32, the attributes at 40, their count at
+    48) and the PDL attribute (72 bytes: id 6 = programmatic stream serialization, padding, value 1 at byte 8) as
+    the driver reads them. (A first version wrote the value through a bytes copy: the attribute stayed 0 and the
+    write landed in a Python object.)"""
+    import ctypes
+
+    from forerun.kernels.q4_cuda import _LaunchConfig, pdl_attribute
+    attr = pdl_attribute()
+    assert ctypes.sizeof(attr) == 72
+    assert bytes(attr)[:12] == b"\x06\x00\x00\x00" + b"\x00" * 4 + b"\x01\x00\x00\x00" and not any(bytes(attr)[12:])
+    assert ctypes.sizeof(_LaunchConfig) == 56
+    assert (_LaunchConfig.hStream.offset, _LaunchConfig.attrs.offset, _LaunchConfig.numAttrs.offset) == (32, 40, 48)
+
+
+def _q4c_ok() -> bool:
+    from forerun.kernels import q4_cuda
+    return q4_cuda.available()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (run on the GPU machine)")
+def test_cuda_c_decode_kernel_on_gpu():
+    """q4c_linear (NVRTC) against x @ dequantized(W)^T in float32: every configuration kind, K with a lane tail
+    (1536: 48 groups) and with fewer groups than lanes (896), N not a multiple of a block's rows, plain and SwiGLU,
+    small and large activations, with and without PDL, inside a CUDA graph; close to the Triton kernel; a broken
+    layout fails."""
+    from forerun.kernels.q4_cuda import q4c_linear
+    from forerun.kernels.quant_gemm import q4v_linear
+    assert _q4c_ok(), "NVRTC kernel did not compile on the GPU machine"
+    torch.manual_seed(0)
+    for n, k in ((96, 1024), (50, 1536), (40, 896)):
+        w = torch.randn(n, k, device="cuda") * 0.05
+        q, s, z = quantize_groups_int4(w)
+        q32 = pack_int4_w32(q)
+        s, z = s.to(torch.bfloat16), z.to(torch.bfloat16)
+        wd = (q.float().reshape(n, k // 32, 32) * s.float()[..., None] + z.float()[..., None]).reshape(n, k)
+        for amp in (1.0, 3000.0):
+            x = (torch.randn(1, k, device="cuda") * amp).to(torch.bfloat16)
+            ref = x.float() @ wd.t()
+            glu = torch.nn.functional.silu(ref[:, :n // 2]) * ref[:, n // 2:]
+            tri = q4v_linear(x, q32, s, z, block_k=k & -k if k & -k <= 1024 else 1024, block_n=4)
+            for rows, warps, depth in ((1, 4, 2), (2, 4, 4), (4, 8, 2), (3, 2, 1)):
+                for pdl in (False, True):
+                    y = q4c_linear(x, q32, s, z, rows=rows, warps=warps, depth=depth, pdl=pdl)
+                    err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                    assert err < 1e-2, (n, k, amp, rows, warps, depth, pdl, err)
+                    assert ((y.float() - tri.float()).abs().max() / ref.abs().max()).item() < 1e-2
+                    y = q4c_linear(x, q32, s, z, glu=True, rows=rows, warps=warps, depth=depth, pdl=pdl)
+                    assert y.shape == (1, n // 2)
+                    err = ((y.float() - glu).abs().max() / glu.abs().max()).item()
+                    assert err < 2e-2, ("glu", n, k, amp, rows, warps, depth, pdl, err)
+    # inside a CUDA graph (as the engine replays decode), new activations each replay
+    x = torch.randn(1, 896, device="cuda").to(torch.bfloat16)
+    y = q4c_linear(x, q32, s, z, pdl=True)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        yg = q4c_linear(x, q32, s, z, pdl=True)
+    x.copy_(torch.randn(1, 896, device="cuda").to(torch.bfloat16))
+    g.replay()
+    torch.cuda.synchronize()
+    ref = x.float() @ wd.t()
+    assert ((yg.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
+    # a broken unpacking (the code halves of each word swapped) must not pass
+    bad = pack_int4_w32(q.reshape(n, -1, 2).flip(-1).reshape(n, k))
+    assert ((q4c_linear(x, bad, s, z).float() - ref).abs().max() / ref.abs().max()).item() > 0.05
+    with pytest.raises(ValueError, match="one contiguous bf16 row"):
+        q4c_linear(torch.zeros(2, 896, device="cuda", dtype=torch.bfloat16), q32, s, z)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (run on the GPU machine)")
+def test_cuda_q4_linear_runs_the_cuda_c_kernel_for_one_row_where_tuned(monkeypatch):
+    """CudaQ4Linear's 1-row products go to the CUDA C++ kernel when the table says "c" (and to Triton when it is
+    switched off), the same result within f16 rounding; 2 rows stay on Triton."""
+    from forerun.models import quant_cuda
+    assert _q4c_ok()
+    torch.manual_seed(0)
+    w = torch.randn(256, 1024, device="cuda").to(torch.bfloat16)
+    lin = CudaQ4Linear.from_float(w)
+    ref = lin.dequantized_reference().float()
+    name = torch.cuda.get_device_name()
+    key = quant_cuda.config_key(1, 256, 1024, False)
+    old = dict(quant_cuda._tables.get(name, {}))
+    calls = []
+    real = quant_cuda.KERNELS["c"]
+    monkeypatch.setitem(quant_cuda.KERNELS, "c", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    try:
+        quant_cuda.set_configs(name, {**old, key: dict(kernel="c", block_n=2, block_k=1024, use_dot=False,
+                                                        num_warps=4, num_stages=2)})
+        x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+        y = x.float() @ ref.t()
+        assert ((lin(x).float() - y).abs().max() / y.abs().max()) < 1e-2 and calls == [1]
+        monkeypatch.setenv("FORERUN_Q4_CUDA", "0")
+        assert ((lin(x).float() - y).abs().max() / y.abs().max()) < 1e-2 and calls == [1]
+    finally:
+        quant_cuda.set_configs(name, old)
+
+
 # ====================================================================== int8 (GGUF Q8_0) word layout: CudaQ8Linear
 
 

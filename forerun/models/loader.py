@@ -321,27 +321,33 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         if "/" not in str(path) and os.sep not in str(path) and not p.suffix:  # a bare name, e.g. a registry name
             hint = f" (if {str(path)!r} is a model name: forerun.models.hub.resolve_model({str(path)!r}) gives its file)"
         raise FileNotFoundError(f"checkpoint path {str(p)!r} does not exist{hint}")
-    if p.is_dir():
-        return _load_hf_dir(p)
-    if p.suffix.lower() == ".gguf" or _has_gguf_magic(p):
-        return _load_gguf(p)
-    if p.name == "config.json" or p.suffix == ".safetensors":
-        return _load_hf_dir(p.parent)
-    raise ValueError(checkpoint_problem(p))
+    kind, where = checkpoint_kind(p)
+    if kind == "gguf":
+        return _load_gguf(where)
+    if kind == "hf":
+        return _load_hf_dir(where)
+    raise (FileNotFoundError if kind == "incomplete" else ValueError)(where)
+
+
+def checkpoint_kind(path: str | Path) -> tuple[str, Path | str]:
+    """What an existing path holds, judged from names and four bytes before anything loads: ("gguf", the file),
+    ("hf", the checkpoint directory: the path itself, or the directory of its config.json / .safetensors file),
+    ("incomplete", why that directory is not a checkpoint) or ("bad", why the path is not one); the reasons are one
+    line each."""
+    p = Path(path).expanduser()
+    if p.suffix.lower() == ".gguf" and not p.is_dir() or (p.is_file() and _has_gguf_magic(p)):
+        return "gguf", p
+    d = p if p.is_dir() else p.parent if p.name == "config.json" or p.suffix == ".safetensors" else None
+    if d is None:
+        return "bad", f"{p}: not a checkpoint (expected a directory with config.json + *.safetensors, or a .gguf file)"
+    problem = _hf_dir_problem(d)
+    return ("incomplete", problem) if problem else ("hf", d)
 
 
 def checkpoint_problem(path: str | Path) -> str | None:
-    """Why an existing path cannot be opened as a checkpoint (one line), or None: a directory needs config.json; a
-    file must be a GGUF file (suffix or magic), or a config.json or .safetensors file of a checkpoint directory.
-    Judged from names and four bytes, before anything loads."""
-    p = Path(path).expanduser()
-    if p.is_dir():
-        return _hf_dir_problem(p)
-    if p.suffix.lower() == ".gguf" or _has_gguf_magic(p):
-        return None
-    if p.name == "config.json" or p.suffix == ".safetensors":
-        return _hf_dir_problem(p.parent)
-    return f"{p}: not a checkpoint (expected a directory with config.json + *.safetensors, or a .gguf file)"
+    """Why an existing path cannot be opened as a checkpoint (one line), or None (`checkpoint_kind`)."""
+    kind, where = checkpoint_kind(path)
+    return where if kind in ("bad", "incomplete") else None
 
 
 def _hf_dir_problem(d: Path) -> str | None:

@@ -3,7 +3,8 @@ on the GPU.
 
 `CudaQ4Linear` holds a matrix in the word layout of forerun/kernels/quant_gemm.py (int32 words of 8 codes, a
 bf16 scale and offset per 32 weights: 5 bits per weight, w = q * scale + zero). Products with at most 16 rows
-(decode, verification) run one of the Triton kernels (`KERNELS`), which stream the 4-bit codes once; up to
+(decode, verification) run one of the Triton kernels (`KERNELS`), which stream the 4-bit codes once (1-row products
+where the tuned table says so: the CUDA C++ kernel of kernels/q4_cuda.py, compiled with NVRTC); up to
 `CudaQ4Linear.CHUNKED_ROWS` rows run as 16-row calls; larger ones (prefill) dequantize the matrix to bf16 in one
 pass (`dequantize_int4_w32`) and use cuBLAS. A fused gate/up matrix also offers `glu(x)`: the
 SwiGLU in the kernel's epilogue, as FusedLayerOps does for bf16.
@@ -29,12 +30,22 @@ from torch import nn
 from ..kernels.quant_gemm import (GROUP, MAX_ROWS, Q8_MAX_ROWS, dequantize_int4_w32, dequantize_int8_w32,
                                   pack_int4_w32, pack_int8_w32, q4r_linear, q4t_linear, q4v_linear, q4w2_linear,
                                   q4w_linear, q8v_linear, unpack_int8_w32)
+from ..kernels.q4_cuda import available as q4c_available, q4c_linear
 from .quant import quantize_groups_int4
+
+
+
+def _q4c(x, qw32, scale, zero, glu, block_n, block_k, use_dot, num_warps, num_stages):
+    """The CUDA C++ decode kernel under the Triton kernels' configuration names: block_n = output rows per warp,
+    num_stages = groups of weights in flight per lane; it walks the whole of K (block_k, use_dot unused)."""
+    return q4c_linear(x, qw32, scale, zero, glu=glu, rows=block_n, warps=num_warps, depth=num_stages)
+
 
 KERNELS = {"w": q4w_linear, "w2": q4w2_linear, "v": q4v_linear,  # v: 1-2 bf16 rows, packed f16 (decode)
            "r": q4r_linear,  # r: 1-8 bf16 rows, packed f16, one unpacking per 4 rows (short verification)
-           "t": q4t_linear}  # t: 1-16 bf16 rows, bf16 dequantization + tensor cores (verification)
-MAX_KERNEL_ROWS = {"v": 2, "r": 8}  # the others take up to MAX_ROWS
+           "t": q4t_linear,  # t: 1-16 bf16 rows, bf16 dequantization + tensor cores (verification)
+           "c": _q4c}  # c: 1 bf16 row, CUDA C++ through NVRTC (kernels/q4_cuda.py; decode), where it compiles
+MAX_KERNEL_ROWS = {"v": 2, "r": 8, "c": 1}  # the others take up to MAX_ROWS
 
 CONFIGS = Path(__file__).resolve().parent.parent / "kernels" / "q4_configs.json"
 _tables: dict[str, dict] = {}
@@ -74,6 +85,8 @@ def tuned(m: int, n: int, k: int, glu: bool, bits: int = 4) -> dict:
         got = table.get(config_key(m2, n, k, glu, bits))
         if got is not None and m > MAX_KERNEL_ROWS.get(got["kernel"], MAX_ROWS):
             got = None  # a kernel tuned for fewer rows than m
+    if got and got["kernel"] == "c" and not q4c_available():  # tuned where NVRTC ran, not here: Triton serves
+        got = table.get("triton_" + config_key(m, n, k, glu, bits))
     return {key: got[key] for key in ("kernel", "block_n", "block_k", "use_dot", "num_warps", "num_stages")} \
         if got else default_config(m, bits)
 

@@ -1,0 +1,393 @@
+"""Would a persistent decode kernel reach #12's 75 % of the int4 floor? A measured first step: the 145 int4
+products of a Qwen3-8B-shape decode step (36 layers of qkv, o, gate/up + SwiGLU, down; the head), chained as in
+a forward (each product reads the one before: qkv <- h, o <- qkv[:4096] (attention's stand-in), gate/up <- o,
+down <- gate/up, next qkv <- down), run three ways over the same int4 weights:
+
+  * "Triton, one kernel per product": the engine's kernels and tuned configurations (q4_configs.json), PDL on;
+  * "CUDA, one kernel per product": kernels/q4_cuda.py's kernel, PDL on;
+  * "persistent": ONE kernel for the whole chain: every block of the grid stays resident (blocks per SM from the
+    occupancy API), walks the products in order and meets the others at a grid barrier (an atomic counter)
+    between products; the same per-warp arithmetic as q4_cuda.py (its source is reused); before the barrier each
+    warp asks the L2 for the weights it will read in the next product (cp.async.bulk.prefetch.L2, Hopper), so the
+    memory keeps streaming while blocks wait. Variants: without the L2 prefetch, and with blocks per SM 1 / 2.
+
+Each is replayed from a CUDA graph (the counter reset inside it); results checked against the per-product CUDA
+kernel's outputs on a one-layer chain. The step's products-only time in the engine (q4_step_budget_h200.json,
+knock-out "products only") was 1.560 ms = 71.2 % of the floor; this measures how much of the per-kernel cost a
+persistent kernel removes, before any norm, RoPE or attention is moved into it. Prints a table, writes JSON + PNG.
+
+    python benchmarks/q4_persistent_gpu.py --out benchmarks/results/q4_persistent_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import sys
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+import gpu as G  # noqa: E402
+from forerun.kernels import q4_cuda  # noqa: E402
+from forerun.kernels.quant_gemm import quantize_int4, repack_int4_w32  # noqa: E402
+from forerun.models import quant_cuda  # noqa: E402
+
+H, I, V, QKV = 4096, 12288, 151936, 6144
+# the per-warp helpers of q4_cuda's source (everything before its kernel), then the persistent kernel
+_HELPERS = q4_cuda._SRC[: q4_cuda._SRC.index('extern "C"')]
+_PERSIST = r"""
+#define PF {PF}
+struct Prod {{ const uint4* qw; const unsigned short* S; const unsigned short* Z; const uint4* x; unsigned short* y;
+              long long meta; }};  // meta: n_out | kind << 32 (0: K 4096, 1: K 4096 SwiGLU, 2: K 12288)
+
+__device__ __forceinline__ void l2_prefetch(const void* p, unsigned int bytes) {{
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
+}}
+
+__device__ __forceinline__ unsigned int ld_acquire(const unsigned int* p) {{
+    unsigned int v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}}
+
+__device__ __forceinline__ void grid_sync(unsigned int* counter, unsigned int target) {{
+    __syncthreads();
+    if (threadIdx.x == 0) {{
+        __threadfence();
+        atomicAdd(counter, 1u);
+        while (ld_acquire(counter) < target) {{ }}
+    }}
+    __syncthreads();
+}}
+
+// the L2 prefetch of the rows warp `gw` of `nwt` will process first in product p (its first pass of R_ rows)
+template <int KK, int GL>
+__device__ __forceinline__ void prefetch_rows(const Prod& p, int gw, int nwt, int lane) {{
+    const int n_out = (int)(p.meta & 0xffffffff);
+    const int G = KK / 32;
+    const int nw = GL ? 2 * R_ : R_;
+    for (int r = lane; r < nw; r += 32) {{
+        int n = gw * R_ + (r % R_);
+        if (n >= n_out) continue;
+        long row = (long)(r < R_ ? n : n + n_out) * G;
+        l2_prefetch(p.qw + row, G * 16);
+        l2_prefetch(p.S + row, G * 2);
+        l2_prefetch(p.Z + row, G * 2);
+    }}
+}}
+
+template <int KK, int GL>
+__device__ void product(const Prod& p, uint4* smem, int gw, int nwt, int lane)
+{{
+    const int G = KK / 32, NJJ = (G + 31) / 32, NWW = GL ? 2 * R_ : R_;
+    const int n_out = (int)(p.meta & 0xffffffff);
+    uint4* xq = smem;
+    float* gsum = (float*)(smem + 4 * G);
+    for (int base = 0; base < 4 * G; base += WARPS * 32) {{
+        const int i = base + threadIdx.x;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (i < 4 * G) v = __ldcg(p.x + i);  // from L2: written by other SMs since the barrier (no stale L1)
+        float a0 = bf2f(v.x & 0xFFFF), a1 = bf2f(v.x >> 16), a2 = bf2f(v.y & 0xFFFF), a3 = bf2f(v.y >> 16);
+        float a4 = bf2f(v.z & 0xFFFF), a5 = bf2f(v.z >> 16), a6 = bf2f(v.w & 0xFFFF), a7 = bf2f(v.w >> 16);
+        float s = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7));
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        if (i < 4 * G) {{
+            uint4 q;
+            q.x = f2h2(a0 * 0.0625f, a1 * 0.0625f);
+            q.y = f2h2(a2 * 0.00390625f, a3 * 0.00390625f);
+            q.z = f2h2(a4 * 0.0625f, a5 * 0.0625f);
+            q.w = f2h2(a6 * 0.00390625f, a7 * 0.00390625f);
+            xq[(i & 3) * G + (i >> 2)] = q;
+            if ((i & 3) == 0) gsum[i >> 2] = s;
+        }}
+    }}
+    __syncthreads();
+    for (int w0 = gw; w0 * R_ < n_out; w0 += nwt) {{
+        const int row0 = w0 * R_;
+        long rowoff[NWW];
+        #pragma unroll
+        for (int r = 0; r < NWW; r++) {{
+            int n = row0 + (r % R_);
+            n = n < n_out ? n : 0;
+            rowoff[r] = (long)(r < R_ ? n : n + n_out) * G;
+        }}
+        uint4 wbuf[DEPTH][NWW];
+        unsigned short sbuf[DEPTH][NWW], zbuf[DEPTH][NWW];
+        #pragma unroll
+        for (int j = 0; j < DEPTH && j < NJJ; j++) {{
+            int g = lane + 32 * j;
+            if (g < G) {{
+                #pragma unroll
+                for (int r = 0; r < NWW; r++) {{
+                    wbuf[j][r] = __ldg(p.qw + rowoff[r] + g);
+                    sbuf[j][r] = __ldg(p.S + rowoff[r] + g);
+                    zbuf[j][r] = __ldg(p.Z + rowoff[r] + g);
+                }}
+            }}
+        }}
+        float acc[NWW];
+        #pragma unroll
+        for (int r = 0; r < NWW; r++) acc[r] = 0.0f;
+        #pragma unroll
+        for (int j = 0; j < NJJ; j++) {{
+            const int slot = j % DEPTH;
+            const int g = lane + 32 * j;
+            uint4 w[NWW];
+            unsigned short sc[NWW], zc[NWW];
+            #pragma unroll
+            for (int r = 0; r < NWW; r++) {{ w[r] = wbuf[slot][r]; sc[r] = sbuf[slot][r]; zc[r] = zbuf[slot][r]; }}
+            if (j + DEPTH < NJJ) {{
+                int gn = g + 32 * DEPTH;
+                if (gn < G) {{
+                    #pragma unroll
+                    for (int r = 0; r < NWW; r++) {{
+                        wbuf[slot][r] = __ldg(p.qw + rowoff[r] + gn);
+                        sbuf[slot][r] = __ldg(p.S + rowoff[r] + gn);
+                        zbuf[slot][r] = __ldg(p.Z + rowoff[r] + gn);
+                    }}
+                }}
+            }}
+            if (g < G) {{
+                uint4 x0 = xq[g], x1 = xq[G + g], x2 = xq[2 * G + g], x3 = xq[3 * G + g];
+                float xs = gsum[g];
+                #pragma unroll
+                for (int r = 0; r < NWW; r++) {{
+                    float d = (h2sum(word_dot(w[r].x, x0, 0u)) + h2sum(word_dot(w[r].y, x1, 0u)))
+                            + (h2sum(word_dot(w[r].z, x2, 0u)) + h2sum(word_dot(w[r].w, x3, 0u)));
+                    acc[r] = fmaf(d, 16.0f * bf2f(sc[r]), fmaf(bf2f(zc[r]), xs, acc[r]));
+                }}
+            }}
+        }}
+        #pragma unroll
+        for (int r = 0; r < NWW; r++) {{
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+        }}
+        #pragma unroll
+        for (int r = 0; r < R_; r++) {{
+            if (lane == r && row0 + r < n_out) {{
+                float v = acc[r];
+                if (GL) v = v / (1.0f + __expf(-v)) * acc[GL ? R_ + r : r];
+                unsigned short b;
+                asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(v));
+                p.y[row0 + r] = b;
+            }}
+        }}
+    }}
+}}
+
+__device__ __forceinline__ void prefetch_any(const Prod& p, int gw, int nwt, int lane) {{
+    const int kind = (int)(p.meta >> 32);
+    if (kind == 0) prefetch_rows<4096, 0>(p, gw, nwt, lane);
+    else if (kind == 1) prefetch_rows<4096, 1>(p, gw, nwt, lane);
+    else prefetch_rows<12288, 0>(p, gw, nwt, lane);
+}}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+q4c_persistent(const Prod* __restrict__ prods, int num, unsigned int* counter)
+{{
+    extern __shared__ uint4 smem[];
+    const int lane = threadIdx.x & 31;
+    const int gw = blockIdx.x * WARPS + (threadIdx.x >> 5), nwt = gridDim.x * WARPS;
+    if (PF) prefetch_any(prods[0], gw, nwt, lane);
+    for (int i = 0; i < num; i++) {{
+        const Prod p = prods[i];
+        const int kind = (int)(p.meta >> 32);
+        if (kind == 0) product<4096, 0>(p, smem, gw, nwt, lane);
+        else if (kind == 1) product<4096, 1>(p, smem, gw, nwt, lane);
+        else product<12288, 0>(p, smem, gw, nwt, lane);
+        if (i + 1 < num) {{
+            if (PF) prefetch_any(prods[i + 1], gw, nwt, lane);
+            grid_sync(counter, (unsigned int)(i + 1) * gridDim.x);
+        }}
+    }}
+}}
+"""
+KIND = {(H, False): 0, (H, True): 1, (I, False): 2}
+
+
+def compile_persistent(rows: int, warps: int, depth: int, pf: bool):
+    # K / GLU of the helpers' macros are unused by the persistent kernel (templates); set to valid values
+    src = _HELPERS.format(K=4096, R=rows, WARPS=warps, DEPTH=depth, GLU=0, PDL=0) + _PERSIST.format(PF=int(pf))
+    return torch.cuda._compile_kernel(src, "q4c_persistent")
+
+
+def occupancy(kern, threads: int, smem: int) -> int:
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    n = ctypes.c_int(0)
+    rc = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), kern.func, threads, ctypes.c_size_t(smem))
+    if rc != 0:
+        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor: CUresult {rc}")
+    return n.value
+
+
+def make_weights(n_rows: int, k: int, copies: int = 1):
+    w = torch.randn(n_rows, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    qw, s, z = quantize_int4(w)
+    return repack_int4_w32(qw), s.contiguous(), z.contiguous()
+
+
+def build_chain(layers: int):
+    """Weights and activation buffers of the products of `layers` layers + the head, chained as a forward."""
+    h = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
+    prods = []  # (qw32, scale, zero, x, y, glu)
+    x = h
+    for _ in range(layers):
+        qkv = torch.empty(1, QKV, device="cuda", dtype=torch.bfloat16)
+        prods.append((*make_weights(QKV, H), x, qkv, False))
+        o = torch.empty(1, H, device="cuda", dtype=torch.bfloat16)
+        prods.append((*make_weights(H, H), qkv[:, :H], o, False))
+        act = torch.empty(1, I, device="cuda", dtype=torch.bfloat16)
+        prods.append((*make_weights(2 * I, H), o, act, True))
+        d = torch.empty(1, H, device="cuda", dtype=torch.bfloat16)
+        prods.append((*make_weights(H, I), act, d, False))
+        x = d
+    logits = torch.empty(1, V, device="cuda", dtype=torch.bfloat16)
+    prods.append((*make_weights(V, H), x, logits, False))
+    return h, prods
+
+
+def descriptors(prods) -> torch.Tensor:
+    rows = []
+    for qw, s, z, x, y, glu in prods:
+        k = x.shape[1]
+        n_out = y.shape[1]
+        rows.append([qw.data_ptr(), s.data_ptr(), z.data_ptr(), x.data_ptr(), y.data_ptr(),
+                     n_out | (KIND[(k, glu)] << 32)])
+    return torch.tensor(rows, dtype=torch.int64, device="cuda")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results/q4_persistent.json")
+    ap.add_argument("--layers", type=int, default=36)
+    args = ap.parse_args()
+    if not q4_cuda.available():
+        print(f"the CUDA kernels cannot run here: {q4_cuda._state.get('why')}")
+        return 1
+    name = torch.cuda.get_device_name()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bw = G.copy_bandwidth(2.0)
+    table = json.loads(quant_cuda.CONFIGS.read_text()).get(name, {})
+    quant_cuda.set_configs(name, table)
+    smem = q4_cuda.smem_bytes(I)
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def persistent_fn(prods, cfg):
+        kern = compile_persistent(cfg["rows"], cfg["warps"], cfg["depth"], cfg["pf"])
+        occ = occupancy(kern, 32 * cfg["warps"], smem)
+        per_sm = min(cfg["blocks_per_sm"], occ)
+        desc = descriptors(prods)
+        grid = sms * per_sm
+
+        def run():
+            counter.zero_()
+            q4_cuda._launch(kern, grid, 32 * cfg["warps"], smem, [desc, len(prods), counter], False)
+        return run, dict(occupancy=occ, grid=grid)
+
+    def product(x, qw, s, z, glu, triton, cuda_cfg):
+        if triton:
+            return quant_cuda.q4_product(x, qw, s, z, glu, quant_cuda.tuned(1, qw.shape[0] // (2 if glu else 1),
+                                                                             x.shape[1], glu))
+        return q4_cuda.q4c_linear(x, qw, s, z, glu=glu, **cuda_cfg[(x.shape[1], glu, qw.shape[0] == V)])
+
+    def per_kernel_fn(h, prods, triton: bool, cuda_cfg: dict | None = None):
+        """The chain as one launch per product, each reading the output of the one before (o: its first H)."""
+        def run():
+            prev = h
+            for qw, s, z, x, _, glu in prods:
+                prev = product(prev[:, :x.shape[1]], qw, s, z, glu, triton, cuda_cfg)
+        return run
+
+    def reference(prods, cuda_cfg):
+        """The chain through the per-product CUDA kernel, each output copied into the buffer the persistent
+        kernel writes (eager; the check's reference)."""
+        for qw, s, z, x, y, glu in prods:
+            y.copy_(product(x, qw, s, z, glu, False, cuda_cfg))
+
+    # correctness on one layer + head: persistent == per-product CUDA kernel (same arithmetic, same order)
+    h1, p1 = build_chain(1)
+    cuda_cfg = {(H, False, False): dict(rows=2, warps=8, depth=4), (H, True, False): dict(rows=1, warps=8, depth=6),
+                (I, False, False): dict(rows=1, warps=8, depth=2), (H, False, True): dict(rows=2, warps=8, depth=2)}
+    reference(p1, cuda_cfg)
+    ref = [y.float().clone() for *_, y, _ in p1]
+    checks = {}
+    for cfg in (dict(rows=2, warps=8, depth=4, pf=True, blocks_per_sm=2), dict(rows=1, warps=8, depth=4, pf=False,
+                                                                              blocks_per_sm=1)):
+        run, info = persistent_fn(p1, cfg)
+        for *_, y, _ in p1:
+            y.zero_()
+        run()
+        torch.cuda.synchronize()
+        errs = [((y.float() - r).abs().max() / r.abs().max().clamp_min(1e-6)).item() for (*_, y, _), r in zip(p1, ref)]
+        checks[str(cfg)] = dict(errs=errs, **info)
+        G.log(f"check {cfg}: {info}, rel errs vs per-product kernels {['%.1e' % e for e in errs]}")
+        assert max(errs) < 2e-2, errs
+    del p1
+
+    h, prods = build_chain(args.layers)
+    wbytes = sum(qw.numel() * 4 + s.numel() * 2 + z.numel() * 2 for qw, s, z, *_ in prods)
+    floor = wbytes / bw * 1e3
+    variants = {"Triton, one kernel per product (engine)": per_kernel_fn(h, prods, True),
+                "CUDA, one kernel per product": per_kernel_fn(h, prods, False, cuda_cfg)}
+    info = {}
+    for cfg in (dict(rows=2, warps=8, depth=4, pf=True, blocks_per_sm=2),
+                dict(rows=2, warps=8, depth=4, pf=False, blocks_per_sm=2),
+                dict(rows=1, warps=8, depth=4, pf=True, blocks_per_sm=2),
+                dict(rows=2, warps=8, depth=4, pf=True, blocks_per_sm=1),
+                dict(rows=2, warps=16, depth=4, pf=True, blocks_per_sm=1),
+                dict(rows=1, warps=4, depth=4, pf=True, blocks_per_sm=4)):
+        label = (f"persistent, {cfg['rows']} rows x {cfg['warps']} warps, {cfg['blocks_per_sm']} blocks/SM"
+                 f"{', L2 prefetch' if cfg['pf'] else ''}")
+        try:
+            variants[label], info[label] = persistent_fn(prods, cfg)
+        except Exception as e:
+            G.log(f"{label}: {type(e).__name__}: {str(e)[:300]}")
+    runs: dict[str, list[float]] = {k: [] for k in variants}
+    graphs = {}
+    for k, fn in variants.items():
+        fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        graphs[k] = g
+    for rep in range(3):
+        for k, g in graphs.items():
+            runs[k].append(G.bench_ms(g.replay, inner=10, outer=3))
+            G.log(f"[{rep}] {k:60s} {runs[k][-1]:.4f} ms ({100 * floor / runs[k][-1]:.1f} %)")
+    res = dict(device=name, torch=torch.__version__, sms=sms, copy_bw_bytes_per_s=bw, layers=args.layers,
+               products=len(prods), weight_bytes=wbytes, floor_ms=floor, checks=checks, launch=info,
+               variants={k: dict(ms=min(t), runs=t, of_floor=floor / min(t)) for k, t in runs.items()})
+    print(f"\n{len(prods)} chained int4 products (1 row), {wbytes / 1e9:.2f} GB, floor {floor:.3f} ms")
+    print("| variant | ms | % of floor |\n| --- | --- | --- |")
+    for k, v in res["variants"].items():
+        print(f"| {k} | {v['ms']:.3f} | {100 * v['of_floor']:.1f} % |")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4))
+    names = list(res["variants"])
+    ax.barh(names, [100 * res["variants"][k]["of_floor"] for k in names])
+    ax.axvline(75, color="tab:red", ls=":", label="75 % (#12's goal for the whole step)")
+    ax.set_xlabel("% of the weight-streaming floor")
+    ax.set_title(f"{len(prods)} chained int4 decode products (8B shape)")
+    ax.invert_yaxis()
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.splitext(args.out)[0] + ".png", dpi=110)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

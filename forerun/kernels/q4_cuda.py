@@ -1,0 +1,304 @@
+"""The int4 decode product (1 activation row) as a CUDA C++ kernel compiled at run time with NVRTC (issue 12).
+
+Why not Triton: the Triton decode kernel (`quant_gemm.q4v_linear`) issues ~4.6 instructions per weight, of which
+the packed-f16 unpacking and products are ~2.1; the rest is the work Triton places around them (converting the
+activation row in every program, layout conversions through shared memory, reductions), and at the H200's
+bandwidth that leaves it bound by the issue rate at ~71 % of the floor (docs/performance.md, session 22). Here
+the kernel owns its register layout:
+
+  * one block converts the bf16 activation row once into shared memory: for each word of 8 codes, its 4 pairs
+    (x[8i + 2j], x[8i + 2j + 1]) as f16 pairs pre-scaled by 1/16 (j even) or 1/256 (j odd), and the sum of
+    every group of 32 activations (float32) -- the scheme of quant_gemm's packed-f16 PTX block;
+  * each warp owns R output rows; lane l takes groups l, l + 32, ... of each row: one 16-byte load is one whole
+    group (4 words = 32 codes), its bf16 scale and offset two 2-byte loads, coalesced across the warp; loads run
+    DEPTH groups ahead of the arithmetic (a ring of registers, the loop fully unrolled);
+  * per word: one shift, four lop3 into the f16 "magic" 1024 + c, four subtractions, four f16x2 fma into one
+    f16x2 accumulator per word (4 products per half, each at most |x| / 16 * 15), summed in float32; per group
+    and row: y += 16 * scale * sum + zero * sum(x of the group); a warp shuffle sums the lanes.
+  * SwiGLU (GLU): gate rows n and up rows GLU_OFF + n in the same warp, silu(gate) * up in the epilogue.
+  * PDL (Hopper): the first DEPTH groups of weights are requested before `griddepcontrol.wait`, and
+    `griddepcontrol.launch_dependents` lets the next kernel start early (kernels/pdl.py says why).
+
+Layout: quant_gemm's word layout (``qw32`` int32 [N, K / 8], ``scale`` / ``zero`` bf16 [N, K / 32], w = q * scale
++ zero), so the same `CudaQ4Linear` buffers serve both kernels. Compiled per (K, R, WARPS, DEPTH, GLU, PDL) on
+first use with `torch.cuda._compile_kernel` (NVRTC ships with PyTorch's CUDA wheels); `available()` says whether
+it can run here (a CUDA device of compute capability >= 8, NVRTC loadable, FORERUN_Q4_CUDA != 0).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from .pdl import enabled as pdl_enabled
+
+GROUP = 32
+_SRC = r"""
+#define K_ {K}
+#define G_ (K_ / 32)
+#define NJ ((G_ + 31) / 32)
+#define R_ {R}
+#define WARPS {WARPS}
+#define DEPTH {DEPTH}
+#define GLU {GLU}
+#define PDL {PDL}
+#define NW (GLU ? 2 * R_ : R_)
+
+__device__ __forceinline__ float bf2f(unsigned short h) {{ return __uint_as_float(((unsigned int)h) << 16); }}
+
+__device__ __forceinline__ unsigned int f2h2(float lo, float hi) {{
+    unsigned int r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}}
+
+__device__ __forceinline__ unsigned int lop(unsigned int a, unsigned int b, unsigned int c) {{
+    unsigned int r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(b), "r"(c));  // (a & b) | c
+    return r;
+}}
+
+__device__ __forceinline__ unsigned int hsub2(unsigned int a, unsigned int b) {{
+    unsigned int r;
+    asm("sub.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}}
+
+__device__ __forceinline__ unsigned int hfma2(unsigned int a, unsigned int b, unsigned int c) {{
+    unsigned int r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}}
+
+__device__ __forceinline__ float h2sum(unsigned int a) {{
+    unsigned short lo, hi;
+    float f0, f1;
+    asm("mov.b32 {{%0, %1}}, %2;" : "=h"(lo), "=h"(hi) : "r"(a));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f0) : "h"(lo));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f1) : "h"(hi));
+    return f0 + f1;
+}}
+
+// one word (8 codes) times its 4 activation pairs, accumulated into the f16x2 acc
+__device__ __forceinline__ unsigned int word_dot(unsigned int w, uint4 xp, unsigned int acc) {{
+    const unsigned int m = 0x64006400u;
+    unsigned int h = w >> 8;
+    acc = hfma2(hsub2(lop(w, 0x000F000Fu, m), m), xp.x, acc);
+    acc = hfma2(hsub2(lop(w, 0x00F000F0u, m), m), xp.y, acc);
+    acc = hfma2(hsub2(lop(h, 0x000F000Fu, m), m), xp.z, acc);
+    acc = hfma2(hsub2(lop(h, 0x00F000F0u, m), m), xp.w, acc);
+    return acc;
+}}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsigned short* __restrict__ S,
+         const unsigned short* __restrict__ Z, unsigned short* __restrict__ y, int n_out, int glu_off)
+{{
+    extern __shared__ uint4 smem[];
+    uint4* xq = smem;                        // [4][G_]: pairs of word c of group g at xq[c * G_ + g]
+    float* gsum = (float*)(smem + 4 * G_);   // [G_]
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int row0 = (blockIdx.x * WARPS + warp) * R_;
+
+    // weight rows of this warp: R_ rows (GLU: then their R_ up rows); rows past n_out read row 0 (not stored)
+    long rowoff[NW];
+    #pragma unroll
+    for (int r = 0; r < NW; r++) {{
+        int n = row0 + (r % R_);
+        n = n < n_out ? n : 0;
+        rowoff[r] = (long)(r < R_ ? n : n + glu_off) * G_;
+    }}
+    uint4 wbuf[DEPTH][NW];
+    unsigned short sbuf[DEPTH][NW], zbuf[DEPTH][NW];
+    #pragma unroll
+    for (int j = 0; j < DEPTH && j < NJ; j++) {{
+        int g = lane + 32 * j;
+        if (g < G_) {{
+            #pragma unroll
+            for (int r = 0; r < NW; r++) {{
+                wbuf[j][r] = __ldg(qw + rowoff[r] + g);
+                sbuf[j][r] = __ldg(S + rowoff[r] + g);
+                zbuf[j][r] = __ldg(Z + rowoff[r] + g);
+            }}
+        }}
+    }}
+#if PDL
+    asm volatile("griddepcontrol.launch_dependents;");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+    // the activation row -> pre-scaled f16 pairs and group sums (4 consecutive threads hold a group's words)
+    for (int base = 0; base < 4 * G_; base += WARPS * 32) {{  // whole warps stay together for the shuffles
+        const int i = base + threadIdx.x;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (i < 4 * G_) v = x[i];  // 8 bf16: word i's activations
+        float a0 = bf2f(v.x & 0xFFFF), a1 = bf2f(v.x >> 16), a2 = bf2f(v.y & 0xFFFF), a3 = bf2f(v.y >> 16);
+        float a4 = bf2f(v.z & 0xFFFF), a5 = bf2f(v.z >> 16), a6 = bf2f(v.w & 0xFFFF), a7 = bf2f(v.w >> 16);
+        float s = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7));
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        if (i < 4 * G_) {{
+            uint4 p;
+            p.x = f2h2(a0 * 0.0625f, a1 * 0.0625f);
+            p.y = f2h2(a2 * 0.00390625f, a3 * 0.00390625f);
+            p.z = f2h2(a4 * 0.0625f, a5 * 0.0625f);
+            p.w = f2h2(a6 * 0.00390625f, a7 * 0.00390625f);
+            xq[(i & 3) * G_ + (i >> 2)] = p;
+            if ((i & 3) == 0) gsum[i >> 2] = s;
+        }}
+    }}
+    __syncthreads();
+
+    float acc[NW];
+    #pragma unroll
+    for (int r = 0; r < NW; r++) acc[r] = 0.0f;
+    #pragma unroll
+    for (int j = 0; j < NJ; j++) {{
+        const int slot = j % DEPTH;
+        const int g = lane + 32 * j;
+        uint4 w[NW];
+        unsigned short sc[NW], zc[NW];
+        #pragma unroll
+        for (int r = 0; r < NW; r++) {{ w[r] = wbuf[slot][r]; sc[r] = sbuf[slot][r]; zc[r] = zbuf[slot][r]; }}
+        if (j + DEPTH < NJ) {{  // refill the slot DEPTH groups ahead
+            int gn = g + 32 * DEPTH;
+            if (gn < G_) {{
+                #pragma unroll
+                for (int r = 0; r < NW; r++) {{
+                    wbuf[slot][r] = __ldg(qw + rowoff[r] + gn);
+                    sbuf[slot][r] = __ldg(S + rowoff[r] + gn);
+                    zbuf[slot][r] = __ldg(Z + rowoff[r] + gn);
+                }}
+            }}
+        }}
+        if (g < G_) {{
+            uint4 x0 = xq[g], x1 = xq[G_ + g], x2 = xq[2 * G_ + g], x3 = xq[3 * G_ + g];
+            float xs = gsum[g];
+            #pragma unroll
+            for (int r = 0; r < NW; r++) {{
+                // each word's 4 pair products leave f16 (at most 4 * 15/16 |x|: no overflow below |x| ~ 17000)
+                float d = (h2sum(word_dot(w[r].x, x0, 0u)) + h2sum(word_dot(w[r].y, x1, 0u)))
+                        + (h2sum(word_dot(w[r].z, x2, 0u)) + h2sum(word_dot(w[r].w, x3, 0u)));
+                acc[r] = fmaf(d, 16.0f * bf2f(sc[r]), fmaf(bf2f(zc[r]), xs, acc[r]));
+            }}
+        }}
+    }}
+    #pragma unroll
+    for (int r = 0; r < NW; r++) {{
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+    }}
+    #pragma unroll
+    for (int r = 0; r < R_; r++) {{
+        if (lane == r && row0 + r < n_out) {{
+            float v = acc[r];
+#if GLU
+            v = v / (1.0f + __expf(-v)) * acc[R_ + r];
+#endif
+            unsigned short b;
+            asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(v));
+            y[row0 + r] = b;
+        }}
+    }}
+}}
+"""
+
+DEFAULT = dict(rows=2, warps=4, depth=2)
+_kernels: dict[tuple, object] = {}
+_state: dict[str, object] = {}
+
+
+def available(t: torch.Tensor | None = None) -> bool:
+    """Whether the NVRTC kernel can run on t's device (or the current one): CUDA, compute capability >= 8,
+    torch's `_compile_kernel`, not switched off (FORERUN_Q4_CUDA=0), and a first compilation that worked."""
+    if os.environ.get("FORERUN_Q4_CUDA", "1") == "0" or not torch.cuda.is_available() \
+            or (t is not None and not t.is_cuda) or not hasattr(torch.cuda, "_compile_kernel"):
+        return False
+    if "ok" not in _state:
+        try:
+            _state["ok"] = torch.cuda.get_device_capability()[0] >= 8 and _kernel(1024, 1, 1, 1, False, False) \
+                is not None
+        except Exception as e:  # no NVRTC library, an old driver: the Triton kernels serve
+            _state["ok"], _state["why"] = False, f"{type(e).__name__}: {e}"
+    return bool(_state["ok"])
+
+
+def smem_bytes(k: int) -> int:
+    return k // GROUP * (4 * 16 + 4)
+
+
+def _kernel(k: int, rows: int, warps: int, depth: int, glu: bool, pdl: bool):
+    key = (k, rows, warps, depth, glu, pdl)
+    if key not in _kernels:
+        src = _SRC.format(K=k, R=rows, WARPS=warps, DEPTH=depth, GLU=int(glu), PDL=int(pdl))
+        _kernels[key] = torch.cuda._compile_kernel(src, "q4c_gemv")
+    return _kernels[key]
+
+
+# ---------------------------------------------------------------- launching (with PDL through cuLaunchKernelEx)
+class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: an id, padding, a 64-byte value union
+    # (the union as ints: a c_char array field would read back as a bytes copy, and writing through it would
+    # write into that Python object instead of the struct)
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttr)), ("numAttrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+
+
+def pdl_attribute() -> _LaunchAttr:
+    """The launch attribute that lets a kernel start while the one before it drains (PDL)."""
+    attr = _LaunchAttr()
+    attr.id = _PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value[0] = 1  # programmaticStreamSerializationAllowed
+    return attr
+
+
+def _launch(kern, grid: int, block: int, smem: int, args: list, pdl: bool) -> None:
+    """cuLaunchKernelEx on the current stream (captured by CUDA graphs like any launch); with pdl the launch may
+    overlap its predecessor's tail (the kernel waits with griddepcontrol.wait)."""
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    vals = []
+    for a in args:
+        vals.append(ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a))
+    params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
+    attr = pdl_attribute()
+    cfg = _LaunchConfig(grid, 1, 1, block, 1, 1, smem, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
+                        ctypes.pointer(attr) if pdl else None, 1 if pdl else 0)
+    if smem >= 48 * 1024 and getattr(kern, "_max_shared_mem_bytes", 0) < smem:
+        kern.set_shared_memory_config(smem)
+    rc = lib.cuLaunchKernelEx(ctypes.byref(cfg), kern.func, params, None)
+    if rc != 0:
+        raise RuntimeError(f"q4c_linear: cuLaunchKernelEx failed with CUresult {rc}")
+
+
+def q4c_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, glu: bool = False,
+               rows: int | None = None, warps: int | None = None, depth: int | None = None,
+               pdl: bool | None = None) -> torch.Tensor:
+    """y = x @ W^T for one contiguous bf16 row x [1, K] and W in quant_gemm's int4 word layout (glu: W holds gate
+    rows then up rows, y = silu(x @ gate^T) * (x @ up^T)); bf16 [1, N] (or N / 2). The result matches
+    `q4v_linear` up to f16 rounding of the group sums. rows: output rows per warp; warps per block; depth:
+    groups of weights in flight per lane ahead of the arithmetic."""
+    m, k = x.shape
+    n = qw32.shape[0]
+    if m != 1 or x.dtype != torch.bfloat16 or not x.is_contiguous() or qw32.shape[1] * 8 != k or k % GROUP \
+            or (glu and n % 2) or scale.dtype != torch.bfloat16 or zero.dtype != torch.bfloat16:
+        raise ValueError(f"q4c_linear: takes one contiguous bf16 row and bf16 scales; got x {tuple(x.shape)} "
+                         f"{x.dtype}, qw32 {tuple(qw32.shape)}, scale {scale.dtype}")
+    if x.data_ptr() % 16:  # the kernel reads the row 16 bytes at a time
+        x = x.clone()
+    rows, warps, depth = rows or DEFAULT["rows"], warps or DEFAULT["warps"], depth or DEFAULT["depth"]
+    pdl = pdl_enabled(x) if pdl is None else pdl
+    n_out = n // 2 if glu else n
+    y = torch.empty(1, n_out, dtype=x.dtype, device=x.device)
+    kern = _kernel(k, rows, warps, depth, glu, pdl)
+    per_block = rows * warps
+    _launch(kern, (n_out + per_block - 1) // per_block, 32 * warps, smem_bytes(k),
+            [x, qw32, scale, zero, y, n_out, n_out], pdl)
+    return y

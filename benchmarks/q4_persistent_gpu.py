@@ -4,12 +4,14 @@ a forward (each product reads the one before: qkv <- h, o <- qkv[:4096] (attenti
 down <- gate/up, next qkv <- down), run three ways over the same int4 weights:
 
   * "Triton, one kernel per product": the engine's kernels and tuned configurations (q4_configs.json), PDL on;
-  * "CUDA, one kernel per product": kernels/q4_cuda.py's kernel, PDL on;
+  * "CUDA C++, one kernel per product (engine now)": kernels/q4_cuda.py's kernel, PDL on;
   * "persistent": ONE kernel for the whole chain: every block of the grid stays resident (blocks per SM from the
     occupancy API), walks the products in order and meets the others at a grid barrier (an atomic counter)
     between products; the same per-warp arithmetic as q4_cuda.py (its source is reused); before the barrier each
     warp asks the L2 for the weights it will read in the next product (cp.async.bulk.prefetch.L2, Hopper), so the
-    memory keeps streaming while blocks wait. Variants: without the L2 prefetch, and with blocks per SM 1 / 2.
+    memory keeps streaming while blocks wait; or (second run) each warp loads the first groups of its next rows
+    into the registers of its ring before the barrier (what PDL gives a separate kernel). Variants: rows per
+    warp, warps, blocks per SM, groups in flight.
 
 Each is replayed from a CUDA graph (the counter reset inside it); results checked against the per-product CUDA
 kernel's outputs on a one-layer chain. The step's products-only time in the engine (q4_step_budget_h200.json,
@@ -59,7 +61,10 @@ __device__ __forceinline__ void grid_sync(unsigned int* counter, unsigned int ta
     if (threadIdx.x == 0) {{
         __threadfence();
         atomicAdd(counter, 1u);
-        while (ld_acquire(counter) < target) {{ }}
+        long spins = 0;
+        while (ld_acquire(counter) < target) {{
+            if (++spins > (1L << 28)) __trap();  // a block that never arrives: fail instead of hanging
+        }}
     }}
     __syncthreads();
 }}
@@ -80,8 +85,41 @@ __device__ __forceinline__ void prefetch_rows(const Prod& p, int gw, int nwt, in
     }}
 }}
 
+// the first DEPTH groups of the first R_ rows (SwiGLU: and their up rows) a warp reads in a product: loaded before
+// the grid barrier that precedes it (PF == 2), so they are in flight while the blocks wait
+struct Ring {{ uint4 w[DEPTH][2 * R_]; unsigned short s[DEPTH][2 * R_], z[DEPTH][2 * R_]; }};
+
 template <int KK, int GL>
-__device__ void product(const Prod& p, uint4* smem, int gw, int nwt, int lane)
+__device__ __forceinline__ void fill_first(const Prod& p, int gw, int lane, Ring& ring) {{
+    const int G = KK / 32, NJJ = (G + 31) / 32, NWW = GL ? 2 * R_ : R_;
+    const int n_out = (int)(p.meta & 0xffffffff);
+    const int row0 = gw * R_;
+    #pragma unroll
+    for (int r = 0; r < NWW; r++) {{
+        int n = row0 + (r % R_);
+        n = n < n_out ? n : 0;
+        long off = (long)(r < R_ ? n : n + n_out) * G;
+        #pragma unroll
+        for (int j = 0; j < DEPTH && j < NJJ; j++) {{
+            int g = lane + 32 * j;
+            if (g < G) {{
+                ring.w[j][r] = __ldg(p.qw + off + g);
+                ring.s[j][r] = __ldg(p.S + off + g);
+                ring.z[j][r] = __ldg(p.Z + off + g);
+            }}
+        }}
+    }}
+}}
+
+__device__ __forceinline__ void fill_any(const Prod& p, int gw, int lane, Ring& ring) {{
+    const int kind = (int)(p.meta >> 32);
+    if (kind == 0) fill_first<4096, 0>(p, gw, lane, ring);
+    else if (kind == 1) fill_first<4096, 1>(p, gw, lane, ring);
+    else fill_first<12288, 0>(p, gw, lane, ring);
+}}
+
+template <int KK, int GL>
+__device__ void product(const Prod& p, uint4* smem, int gw, int nwt, int lane, Ring& ring)
 {{
     const int G = KK / 32, NJJ = (G + 31) / 32, NWW = GL ? 2 * R_ : R_;
     const int n_out = (int)(p.meta & 0xffffffff);
@@ -116,17 +154,20 @@ __device__ void product(const Prod& p, uint4* smem, int gw, int nwt, int lane)
             n = n < n_out ? n : 0;
             rowoff[r] = (long)(r < R_ ? n : n + n_out) * G;
         }}
-        uint4 wbuf[DEPTH][NWW];
-        unsigned short sbuf[DEPTH][NWW], zbuf[DEPTH][NWW];
-        #pragma unroll
-        for (int j = 0; j < DEPTH && j < NJJ; j++) {{
-            int g = lane + 32 * j;
-            if (g < G) {{
-                #pragma unroll
-                for (int r = 0; r < NWW; r++) {{
-                    wbuf[j][r] = __ldg(p.qw + rowoff[r] + g);
-                    sbuf[j][r] = __ldg(p.S + rowoff[r] + g);
-                    zbuf[j][r] = __ldg(p.Z + rowoff[r] + g);
+        uint4 (&wbuf)[DEPTH][2 * R_] = ring.w;  // the ring of groups in flight (PF == 2: filled before the barrier)
+        unsigned short (&sbuf)[DEPTH][2 * R_] = ring.s;
+        unsigned short (&zbuf)[DEPTH][2 * R_] = ring.z;
+        if (!(PF == 2 && w0 == gw)) {{
+            #pragma unroll
+            for (int j = 0; j < DEPTH && j < NJJ; j++) {{
+                int g = lane + 32 * j;
+                if (g < G) {{
+                    #pragma unroll
+                    for (int r = 0; r < NWW; r++) {{
+                        wbuf[j][r] = __ldg(p.qw + rowoff[r] + g);
+                        sbuf[j][r] = __ldg(p.S + rowoff[r] + g);
+                        zbuf[j][r] = __ldg(p.Z + rowoff[r] + g);
+                    }}
                 }}
             }}
         }}
@@ -194,15 +235,18 @@ q4c_persistent(const Prod* __restrict__ prods, int num, unsigned int* counter)
     extern __shared__ uint4 smem[];
     const int lane = threadIdx.x & 31;
     const int gw = blockIdx.x * WARPS + (threadIdx.x >> 5), nwt = gridDim.x * WARPS;
-    if (PF) prefetch_any(prods[0], gw, nwt, lane);
+    Ring ring;
+    if (PF == 1) prefetch_any(prods[0], gw, nwt, lane);
+    if (PF == 2) fill_any(prods[0], gw, lane, ring);
     for (int i = 0; i < num; i++) {{
         const Prod p = prods[i];
         const int kind = (int)(p.meta >> 32);
-        if (kind == 0) product<4096, 0>(p, smem, gw, nwt, lane);
-        else if (kind == 1) product<4096, 1>(p, smem, gw, nwt, lane);
-        else product<12288, 0>(p, smem, gw, nwt, lane);
+        if (kind == 0) product<4096, 0>(p, smem, gw, nwt, lane, ring);
+        else if (kind == 1) product<4096, 1>(p, smem, gw, nwt, lane, ring);
+        else product<12288, 0>(p, smem, gw, nwt, lane, ring);
         if (i + 1 < num) {{
-            if (PF) prefetch_any(prods[i + 1], gw, nwt, lane);
+            if (PF == 1) prefetch_any(prods[i + 1], gw, nwt, lane);
+            if (PF == 2) fill_any(prods[i + 1], gw, lane, ring);
             grid_sync(counter, (unsigned int)(i + 1) * gridDim.x);
         }}
     }}
@@ -211,7 +255,7 @@ q4c_persistent(const Prod* __restrict__ prods, int num, unsigned int* counter)
 KIND = {(H, False): 0, (H, True): 1, (I, False): 2}
 
 
-def compile_persistent(rows: int, warps: int, depth: int, pf: bool):
+def compile_persistent(rows: int, warps: int, depth: int, pf: int):
     # K / GLU of the helpers' macros are unused by the persistent kernel (templates); set to valid values
     src = _HELPERS.format(K=4096, R=rows, WARPS=warps, DEPTH=depth, GLU=0, PDL=0) + _PERSIST.format(PF=int(pf))
     return torch.cuda._compile_kernel(src, "q4c_persistent")
@@ -281,6 +325,8 @@ def main() -> int:
     def persistent_fn(prods, cfg):
         kern = compile_persistent(cfg["rows"], cfg["warps"], cfg["depth"], cfg["pf"])
         occ = occupancy(kern, 32 * cfg["warps"], smem)
+        if occ < 1:
+            raise RuntimeError("the persistent kernel does not fit on an SM")
         per_sm = min(cfg["blocks_per_sm"], occ)
         desc = descriptors(prods)
         grid = sms * per_sm
@@ -294,14 +340,18 @@ def main() -> int:
         if triton:
             return quant_cuda.q4_product(x, qw, s, z, glu, quant_cuda.tuned(1, qw.shape[0] // (2 if glu else 1),
                                                                              x.shape[1], glu))
-        return q4_cuda.q4c_linear(x, qw, s, z, glu=glu, **cuda_cfg[(x.shape[1], glu, qw.shape[0] == V)])
+        cfg = cuda_cfg_o if (x.shape[1], qw.shape[0]) == (H, H) else cuda_cfg[(x.shape[1], glu, qw.shape[0] == V)]
+        return q4_cuda.q4c_linear(x, qw, s, z, glu=glu, **cfg)
 
     def per_kernel_fn(h, prods, triton: bool, cuda_cfg: dict | None = None):
         """The chain as one launch per product, each reading the output of the one before (o: its first H)."""
         def run():
+            was = os.environ.get("FORERUN_Q4_CUDA")
+            os.environ["FORERUN_Q4_CUDA"] = "0" if triton else "1"  # the table's "c" entries fall back to Triton
             prev = h
             for qw, s, z, x, _, glu in prods:
                 prev = product(prev[:, :x.shape[1]], qw, s, z, glu, triton, cuda_cfg)
+            os.environ["FORERUN_Q4_CUDA"] = was or "1"
         return run
 
     def reference(prods, cuda_cfg):
@@ -312,13 +362,18 @@ def main() -> int:
 
     # correctness on one layer + head: persistent == per-product CUDA kernel (same arithmetic, same order)
     h1, p1 = build_chain(1)
-    cuda_cfg = {(H, False, False): dict(rows=2, warps=8, depth=4), (H, True, False): dict(rows=1, warps=8, depth=6),
-                (I, False, False): dict(rows=1, warps=8, depth=2), (H, False, True): dict(rows=2, warps=8, depth=2)}
+    def tuned_cuda(n, k, glu):  # the committed CUDA configuration (q4_configs.json, kernel "c") or a default
+        c = table.get(quant_cuda.config_key(1, n, k, glu), {})
+        return dict(rows=c["block_n"], warps=c["num_warps"], depth=c["num_stages"]) if c.get("kernel") == "c" \
+            else dict(rows=1, warps=16, depth=2)
+    cuda_cfg = {(H, False, False): tuned_cuda(QKV, H, False), (H, True, False): tuned_cuda(I, H, True),
+                (I, False, False): tuned_cuda(H, I, False), (H, False, True): tuned_cuda(V, H, False)}
+    cuda_cfg_o = tuned_cuda(H, H, False)
     reference(p1, cuda_cfg)
     ref = [y.float().clone() for *_, y, _ in p1]
     checks = {}
-    for cfg in (dict(rows=2, warps=8, depth=4, pf=True, blocks_per_sm=2), dict(rows=1, warps=8, depth=4, pf=False,
-                                                                              blocks_per_sm=1)):
+    for cfg in (dict(rows=2, warps=8, depth=4, pf=2, blocks_per_sm=1), dict(rows=1, warps=8, depth=4, pf=0,
+                                                                           blocks_per_sm=1)):
         run, info = persistent_fn(p1, cfg)
         for *_, y, _ in p1:
             y.zero_()
@@ -333,17 +388,21 @@ def main() -> int:
     h, prods = build_chain(args.layers)
     wbytes = sum(qw.numel() * 4 + s.numel() * 2 + z.numel() * 2 for qw, s, z, *_ in prods)
     floor = wbytes / bw * 1e3
-    variants = {"Triton, one kernel per product (engine)": per_kernel_fn(h, prods, True),
-                "CUDA, one kernel per product": per_kernel_fn(h, prods, False, cuda_cfg)}
+    variants = {"Triton, one kernel per product (engine until now)": per_kernel_fn(h, prods, True),
+                "CUDA C++, one kernel per product (engine now)": per_kernel_fn(h, prods, False, cuda_cfg)}
     info = {}
-    for cfg in (dict(rows=2, warps=8, depth=4, pf=True, blocks_per_sm=2),
-                dict(rows=2, warps=8, depth=4, pf=False, blocks_per_sm=2),
-                dict(rows=1, warps=8, depth=4, pf=True, blocks_per_sm=2),
-                dict(rows=2, warps=8, depth=4, pf=True, blocks_per_sm=1),
-                dict(rows=2, warps=16, depth=4, pf=True, blocks_per_sm=1),
-                dict(rows=1, warps=4, depth=4, pf=True, blocks_per_sm=4)):
+    for cfg in (dict(rows=2, warps=8, depth=4, pf=0, blocks_per_sm=2),
+                dict(rows=2, warps=8, depth=4, pf=1, blocks_per_sm=2),
+                dict(rows=1, warps=16, depth=2, pf=0, blocks_per_sm=1),
+                dict(rows=1, warps=16, depth=2, pf=2, blocks_per_sm=1),
+                dict(rows=1, warps=16, depth=4, pf=2, blocks_per_sm=1),
+                dict(rows=2, warps=16, depth=2, pf=2, blocks_per_sm=1),
+                dict(rows=1, warps=8, depth=6, pf=2, blocks_per_sm=2),
+                dict(rows=1, warps=8, depth=2, pf=2, blocks_per_sm=2),
+                dict(rows=2, warps=8, depth=4, pf=2, blocks_per_sm=1),
+                dict(rows=1, warps=4, depth=4, pf=2, blocks_per_sm=4)):
         label = (f"persistent, {cfg['rows']} rows x {cfg['warps']} warps, {cfg['blocks_per_sm']} blocks/SM"
-                 f"{', L2 prefetch' if cfg['pf'] else ''}")
+                 f"{['', ', L2 prefetch', ', next weights in registers'][cfg['pf']]}, {cfg['depth']} in flight")
         try:
             variants[label], info[label] = persistent_fn(prods, cfg)
         except Exception as e:

@@ -29,7 +29,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import gpu as G  # noqa: E402
 from quant_decode_gpu import SHAPES, graph_us  # noqa: E402
-from forerun.kernels import q4_cuda  # noqa: E402
+from forerun.kernels import nvrtc, q4_cuda  # noqa: E402
 from forerun.kernels.quant_gemm import dequantize_int4, quantize_int4, repack_int4_w32  # noqa: E402
 from forerun.models import quant_cuda  # noqa: E402
 
@@ -186,7 +186,7 @@ def main() -> int:
     ap.add_argument("--write-configs", action="store_true")
     args = ap.parse_args()
     if not q4_cuda.available():
-        print(f"the CUDA kernel cannot run here: {q4_cuda._state.get('why', 'no CUDA / NVRTC')}")
+        print(f"the CUDA kernel cannot run here: {nvrtc.why_not()}")
         return 1
     name = torch.cuda.get_device_name()
     bw = G.copy_bandwidth(2.0)

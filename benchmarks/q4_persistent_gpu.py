@@ -34,7 +34,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import gpu as G  # noqa: E402
-from forerun.kernels import q4_cuda  # noqa: E402
+from forerun.kernels import nvrtc, q4_cuda  # noqa: E402
 from forerun.kernels.quant_gemm import quantize_int4, repack_int4_w32  # noqa: E402
 from forerun.models import quant_cuda  # noqa: E402
 
@@ -312,7 +312,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=36)
     args = ap.parse_args()
     if not q4_cuda.available():
-        print(f"the CUDA kernels cannot run here: {q4_cuda._state.get('why')}")
+        print(f"the CUDA kernels cannot run here: {nvrtc.why_not()}")
         return 1
     name = torch.cuda.get_device_name()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -333,7 +333,7 @@ def main() -> int:
 
         def run():
             counter.zero_()
-            q4_cuda._launch(kern, grid, 32 * cfg["warps"], smem, [desc, len(prods), counter], False)
+            nvrtc.launch(kern, grid, 32 * cfg["warps"], smem, [desc, len(prods), counter], False)
         return run, dict(occupancy=occ, grid=grid)
 
     def product(x, qw, s, z, glu, triton, cuda_cfg):

@@ -2,7 +2,8 @@
 (CudaQ4Linear), one batch-1 decode forward replayed from a CUDA graph (512 cached tokens), with the operations
 between the matrix products replaced, one kind at a time, by stand-ins that launch nothing. The step time a
 variant saves is the most that fusing that operation away could save; "products only" is the step that is left
-when every one of them is gone. Also: attention with fewer KV splits (the split merge is a launch of its own).
+when every one of them is gone. Also: attention with fewer KV splits, and decode attention in the Triton split + merge
+kernels instead of the one-launch CUDA kernel (attention/cuda_decode.py).
 Variants run interleaved (the card's clocks drift); best of the runs. Prints a table, writes JSON (+ PNG).
 
     python benchmarks/q4_step_budget.py --out benchmarks/results/q4_step_budget_h200.json
@@ -24,9 +25,11 @@ import gpu as G  # noqa: E402
 from forerun.attention.triton_backend import TritonPagedAttention  # noqa: E402
 from forerun.runtime.cuda_graph import GraphRunner  # noqa: E402
 
-# variant -> (operations knocked out, attention KV splits (None: the backend's own choice))
+# variant -> (operations knocked out, attention KV splits (None: the backend's own choice)[, decode attention in
+# the one-launch CUDA kernel (default) or in the Triton split + merge kernels])
 VARIANTS = {
     "engine": ((), None),
+    "engine, Triton decode attention": ((), None, False),
     "attention 1 split": ((), 1),
     "attention 4 splits": ((), 4),
     "no add+norm": (("norm",), None),
@@ -36,12 +39,12 @@ VARIANTS = {
 }
 
 
-def install(model, knocked: tuple[str, ...], splits: int | None, originals: dict) -> None:
+def install(model, knocked: tuple[str, ...], splits: int | None, originals: dict, cuda_attention: bool = True) -> None:
     """Put back the real operations, then replace the knocked-out ones by stand-ins that launch no kernel."""
     ops = model.ops
     for name, fn in originals.items():
         setattr(ops, name, fn)
-    model.backend = TritonPagedAttention(num_splits=splits)
+    model.backend = TritonPagedAttention(num_splits=splits, cuda_decode=cuda_attention)
     bufs: dict = {}
     if "norm" in knocked:
         ops.add_rmsnorm = lambda x, residual, norm: (x, x if residual is None else residual)
@@ -100,12 +103,12 @@ def main() -> int:
     runs: dict[str, list[float]] = {n: [] for n in VARIANTS}
     breakdown = {}
     for rep in range(args.repeats):
-        for name, (knocked, splits) in VARIANTS.items():
-            install(model, knocked, splits, originals)
+        for name, (knocked, splits, *cuda_attention) in VARIANTS.items():
+            install(model, knocked, splits, originals, *cuda_attention)
             side.graphs = GraphRunner(side.runner, batch_sizes=[1], max_q_len=1)
             fn = lambda: side.graphs.run_uniform(ids, ctx, 1)  # noqa: E731
             runs[name].append(G.bench_ms(fn, inner=20, outer=5))
-            if rep == 0 and name in ("engine", "products only"):
+            if rep == 0 and name in ("engine", "engine, Triton decode attention", "products only"):
                 breakdown[name] = G.kernel_breakdown(fn)
             G.log(f"[{rep}] {name:28s} {runs[name][-1]:.4f} ms")
             del side.graphs

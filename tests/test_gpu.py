@@ -69,10 +69,47 @@ def _check_attention(q, k, v, meta, splits=(None, 1, 3)):
     scale = q.shape[-1] ** -0.5
     ref = paged_attention_reference(q.float(), k.float(), v.float(), meta, scale)
     for s in splits:
-        out = TritonPagedAttention(num_splits=s).forward(q, k, v, meta, scale)
-        assert out.dtype == q.dtype and out.shape == q.shape
-        assert torch.isfinite(out).all()
-        assert rel_err(out, ref) < 1e-2, (s, rel_err(out, ref))
+        for cuda_decode in (True, False):  # decode steps: the CUDA kernel, and the Triton kernels it replaces
+            out = TritonPagedAttention(num_splits=s, cuda_decode=cuda_decode).forward(q, k, v, meta, scale)
+            assert out.dtype == q.dtype and out.shape == q.shape
+            assert torch.isfinite(out).all()
+            assert rel_err(out, ref) < 1e-2, (s, cuda_decode, rel_err(out, ref))
+
+
+def test_cuda_decode_attention_matches_reference():
+    """attention/cuda_decode.py (one launch, the splits merged by the last block) against the float32 reference:
+    GQA groups 1-8, D 64 / 128 / 256, pages of 16 and 4, sequences of 1..3000 tokens, 1..16 splits (more splits
+    than tokens too), twice in a row (the arrival counters are left at zero), and replayed from a CUDA graph with
+    new lengths; a wrong split merge fails."""
+    from forerun.attention import cuda_decode
+    assert cuda_decode.available(), "the NVRTC decode attention did not compile on the GPU machine"
+    cases = [((32, 8, 128), 16, [511], None), ((32, 8, 128), 16, [1, 17, 3000, 64, 700], None),
+             ((16, 16, 64), 4, [5, 2, 130], None), ((64, 8, 256), 16, [900, 33], None), ((8, 4, 128), 16, [300], 1)]
+    for i, ((hq, hkv, d), page, lens, _) in enumerate(cases):
+        q, k, v, meta = make_attention_case([1] * len(lens), [n - 1 for n in lens], hq, hkv, d, page=page, seed=i)
+        assert cuda_decode.supports(q, k, meta, None)
+        scale = d ** -0.5
+        ref = paged_attention_reference(q.float(), k.float(), v.float(), meta, scale)
+        for splits in (1, 2, 7, 16, None):
+            for _ in range(2):
+                out = cuda_decode.decode_attention(q, k, v, meta, scale, splits)
+                assert rel_err(out, ref) < 1e-2, (i, splits, rel_err(out, ref))
+    # in a CUDA graph: the lengths change between replays (one more token each), the launch shape does not
+    q, k, v, meta = make_attention_case([1, 1, 1], [99, 2000, 7], 32, 8, 128, seed=9)
+    out = cuda_decode.decode_attention(q, k, v, meta, 128 ** -0.5)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = cuda_decode.decode_attention(q, k, v, meta, 128 ** -0.5)
+    for extra in (0, -5):
+        meta.seq_lens.copy_(torch.tensor([100 + extra, 2001 + extra, 8 + extra], device=DEV))
+        g.replay()
+        ref = paged_attention_reference(q.float(), k.float(), v.float(), meta, 128 ** -0.5)
+        assert rel_err(out, ref) < 1e-2, extra
+    # the checks can fail: dropping one split's keys moves the output
+    meta2 = AttnMetadata(query_start_loc=meta.query_start_loc, seq_lens=(meta.seq_lens // 2).clamp_min(1),
+                         block_tables=meta.block_tables, slot_mapping=meta.slot_mapping, max_query_len=1,
+                         max_seq_len=meta.max_seq_len)
+    assert rel_err(cuda_decode.decode_attention(q, k, v, meta2, 128 ** -0.5, 4), ref) > 0.05
 
 
 @pytest.mark.parametrize("max_q", list(range(1, 17)))

@@ -303,7 +303,7 @@ def test_cuda_c_launch_structures_match_the_driver_abi():
     write landed in a Python object.)"""
     import ctypes
 
-    from forerun.kernels.q4_cuda import _LaunchConfig, pdl_attribute
+    from forerun.kernels.nvrtc import _LaunchConfig, pdl_attribute
     attr = pdl_attribute()
     assert ctypes.sizeof(attr) == 72
     assert bytes(attr)[:12] == b"\x06\x00\x00\x00" + b"\x00" * 4 + b"\x01\x00\x00\x00" and not any(bytes(attr)[12:])

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from ..kernels.pdl import enabled as pdl_enabled, gdc_launch_dependents
+from . import cuda_decode
 from .base import AttentionBackend
 from .metadata import AttnMetadata
 from .reference import paged_attention_reference
@@ -157,10 +158,13 @@ class TritonPagedAttention(AttentionBackend):
     supports_cuda_graphs = True  # launch shapes never depend on host-side sequence lengths
 
     def __init__(self, block_n: int = 64, max_splits: int = 16, num_warps: int = 4, num_stages: int = 2,
-                 num_splits: int | None = None) -> None:
+                 num_splits: int | None = None, cuda_decode: bool = True) -> None:
+        """cuda_decode: pure decode steps (one new token per sequence, no tree, no window) run the one-launch CUDA
+        kernel of attention/cuda_decode.py where it compiles (FORERUN_CUDA_ATTENTION=0 also turns it off)."""
         self.block_n, self.max_splits = block_n, max_splits
         self.num_warps, self.num_stages = num_warps, num_stages
         self.num_splits = num_splits  # fixed split count (tests); None = chosen from the grid size
+        self.cuda_decode = cuda_decode
 
     def _splits(self, programs: int, device: torch.device) -> int:
         if self.num_splits is not None:
@@ -181,6 +185,8 @@ class TritonPagedAttention(AttentionBackend):
             raise ValueError("tree drafting is not supported with a sliding-window model on the Triton backend")
         if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             return paged_attention_reference(q, k_cache, v_cache, meta, scale, window)
+        if self.cuda_decode and q.is_cuda and cuda_decode.supports(q, k_cache, meta, window):
+            return cuda_decode.decode_attention(q, k_cache, v_cache, meta, scale, self.num_splits)
         num_tokens, num_heads, head_dim = q.shape
         page, num_kv = k_cache.shape[1], k_cache.shape[2]
         group = num_heads // num_kv

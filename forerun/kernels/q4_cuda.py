@@ -21,16 +21,16 @@ the kernel owns its register layout:
 
 Layout: quant_gemm's word layout (``qw32`` int32 [N, K / 8], ``scale`` / ``zero`` bf16 [N, K / 32], w = q * scale
 + zero), so the same `CudaQ4Linear` buffers serve both kernels. Compiled per (K, R, WARPS, DEPTH, GLU, PDL) on
-first use with `torch.cuda._compile_kernel` (NVRTC ships with PyTorch's CUDA wheels); `available()` says whether
-it can run here (a CUDA device of compute capability >= 8, NVRTC loadable, FORERUN_Q4_CUDA != 0).
+first use (kernels/nvrtc.py); `available()` says whether it can run here (NVRTC usable, FORERUN_Q4_CUDA != 0).
 """
 from __future__ import annotations
 
-import ctypes
+import functools
 import os
 
 import torch
 
+from . import nvrtc
 from .pdl import enabled as pdl_enabled
 
 GROUP = 32
@@ -204,78 +204,25 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
 """
 
 DEFAULT = dict(rows=2, warps=4, depth=2)
-_kernels: dict[tuple, object] = {}
-_state: dict[str, object] = {}
 
 
 def available(t: torch.Tensor | None = None) -> bool:
-    """Whether the NVRTC kernel can run on t's device (or the current one): CUDA, compute capability >= 8,
-    torch's `_compile_kernel`, not switched off (FORERUN_Q4_CUDA=0), and a first compilation that worked."""
-    if os.environ.get("FORERUN_Q4_CUDA", "1") == "0" or not torch.cuda.is_available() \
-            or (t is not None and not t.is_cuda) or not hasattr(torch.cuda, "_compile_kernel"):
-        return False
-    if "ok" not in _state:
-        try:
-            _state["ok"] = torch.cuda.get_device_capability()[0] >= 8 and _kernel(1024, 1, 1, 1, False, False) \
-                is not None
-        except Exception as e:  # no NVRTC library, an old driver: the Triton kernels serve
-            _state["ok"], _state["why"] = False, f"{type(e).__name__}: {e}"
-    return bool(_state["ok"])
+    """Whether the NVRTC kernels can run on t's device (or the current one): `nvrtc.available`, and not switched
+    off with FORERUN_Q4_CUDA=0."""
+    return os.environ.get("FORERUN_Q4_CUDA", "1") != "0" and nvrtc.available(t)
 
 
 def smem_bytes(k: int) -> int:
     return k // GROUP * (4 * 16 + 4)
 
 
+@functools.lru_cache(maxsize=None)
+def _kernel_on(device: int, k: int, rows: int, warps: int, depth: int, glu: bool, pdl: bool):
+    return nvrtc.kernel(_SRC.format(K=k, R=rows, WARPS=warps, DEPTH=depth, GLU=int(glu), PDL=int(pdl)), "q4c_gemv")
+
+
 def _kernel(k: int, rows: int, warps: int, depth: int, glu: bool, pdl: bool):
-    key = (k, rows, warps, depth, glu, pdl)
-    if key not in _kernels:
-        src = _SRC.format(K=k, R=rows, WARPS=warps, DEPTH=depth, GLU=int(glu), PDL=int(pdl))
-        _kernels[key] = torch.cuda._compile_kernel(src, "q4c_gemv")
-    return _kernels[key]
-
-
-# ---------------------------------------------------------------- launching (with PDL through cuLaunchKernelEx)
-class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: an id, padding, a 64-byte value union
-    # (the union as ints: a c_char array field would read back as a bytes copy, and writing through it would
-    # write into that Python object instead of the struct)
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_int * 16)]
-
-
-class _LaunchConfig(ctypes.Structure):
-    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
-                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
-                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(_LaunchAttr)), ("numAttrs", ctypes.c_uint)]
-
-
-_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
-
-
-def pdl_attribute() -> _LaunchAttr:
-    """The launch attribute that lets a kernel start while the one before it drains (PDL)."""
-    attr = _LaunchAttr()
-    attr.id = _PROGRAMMATIC_STREAM_SERIALIZATION
-    attr.value[0] = 1  # programmaticStreamSerializationAllowed
-    return attr
-
-
-def _launch(kern, grid: int, block: int, smem: int, args: list, pdl: bool) -> None:
-    """cuLaunchKernelEx on the current stream (captured by CUDA graphs like any launch); with pdl the launch may
-    overlap its predecessor's tail (the kernel waits with griddepcontrol.wait)."""
-    lib = torch.cuda._utils._get_gpu_runtime_library()
-    vals = []
-    for a in args:
-        vals.append(ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a))
-    params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
-    attr = pdl_attribute()
-    cfg = _LaunchConfig(grid, 1, 1, block, 1, 1, smem, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
-                        ctypes.pointer(attr) if pdl else None, 1 if pdl else 0)
-    if smem >= 48 * 1024 and getattr(kern, "_max_shared_mem_bytes", 0) < smem:
-        kern.set_shared_memory_config(smem)
-    rc = lib.cuLaunchKernelEx(ctypes.byref(cfg), kern.func, params, None)
-    if rc != 0:
-        raise RuntimeError(f"q4c_linear: cuLaunchKernelEx failed with CUresult {rc}")
+    return _kernel_on(torch.cuda.current_device(), k, rows, warps, depth, glu, pdl)
 
 
 def q4c_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, glu: bool = False,
@@ -297,8 +244,9 @@ def q4c_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: t
     pdl = pdl_enabled(x) if pdl is None else pdl
     n_out = n // 2 if glu else n
     y = torch.empty(1, n_out, dtype=x.dtype, device=x.device)
-    kern = _kernel(k, rows, warps, depth, glu, pdl)
-    per_block = rows * warps
-    _launch(kern, (n_out + per_block - 1) // per_block, 32 * warps, smem_bytes(k),
-            [x, qw32, scale, zero, y, n_out, n_out], pdl)
+    with torch.cuda.device(x.device):  # x's device: its module, its current stream
+        kern = _kernel(k, rows, warps, depth, glu, pdl)
+        per_block = rows * warps
+        nvrtc.launch(kern, (n_out + per_block - 1) // per_block, 32 * warps, smem_bytes(k),
+                     [x, qw32, scale, zero, y, n_out, n_out], pdl)
     return y

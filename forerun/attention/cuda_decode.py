@@ -1,0 +1,250 @@
+"""Decode attention (one new token per sequence) as one CUDA C++ kernel: flash-decoding with the merge of the KV
+splits done by the last block of each (sequence, KV head), so a layer's attention is one launch, not two.
+
+Why: at batch 1 the Triton backend's decode attention is two short kernels (the split kernel and the merge), each
+paying a launch and a ramp-up, for ~2 MB of keys and values per layer at 512 cached tokens: by knock-out it was the
+largest cost between the int4 products of an 8B-shape decode step (0.22 ms of 1.94, docs/performance.md).
+
+One block per (sequence b, KV head h, split s), 4 warps. The block's queries are the GROUP query heads of h; a
+lane holds D / 32 of their dimensions (pre-scaled by softmax scale * log2 e). The split's tokens are dealt to the
+warps; a warp takes UNROLL tokens at a time (their block-table entries, keys and values requested together), dots
+each key with the GROUP queries (a warp sum per head), and keeps an online softmax per head. The warps' partials
+meet in shared memory; with one split the block writes the output, else it writes its partial (max, sum, acc) and
+counts itself in at the (b, h) counter; the block that arrives last merges the splits and resets the counter
+(`__threadfence` on both sides). PDL: the block lets the next kernel launch at once and waits for its inputs.
+
+Paged layout as the Triton backend: K/V [num_blocks, PAGE, Hkv, D] (rows contiguous), block_tables [B, W] int64,
+seq_lens [B] int64 (the new token already written). `supports(q, k_cache, meta, window)` says when it applies
+(pure decode, no tree, no window, bf16, D in 64/128/256, NVRTC available); TritonPagedAttention calls it.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+
+from ..kernels import nvrtc
+from ..kernels.pdl import enabled as pdl_enabled
+from .metadata import AttnMetadata
+
+_LOG2E = 1.4426950408889634
+WARPS = 4
+UNROLL = 8
+MAX_SPLITS = 16
+_SRC = r"""
+#define D {D}
+#define GROUP {GROUP}
+#define WARPS {WARPS}
+#define UNROLL {UNROLL}
+#define PDL {PDL}
+#define DPL (D / 32)
+
+__device__ __forceinline__ float bf(unsigned short h) {{ return __uint_as_float(((unsigned int)h) << 16); }}
+
+__device__ __forceinline__ void load_row(const unsigned short* p, float* out) {{
+#if DPL == 2
+    unsigned int v = *(const unsigned int*)p;
+    out[0] = bf(v & 0xFFFF); out[1] = bf(v >> 16);
+#elif DPL == 4
+    uint2 v = *(const uint2*)p;
+    out[0] = bf(v.x & 0xFFFF); out[1] = bf(v.x >> 16); out[2] = bf(v.y & 0xFFFF); out[3] = bf(v.y >> 16);
+#else
+    uint4 v = *(const uint4*)p;
+    out[0] = bf(v.x & 0xFFFF); out[1] = bf(v.x >> 16); out[2] = bf(v.y & 0xFFFF); out[3] = bf(v.y >> 16);
+    out[4] = bf(v.z & 0xFFFF); out[5] = bf(v.z >> 16); out[6] = bf(v.w & 0xFFFF); out[7] = bf(v.w >> 16);
+#endif
+}}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+decode_attention(const unsigned short* __restrict__ q, const unsigned short* __restrict__ kc,
+                 const unsigned short* __restrict__ vc, unsigned short* __restrict__ out,
+                 float* __restrict__ part_acc, float* __restrict__ part_ml, unsigned int* __restrict__ counters,
+                 const long long* __restrict__ seq_lens, const long long* __restrict__ tables,
+                 float qk_scale, int num_kv, int num_splits, int page,
+                 int stride_qt, int stride_qh, int stride_ot, int stride_oh,
+                 long long stride_kb, int stride_kp, int stride_kh,
+                 long long stride_vb, int stride_vp, int stride_vh, int stride_bt)
+{{
+    __shared__ float sm_acc[WARPS][GROUP][D];
+    __shared__ float sm_m[WARPS][GROUP], sm_l[WARPS][GROUP];
+    __shared__ int last;
+#if PDL
+    asm volatile("griddepcontrol.launch_dependents;");
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+    const int bh = blockIdx.x, b = bh / num_kv, h = bh % num_kv, split = blockIdx.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int L = (int)seq_lens[b];
+    const int per = (L + num_splits - 1) / num_splits;
+    const int t0 = split * per, t1 = min(L, t0 + per);
+
+    float qv[GROUP][DPL];
+    #pragma unroll
+    for (int g = 0; g < GROUP; g++) {{
+        load_row(q + (long long)b * stride_qt + (long long)(h * GROUP + g) * stride_qh + lane * DPL, qv[g]);
+        #pragma unroll
+        for (int d = 0; d < DPL; d++) qv[g][d] *= qk_scale;
+    }}
+    float m[GROUP], l[GROUP], acc[GROUP][DPL];
+    #pragma unroll
+    for (int g = 0; g < GROUP; g++) {{
+        m[g] = -INFINITY; l[g] = 0.0f;
+        #pragma unroll
+        for (int d = 0; d < DPL; d++) acc[g][d] = 0.0f;
+    }}
+    const long long* row_tables = tables + (long long)b * stride_bt;
+    for (int base = t0 + warp * UNROLL; base < t1; base += WARPS * UNROLL) {{
+        float k[UNROLL][DPL], v[UNROLL][DPL];
+        #pragma unroll
+        for (int u = 0; u < UNROLL; u++) {{  // every load of the UNROLL tokens first
+            const int t = base + u;
+            if (t < t1) {{
+                const long long pg = row_tables[t / page];
+                const int off = t % page;
+                load_row(kc + pg * stride_kb + (long long)off * stride_kp + h * stride_kh + lane * DPL, k[u]);
+                load_row(vc + pg * stride_vb + (long long)off * stride_vp + h * stride_vh + lane * DPL, v[u]);
+            }}
+        }}
+        #pragma unroll
+        for (int u = 0; u < UNROLL; u++) {{
+            if (base + u >= t1) break;
+            #pragma unroll
+            for (int g = 0; g < GROUP; g++) {{
+                float s = 0.0f;
+                #pragma unroll
+                for (int d = 0; d < DPL; d++) s = fmaf(qv[g][d], k[u][d], s);
+                #pragma unroll
+                for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+                const float m_new = fmaxf(m[g], s);
+                const float alpha = exp2f(m[g] - m_new), p = exp2f(s - m_new);
+                l[g] = l[g] * alpha + p;
+                #pragma unroll
+                for (int d = 0; d < DPL; d++) acc[g][d] = fmaf(acc[g][d], alpha, p * v[u][d]);
+                m[g] = m_new;
+            }}
+        }}
+    }}
+    #pragma unroll
+    for (int g = 0; g < GROUP; g++) {{
+        if (lane == 0) {{ sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }}
+        #pragma unroll
+        for (int d = 0; d < DPL; d++) sm_acc[warp][g][lane * DPL + d] = acc[g][d];
+    }}
+    __syncthreads();
+    // the block's partial per (head g, dim d): warps merged
+    for (int i = threadIdx.x; i < GROUP * D; i += WARPS * 32) {{
+        const int g = i / D, d = i % D;
+        float mx = -INFINITY;
+        #pragma unroll
+        for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, sm_m[w][g]);
+        float ls = 0.0f, a = 0.0f;
+        #pragma unroll
+        for (int w = 0; w < WARPS; w++) {{
+            const float f = sm_m[w][g] == -INFINITY ? 0.0f : exp2f(sm_m[w][g] - mx);
+            ls += sm_l[w][g] * f;
+            a += sm_acc[w][g][d] * f;
+        }}
+        const long long row = (long long)b * num_kv * GROUP + h * GROUP + g;  // query head row b * Hq + head
+        if (num_splits == 1) {{
+            const float o = ls > 0.0f ? a / ls : 0.0f;
+            unsigned short r;
+            asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(o));
+            out[(long long)b * stride_ot + (long long)(h * GROUP + g) * stride_oh + d] = r;
+        }} else {{
+            part_acc[(row * num_splits + split) * D + d] = a;
+            if (d == 0) {{ part_ml[(row * num_splits + split) * 2] = mx; part_ml[(row * num_splits + split) * 2 + 1] = ls; }}
+        }}
+    }}
+    if (num_splits == 1) return;
+    __threadfence();  // this thread's partials visible to the whole device before the block counts itself in
+    __syncthreads();
+    if (threadIdx.x == 0) {{
+        last = atomicAdd(counters + bh, 1u) == (unsigned int)(num_splits - 1);
+    }}
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int i = threadIdx.x; i < GROUP * D; i += WARPS * 32) {{
+        const int g = i / D, d = i % D;
+        const long long row = (long long)b * num_kv * GROUP + h * GROUP + g;
+        float mx = -INFINITY;
+        for (int s = 0; s < num_splits; s++) mx = fmaxf(mx, __ldcg(part_ml + (row * num_splits + s) * 2));
+        float ls = 0.0f, a = 0.0f;
+        for (int s = 0; s < num_splits; s++) {{
+            const float ms = __ldcg(part_ml + (row * num_splits + s) * 2);
+            const float f = ms == -INFINITY ? 0.0f : exp2f(ms - mx);
+            ls += __ldcg(part_ml + (row * num_splits + s) * 2 + 1) * f;
+            a += __ldcg(part_acc + (row * num_splits + s) * D + d) * f;
+        }}
+        const float o = ls > 0.0f ? a / ls : 0.0f;
+        unsigned short r;
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(o));
+        out[(long long)b * stride_ot + (long long)(h * GROUP + g) * stride_oh + d] = r;
+    }}
+    if (threadIdx.x == 0) counters[bh] = 0u;  // ready for the next launch (and the next graph replay)
+}}
+"""
+
+_counters: dict[tuple, torch.Tensor] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(device: int, d: int, group: int, pdl: bool):
+    unroll = UNROLL if d * group <= 512 else UNROLL // 2  # (registers: keys, values and queries of the group)
+    return nvrtc.kernel(_SRC.format(D=d, GROUP=group, WARPS=WARPS, UNROLL=unroll, PDL=int(pdl)), "decode_attention")
+
+
+def available(t: torch.Tensor | None = None) -> bool:
+    """NVRTC usable (kernels/nvrtc.py) and not switched off with FORERUN_CUDA_ATTENTION=0."""
+    return os.environ.get("FORERUN_CUDA_ATTENTION", "1") != "0" and nvrtc.available(t)
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor, meta: AttnMetadata, window: int | None) -> bool:
+    """Pure decode (one query per sequence, no tree, no sliding window), bf16, D in 64/128/256, GQA groups up to 8,
+    contiguous rows, and the kernel available here."""
+    t, hq, d = q.shape
+    return (meta.max_query_len == 1 and meta.tree_mask is None and window is None and t == meta.num_seqs
+            and q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16 and d in (64, 128, 256)
+            and hq % k_cache.shape[2] == 0 and hq // k_cache.shape[2] <= 8 and q.stride(2) == 1
+            and k_cache.stride(3) == 1 and available(q))
+
+
+def splits_for(programs: int, device: torch.device) -> int:
+    """KV splits for this many (sequence, KV head) blocks: enough blocks for two per SM, at most MAX_SPLITS."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(MAX_SPLITS, -(-2 * sms // programs)))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata, scale: float,
+                     num_splits: int | None = None) -> torch.Tensor:
+    """q [B, Hq, D] (row b: sequence b's new token) -> [B, Hq, D], as TritonPagedAttention for decode steps."""
+    b, hq, d = q.shape
+    num_kv, page = k_cache.shape[2], k_cache.shape[1]
+    group = hq // num_kv
+    splits = num_splits or splits_for(b * num_kv, q.device)
+    out = torch.empty_like(q)
+    if b == 0:
+        return out
+    with torch.cuda.device(q.device):
+        # arrival counters, left at zero by every launch; one set per stream (launches on one stream never run
+        # two attention kernels at once: each waits for the grid before it). Graphs keep the set of the stream
+        # they were captured on: replaying two such graphs concurrently on two streams is not supported.
+        key = (q.device.index, torch.cuda.current_stream().cuda_stream)
+        cnt = _counters.get(key)
+        if cnt is None or cnt.numel() < b * num_kv:
+            cnt = _counters[key] = torch.zeros(max(4096, b * num_kv), dtype=torch.int32, device=q.device)
+        part_acc = torch.empty(b * hq, splits, d, dtype=torch.float32, device=q.device) if splits > 1 else out
+        part_ml = torch.empty(b * hq, splits, 2, dtype=torch.float32, device=q.device) if splits > 1 else out
+        pdl = pdl_enabled(q)
+        kern = _kernel(torch.cuda.current_device(), d, group, pdl)
+        tables = meta.block_tables
+        if tables.dtype != torch.int64 or meta.seq_lens.dtype != torch.int64:
+            raise ValueError("decode_attention: block tables and sequence lengths must be int64")
+        nvrtc.launch(kern, (b * num_kv, splits), 32 * WARPS, 0, [
+            q, k_cache, v_cache, out, part_acc, part_ml, cnt, meta.seq_lens, tables,
+            ctypes.c_float(scale * _LOG2E), num_kv, splits, page, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            ctypes.c_longlong(k_cache.stride(0)), k_cache.stride(1), k_cache.stride(2),
+            ctypes.c_longlong(v_cache.stride(0)), v_cache.stride(1), v_cache.stride(2), tables.stride(0)], pdl)
+    return out

@@ -2,8 +2,8 @@
 (CudaQ4Linear), one batch-1 decode forward replayed from a CUDA graph (512 cached tokens), with the operations
 between the matrix products replaced, one kind at a time, by stand-ins that launch nothing. The step time a
 variant saves is the most that fusing that operation away could save; "products only" is the step that is left
-when every one of them is gone. Also: attention with fewer KV splits, and decode attention in the Triton split + merge
-kernels instead of the one-launch CUDA kernel (attention/cuda_decode.py).
+when every one of them is gone. Also: attention with fewer KV splits, and decode attention in the one-launch CUDA
+kernel (attention/cuda_decode.py, an experiment) instead of the Triton split + merge kernels.
 Variants run interleaved (the card's clocks drift); best of the runs. Prints a table, writes JSON (+ PNG).
 
     python benchmarks/q4_step_budget.py --out benchmarks/results/q4_step_budget_h200.json
@@ -26,10 +26,10 @@ from forerun.attention.triton_backend import TritonPagedAttention  # noqa: E402
 from forerun.runtime.cuda_graph import GraphRunner  # noqa: E402
 
 # variant -> (operations knocked out, attention KV splits (None: the backend's own choice)[, decode attention in
-# the one-launch CUDA kernel (default) or in the Triton split + merge kernels])
+# the one-launch CUDA kernel (an experiment, off in the engine) instead of the Triton split + merge kernels])
 VARIANTS = {
     "engine": ((), None),
-    "engine, Triton decode attention": ((), None, False),
+    "engine, CUDA C++ decode attention": ((), None, True),
     "attention 1 split": ((), 1),
     "attention 4 splits": ((), 4),
     "no add+norm": (("norm",), None),
@@ -39,7 +39,7 @@ VARIANTS = {
 }
 
 
-def install(model, knocked: tuple[str, ...], splits: int | None, originals: dict, cuda_attention: bool = True) -> None:
+def install(model, knocked: tuple[str, ...], splits: int | None, originals: dict, cuda_attention: bool = False) -> None:
     """Put back the real operations, then replace the knocked-out ones by stand-ins that launch no kernel."""
     ops = model.ops
     for name, fn in originals.items():
@@ -108,7 +108,7 @@ def main() -> int:
             side.graphs = GraphRunner(side.runner, batch_sizes=[1], max_q_len=1)
             fn = lambda: side.graphs.run_uniform(ids, ctx, 1)  # noqa: E731
             runs[name].append(G.bench_ms(fn, inner=20, outer=5))
-            if rep == 0 and name in ("engine", "engine, Triton decode attention", "products only"):
+            if rep == 0 and name in ("engine", "engine, CUDA C++ decode attention", "products only"):
                 breakdown[name] = G.kernel_breakdown(fn)
             G.log(f"[{rep}] {name:28s} {runs[name][-1]:.4f} ms")
             del side.graphs

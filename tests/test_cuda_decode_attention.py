@@ -54,7 +54,7 @@ def test_source_compiles_without_spills_for_common_shapes():
             with open(src, "w") as f:
                 f.write(cuda_decode._SRC.format(D=dim, GROUP=group, WARPS=cuda_decode.WARPS,
                                                 UNROLL=cuda_decode.UNROLL if dim * group <= 512 else cuda_decode.UNROLL // 2,
-                                                PDL=pdl))
+                                                PDL=pdl, MAXS=cuda_decode.MAX_SPLITS))
             out = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", os.path.join(d, "a.cubin"), src, "-Xptxas", "-v"],
                                  capture_output=True, text=True, timeout=300)
             assert out.returncode == 0, out.stderr[-2000:]

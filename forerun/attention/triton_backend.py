@@ -158,9 +158,10 @@ class TritonPagedAttention(AttentionBackend):
     supports_cuda_graphs = True  # launch shapes never depend on host-side sequence lengths
 
     def __init__(self, block_n: int = 64, max_splits: int = 16, num_warps: int = 4, num_stages: int = 2,
-                 num_splits: int | None = None, cuda_decode: bool = True) -> None:
+                 num_splits: int | None = None, cuda_decode: bool = False) -> None:
         """cuda_decode: pure decode steps (one new token per sequence, no tree, no window) run the one-launch CUDA
-        kernel of attention/cuda_decode.py where it compiles (FORERUN_CUDA_ATTENTION=0 also turns it off)."""
+        kernel of attention/cuda_decode.py where it compiles. Off by default: on the H200 it is correct but measured
+        slower than these kernels (17 us a layer against ~4 at 512 tokens; docs/performance.md)."""
         self.block_n, self.max_splits = block_n, max_splits
         self.num_warps, self.num_stages = num_warps, num_stages
         self.num_splits = num_splits  # fixed split count (tests); None = chosen from the grid size

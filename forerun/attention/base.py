@@ -9,6 +9,13 @@ from .metadata import AttnMetadata
 from .reference import paged_attention_reference
 
 
+def kv_splits(programs: int, device: torch.device, max_splits: int) -> int:
+    """How many parts to split each sequence's KV range into (flash-decoding) when `programs` blocks would run
+    otherwise: enough for two blocks per SM (16 SMs assumed off CUDA), at most max_splits."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
+    return max(1, min(max_splits, -(-2 * sms // programs)))
+
+
 class AttentionBackend(ABC):
     @abstractmethod
     def forward(

@@ -31,6 +31,7 @@ import torch
 
 from ..kernels import nvrtc
 from ..kernels.pdl import enabled as pdl_enabled
+from .base import kv_splits
 from .metadata import AttnMetadata
 
 _LOG2E = 1.4426950408889634
@@ -230,19 +231,13 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor, meta: AttnMetadata, window:
             and k_cache.stride(3) == 1 and available(q))
 
 
-def splits_for(programs: int, device: torch.device) -> int:
-    """KV splits for this many (sequence, KV head) blocks: enough blocks for two per SM, at most MAX_SPLITS."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(MAX_SPLITS, -(-2 * sms // programs)))
-
-
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata, scale: float,
                      num_splits: int | None = None) -> torch.Tensor:
     """q [B, Hq, D] (row b: sequence b's new token) -> [B, Hq, D], as TritonPagedAttention for decode steps."""
     b, hq, d = q.shape
     num_kv, page = k_cache.shape[2], k_cache.shape[1]
     group = hq // num_kv
-    splits = min(num_splits or splits_for(b * num_kv, q.device), MAX_SPLITS)
+    splits = min(num_splits or kv_splits(b * num_kv, q.device, MAX_SPLITS), MAX_SPLITS)
     out = torch.empty_like(q)
     if b == 0:
         return out

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ..kernels.pdl import enabled as pdl_enabled, gdc_launch_dependents
 from . import cuda_decode
-from .base import AttentionBackend
+from .base import AttentionBackend, kv_splits
 from .metadata import AttnMetadata
 from .reference import paged_attention_reference
 
@@ -168,10 +168,7 @@ class TritonPagedAttention(AttentionBackend):
         self.cuda_decode = cuda_decode
 
     def _splits(self, programs: int, device: torch.device) -> int:
-        if self.num_splits is not None:
-            return self.num_splits
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 16
-        return max(1, min(self.max_splits, triton.cdiv(2 * sms, programs)))
+        return self.num_splits if self.num_splits is not None else kv_splits(programs, device, self.max_splits)
 
     def forward(
         self,
@@ -187,7 +184,8 @@ class TritonPagedAttention(AttentionBackend):
         if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             return paged_attention_reference(q, k_cache, v_cache, meta, scale, window)
         if self.cuda_decode and q.is_cuda and cuda_decode.supports(q, k_cache, meta, window):
-            return cuda_decode.decode_attention(q, k_cache, v_cache, meta, scale, self.num_splits)
+            return cuda_decode.decode_attention(q, k_cache, v_cache, meta, scale,
+                                                self._splits(q.shape[0] * k_cache.shape[2], q.device))
         num_tokens, num_heads, head_dim = q.shape
         page, num_kv = k_cache.shape[1], k_cache.shape[2]
         group = num_heads // num_kv

@@ -369,11 +369,8 @@ def _has_gguf_magic(p: Path) -> bool:
 # ====================================================================== HF directories
 
 
-def _load_hf_dir(d: Path) -> Checkpoint:
+def _load_hf_dir(d: Path) -> Checkpoint:  # d: a directory checkpoint_kind found to hold config.json
     cfg_file = d / "config.json"
-    problem = _hf_dir_problem(d)
-    if problem:
-        raise FileNotFoundError(problem)
     try:
         hf_config = json.loads(cfg_file.read_text())
     except ValueError as e:

@@ -4,7 +4,8 @@ between the matrix products replaced, one kind at a time, by stand-ins that laun
 variant saves is the most that fusing that operation away could save; "products only" is the step that is left
 when every one of them is gone. Also: attention with fewer KV splits, and decode attention in the one-launch CUDA
 kernel (attention/cuda_decode.py, an experiment) instead of the Triton split + merge kernels.
-Variants run interleaved (the card's clocks drift); best of the runs. Prints a table, writes JSON (+ PNG).
+A variant fuses each add + RMSNorm into the int4 product after it (FusedLayerOps.fuse_norms, off in the engine:
+measured slower). Variants run interleaved (the card's clocks drift); best of the runs. Prints a table, writes JSON (+ PNG).
 
     python benchmarks/q4_step_budget.py --out benchmarks/results/q4_step_budget_h200.json
 
@@ -22,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gpu as G  # noqa: E402
+from forerun.attention import cuda_decode  # noqa: E402
 from forerun.attention.triton_backend import TritonPagedAttention  # noqa: E402
 from forerun.runtime.cuda_graph import GraphRunner  # noqa: E402
 
@@ -29,7 +31,9 @@ from forerun.runtime.cuda_graph import GraphRunner  # noqa: E402
 # the one-launch CUDA kernel (an experiment, off in the engine) instead of the Triton split + merge kernels])
 VARIANTS = {
     "engine": ((), None),
-    "engine, CUDA C++ decode attention": ((), None, True),
+    "engine, add+norm fused into the products": (("fused",), None),
+    "engine, CUDA C++ decode attention (4 warps)": ((), None, (4, 0)),
+    "engine, CUDA C++ decode attention (8 warps)": ((), None, (8, 0)),
     "attention 1 split": ((), 1),
     "attention 4 splits": ((), 4),
     "no add+norm": (("norm",), None),
@@ -39,15 +43,23 @@ VARIANTS = {
 }
 
 
-def install(model, knocked: tuple[str, ...], splits: int | None, originals: dict, cuda_attention: bool = False) -> None:
-    """Put back the real operations, then replace the knocked-out ones by stand-ins that launch no kernel."""
+def install(model, knocked: tuple[str, ...], splits: int | None, originals: dict,
+            cuda_attention: tuple[int, int] | None = None) -> None:
+    """Put back the real operations, then replace the knocked-out ones by stand-ins that launch no kernel.
+    cuda_attention: (warps, PDL trigger position) of the one-launch CUDA decode attention, or None (Triton)."""
     ops = model.ops
     for name, fn in originals.items():
         setattr(ops, name, fn)
-    model.backend = TritonPagedAttention(num_splits=splits, cuda_decode=cuda_attention)
+    model.backend = TritonPagedAttention(num_splits=splits, cuda_decode=cuda_attention is not None)
+    if cuda_attention is not None:
+        cuda_decode.WARPS, cuda_decode.TRIGGER = cuda_attention
     bufs: dict = {}
+    ops.fuse_norms = "fused" in knocked
     if "norm" in knocked:
         ops.add_rmsnorm = lambda x, residual, norm: (x, x if residual is None else residual)
+        ops.norm_linear = lambda x, residual, norm, layer, out_dtype=None: (
+            ops.linear(x, layer, out_dtype), x if residual is None else residual)
+        ops.norm_mlp = lambda x, residual, norm, mlp: (ops.mlp(x, mlp), x if residual is None else residual)
     if "rope" in knocked:
         def qkv_to_cache(qkv, positions, rope, q_norm, k_norm, layer, meta, kv, num_heads, num_kv_heads, head_dim):
             shape = (qkv.shape[0], num_heads, head_dim)
@@ -97,7 +109,7 @@ def main() -> int:
     torch.cuda.empty_cache()
     floor = model_bytes(model) / bw * 1e3
     side = G.make_side(model, 1, ctx0 + 64)
-    originals = {n: getattr(model.ops, n) for n in ("add_rmsnorm", "qkv_to_cache")}
+    originals = {n: getattr(model.ops, n) for n in ("add_rmsnorm", "qkv_to_cache", "norm_linear", "norm_mlp")}
     ids = torch.zeros(1, 1, dtype=torch.int64, device=G.DEV)
     ctx = torch.full((1,), ctx0, dtype=torch.int64, device=G.DEV)
     runs: dict[str, list[float]] = {n: [] for n in VARIANTS}
@@ -108,7 +120,7 @@ def main() -> int:
             side.graphs = GraphRunner(side.runner, batch_sizes=[1], max_q_len=1)
             fn = lambda: side.graphs.run_uniform(ids, ctx, 1)  # noqa: E731
             runs[name].append(G.bench_ms(fn, inner=20, outer=5))
-            if rep == 0 and name in ("engine", "engine, CUDA C++ decode attention", "products only"):
+            if rep == 0 and (name in ("engine", "products only") or cuda_attention):
                 breakdown[name] = G.kernel_breakdown(fn)
             G.log(f"[{rep}] {name:28s} {runs[name][-1]:.4f} ms")
             del side.graphs

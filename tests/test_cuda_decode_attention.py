@@ -31,6 +31,8 @@ def test_supports_only_pure_bf16_decode(monkeypatch):
     assert not cuda_decode.supports(q, k, _meta([1, 1, 1], tree=True), None)  # tree verification
     assert not cuda_decode.supports(torch.zeros(4, 32, 128, dtype=torch.bfloat16), k, _meta([2, 1, 1]), None)
     assert not cuda_decode.supports(q.float(), k.float(), _meta([1, 1, 1]), None)
+    assert not cuda_decode.supports(torch.zeros(3, 32, 256, dtype=torch.bfloat16),  # D 256: Triton
+                                    torch.zeros(8, 16, 8, 256, dtype=torch.bfloat16), _meta([1, 1, 1]), None)
     assert not cuda_decode.supports(torch.zeros(3, 32, 80, dtype=torch.bfloat16),
                                     torch.zeros(8, 16, 8, 80, dtype=torch.bfloat16), _meta([1, 1, 1]), None)
     assert not cuda_decode.supports(torch.zeros(3, 80, 128, dtype=torch.bfloat16), torch.zeros(8, 16, 8, 128,
@@ -49,12 +51,11 @@ def test_source_compiles_without_spills_for_common_shapes():
     if nvcc is None:
         pytest.skip("no nvcc here")
     with tempfile.TemporaryDirectory() as d:
-        for dim, group, pdl in ((128, 4, 1), (128, 8, 1), (64, 1, 0), (128, 2, 1), (64, 8, 1)):
+        for dim, group, pdl, trigger in ((128, 4, 1, 0), (128, 8, 1, 1), (64, 1, 0, 0), (128, 2, 1, 2), (64, 8, 1, 0)):
             src = os.path.join(d, "a.cu")
             with open(src, "w") as f:
-                f.write(cuda_decode._SRC.format(D=dim, GROUP=group, WARPS=cuda_decode.WARPS,
-                                                UNROLL=cuda_decode.UNROLL if dim * group <= 512 else cuda_decode.UNROLL // 2,
-                                                PDL=pdl, MAXS=cuda_decode.MAX_SPLITS))
+                f.write(cuda_decode.source(dim, group, bool(pdl), warps=cuda_decode.max_warps(dim, group, 16),
+                                           trigger=trigger))
             out = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", os.path.join(d, "a.cubin"), src, "-Xptxas", "-v"],
                                  capture_output=True, text=True, timeout=300)
             assert out.returncode == 0, out.stderr[-2000:]

@@ -78,22 +78,24 @@ def _check_attention(q, k, v, meta, splits=(None, 1, 3)):
 
 def test_cuda_decode_attention_matches_reference():
     """attention/cuda_decode.py (one launch, the splits merged by the last block) against the float32 reference:
-    GQA groups 1-8, D 64 / 128 / 256, pages of 16 and 4, sequences of 1..3000 tokens, 1..16 splits (more splits
-    than tokens too), twice in a row (the arrival counters are left at zero), and replayed from a CUDA graph with
-    new lengths; a wrong split merge fails."""
+    GQA groups 1-8, D 64 / 128, pages of 16 and 4, sequences of 1..3000 tokens, 1..16 splits (more splits than
+    tokens too), 4 and 8 warps, every PDL trigger position, twice in a row (the arrival counters are left at zero),
+    and replayed from a CUDA graph with new lengths; a wrong split merge fails."""
     from forerun.attention import cuda_decode
     assert cuda_decode.available(), "the NVRTC decode attention did not compile on the GPU machine"
     cases = [((32, 8, 128), 16, [511], None), ((32, 8, 128), 16, [1, 17, 3000, 64, 700], None),
-             ((16, 16, 64), 4, [5, 2, 130], None), ((64, 8, 256), 16, [900, 33], None), ((8, 4, 128), 16, [300], 1)]
+             ((16, 16, 64), 4, [5, 2, 130], None), ((64, 8, 128), 16, [900, 33], None), ((8, 4, 128), 16, [300], 1),
+             ((8, 8, 128), 16, [31, 32, 33, 64, 65], None)]
     for i, ((hq, hkv, d), page, lens, _) in enumerate(cases):
         q, k, v, meta = make_attention_case([1] * len(lens), [n - 1 for n in lens], hq, hkv, d, page=page, seed=i)
         assert cuda_decode.supports(q, k, meta, None)
         scale = d ** -0.5
         ref = paged_attention_reference(q.float(), k.float(), v.float(), meta, scale)
         for splits in (1, 2, 7, 16, None):
-            for _ in range(2):
-                out = cuda_decode.decode_attention(q, k, v, meta, scale, splits)
-                assert rel_err(out, ref) < 1e-2, (i, splits, rel_err(out, ref))
+            for warps, trigger in ((None, None), (8, 2), (4, 1)):
+                for _ in range(2):
+                    out = cuda_decode.decode_attention(q, k, v, meta, scale, splits, warps=warps, trigger=trigger)
+                    assert rel_err(out, ref) < 1e-2, (i, splits, warps, rel_err(out, ref))
     # in a CUDA graph: the lengths change between replays (one more token each), the launch shape does not
     q, k, v, meta = make_attention_case([1, 1, 1], [99, 2000, 7], 32, 8, 128, seed=9)
     out = cuda_decode.decode_attention(q, k, v, meta, 128 ** -0.5)

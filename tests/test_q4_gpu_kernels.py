@@ -253,7 +253,7 @@ def test_products_of_more_than_16_rows_on_gpu():
 
 def test_cuda_c_kernel_source_compiles_for_every_shape_it_takes():
     """The NVRTC kernel's source, instantiated for K below, at and past a multiple of 32 groups (tails of the lane
-    loop), SwiGLU and PDL, compiles with nvcc where a CUDA toolkit is installed (this CPU machine has one; the GPU
+    loop), SwiGLU, PDL and the add + RMSNorm prologue, compiles with nvcc where a CUDA toolkit is installed (this CPU machine has one; the GPU
     machine compiles it with NVRTC in the tests below) and uses no local memory (a spill would mean the register
     ring of weights in flight did not fit)."""
     import shutil
@@ -264,11 +264,13 @@ def test_cuda_c_kernel_source_compiles_for_every_shape_it_takes():
     if nvcc is None:
         pytest.skip("no nvcc here")
     with tempfile.TemporaryDirectory() as d:
-        for k, r, w, depth, glu, pdl in ((896, 1, 4, 2, 0, 0), (1536, 2, 4, 2, 1, 1), (4096, 4, 8, 4, 0, 1),
-                                         (12288, 2, 8, 4, 0, 1)):
+        for k, r, w, depth, glu, pdl, norm in ((896, 1, 4, 2, 0, 0, 0), (1536, 2, 4, 2, 1, 1, 0),
+                                               (4096, 4, 8, 4, 0, 1, 0), (12288, 2, 8, 4, 0, 1, 0),
+                                               (4096, 2, 16, 2, 0, 1, 1), (4096, 1, 16, 2, 1, 1, 1),
+                                               (896, 1, 4, 2, 0, 0, 1)):
             src = os.path.join(d, "k.cu")
             with open(src, "w") as f:
-                f.write(q4_cuda._SRC.format(K=k, R=r, WARPS=w, DEPTH=depth, GLU=glu, PDL=pdl))
+                f.write(q4_cuda.source(k, r, w, depth, bool(glu), bool(pdl), bool(norm)))
             out = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", os.path.join(d, "k.cubin"), src,
                                   "-Xptxas", "-v"], capture_output=True, text=True, timeout=300)
             assert out.returncode == 0, out.stderr[-2000:]
@@ -391,6 +393,96 @@ def test_cuda_q4_linear_runs_the_cuda_c_kernel_for_one_row_where_tuned(monkeypat
         assert ((lin(x).float() - y).abs().max() / y.abs().max()) < 1e-2 and calls == [1]
     finally:
         quant_cuda.set_configs(name, old)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (run on the GPU machine)")
+def test_cuda_c_norm_prologue_equals_add_rmsnorm_then_the_product():
+    """q4c_norm_linear (add + RMSNorm in the product's prologue) against fused_norm.add_rmsnorm followed by
+    q4c_linear: the sum x + residual bit-identical, the product within bf16 rounding of the normalised row (the sum
+    of squares adds in another order); with and without a residual, plain and SwiGLU, several configurations,
+    K with lane tails, large activations, in a CUDA graph; a wrong norm weight or eps fails."""
+    from forerun.kernels.fused_norm import add_rmsnorm
+    from forerun.kernels.q4_cuda import q4c_linear, q4c_norm_linear
+    assert _q4c_ok()
+    torch.manual_seed(1)
+    for n, k in ((96, 4096), (50, 1536), (40, 896)):
+        w = torch.randn(n, k, device="cuda") * 0.05
+        q, sc, z = quantize_groups_int4(w)
+        q32, sc, z = pack_int4_w32(q), sc.to(torch.bfloat16), z.to(torch.bfloat16)
+        nw = (1 + 0.3 * torch.randn(k, device="cuda")).to(torch.bfloat16)
+        for amp in (1.0, 200.0):
+            x = (torch.randn(1, k, device="cuda") * amp).to(torch.bfloat16)
+            res = (torch.randn(1, k, device="cuda") * amp * 3).to(torch.bfloat16)
+            for residual in (res, None):
+                h, s_ref = add_rmsnorm(x, residual, nw, 1e-6)
+                for glu in (False, True):
+                    for rows, warps, depth in ((1, 4, 2), (2, 16, 2), (1, 16, 6)):
+                        ref = q4c_linear(h, q32, sc, z, glu=glu, rows=rows, warps=warps, depth=depth).float()
+                        y, s = q4c_norm_linear(x, residual, nw, 1e-6, q32, sc, z, glu=glu, rows=rows, warps=warps,
+                                               depth=depth)
+                        assert torch.equal(s, s_ref), (n, k, residual is None)
+                        if residual is None:
+                            assert s is x
+                        err = ((y.float() - ref).abs().max() / ref.abs().max()).item()
+                        assert err < 1e-2, (n, k, amp, residual is None, glu, rows, warps, depth, err)
+    # the checks can fail: another norm weight, another eps (where it matters: a tiny row)
+    y, _ = q4c_norm_linear(x, res, torch.ones_like(nw), 1e-6, q32, sc, z)
+    ref = q4c_linear(add_rmsnorm(x, res, nw, 1e-6)[0], q32, sc, z).float()
+    assert ((y.float() - ref).abs().max() / ref.abs().max()).item() > 0.05
+    tiny = (torch.randn(1, k, device="cuda") * 1e-3).to(torch.bfloat16)
+    ref = q4c_linear(add_rmsnorm(tiny, None, nw, 1e-6)[0], q32, sc, z).float()
+    y, _ = q4c_norm_linear(tiny, None, nw, 1e-2, q32, sc, z)
+    assert ((y.float() - ref).abs().max() / ref.abs().max()).item() > 0.05
+    # in a CUDA graph, new inputs each replay
+    y, s = q4c_norm_linear(x, res, nw, 1e-6, q32, sc, z, pdl=True)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        yg, sg = q4c_norm_linear(x, res, nw, 1e-6, q32, sc, z, pdl=True)
+    x.copy_(torch.randn(1, k, device="cuda").to(torch.bfloat16))
+    g.replay()
+    h, s_ref = add_rmsnorm(x, res, nw, 1e-6)
+    ref = q4c_linear(h, q32, sc, z).float()
+    assert torch.equal(sg, s_ref) and ((yg.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (run on the GPU machine)")
+def test_int4_model_forward_with_norms_fused_into_the_products():
+    """A random 4-layer Qwen3-shape model quantized to int4 on the GPU: the 1-row forward with add + RMSNorm fused
+    into the CUDA C++ products (FusedLayerOps.fuse_norms; off by default: measured slower) gives the logits of the unfused
+    forward (bf16 rounding apart) and of the torch LayerOps over the same quantized matrices, and every fused
+    product ran the fused kernel (2 per layer + the head)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import gpu as G
+    from forerun.kernels import q4_cuda
+    from forerun.kernels.layer_ops import FusedLayerOps
+    from forerun.models.ops import LayerOps
+    from forerun.models.quant_cuda import quantize_model_cuda
+    from forerun.runtime.runner import Chunk
+    assert _q4c_ok()
+    shape = dict(G.QWEN3_8B, vocab_size=4096)
+    model = G.build_model(shape, 4, seed=3)
+    quantize_model_cuda(model)
+    side = G.make_side(model, 1, 256)
+    ids = torch.randint(0, 4096, (40,)).tolist()
+    model.ops = LayerOps()
+    side.runner.kv.truncate(0, 0)
+    side.runner.forward([Chunk(seq_id=0, token_ids=ids[:39], logits="none")])  # prefill (many rows: unfused)
+    logits = {}
+    calls = []
+    real = q4_cuda.q4c_norm_linear
+    for name, ops in (("torch", LayerOps()), ("unfused", FusedLayerOps(fuse_norms=False)),
+                      ("fused", FusedLayerOps(fuse_norms=True))):
+        model.ops = ops
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("forerun.models.quant_cuda.q4c_norm_linear", lambda *a, **kw: calls.append(name) or real(*a, **kw))
+            out, _ = side.runner.forward([Chunk(seq_id=0, token_ids=ids[39:], logits="last")])
+        logits[name] = out.logits.float()
+        side.runner.kv.truncate(0, 39)
+    assert calls == ["fused"] * (2 * 4 + 1)
+    for name in ("unfused", "fused"):
+        err = ((logits[name] - logits["torch"]).abs().max() / logits["torch"].abs().max()).item()
+        assert err < 5e-2, (name, err)
+    assert ((logits["fused"] - logits["unfused"]).abs().max() / logits["unfused"].abs().max()).item() < 3e-2
 
 
 # ====================================================================== int8 (GGUF Q8_0) word layout: CudaQ8Linear

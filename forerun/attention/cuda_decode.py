@@ -35,33 +35,33 @@ from .base import kv_splits
 from .metadata import AttnMetadata
 
 _LOG2E = 1.4426950408889634
-WARPS = 4
-UNROLL = 8
+WARPS = 8  # warps per block (a warp takes 32 of the split's tokens at a time)
+TRIGGER = 0  # where a block lets the next kernel launch (PDL): 0 at its start, 1 after its tokens, 2 at its exit
 MAX_SPLITS = 16
 _SRC = r"""
 #define D {D}
 #define GROUP {GROUP}
 #define WARPS {WARPS}
-#define UNROLL {UNROLL}
 #define PDL {PDL}
-#define DPL (D / 32)
+#define TRIGGER {TRIGGER}  // when the next kernel may launch: 0 at the start, 1 after the tokens, 2 at exit
+#define DPL (D / 32)       // dimensions of a value row per lane
+#define KW (D / 8)         // 16-byte words of a key row
 #define MAXS {MAXS}
+#define FULL 0xffffffffu
 #define NEG_INF __int_as_float(0xff800000)  // (NVRTC has no math.h INFINITY)
-
-__device__ __forceinline__ float bf(unsigned short h) {{ return __uint_as_float(((unsigned int)h) << 16); }}
-
-__device__ __forceinline__ void load_row(const unsigned short* p, float* out) {{
 #if DPL == 2
-    unsigned int v = *(const unsigned int*)p;
-    out[0] = bf(v & 0xFFFF); out[1] = bf(v >> 16);
-#elif DPL == 4
-    uint2 v = *(const uint2*)p;
-    out[0] = bf(v.x & 0xFFFF); out[1] = bf(v.x >> 16); out[2] = bf(v.y & 0xFFFF); out[3] = bf(v.y >> 16);
+typedef unsigned int vrow_t;
 #else
-    uint4 v = *(const uint4*)p;
-    out[0] = bf(v.x & 0xFFFF); out[1] = bf(v.x >> 16); out[2] = bf(v.y & 0xFFFF); out[3] = bf(v.y >> 16);
-    out[4] = bf(v.z & 0xFFFF); out[5] = bf(v.z >> 16); out[6] = bf(v.w & 0xFFFF); out[7] = bf(v.w >> 16);
+typedef uint2 vrow_t;
 #endif
+
+__device__ __forceinline__ float lo(unsigned int w) {{ return __uint_as_float(w << 16); }}
+__device__ __forceinline__ float hi(unsigned int w) {{ return __uint_as_float(w & 0xFFFF0000u); }}
+
+__device__ __forceinline__ float dot8(uint4 k, float4 a, float4 b, float s) {{
+    s = fmaf(a.x, lo(k.x), s); s = fmaf(a.y, hi(k.x), s); s = fmaf(a.z, lo(k.y), s); s = fmaf(a.w, hi(k.y), s);
+    s = fmaf(b.x, lo(k.z), s); s = fmaf(b.y, hi(k.z), s); s = fmaf(b.z, lo(k.w), s); s = fmaf(b.w, hi(k.w), s);
+    return s;
 }}
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
@@ -74,26 +74,33 @@ decode_attention(const unsigned short* __restrict__ q, const unsigned short* __r
                  long long stride_kb, int stride_kp, int stride_kh,
                  long long stride_vb, int stride_vp, int stride_vh, int stride_bt)
 {{
+    __shared__ float4 sm_q[GROUP][D / 4];  // the group's queries, pre-scaled (read by all lanes at once: broadcast)
     __shared__ float sm_acc[WARPS][GROUP][D];
     __shared__ float sm_m[WARPS][GROUP], sm_l[WARPS][GROUP];
+    __shared__ float sm_f[GROUP][MAXS];
     __shared__ int last;
-#if PDL
-    asm volatile("griddepcontrol.launch_dependents;");
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
     const int bh = blockIdx.x, b = bh / num_kv, h = bh % num_kv, split = blockIdx.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#if PDL
+#if TRIGGER == 0
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+    asm volatile("griddepcontrol.wait;" ::: "memory");  // (before any read: the lengths too may be this step's)
+#endif
+    const long long* row_tables = tables + (long long)b * stride_bt;
     const int L = (int)seq_lens[b];
     const int per = (L + num_splits - 1) / num_splits;
     const int t0 = split * per, t1 = min(L, t0 + per);
 
-    float qv[GROUP][DPL];
-    #pragma unroll
-    for (int g = 0; g < GROUP; g++) {{
-        load_row(q + (long long)b * stride_qt + (long long)(h * GROUP + g) * stride_qh + lane * DPL, qv[g]);
-        #pragma unroll
-        for (int d = 0; d < DPL; d++) qv[g][d] *= qk_scale;
+    for (int i = threadIdx.x; i < GROUP * D / 2; i += WARPS * 32) {{
+        const int g = i / (D / 2), c = i % (D / 2);
+        const unsigned int w = *(const unsigned int*)(q + (long long)b * stride_qt + (long long)(h * GROUP + g) * stride_qh + 2 * c);
+        float* qs = (float*)sm_q[g];
+        qs[2 * c] = lo(w) * qk_scale;
+        qs[2 * c + 1] = hi(w) * qk_scale;
     }}
+    __syncthreads();
+
     float m[GROUP], l[GROUP], acc[GROUP][DPL];
     #pragma unroll
     for (int g = 0; g < GROUP; g++) {{
@@ -101,38 +108,77 @@ decode_attention(const unsigned short* __restrict__ q, const unsigned short* __r
         #pragma unroll
         for (int d = 0; d < DPL; d++) acc[g][d] = 0.0f;
     }}
-    const long long* row_tables = tables + (long long)b * stride_bt;
-    for (int base = t0 + warp * UNROLL; base < t1; base += WARPS * UNROLL) {{
-        float k[UNROLL][DPL], v[UNROLL][DPL];
+    // a warp takes 32 tokens at a time: Q.K with a token per lane (no reduction across lanes), then P.V with the
+    // value rows' dimensions across the lanes (each lane's probabilities passed round with shuffles)
+    for (int base = t0 + warp * 32; base < t1; base += WARPS * 32) {{
+        const int t = base + lane, n = min(32, t1 - base);
+        const bool ok = lane < n;
+        long long krow = 0, vrow = 0;
+        if (ok) {{
+            const long long pg = row_tables[t / page];
+            const int off = t % page;
+            krow = pg * stride_kb + (long long)off * stride_kp + h * stride_kh;
+            vrow = pg * stride_vb + (long long)off * stride_vp + h * stride_vh;
+        }}
+        uint4 kw[KW];
         #pragma unroll
-        for (int u = 0; u < UNROLL; u++) {{  // every load of the UNROLL tokens first
-            const int t = base + u;
-            if (t < t1) {{
-                const long long pg = row_tables[t / page];
-                const int off = t % page;
-                load_row(kc + pg * stride_kb + (long long)off * stride_kp + h * stride_kh + lane * DPL, k[u]);
-                load_row(vc + pg * stride_vb + (long long)off * stride_vp + h * stride_vh + lane * DPL, v[u]);
-            }}
+        for (int c = 0; c < KW; c++) kw[c] = ok ? __ldg((const uint4*)(kc + krow) + c) : make_uint4(0u, 0u, 0u, 0u);
+        vrow_t vv[32];
+        #pragma unroll
+        for (int j = 0; j < 32; j++) {{  // every load of the tile is in flight before the arithmetic
+            const long long r = __shfl_sync(FULL, vrow, j);
+            if (j < n) vv[j] = __ldg((const vrow_t*)(vc + r) + lane);
+#if DPL == 2
+            else vv[j] = 0u;
+#else
+            else vv[j] = make_uint2(0u, 0u);
+#endif
+        }}
+        float sc[GROUP];
+        #pragma unroll
+        for (int g = 0; g < GROUP; g++) sc[g] = 0.0f;
+        #pragma unroll
+        for (int c = 0; c < KW; c++) {{
+            #pragma unroll
+            for (int g = 0; g < GROUP; g++) sc[g] = dot8(kw[c], sm_q[g][2 * c], sm_q[g][2 * c + 1], sc[g]);
+        }}
+        float p[GROUP];
+        #pragma unroll
+        for (int g = 0; g < GROUP; g++) {{
+            const float sg = ok ? sc[g] : NEG_INF;
+            float mx = sg;
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, o));
+            const float m_new = fmaxf(m[g], mx);  // finite: lane 0 always holds a token
+            const float alpha = exp2f(m[g] - m_new);
+            p[g] = exp2f(sg - m_new);
+            float ps = p[g];
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) ps += __shfl_xor_sync(FULL, ps, o);
+            l[g] = l[g] * alpha + ps;
+            m[g] = m_new;
+            #pragma unroll
+            for (int d = 0; d < DPL; d++) acc[g][d] *= alpha;
         }}
         #pragma unroll
-        for (int u = 0; u < UNROLL; u++) {{
-            if (base + u >= t1) break;
+        for (int j = 0; j < 32; j++) {{
+            float v[DPL];
+#if DPL == 2
+            v[0] = lo(vv[j]); v[1] = hi(vv[j]);
+#else
+            v[0] = lo(vv[j].x); v[1] = hi(vv[j].x); v[2] = lo(vv[j].y); v[3] = hi(vv[j].y);
+#endif
             #pragma unroll
             for (int g = 0; g < GROUP; g++) {{
-                float s = 0.0f;
+                const float pj = __shfl_sync(FULL, p[g], j);
                 #pragma unroll
-                for (int d = 0; d < DPL; d++) s = fmaf(qv[g][d], k[u][d], s);
-                #pragma unroll
-                for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-                const float m_new = fmaxf(m[g], s);
-                const float alpha = exp2f(m[g] - m_new), p = exp2f(s - m_new);
-                l[g] = l[g] * alpha + p;
-                #pragma unroll
-                for (int d = 0; d < DPL; d++) acc[g][d] = fmaf(acc[g][d], alpha, p * v[u][d]);
-                m[g] = m_new;
+                for (int d = 0; d < DPL; d++) acc[g][d] = fmaf(pj, v[d], acc[g][d]);
             }}
         }}
     }}
+#if PDL && TRIGGER == 1
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
     #pragma unroll
     for (int g = 0; g < GROUP; g++) {{
         if (lane == 0) {{ sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }}
@@ -173,31 +219,38 @@ decode_attention(const unsigned short* __restrict__ q, const unsigned short* __r
     __syncthreads();
     if (!last) return;
     __threadfence();
-    for (int i = threadIdx.x; i < GROUP * D; i += WARPS * 32) {{
-        const int g = i / D, d = i % D;
-        const long long row = (long long)b * num_kv * GROUP + h * GROUP + g;
-        float ms[MAXS], ls[MAXS], as[MAXS];
+    // the last block merges: each split's weight per head first (max and sums), then every partial at once
+    const long long row0 = (long long)b * num_kv * GROUP + h * GROUP;
+    if (threadIdx.x < GROUP) {{
+        const int g = threadIdx.x;
+        float ms[MAXS], ls[MAXS];
         #pragma unroll
-        for (int s = 0; s < MAXS; s++) {{  // every split's partial requested at once (not one L2 trip per split)
-            if (s < num_splits) {{
-                ms[s] = __ldcg(part_ml + (row * num_splits + s) * 2);
-                ls[s] = __ldcg(part_ml + (row * num_splits + s) * 2 + 1);
-                as[s] = __ldcg(part_acc + (row * num_splits + s) * D + d);
-            }} else {{
-                ms[s] = NEG_INF; ls[s] = 0.0f; as[s] = 0.0f;
-            }}
+        for (int s = 0; s < MAXS; s++) {{
+            ms[s] = s < num_splits ? __ldcg(part_ml + ((row0 + g) * num_splits + s) * 2) : NEG_INF;
+            ls[s] = s < num_splits ? __ldcg(part_ml + ((row0 + g) * num_splits + s) * 2 + 1) : 0.0f;
         }}
         float mx = NEG_INF;
         #pragma unroll
         for (int s = 0; s < MAXS; s++) mx = fmaxf(mx, ms[s]);
-        float lt = 0.0f, a = 0.0f;
+        float lt = 0.0f;
         #pragma unroll
         for (int s = 0; s < MAXS; s++) {{
-            const float f = ms[s] == NEG_INF ? 0.0f : exp2f(ms[s] - mx);
-            lt += ls[s] * f;
-            a += as[s] * f;
+            ms[s] = ms[s] == NEG_INF ? 0.0f : exp2f(ms[s] - mx);
+            lt += ls[s] * ms[s];
         }}
-        const float o = lt > 0.0f ? a / lt : 0.0f;
+        #pragma unroll
+        for (int s = 0; s < MAXS; s++) sm_f[g][s] = lt > 0.0f ? ms[s] / lt : 0.0f;
+    }}
+    __syncthreads();
+    for (int i = threadIdx.x; i < GROUP * D; i += WARPS * 32) {{
+        const int g = i / D, d = i % D;
+        float as[MAXS];
+        #pragma unroll
+        for (int s = 0; s < MAXS; s++)  // every split's partial requested at once (not one L2 trip per split)
+            as[s] = s < num_splits ? __ldcg(part_acc + ((row0 + g) * num_splits + s) * D + d) : 0.0f;
+        float o = 0.0f;
+        #pragma unroll
+        for (int s = 0; s < MAXS; s++) o = fmaf(sm_f[g][s], as[s], o);
         unsigned short r;
         asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(o));
         out[(long long)b * stride_ot + (long long)(h * GROUP + g) * stride_oh + d] = r;
@@ -209,11 +262,22 @@ decode_attention(const unsigned short* __restrict__ q, const unsigned short* __r
 _counters: dict[tuple, torch.Tensor] = {}
 
 
+def max_warps(d: int, group: int, warps: int) -> int:
+    """warps (at most 8: more leaves under 128 registers a thread, and the kernel spills), halved until the block's
+    partials (warps x group x d floats) fit in 48 KB of static shared memory."""
+    warps = min(warps, 8)
+    while warps > 1 and warps * group * d * 4 > 48 * 1024:
+        warps //= 2
+    return warps
+
+
+def source(d: int, group: int, pdl: bool, warps: int = WARPS, trigger: int = TRIGGER) -> str:
+    return _SRC.format(D=d, GROUP=group, WARPS=warps, PDL=int(pdl), TRIGGER=trigger, MAXS=MAX_SPLITS)
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel(device: int, d: int, group: int, pdl: bool):
-    unroll = UNROLL if d * group <= 512 else UNROLL // 2  # (registers: keys, values and queries of the group)
-    return nvrtc.kernel(_SRC.format(D=d, GROUP=group, WARPS=WARPS, UNROLL=unroll, PDL=int(pdl), MAXS=MAX_SPLITS),
-                        "decode_attention")
+def _kernel(device: int, d: int, group: int, pdl: bool, warps: int, trigger: int):
+    return nvrtc.kernel(source(d, group, pdl, warps, trigger), "decode_attention")
 
 
 def available(t: torch.Tensor | None = None) -> bool:
@@ -222,18 +286,20 @@ def available(t: torch.Tensor | None = None) -> bool:
 
 
 def supports(q: torch.Tensor, k_cache: torch.Tensor, meta: AttnMetadata, window: int | None) -> bool:
-    """Pure decode (one query per sequence, no tree, no sliding window), bf16, D in 64/128/256, GQA groups up to 8,
+    """Pure decode (one query per sequence, no tree, no sliding window), bf16, D 64 or 128, GQA groups up to 8,
     contiguous rows, and the kernel available here."""
     t, hq, d = q.shape
     return (meta.max_query_len == 1 and meta.tree_mask is None and window is None and t == meta.num_seqs
-            and q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16 and d in (64, 128, 256)
+            and q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16 and d in (64, 128)
             and hq % k_cache.shape[2] == 0 and hq // k_cache.shape[2] <= 8 and q.stride(2) == 1
             and k_cache.stride(3) == 1 and available(q))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMetadata, scale: float,
-                     num_splits: int | None = None) -> torch.Tensor:
-    """q [B, Hq, D] (row b: sequence b's new token) -> [B, Hq, D], as TritonPagedAttention for decode steps."""
+                     num_splits: int | None = None, warps: int | None = None, trigger: int | None = None,
+                     pdl: bool | None = None) -> torch.Tensor:
+    """q [B, Hq, D] (row b: sequence b's new token) -> [B, Hq, D], as TritonPagedAttention for decode steps.
+    warps / trigger / pdl: the launch's shape and its PDL use (defaults WARPS, TRIGGER, kernels/pdl.py)."""
     b, hq, d = q.shape
     num_kv, page = k_cache.shape[2], k_cache.shape[1]
     group = hq // num_kv
@@ -251,12 +317,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             cnt = _counters[key] = torch.zeros(max(4096, b * num_kv), dtype=torch.int32, device=q.device)
         part_acc = torch.empty(b * hq, splits, d, dtype=torch.float32, device=q.device) if splits > 1 else out
         part_ml = torch.empty(b * hq, splits, 2, dtype=torch.float32, device=q.device) if splits > 1 else out
-        pdl = pdl_enabled(q)
-        kern = _kernel(torch.cuda.current_device(), d, group, pdl)
+        pdl = pdl_enabled(q) if pdl is None else pdl
+        warps = max_warps(d, group, warps or WARPS)
+        kern = _kernel(torch.cuda.current_device(), d, group, pdl, warps, TRIGGER if trigger is None else trigger)
         tables = meta.block_tables
         if tables.dtype != torch.int64 or meta.seq_lens.dtype != torch.int64:
             raise ValueError("decode_attention: block tables and sequence lengths must be int64")
-        nvrtc.launch(kern, (b * num_kv, splits), 32 * WARPS, 0, [
+        nvrtc.launch(kern, (b * num_kv, splits), 32 * warps, 0, [
             q, k_cache, v_cache, out, part_acc, part_ml, cnt, meta.seq_lens, tables,
             ctypes.c_float(scale * _LOG2E), num_kv, splits, page, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             ctypes.c_longlong(k_cache.stride(0)), k_cache.stride(1), k_cache.stride(2),

@@ -8,6 +8,8 @@ torch (`devices` adds "cpu" for tests under TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -20,11 +22,17 @@ class FusedLayerOps(LayerOps):
     PDL_NORM_ROWS = 8  # pdl_norms applies to steps of up to this many tokens
 
     def __init__(self, max_skinny_rows: int = MAX_ROWS, devices: tuple[str, ...] = ("cuda",),
-                 device_name: str | None = None, pdl_norms: bool | None = None) -> None:
+                 device_name: str | None = None, pdl_norms: bool | None = None, fuse_norms: bool | None = None
+                 ) -> None:
         """pdl_norms: add + RMSNorm launched with PDL (True for models whose products are int4 kernels, which fetch
-        weights before waiting; None: kernels/fused_norm.py's default)."""
+        weights before waiting; None: kernels/fused_norm.py's default). fuse_norms: 1-row add + RMSNorm done in the
+        prologue of the product after it where that product can (quantized matrices with `norm_product`: the
+        CUDA C++ int4 kernel); None: off unless FORERUN_FUSE_NORMS=1. Off because it measured slower on the H200
+        (8B-shape int4 step 1.998 -> 2.076 ms, docs/performance.md): the norm's own kernel runs while the product
+        after it fetches its weights, whereas in the prologue every block repeats it after its wait."""
         self.max_skinny_rows = min(max_skinny_rows, MAX_ROWS)
         self.pdl_norms = pdl_norms
+        self.fuse_norms = os.environ.get("FORERUN_FUSE_NORMS", "0") == "1" if fuse_norms is None else fuse_norms
         self.devices = devices
         if device_name is None and torch.cuda.is_available():
             device_name = torch.cuda.get_device_name()
@@ -74,6 +82,26 @@ class FusedLayerOps(LayerOps):
         else:
             act = mlp.activation(gate_up(x))
         return self.linear(act, mlp.down_proj)
+
+    def _norm_product(self, x, residual, norm, layer, glu: bool):
+        """(product of norm(x + residual), x + residual) from one launch, or None where that cannot run."""
+        if not (self.fuse_norms and self._on(x) and x.shape[0] == 1 and hasattr(layer, "norm_product")):
+            return None
+        return layer.norm_product(x, residual, norm.weight, norm.eps, glu)
+
+    def norm_linear(self, x, residual, norm, layer, out_dtype=None):
+        got = self._norm_product(x, residual, norm, layer, False)
+        if got is None:
+            return super().norm_linear(x, residual, norm, layer, out_dtype)
+        y, s = got
+        return (y if out_dtype is None else y.to(out_dtype)), s
+
+    def norm_mlp(self, x, residual, norm, mlp):
+        got = self._norm_product(x, residual, norm, mlp.gate_up_proj, True) if self._on(x) else None
+        if got is None:
+            return super().norm_mlp(x, residual, norm, mlp)
+        act, s = got  # SwiGLU in the product's epilogue
+        return self.linear(act, mlp.down_proj), s
 
     def qkv_to_cache(self, qkv, positions, rope, q_norm, k_norm, layer, meta, kv, num_heads, num_kv_heads, head_dim):
         if not self._on(qkv) or head_dim & (head_dim - 1):

@@ -25,6 +25,7 @@ first use (kernels/nvrtc.py); `available()` says whether it can run here (NVRTC 
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 
@@ -43,9 +44,33 @@ _SRC = r"""
 #define DEPTH {DEPTH}
 #define GLU {GLU}
 #define PDL {PDL}
+#define NORM {NORM}
 #define NW (GLU ? 2 * R_ : R_)
 
 __device__ __forceinline__ float bf2f(unsigned short h) {{ return __uint_as_float(((unsigned int)h) << 16); }}
+
+__device__ __forceinline__ float bfr(float f) {{  // f rounded to bf16
+    unsigned short b;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(f));
+    return bf2f(b);
+}}
+
+__device__ __forceinline__ unsigned int bf2pack(float lo, float hi) {{
+    unsigned int r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}}
+
+__device__ __forceinline__ unsigned int add2(unsigned int a, unsigned int b, float& ss) {{  // bf16 pairs, rounded
+    const float lo = bfr(bf2f(a & 0xFFFF) + bf2f(b & 0xFFFF)), hi = bfr(bf2f(a >> 16) + bf2f(b >> 16));
+    ss = fmaf(lo, lo, fmaf(hi, hi, ss));
+    return bf2pack(lo, hi);
+}}
+
+__device__ __forceinline__ float sq2(unsigned int a, float ss) {{
+    const float lo = bf2f(a & 0xFFFF), hi = bf2f(a >> 16);
+    return fmaf(lo, lo, fmaf(hi, hi, ss));
+}}
 
 __device__ __forceinline__ unsigned int f2h2(float lo, float hi) {{
     unsigned int r;
@@ -93,11 +118,16 @@ __device__ __forceinline__ unsigned int word_dot(unsigned int w, uint4 xp, unsig
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsigned short* __restrict__ S,
-         const unsigned short* __restrict__ Z, unsigned short* __restrict__ y, int n_out, int glu_off)
+         const unsigned short* __restrict__ Z, unsigned short* __restrict__ y, int n_out, int glu_off,
+         const uint4* __restrict__ res, const uint4* __restrict__ nw, uint4* __restrict__ s_out, float eps)
 {{
     extern __shared__ uint4 smem[];
     uint4* xq = smem;                        // [4][G_]: pairs of word c of group g at xq[c * G_ + g]
     float* gsum = (float*)(smem + 4 * G_);   // [G_]
+#if NORM
+    uint4* xs = smem + 4 * G_ + (G_ + 3) / 4;  // [4 G_]: the words of x + res
+    float* red = (float*)(xs + 4 * G_);        // [WARPS]
+#endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int row0 = (blockIdx.x * WARPS + warp) * R_;
 
@@ -127,13 +157,47 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
     asm volatile("griddepcontrol.launch_dependents;");
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+#if NORM
+    // x <- rmsnorm(x + res) * nw, as kernels/fused_norm.py's add_rmsnorm (sum rounded to bf16, then the
+    // normalised value, then the product with the weight); block 0 writes the sum (the residual stream)
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < 4 * G_; i += WARPS * 32) {{
+        uint4 v = x[i];
+        if (res) {{
+            const uint4 r = res[i];
+            v.x = add2(v.x, r.x, ss); v.y = add2(v.y, r.y, ss); v.z = add2(v.z, r.z, ss); v.w = add2(v.w, r.w, ss);
+            if (blockIdx.x == 0) s_out[i] = v;
+        }} else {{
+            ss = sq2(v.x, sq2(v.y, sq2(v.z, sq2(v.w, ss))));
+        }}
+        xs[i] = v;
+    }}
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) red[warp] = ss;
+    __syncthreads();
+    float tot = 0.0f;
+    #pragma unroll
+    for (int w = 0; w < WARPS; w++) tot += red[w];
+    const float inv = 1.0f / sqrtf(tot / (float)K_ + eps);
+#endif
     // the activation row -> pre-scaled f16 pairs and group sums (4 consecutive threads hold a group's words)
     for (int base = 0; base < 4 * G_; base += WARPS * 32) {{  // whole warps stay together for the shuffles
         const int i = base + threadIdx.x;
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
+#if NORM
+        uint4 wn = make_uint4(0u, 0u, 0u, 0u);
+        if (i < 4 * G_) {{ v = xs[i]; wn = nw[i]; }}
+#define NV(h, c) bfr(bfr(bf2f(h) * inv) * bf2f(c))
+        float a0 = NV(v.x & 0xFFFF, wn.x & 0xFFFF), a1 = NV(v.x >> 16, wn.x >> 16);
+        float a2 = NV(v.y & 0xFFFF, wn.y & 0xFFFF), a3 = NV(v.y >> 16, wn.y >> 16);
+        float a4 = NV(v.z & 0xFFFF, wn.z & 0xFFFF), a5 = NV(v.z >> 16, wn.z >> 16);
+        float a6 = NV(v.w & 0xFFFF, wn.w & 0xFFFF), a7 = NV(v.w >> 16, wn.w >> 16);
+#else
         if (i < 4 * G_) v = x[i];  // 8 bf16: word i's activations
         float a0 = bf2f(v.x & 0xFFFF), a1 = bf2f(v.x >> 16), a2 = bf2f(v.y & 0xFFFF), a3 = bf2f(v.y >> 16);
         float a4 = bf2f(v.z & 0xFFFF), a5 = bf2f(v.z >> 16), a6 = bf2f(v.w & 0xFFFF), a7 = bf2f(v.w >> 16);
+#endif
         float s = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7));
         s += __shfl_xor_sync(0xffffffffu, s, 1);
         s += __shfl_xor_sync(0xffffffffu, s, 2);
@@ -212,17 +276,24 @@ def available(t: torch.Tensor | None = None) -> bool:
     return os.environ.get("FORERUN_Q4_CUDA", "1") != "0" and nvrtc.available(t)
 
 
-def smem_bytes(k: int) -> int:
-    return k // GROUP * (4 * 16 + 4)
+def smem_bytes(k: int, norm: bool = False) -> int:
+    g = k // GROUP
+    if norm:  # the pairs, the group sums (padded to 16 bytes), the words of x + res, a float per warp
+        return 16 * (8 * g + (g + 3) // 4) + 4 * 32
+    return g * (4 * 16 + 4)
+
+
+def source(k: int, rows: int, warps: int, depth: int, glu: bool, pdl: bool, norm: bool = False) -> str:
+    return _SRC.format(K=k, R=rows, WARPS=warps, DEPTH=depth, GLU=int(glu), PDL=int(pdl), NORM=int(norm))
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_on(device: int, k: int, rows: int, warps: int, depth: int, glu: bool, pdl: bool):
-    return nvrtc.kernel(_SRC.format(K=k, R=rows, WARPS=warps, DEPTH=depth, GLU=int(glu), PDL=int(pdl)), "q4c_gemv")
+def _kernel_on(device: int, *config):
+    return nvrtc.kernel(source(*config), "q4c_gemv")
 
 
-def _kernel(k: int, rows: int, warps: int, depth: int, glu: bool, pdl: bool):
-    return _kernel_on(torch.cuda.current_device(), k, rows, warps, depth, glu, pdl)
+def _kernel(k: int, rows: int, warps: int, depth: int, glu: bool, pdl: bool, norm: bool = False):
+    return _kernel_on(torch.cuda.current_device(), k, rows, warps, depth, glu, pdl, norm)
 
 
 def q4c_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, glu: bool = False,
@@ -232,21 +303,52 @@ def q4c_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: t
     rows then up rows, y = silu(x @ gate^T) * (x @ up^T)); bf16 [1, N] (or N / 2). The result matches
     `q4v_linear` up to f16 rounding of the group sums. rows: output rows per warp; warps per block; depth:
     groups of weights in flight per lane ahead of the arithmetic."""
+    return _launch(x, None, qw32, scale, zero, glu, rows, warps, depth, pdl)[0]
+
+
+def q4c_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                    qw32: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, glu: bool = False,
+                    rows: int | None = None, warps: int | None = None, depth: int | None = None,
+                    pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fused_norm.add_rmsnorm` and `q4c_linear` in one launch: s = x + residual (bf16; residual None: s = x),
+    returns (rmsnorm(s) * weight @ W^T, s). Every block normalises the row itself (a 4096-wide row is 8 KB from
+    L2), block 0 writes s. Saves the norm's launch and its place in the chain of dependent kernels."""
+    if weight.dtype != torch.bfloat16 or weight.shape != (x.shape[-1],) or not weight.is_contiguous() or (
+            residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype)):
+        raise ValueError(f"q4c_norm_linear: a bf16 norm weight [K] and a residual shaped as x; got weight "
+                         f"{tuple(weight.shape)} {weight.dtype}, residual "
+                         f"{None if residual is None else (tuple(residual.shape), residual.dtype)}")
+    return _launch(x, (residual, weight, eps), qw32, scale, zero, glu, rows, warps, depth, pdl)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:  # the kernel reads rows 16 bytes at a time
+    return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.contiguous().clone()
+
+
+def _launch(x, norm, qw32, scale, zero, glu, rows, warps, depth, pdl) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     n = qw32.shape[0]
     if m != 1 or x.dtype != torch.bfloat16 or not x.is_contiguous() or qw32.shape[1] * 8 != k or k % GROUP \
             or (glu and n % 2) or scale.dtype != torch.bfloat16 or zero.dtype != torch.bfloat16:
         raise ValueError(f"q4c_linear: takes one contiguous bf16 row and bf16 scales; got x {tuple(x.shape)} "
                          f"{x.dtype}, qw32 {tuple(qw32.shape)}, scale {scale.dtype}")
-    if x.data_ptr() % 16:  # the kernel reads the row 16 bytes at a time
-        x = x.clone()
+    x = _aligned(x)
     rows, warps, depth = rows or DEFAULT["rows"], warps or DEFAULT["warps"], depth or DEFAULT["depth"]
     pdl = pdl_enabled(x) if pdl is None else pdl
     n_out = n // 2 if glu else n
     y = torch.empty(1, n_out, dtype=x.dtype, device=x.device)
+    null = ctypes.c_void_p(0)
+    if norm is None:
+        s, extra = x, [null, null, null, ctypes.c_float(0.0)]
+    else:
+        residual, weight, eps = norm
+        residual = None if residual is None else _aligned(residual)
+        s = x if residual is None else torch.empty_like(x)
+        extra = [null if residual is None else residual, _aligned(weight), s if residual is not None else null,
+                 ctypes.c_float(eps)]
     with torch.cuda.device(x.device):  # x's device: its module, its current stream
-        kern = _kernel(k, rows, warps, depth, glu, pdl)
+        kern = _kernel(k, rows, warps, depth, glu, pdl, norm is not None)
         per_block = rows * warps
-        nvrtc.launch(kern, (n_out + per_block - 1) // per_block, 32 * warps, smem_bytes(k),
-                     [x, qw32, scale, zero, y, n_out, n_out], pdl)
-    return y
+        nvrtc.launch(kern, (n_out + per_block - 1) // per_block, 32 * warps, smem_bytes(k, norm is not None),
+                     [x, qw32, scale, zero, y, n_out, n_out] + extra, pdl)
+    return y, s

@@ -43,8 +43,13 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, rope: RotaryEmbedding, meta: AttnMetadata, kv: KVPool, backend: AttentionBackend,
                 ops: LayerOps):
-        t, cfg = x.shape[0], self.cfg
-        qkv = ops.linear(x, self.qkv_proj)  # [T, (Hq + 2 Hkv) D]
+        """x: [T, H] (normalised) -> [T, H]."""
+        return self.attend(ops.linear(x, self.qkv_proj), positions, rope, meta, kv, backend, ops)
+
+    def attend(self, qkv, positions, rope: RotaryEmbedding, meta: AttnMetadata, kv: KVPool, backend: AttentionBackend,
+               ops: LayerOps):
+        """qkv: [T, (Hq + 2 Hkv) D] (the projection's output) -> the o-projection's output [T, H]."""
+        t, cfg = qkv.shape[0], self.cfg
         norms = (self.q_norm, self.k_norm) if cfg.qk_norm else (None, None)
         q = ops.qkv_to_cache(qkv, positions, rope, *norms, self.layer, meta, kv,
                              cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)  # [T, Hq, D]; k, v now in the cache
@@ -63,12 +68,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, residual, positions, rope, meta, kv, backend, ops: LayerOps):
         """The residual stream is carried as (h, residual) with x = h + residual (residual None: x = h), so
-        each add is fused with the norm that follows it. Returns the new (h, residual)."""
-        h, residual = ops.add_rmsnorm(h, residual, self.input_layernorm)
-        h = self.self_attn(h, positions, rope, meta, kv, backend, ops)
-        h, residual = ops.add_rmsnorm(h, residual, self.post_attention_layernorm)
-        h = ops.mlp(h, self.mlp)
-        return h, residual
+        each add is fused with the norm that follows it (and the norm with the product after it where the kernels
+        can: LayerOps.norm_linear / norm_mlp). Returns the new (h, residual)."""
+        qkv, residual = ops.norm_linear(h, residual, self.input_layernorm, self.self_attn.qkv_proj)
+        h = self.self_attn.attend(qkv, positions, rope, meta, kv, backend, ops)
+        return ops.norm_mlp(h, residual, self.post_attention_layernorm, self.mlp)
 
 
 class _Backbone(nn.Module):
@@ -126,8 +130,7 @@ class LlamaForCausalLM(nn.Module):
             if logits_indices.numel() == 0:  # no logits wanted (a prefill chunk): skip the norm and the head
                 return ForwardOutput(torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=h.device), hidden)
             h, res = h[logits_indices], res[logits_indices]
-        x, _ = self.ops.add_rmsnorm(h, res, self.model.norm)
-        logits = self.ops.linear(x, self.lm_head, out_dtype=torch.float32)  # [R, V]
+        logits, _ = self.ops.norm_linear(h, res, self.model.norm, self.lm_head, out_dtype=torch.float32)  # [R, V]
         return ForwardOutput(logits, hidden)
 
     # -- weights -------------------------------------------------------------------------------------

@@ -31,6 +31,18 @@ class LayerOps:
         """x: [T, H] -> down(silu(gate(x)) * up(x)): [T, H]."""
         return mlp(x)
 
+    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, layer: nn.Module,
+                    out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """add_rmsnorm, then linear: (layer(norm(x + residual)), x + residual). Kernels may do both in one."""
+        h, s = self.add_rmsnorm(x, residual, norm)
+        return self.linear(h, layer, out_dtype), s
+
+    def norm_mlp(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, mlp: SwiGLU
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """add_rmsnorm, then mlp: (mlp(norm(x + residual)), x + residual). Kernels may fuse the first two steps."""
+        h, s = self.add_rmsnorm(x, residual, norm)
+        return self.mlp(h, mlp), s
+
     def qkv_to_cache(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                      q_norm: RMSNorm | None, k_norm: RMSNorm | None, layer: int, meta: AttnMetadata, kv: KVPool,
                      num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:

@@ -30,7 +30,7 @@ from torch import nn
 from ..kernels.quant_gemm import (GROUP, MAX_ROWS, Q8_MAX_ROWS, dequantize_int4_w32, dequantize_int8_w32,
                                   pack_int4_w32, pack_int8_w32, q4r_linear, q4t_linear, q4v_linear, q4w2_linear,
                                   q4w_linear, q8v_linear, unpack_int8_w32)
-from ..kernels.q4_cuda import available as q4c_available, q4c_linear
+from ..kernels.q4_cuda import available as q4c_available, q4c_linear, q4c_norm_linear
 from .quant import quantize_groups_int4
 
 
@@ -172,6 +172,21 @@ class CudaQ4Linear(CudaQuantLinear):
         hi = (v[..., None] >> (shifts + 16)) & 15
         q = torch.stack([lo, hi], -1).reshape(n, -1, GROUP).to(self.dtype)
         return (q * self.scale[..., None] + self.zero[..., None]).reshape(n, -1)
+
+    def norm_product(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                     glu: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rmsnorm(x + residual) * norm_weight @ W^T (glu: SwiGLU of the gate and up halves), x + residual) in one
+        launch, for one row where this shape's tuned kernel is the CUDA C++ one; None elsewhere (the caller runs
+        add + RMSNorm and the product apart)."""
+        if x.shape[0] != 1 or self.bias is not None or not self._kernel_ok(x) or not x.is_contiguous() \
+                or norm_weight.dtype != x.dtype or (residual is not None and not residual.is_contiguous()):
+            return None
+        n = self.out_features // 2 if glu else self.out_features
+        cfg = tuned(1, n, self.in_features, glu)
+        if cfg["kernel"] != "c":
+            return None
+        return q4c_norm_linear(x, residual, norm_weight, eps, self.qw32, self.scale, self.zero, glu=glu,
+                               rows=cfg["block_n"], warps=cfg["num_warps"], depth=cfg["num_stages"])
 
     def _product(self, x: torch.Tensor, glu: bool) -> torch.Tensor:
         """x [M, K] through the kernels, 16 rows per call."""

@@ -5,21 +5,24 @@ Why: at batch 1 the Triton backend's decode attention is two short kernels (the 
 paying a launch and a ramp-up, for ~2 MB of keys and values per layer at 512 cached tokens: by knock-out it was the
 largest cost between the int4 products of an 8B-shape decode step (0.22 ms of 1.94, docs/performance.md).
 
-One block per (sequence b, KV head h, split s), 4 warps. The block's queries are the GROUP query heads of h; a
-lane holds D / 32 of their dimensions (pre-scaled by softmax scale * log2 e). The split's tokens are dealt to the
-warps; a warp takes UNROLL tokens at a time (their block-table entries, keys and values requested together), dots
-each key with the GROUP queries (a warp sum per head), and keeps an online softmax per head. The warps' partials
-meet in shared memory; with one split the block writes the output, else it writes its partial (max, sum, acc) and
-counts itself in at the (b, h) counter; the block that arrives last merges the splits and resets the counter
-(`__threadfence` on both sides). PDL: the block lets the next kernel launch at once and waits for its inputs.
+One block per (sequence b, KV head h, split s), WARPS warps. The group's queries (pre-scaled by softmax scale *
+log2 e) sit in shared memory. A warp takes 32 of the split's tokens at a time: Q.K with one token per lane (its
+key row read whole, the queries read by every lane at once: no sums across lanes), an online softmax per head
+(one max and one sum across the warp per tile), then P.V with the value rows' dimensions across the lanes (each
+token's probability passed round by a shuffle); every key and value load of a tile is issued before the
+arithmetic. The warps' partials meet in shared memory; with one split the block writes the output, else it writes
+its partial (max, sum, acc) and counts itself in at the (b, h) counter; the block that arrives last reads every
+split's weights, then every partial at once, merges and resets the counter (`__threadfence` on both sides). PDL:
+the block lets the next kernel launch at TRIGGER and waits for its inputs before any read.
 
-Status: correct (tests/test_gpu.py on the H200) but slower than the Triton pair it was meant to replace (17 us a
-layer against ~4 at 512 cached tokens, batch 1, inside the int4 8B step; the cause is not found yet), so the
-backend uses it only when asked (`TritonPagedAttention(cuda_decode=True)`).
+Status (H200, docs/performance.md, session 24): correct; the first version (a warp-wide sum per token and head)
+cost 16-17 us a layer at 512 cached tokens and 63 us at 4096, this one 12 and 19 (8 warps), against 7.4 and 17.5
+for the Triton split + merge kernels. So the backend uses it only when asked (`TritonPagedAttention(
+cuda_decode=True)`).
 
 Paged layout as the Triton backend: K/V [num_blocks, PAGE, Hkv, D] (rows contiguous), block_tables [B, W] int64,
 seq_lens [B] int64 (the new token already written). `supports(q, k_cache, meta, window)` says when it applies
-(pure decode, no tree, no window, bf16, D in 64/128/256, NVRTC available).
+(pure decode, no tree, no window, bf16, D 64 or 128, NVRTC available).
 """
 from __future__ import annotations
 

@@ -43,6 +43,8 @@ def _configs(args) -> list[tuple[str, str, str, str | None]]:
         name = {"draft": args.draft, "early-exit": f"early-exit:{args.early_exit_layers}", "ngram": "ngram"}[drafter]
         for k in ks:
             out.append((f"{drafter} k={k}", name, k, None))
+            if drafter == "draft":  # the same with the draft ranking part of the vocabulary
+                out += [(f"draft k={k} vocab={n}", name, k, None) for n in filter(None, args.draft_vocabs.split(","))]
     return out
 
 
@@ -110,15 +112,18 @@ def run_forerun(args, prompts) -> tuple[list[dict], dict]:
 
     ddtype = draft_dtype(SpecConfig(), torch.device("cpu"), torch.float32)
     draft = load_model(args.draft, dtype=ddtype, quantize=args.quantize) if "draft" in args.drafters else None
+    full_head = draft[0].lm_head if draft is not None else None
     print(f"[bench] loaded forerun models in {time.perf_counter() - t:.0f}s", file=sys.stderr)
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     rows, plain_ids = [], None
     for label, dname, k, tree in _configs(args):
+        vocab = int(label.rpartition("vocab=")[2]) if " vocab=" in label else None
         spec = SpecConfig.from_flags(dname, k, None if dname.startswith("eagle:") else 0.0,
-                                     None if tree else "auto", tree=tree)
+                                     None if tree else "auto", tree=tree, draft_vocab=vocab)
         if spec.method == "draft":
             from dataclasses import replace
             spec = replace(spec, draft_model=(draft[0], draft[1]))
+            draft[0].lm_head = full_head  # (a vocab= row replaces it in place; every row starts from the full head)
         llm = LLM.from_model(target[0], target[1], spec=spec, device="cpu")
         if label.endswith(" budget"):  # the per-round tree budget from the engine's measured costs
             llm.engine.drafter.use_target_cost(llm.engine.k_policy.cost)
@@ -137,6 +142,8 @@ def run_forerun(args, prompts) -> tuple[list[dict], dict]:
         tokens = sum(map(len, ids))
         row = {"engine": "forerun", "config": label, "tokens": tokens, "seconds": round(seconds, 2),
                "tok_per_s": round(tokens / seconds, 3), "identical_to_plain": ids == plain_ids, **agg.as_dict()}
+        if vocab is not None:
+            row["draft_vocab_tokens"] = len(draft[0].lm_head.ids)  # the first N ids and the special tokens
         if spec.method == "eagle":
             row["eagle_head"] = spec.eagle_head
             row["eagle_head_layout"] = llm.engine.drafter.head_layout
@@ -367,6 +374,9 @@ def _check_bench(args, ap) -> None:
         raise UsageError(f"--early-exit-layers must be >= 1, got {args.early_exit_layers}")
     if args.llamacpp_draft_max < 1:
         raise UsageError(f"--llamacpp-draft-max must be >= 1, got {args.llamacpp_draft_max}")
+    for n in filter(None, args.draft_vocabs.split(",")):
+        if not n.strip().isdigit() or int(n) < 1:
+            raise UsageError(f"--draft-vocabs takes positive token counts, got {n!r}")
     try:
         for k in [k for k in args.ks.split(",") if k] + [k for k in args.eagle_ks.split(",") if k]:
             SpecConfig.from_flags("ngram", k, None, None)  # (validates k)
@@ -385,7 +395,8 @@ def _check_bench(args, ap) -> None:
               "--eagle-trees": ("eagle_trees", "eagle" in drafters),
               "--eagle-budget": ("eagle_budget", "eagle" in drafters),
               "--eagle-head-quantize": ("eagle_head_quantize", "eagle" in drafters),
-              "--llamacpp-draft-max": ("llamacpp_draft_max", args.llamacpp)}
+              "--llamacpp-draft-max": ("llamacpp_draft_max", args.llamacpp),
+              "--draft-vocabs": ("draft_vocabs", "draft" in drafters)}
     ignored = [flag for flag, (dest, used) in unused.items() if not used and getattr(args, dest) != ap.get_default(dest)]
     if ignored:
         raise UsageError(f"{', '.join(ignored)} do(es) nothing in this run: its rows are not requested "
@@ -402,6 +413,8 @@ def main(argv=None) -> int:
     ap.add_argument("--drafters", default="draft,early-exit,ngram",
                     help="comma list of draft, early-exit, ngram, eagle (eagle: rows with the head in --eagle-head)")
     ap.add_argument("--early-exit-layers", type=int, default=8)
+    ap.add_argument("--draft-vocabs", default="",
+                    help="also draft-model rows whose draft ranks only the first N token ids (comma list of N)")
     ap.add_argument("--ks", default="2,4,6,auto")
     ap.add_argument("--num-prompts", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=48)

@@ -108,7 +108,7 @@ def _check_generate(a):
     if a.compare_plain and draft == "none":
         raise UsageError("--compare-plain does nothing with --draft none (both runs would be plain)")
     try:
-        spec = SpecConfig.from_flags(draft, a.k, a.confidence, a.rule, tree=a.tree)
+        spec = SpecConfig.from_flags(draft, a.k, a.confidence, a.rule, tree=a.tree, draft_vocab=a.draft_vocab)
         spec.check_sampling(params)
     except ValueError as e:
         raise UsageError(_flagged(str(e))) from None
@@ -216,6 +216,8 @@ def build_parser() -> ArgumentParser:
                    help="verification rule (default auto: greedy at temperature 0, exact sampling otherwise)")
     g.add_argument("--tree", default=None, help="tree drafting with the draft model: children per depth, e.g. 2,2,1")
     g.add_argument("--confidence", type=float, default=None, help="stop a draft when its top probability is below this")
+    g.add_argument("--draft-vocab", type=int, default=None,
+                   help="the draft model ranks only the first N token ids and the special tokens (a faster draft head)")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)

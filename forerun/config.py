@@ -166,6 +166,9 @@ class SpecConfig:
     tree: tuple[int, ...] | None = None  # method 'draft' only: children per node at each depth, e.g. (2, 2, 1)
     eagle_head: str | None = None  # method 'eagle': a head's folder (EAGLE / SpecForge layout; forerun train-eagle)
     eagle_tree: tuple[int, int, int] | None = None  # method 'eagle': dynamic tree (top-k, steps, nodes); None = chain
+    # method 'draft': the draft model ranks only the first draft_vocab token ids and the special tokens
+    # (models/vocab_subset.py; a draft model passed in already built has its head replaced in place)
+    draft_vocab: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -198,6 +201,8 @@ class SpecConfig:
             raise ValueError("confidence_threshold does nothing with method 'ngram' (its drafts have no probabilities)")
         if not 0.0 <= self.confidence_threshold < 1.0:
             raise ValueError("confidence_threshold must be in [0, 1)")
+        if self.draft_vocab is not None and (self.method != "draft" or self.draft_vocab < 1):
+            raise ValueError("draft_vocab needs method 'draft' (a separate draft model) and a positive token count")
 
     @property
     def enabled(self) -> bool:
@@ -230,11 +235,16 @@ class SpecConfig:
 
     @classmethod
     def from_flags(cls, draft: str | None, k: str | int | None, confidence: float | None, rule: str | None,
-                   ngram_max: int = 3, tree: str | None = None) -> "SpecConfig":
+                   ngram_max: int = 3, tree: str | None = None, draft_vocab: int | None = None) -> "SpecConfig":
         """The command line's --draft (MODEL | early-exit:N | ngram | none), --k (K | auto), --tree (B1,B2,..)
         -> SpecConfig (generate, serve, bench). Raises ValueError with a one-line message for a malformed or
         meaningless combination (a flag that would do nothing in the chosen mode is refused, not ignored).
         None for k / confidence / rule means "not given"."""
+        if draft_vocab is not None and (not draft or draft in ("none", "ngram") or draft.startswith(("eagle:", "early-exit"))
+                                        or str(k).strip() == "0"):
+            raise ValueError("--draft-vocab works with a draft model only (--draft MODEL, k > 0)")
+        if draft_vocab is not None and draft_vocab < 1:
+            raise ValueError(f"--draft-vocab must be a positive token count, got {draft_vocab}")
         k = "auto" if k is None else str(k).strip()
         adaptive = k == "auto"
         if not adaptive:
@@ -292,8 +302,8 @@ class SpecConfig:
                 raise ValueError("--confidence does nothing with --tree (a tree drafts its full shape)")
             if k != "auto":
                 raise ValueError("--k does nothing with --tree (the tree shape sets the drafts)")
-            return cls(method="draft", draft_model=draft, tree=parse_tree(tree), **common)
-        return cls(method="draft", draft_model=draft, **common)
+            return cls(method="draft", draft_model=draft, tree=parse_tree(tree), draft_vocab=draft_vocab, **common)
+        return cls(method="draft", draft_model=draft, draft_vocab=draft_vocab, **common)
 
 
 def parse_tree(text: str) -> tuple[int, ...]:

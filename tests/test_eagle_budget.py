@@ -181,7 +181,7 @@ def _bench_args(head_dir, **over):
 
     a = dict(drafters="draft,eagle", ks="4", draft="qwen2.5-coder-0.5b-instruct", early_exit_layers=8,
              eagle_head=str(head_dir), eagle_ks="4,auto", eagle_trees="4,4,16;2,3,6", eagle_budget=True,
-             model="qwen2.5-coder-1.5b-instruct")
+             model="qwen2.5-coder-1.5b-instruct", draft_vocabs="")
     a.update(over)
     return argparse.Namespace(**a)
 
@@ -199,6 +199,10 @@ def test_bench_eagle_rows_and_their_skip_message(tmp_path, capsys):
                                         "eagle tree 2,3,6", "eagle tree <=2,3,6 budget"]
     assert all(r[1] == f"eagle:{tmp_path}" for r in rows[2:])
     assert rows[4][3] == "4,4,16" and rows[2][3] is None
+    # --draft-vocabs: each draft-model row again with the draft ranking part of the vocabulary
+    rows = _configs(_bench_args(tmp_path / "missing", ks="4,auto", draft_vocabs="32768,100"))
+    assert [r[0] for r in rows] == ["plain", "draft k=4", "draft k=4 vocab=32768", "draft k=4 vocab=100",
+                                    "draft k=auto", "draft k=auto vocab=32768", "draft k=auto vocab=100"]
 
 
 def test_bench_reads_the_heads_training_record(tmp_path):

@@ -31,6 +31,7 @@ def spec_variants(target_hf):
         "ngram": SpecConfig(method="ngram", k=3),
         "early-exit": SpecConfig(method="early-exit", early_exit_layers=1, k=3),
         "draft-other": draft_spec(hf_model("llama", seed=7, num_hidden_layers=1), k=4),
+        "draft-vocab": draft_spec(hf_model("llama", seed=7, num_hidden_layers=1), k=4, draft_vocab=40),
         "draft-self": draft_spec(target_hf, k=4),
         "draft-auto": draft_spec(target_hf, adaptive=True, k_max=6),
         "early-exit-confident": SpecConfig(method="early-exit", early_exit_layers=2, k=4, confidence_threshold=0.3),
@@ -49,7 +50,7 @@ def test_greedy_speculative_is_token_identical_to_plain(arch):
         agg = llm.aggregate_stats(outs)
         if name == "draft-self":
             assert agg.acceptance_rate == 1.0 and agg.tokens_per_target_call > 3
-        if name in ("draft-other", "early-exit", "ngram"):
+        if name in ("draft-other", "draft-vocab", "early-exit", "ngram"):
             assert agg.drafted > 0, name
         assert llm.runner.kv.num_free_blocks == llm.runner.kv.num_blocks - 1  # everything freed
 
@@ -135,6 +136,9 @@ def _sampling_pvalues(method: str, seeded: bool, n: int = 6000) -> tuple[float, 
         px = torch.softmax(target(cands).logits[:, -1] / temperature, -1)[torch.arange(97), torch.arange(97)]
     prompt = [5, 9, int(px.argmax()), 5, 9]
     spec = {"none": None, "draft": draft_spec(sharpen(hf_model("llama", seed=3, num_hidden_layers=1), 4.0), k=3),
+            # the draft ranks ids 0..39 only (q = 0 on the rest; the target's mass there comes back as residual)
+            "draft-vocab": draft_spec(sharpen(hf_model("llama", seed=3, num_hidden_layers=1), 4.0), k=3,
+                                      draft_vocab=40),
             "ngram": SpecConfig(method="ngram", k=3),
             "early-exit": SpecConfig(method="early-exit", early_exit_layers=1, k=3)}[method]
     llm = tiny_llm(target, spec=spec, max_num_seqs=2048)
@@ -152,7 +156,7 @@ def _sampling_pvalues(method: str, seeded: bool, n: int = 6000) -> tuple[float, 
 
 
 @pytest.mark.parametrize("method, seeded", [("draft", True), ("ngram", True), ("early-exit", True),
-                                            ("draft", False), ("none", False)])
+                                            ("draft", False), ("draft-vocab", False), ("none", False)])
 def test_sampling_distribution_equals_plain_sampling(method, seeded):
     """chi-square: the first two emitted tokens of speculative sampling (and of plain sampling, "none") follow the
     target's distribution, through the whole engine (SamplingParams -> tensors -> rule -> commit)."""

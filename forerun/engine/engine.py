@@ -328,6 +328,10 @@ class Engine:
         check_tokenizers_match(self.tokenizer, dtok)
         if dmodel.config.vocab_size != self.model.config.vocab_size:
             raise ValueError(f"draft vocab size {dmodel.config.vocab_size} != target {self.model.config.vocab_size}")
+        if s.draft_vocab is not None:  # the draft ranks part of the vocabulary (models/vocab_subset.py)
+            from ..models.vocab_subset import restrict_head, special_token_ids
+
+            restrict_head(dmodel, s.draft_vocab, special_token_ids(dtok))
         return dmodel, dtok
 
     def _make_drafter(self) -> Drafter | None:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..models.ops import LayerOps
+from ..models.vocab_subset import SubsetHead
 from .fused_norm import add_rmsnorm, qk_norm_rope_store
 from .skinny_gemm import MAX_ROWS, GemmConfig, config_key, default_config, load_configs, skinny_linear
 
@@ -65,6 +66,8 @@ class FusedLayerOps(LayerOps):
         return add_rmsnorm(x, residual, norm.weight, norm.eps, pdl=pdl)
 
     def linear(self, x, layer, out_dtype=None):
+        if isinstance(layer, SubsetHead):  # a draft's head over part of the vocabulary: its rows through the kernels
+            return layer.scatter(self.linear(x, layer.head, out_dtype))
         cfg = self._config(x, layer)
         if cfg is None:
             return super().linear(x, layer, out_dtype)

@@ -29,6 +29,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rule", default=None, choices=list(VERIFY_RULES))
     p.add_argument("--tree", default=None, help="tree drafting with the draft model: children per depth, e.g. 2,2,1")
     p.add_argument("--confidence", type=float, default=None, help="stop a draft when its top probability is below this")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="the draft model ranks only the first N token ids and the special tokens (a faster draft head)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
@@ -98,7 +100,8 @@ def _check(a) -> str | None:
     from ..config import SpecConfig
 
     try:
-        spec = SpecConfig.from_flags(a.draft, a.k, a.confidence, a.rule, tree=a.tree)
+        spec = SpecConfig.from_flags(a.draft, a.k, a.confidence, a.rule, tree=a.tree,
+                                     draft_vocab=a.draft_vocab)
     except ValueError as e:
         return str(e)
     if spec.method == "draft":
@@ -133,7 +136,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(a.threads)
     t = time.perf_counter()
     try:
-        spec = SpecConfig.from_flags(a.draft, a.k, a.confidence, a.rule, tree=a.tree)
+        spec = SpecConfig.from_flags(a.draft, a.k, a.confidence, a.rule, tree=a.tree,
+                                     draft_vocab=a.draft_vocab)
         cache = CacheConfig(block_size=a.block_size, memory_budget_bytes=int(a.kv_cache_gb * (1 << 30)))
         dtype = None if a.dtype == "auto" else getattr(torch, a.dtype)
         engine = Engine(a.model, spec=spec, device=a.device, dtype=dtype, cache=cache, max_num_seqs=a.max_num_seqs,

@@ -108,10 +108,10 @@ def run_forerun(args, prompts) -> tuple[list[dict], dict]:
     t = time.perf_counter()
     target = load_model(args.model, quantize=args.quantize)
     from .config import SpecConfig
-    from .engine.engine import draft_dtype
+    from .engine.engine import draft_dtype, load_draft_model
 
     ddtype = draft_dtype(SpecConfig(), torch.device("cpu"), torch.float32)
-    draft = load_model(args.draft, dtype=ddtype, quantize=args.quantize) if "draft" in args.drafters else None
+    draft = load_draft_model(args.draft, "cpu", ddtype, quantize=args.quantize) if "draft" in args.drafters else None
     full_head = draft[0].lm_head if draft is not None else None
     print(f"[bench] loaded forerun models in {time.perf_counter() - t:.0f}s", file=sys.stderr)
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)

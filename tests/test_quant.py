@@ -271,3 +271,33 @@ print("ok")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+def test_a_draft_model_loads_its_8_bit_matrices_and_head_as_int4(monkeypatch):
+    """quant.int4_others sets, for loads inside it, how GGUF matrices with no 4-bit part are held; the engine and
+    the bench load a separate draft model under DRAFT_INT4_OTHERS ("int4": its 8-bit matrices and head too), the
+    target under the default ("layers": the head and 8-bit matrices stay int8). Restored afterwards, even on error."""
+    from types import SimpleNamespace
+
+    from forerun.engine import engine as engine_mod
+    from forerun.models import quant
+
+    head = SimpleNamespace(type_name="Q8_0", where="tensor output.weight")
+    q6 = SimpleNamespace(type_name="Q6_K", where="tensor blk.0.ffn_down.weight")
+    assert quant.INT4_OTHERS == "layers"
+    assert not quant._requantize_to_int4(head) and quant._requantize_to_int4(q6)
+    with quant.int4_others("int4"):
+        assert quant._requantize_to_int4(head)
+    with quant.int4_others("int8"):
+        assert not quant._requantize_to_int4(q6)
+    assert quant.INT4_OTHERS == "layers"
+    with pytest.raises(RuntimeError), quant.int4_others("int4"):
+        raise RuntimeError("a failed load")
+    assert quant.INT4_OTHERS == "layers"
+    with pytest.raises(ValueError, match="must be one of layers, int8, int4"):
+        with quant.int4_others("int2"):
+            pass
+    seen = []
+    monkeypatch.setattr(engine_mod, "load_model", lambda *a, **kw: seen.append(quant.INT4_OTHERS) or ("m", "t", "c"))
+    assert engine_mod.load_draft_model("draft.gguf", "cpu", torch.float32, quantize="auto") == ("m", "t", "c")
+    assert seen == [quant.DRAFT_INT4_OTHERS] == ["int4"] and quant.INT4_OTHERS == "layers"

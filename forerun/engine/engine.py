@@ -69,6 +69,17 @@ class EngineStats:
     grammar_rejected: int = 0  # draft tokens / tree nodes cut by structured-output grammars (forerun/structured.py)
 
 
+def load_draft_model(path: str, device: torch.device | str, dtype: torch.dtype, max_positions: int | None = None,
+                     quantize: str | None = "none"):
+    """(model, tokenizer, checkpoint) of a separate draft model: as load_model, but in the CPU int4 layout its
+    GGUF matrices with no 4-bit part (8-bit ones, the head) are int4 too (quant.DRAFT_INT4_OTHERS): a draft only
+    proposes, and its steps get faster (docs/quantization.md)."""
+    from ..models import quant
+
+    with quant.int4_others(quant.DRAFT_INT4_OTHERS):
+        return load_model(path, device, dtype, max_positions, quantize=quantize)
+
+
 def draft_dtype(spec: SpecConfig, device: torch.device, target_dtype: torch.dtype) -> torch.dtype:
     """The draft only proposes, so its precision cannot change the output: on a CPU with native bf16
     (oneDNN packed weights) 'auto' halves its bytes; elsewhere it follows the target."""
@@ -323,8 +334,8 @@ class Engine:
         else:
             check_draft_compatible(self.tokenizer, self.model.config.vocab_size, s.draft_model)
             ddtype = draft_dtype(s, self.device, self.dtype)
-            dmodel, dtok, _ = load_model(s.draft_model, self.device, ddtype, self.model.max_positions,
-                                         quantize=self.quantize)
+            dmodel, dtok, _ = load_draft_model(s.draft_model, self.device, ddtype, self.model.max_positions,
+                                               self.quantize)
         check_tokenizers_match(self.tokenizer, dtok)
         if dmodel.config.vocab_size != self.model.config.vocab_size:
             raise ValueError(f"draft vocab size {dmodel.config.vocab_size} != target {self.model.config.vocab_size}")

@@ -27,6 +27,7 @@ Fused matrices (qkv, gate_up) are quantized once over their concatenated rows.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -42,6 +43,24 @@ GROUP = 32  # int4 group size (a Q4_K sub-block, a Q4_0 / Q4_1 block)
 #   "int4":  all of them re-quantized to int4, the head too
 # (environment variable FORERUN_INT4_OTHERS, for benchmarks such as `forerun bench`)
 INT4_OTHERS = os.environ.get("FORERUN_INT4_OTHERS", "layers")
+# a separate draft model only proposes: its 8-bit GGUF matrices and its head are held as int4 too (faster draft
+# steps; measured in docs/quantization.md). FORERUN_DRAFT_INT4_OTHERS=layers keeps the target's policy for drafts.
+DRAFT_INT4_OTHERS = os.environ.get("FORERUN_DRAFT_INT4_OTHERS", "int4")
+_POLICIES = ("layers", "int8", "int4")
+
+
+@contextlib.contextmanager
+def int4_others(policy: str):
+    """Within this block, models loaded in the int4 layout hold their GGUF matrices with no 4-bit part as `policy`
+    (see INT4_OTHERS). Loading is single-threaded; the engine wraps its draft model's load in it."""
+    global INT4_OTHERS
+    if policy not in _POLICIES:
+        raise ValueError(f"int4 policy for other matrices must be one of {', '.join(_POLICIES)}, got {policy!r}")
+    old, INT4_OTHERS = INT4_OTHERS, policy
+    try:
+        yield
+    finally:
+        INT4_OTHERS = old
 _REQUANT_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
 _HEAD_TENSORS = ("tensor output.weight", "tensor token_embd.weight")  # GGUF names (loader: GGUFQuantized.where)
 

@@ -100,7 +100,7 @@ class FusedLayerOps(LayerOps):
         return (y if out_dtype is None else y.to(out_dtype)), s
 
     def norm_mlp(self, x, residual, norm, mlp):
-        got = self._norm_product(x, residual, norm, mlp.gate_up_proj, True) if self._on(x) else None
+        got = self._norm_product(x, residual, norm, mlp.gate_up_proj, True)
         if got is None:
             return super().norm_mlp(x, residual, norm, mlp)
         act, s = got  # SwiGLU in the product's epilogue

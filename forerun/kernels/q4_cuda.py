@@ -321,8 +321,10 @@ def q4c_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, weight: torc
     return _launch(x, (residual, weight, eps), qw32, scale, zero, glu, rows, warps, depth, pdl)
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:  # the kernel reads rows 16 bytes at a time
-    return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.contiguous().clone()
+def _aligned(t: torch.Tensor) -> torch.Tensor:  # the kernel reads rows 16 bytes at a time (fresh copies are aligned)
+    if not t.is_contiguous():
+        return t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 def _launch(x, norm, qw32, scale, zero, glu, rows, warps, depth, pdl) -> tuple[torch.Tensor, torch.Tensor]:

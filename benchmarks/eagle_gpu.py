@@ -338,12 +338,13 @@ class SyntheticTreeSampler(RoundSampler):
         return Verdict(acc, emitted, [None] * len(emitted)), paths
 
 
-def tree_round(tr: TreeRound, reqs: list[Request]) -> tuple[int, float]:
+def tree_round(tr: TreeRound, reqs: list[Request], nodes: int) -> tuple[int, float]:
     """One round of the engine's TreeRound (propose_tree -> one target forward with the tree masks and the head's
     feature layers -> tree verification -> move / truncate -> target states to the drafter), the verdict replaced
-    by the drawn path (SyntheticTreeSampler); the emitted tokens committed as the engine commits them. Returns
-    (tokens committed, seconds of the drafting phase as the round measured it)."""
-    res = tr.run([RoundItem(r, 1, True, 1) for r in reqs])
+    by the drawn path (SyntheticTreeSampler); the emitted tokens committed as the engine commits them. Each request
+    may draft `nodes` - 1 nodes beyond the root (RoundItem.k: with k = 1, as until session 25, every tree was cut to
+    one draft). Returns (tokens committed, seconds of the drafting phase as the round measured it)."""
+    res = tr.run([RoundItem(r, 1, True, nodes - 1) for r in reqs])
     committed = 0
     for r, e in zip(reqs, res.emitted):
         r.output_token_ids.extend(e)
@@ -469,6 +470,61 @@ def draft_phase_ms(drafter: EagleDrafter, reqs: list[Request], inner: int, outer
     return float(np.median(times))
 
 
+def profile_calls(fn, device: torch.device, calls: int = 6, top: int = 30) -> dict:
+    """Where a call's time goes (for --profile): `calls` calls of fn under torch.profiler. Per call: wall time,
+    the GPU's busy time (union of kernel and copy intervals), the idle rest, the kernels launched; the kernels
+    grouped by name (device us per call, count per call) and the widest idle gaps with the kernels on both sides
+    (a gap = the host had not queued the next kernel yet)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with profile(activities=acts) as prof:
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync(device)
+        wall = (time.perf_counter() - t) * 1e6 / calls
+    ev = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                key=lambda e: e.time_range.start)
+    by_name: dict[str, list[float]] = {}
+    busy, gaps, end, prev = 0.0, [], None, None
+    for e in ev:
+        s0, s1 = e.time_range.start, e.time_range.end
+        by_name.setdefault(e.name[:90], []).append(s1 - s0)
+        if end is None or s0 > end:
+            if end is not None:
+                gaps.append((s0 - end, prev, e.name[:60]))
+            busy += s1 - s0
+            end = s1
+        elif s1 > end:
+            busy += s1 - end
+            end = s1
+        prev = e.name[:60]
+    span = (ev[-1].time_range.end - ev[0].time_range.start) if ev else 0.0
+    kernels = sorted(((k, sum(v) / calls, len(v) / calls) for k, v in by_name.items()), key=lambda x: -x[1])
+    gaps.sort(key=lambda g: -g[0])
+    host = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:15]
+    return dict(host_ops=[dict(name=a.key[:80], self_us=round(a.self_cpu_time_total / calls, 1),
+                               count=round(a.count / calls, 2)) for a in host],
+                calls=calls, wall_us=wall, gpu_busy_us=busy / calls, gpu_span_us=span / calls,
+                gpu_idle_us=wall - busy / calls, kernels_per_call=len(ev) / calls,
+                kernels=[dict(name=k, us=round(us, 2), count=round(c, 2)) for k, us, c in kernels[:top]],
+                widest_gaps=[dict(us=round(g, 1), after=a, before=b) for g, a, b in gaps[:12]])
+
+
+def print_profile(label: str, p: dict) -> None:
+    print(f"\nprofile {label}: wall {p['wall_us']:.0f} us/call, GPU busy {p['gpu_busy_us']:.0f} us, idle "
+          f"{p['gpu_idle_us']:.0f} us, {p['kernels_per_call']:.0f} kernels/call")
+    for k in p["kernels"]:
+        print(f"  {k['us']:9.1f} us  x{k['count']:<6.1f} {k['name']}")
+    for h in p.get("host_ops", [])[:10]:
+        print(f"  host {h['self_us']:9.1f} us  x{h['count']:<6.1f} {h['name']}")
+    for g in p["widest_gaps"][:6]:
+        print(f"  gap {g['us']:8.1f} us after {g['after']} before {g['before']}")
+
+
 # -- main ----------------------------------------------------------------------------------------------------
 def parse_trees(text: str) -> list[TreeBudget]:
     return [TreeBudget(*map(int, t.split(","))) for t in text.split(";") if t.strip()]
@@ -490,8 +546,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="batches 1,16, tree 4,4,16, 20 rounds, context 128")
     ap.add_argument("--draft-only", action="store_true",
                     help="time only the drafting phase (graph vs eager) per batch and tree; no rounds")
+    ap.add_argument("--replot", metavar="JSON", help="only draw the PNG of an earlier run's JSON")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile a few rounds and drafting calls (graph mode) with torch.profiler: kernels by "
+                         "name, GPU busy / idle time, widest idle gaps (JSON key `profiles`)")
     ap.add_argument("--modes", default=None, help="drafting modes, comma list of graph,eager (default both on CUDA)")
     args = ap.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            plot(json.load(f), os.path.splitext(args.replot)[0] + ".png")
+        return
     tiny = args.tiny
     if args.quick:
         args.batches = args.batches or "1,16"
@@ -546,7 +610,7 @@ def main() -> None:
     log(f"target {res['target']}, head {res['head']}, graphs {runner.graphs is not None}")
 
     next_id = 0
-    rows_out, costs, head_costs, drafts = [], {}, [], []
+    rows_out, costs, head_costs, drafts, profiles = [], {}, [], [], []
     for b in batches:
         # plain decoding (the baseline) and the target's isolated costs at this batch
         reqs = make_requests(b, context, shape["vocab_size"], seed=b, first_id=next_id)
@@ -596,6 +660,9 @@ def main() -> None:
                     n_graphs = drafter.capture_graphs([b], [(shape_t.topk, shape_t.steps, shape_t.nodes)])
                     log(f"b={b}: {n_graphs} drafting graphs captured ({time.perf_counter() - t:.1f} s)")
                 draft_alone = draft_phase_ms(drafter, reqs, inner)
+                if args.profile and mode == modes[0]:
+                    profiles.append(dict(batch=b, tree=[shape_t.topk, shape_t.steps, shape_t.nodes], mode=mode, what="propose_tree",
+                                         **profile_calls(lambda: drafter.propose_tree(reqs), device)))
                 drafts.append(dict(batch=b, topk=shape_t.topk, steps=shape_t.steps, nodes=shape_t.nodes, mode=mode,
                                    draft_ms=draft_alone, ideal_draft_ms=head_ms,
                                    fraction_of_ideal=head_ms / draft_alone, kernel_ideal_draft_ms=head_k_ms,
@@ -608,19 +675,25 @@ def main() -> None:
                 sampler = SyntheticTreeSampler(q, device, shape_t.steps, seed=1000 * b + shape_t.nodes)
                 tr = TreeRound(runner, drafter, sampler)
                 for _ in range(warm):
-                    tree_round(tr, reqs)
+                    tree_round(tr, reqs, shape_t.nodes)
                 sync(device)
                 sampler.trees.clear()
                 t = time.perf_counter()
                 committed, draft_s = 0, 0.0
                 for _ in range(rounds):
-                    c_, d_ = tree_round(tr, reqs)
+                    c_, d_ = tree_round(tr, reqs, shape_t.nodes)
                     committed += c_
                     draft_s += d_
                 sync(device)
                 secs = time.perf_counter() - t
                 expect = sampler.expect
-                syncs = count_syncs(lambda: tree_round(tr, reqs), device)
+                drafted = [len(par) for pars in sampler.trees for par in pars]
+                if min(drafted) < shape_t.nodes:
+                    log(f"WARNING: trees of {min(drafted)}..{max(drafted)} nodes drafted, the shape has {shape_t.nodes}")
+                syncs = count_syncs(lambda: tree_round(tr, reqs, shape_t.nodes), device)
+                if args.profile and mode == modes[0]:
+                    profiles.append(dict(batch=b, tree=[shape_t.topk, shape_t.steps, shape_t.nodes], mode=mode, what="tree_round",
+                                         **profile_calls(lambda: tree_round(tr, reqs, shape_t.nodes), device)))
                 tok_round = committed / (rounds * b)
                 exp_round = expect / (rounds * b)
                 round_ms = tv[shape_t.nodes] + head_ms
@@ -632,6 +705,7 @@ def main() -> None:
                            ideal_head_ms=head_ms, ideal_verify_ms=tv[shape_t.nodes],
                            draft_ms=1e3 * draft_s / rounds, flagged_syncs_per_round=syncs,
                            expected_tokens_per_round=exp_round, tokens_per_round=tok_round,
+                           nodes_per_tree=sum(drafted) / len(drafted),
                            ideal_tok_s=ideal, fraction_of_ideal=committed / secs / ideal,
                            ideal_realized_tok_s=ideal_real, fraction_realized=committed / secs / ideal_real,
                            kernel_ideal_round_ms=kernel_round_ms, kernel_ideal_head_ms=head_k_ms,
@@ -650,7 +724,7 @@ def main() -> None:
         if drafter.static is not None:
             res["draft_graphs"] = len(drafter.static.graphs)
         res.update(costs={str(k): v for k, v in costs.items()}, head_step=head_costs, trees=rows_out,
-                   drafting=drafts)
+                   drafting=drafts, **({"profiles": profiles} if profiles else {}))
         save(res, args.out)
 
     # the budget the measured costs give (forerun/drafters/eagle_budget.py), for a head whose confidence is
@@ -679,7 +753,10 @@ def main() -> None:
                                "(target forward over B x nodes rows + head extend + (steps-1) head tree steps, "
                                "each timed alone)")
     save(res, args.out)
+    plot(res, os.path.splitext(args.out)[0] + ".png")
     print_table(res)
+    for p in res.get("profiles", []):
+        print_profile(f"b={p['batch']} tree {p['tree']} {p['what']} [{p['mode']}]", p)
 
 
 class _Measured:
@@ -701,6 +778,37 @@ def save(res: dict, path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
+
+
+def plot(res: dict, png: str) -> None:
+    """Per tree row: the measured round against its kernels-alone ideal (verify + head), ms; PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res.get("trees") or []
+    if not rows:
+        return
+    labels = [f"b={r['batch']} {r['topk']},{r['steps']},{r['nodes']} {r.get('mode', '')}" for r in rows]
+    y = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(8, 0.55 * len(rows) + 2.0))
+    ax.barh(y - 0.2, [r["round_ms"] for r in rows], 0.4, label="round (measured)", color="tab:blue")
+    ax.barh(y + 0.2, [r["ideal_verify_ms"] for r in rows], 0.4, label="target verify alone", color="tab:gray")
+    ax.barh(y + 0.2, [r.get("kernel_ideal_head_ms", r["ideal_head_ms"]) for r in rows], 0.4,
+            left=[r["ideal_verify_ms"] for r in rows], label="head steps alone (graphs)", color="tab:green")
+    for i, r in enumerate(rows):
+        ax.text(r["round_ms"], i - 0.2, f" {100 * r.get('fraction_realized_kernels', float('nan')):.0f}% of ideal",
+                va="center", fontsize=8)
+    ax.set_yticks(y, labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per round")
+    ax.set_title(f"EAGLE dynamic trees, {res['device']}, synthetic a={res['accept']} ({res.get('date', '')})",
+                 fontsize=9)
+    ax.set_xlim(0, 1.25 * max(r["round_ms"] for r in rows))
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
 
 
 def print_table(res: dict) -> None:

@@ -24,14 +24,17 @@ import sys
 import tarfile
 from pathlib import Path
 
-CACHE = Path(os.environ.get("FORERUN_LLAMACPP_DIR", Path.home() / ".cache" / "forerun" / "llamacpp"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from forerun.bench import llamacpp_build_config, llamacpp_dir  # noqa: E402  (where the build lives, its ISA flags)
+
+CACHE = llamacpp_dir()
 PACKAGE = "llama-cpp-python"
 TARGETS = ("llama-completion", "llama-speculative", "llama-bench", "llama-simple", "llama-speculative-simple")
 
 
 def bin_dir() -> Path | None:
     """The directory holding the built tools, or None when not built yet."""
-    d = CACHE / "build" / "bin"
+    d = CACHE / llamacpp_build_config()[0] / "bin"
     return d if (d / "llama-speculative").exists() and (d / "llama-completion").exists() else None
 
 
@@ -55,13 +58,15 @@ def _source_dir(log) -> Path:
 
 
 def build(jobs: int = 2, log=print) -> Path:
-    """Configure and build the llama.cpp tools (CPU, native ISA, no curl) into CACHE/build."""
+    """Configure and build the llama.cpp tools (CPU: native ISA, or without AMX where the CPU has it; no curl)
+    into CACHE/<build folder> (forerun.bench.llamacpp_build_config)."""
     if bin_dir() is not None:
         return bin_dir()
     src = _source_dir(log)
-    bdir = CACHE / "build"
+    name, isa = llamacpp_build_config()
+    bdir = CACHE / name
     cfg = ["cmake", "-S", str(src), "-B", str(bdir), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-           "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF",
+           *isa, "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF",
            "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DGGML_BUILD_TESTS=OFF"]
     log(" ".join(cfg))
     subprocess.run(cfg, check=True)

@@ -38,7 +38,11 @@ def main() -> int:
     ap.add_argument("--quantize", default="auto")
     ap.add_argument("--llamacpp-draft-max", type=int, default=4)
     ap.add_argument("--out", default="benchmarks/results/cpu_quant_llamacpp_interleaved.json")
+    ap.add_argument("--replot", metavar="JSON", help="only draw the PNG of an earlier run's JSON")
     a = ap.parse_args()
+    if a.replot:
+        print(plot(a.replot))
+        return 0
     torch.set_num_threads(a.threads)
     from forerun import bench
     from forerun.bench_prompts import CODE_PROMPTS
@@ -97,7 +101,7 @@ def main() -> int:
         r["vs_llamacpp_plain"] = round(r["tok_per_s"] / base["llama.cpp plain"], 3)
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "model": a.model, "draft": a.draft,
             "threads": a.threads, "prompts": len(prompts), "max_tokens": a.max_tokens, "quantize": a.quantize,
-            "layout": layout, "int4_others": quant.INT4_OTHERS, "k": a.k, "eagle": a.eagle, "llamacpp": bench.llamacpp_bin_dir().as_posix(),
+            "layout": layout, "int4_others": quant.INT4_OTHERS, "draft_int4_others": quant.DRAFT_INT4_OTHERS, "k": a.k, "eagle": a.eagle, "llamacpp": bench.llamacpp_bin_dir().as_posix(),
             "spec_identical_to_plain": f"{identical}/{len(prompts)}",
             "loadavg_start": [round(x, 2) for x in load_start], "loadavg_end": [round(x, 2) for x in os.getloadavg()],
             "order": "per prompt: " + ", ".join(names)}
@@ -106,8 +110,35 @@ def main() -> int:
     for r in rows:
         print(f"{r['config']:26s} {r['tok_per_s']:7.2f} tok/s  {r['vs_forerun_plain']:.2f}x forerun plain  "
               f"{r['vs_llamacpp_plain']:.2f}x llama.cpp plain")
-    print(f"spec identical to plain: {meta['spec_identical_to_plain']}; wrote {a.out}")
+    plot(a.out)
+    print(f"spec identical to plain: {meta['spec_identical_to_plain']}; wrote {a.out} and its PNG")
     return 0
+
+
+def plot(json_path: str) -> str:
+    """Bars of tok/s per configuration (forerun blue, llama.cpp orange), labelled x llama.cpp plain; PNG beside."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = json.loads(Path(json_path).read_text())
+    rows, meta = data["results"], data["meta"]
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.4))
+    bars = ax.barh([r["config"] for r in rows], [r["tok_per_s"] for r in rows],
+                   color=["tab:orange" if r["config"].startswith("llama.cpp") else "tab:blue" for r in rows])
+    for b, r in zip(bars, rows):
+        ax.text(b.get_width(), b.get_y() + b.get_height() / 2, f" {r['vs_llamacpp_plain']:.2f}x llama.cpp plain",
+                va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"tok/s, prompts interleaved ({meta['prompts']} prompts, {meta['max_tokens']} tokens, greedy, "
+                  f"{meta['threads']} threads)")
+    ax.set_title(f"{meta['model']} + {meta['draft']} draft, {meta.get('date', '')}", fontsize=9)
+    ax.set_xlim(0, 1.35 * max(r["tok_per_s"] for r in rows))
+    fig.tight_layout()
+    png = str(Path(json_path).with_suffix(".png"))
+    fig.savefig(png, dpi=110)
+    return png
 
 
 if __name__ == "__main__":

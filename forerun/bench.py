@@ -165,11 +165,39 @@ def run_forerun(args, prompts) -> tuple[list[dict], dict]:
 # ---------------------------------------------------------------------- llama.cpp peer
 
 
-def llamacpp_bin_dir() -> Path:
+# x86 ISA flags of /proc/cpuinfo -> llama.cpp's CMake switches (used where the native build is avoided)
+_LLAMACPP_ISA = (("avx", "GGML_AVX"), ("avx2", "GGML_AVX2"), ("bmi2", "GGML_BMI2"), ("fma", "GGML_FMA"),
+                 ("f16c", "GGML_F16C"), ("avx_vnni", "GGML_AVX_VNNI"), ("avx512f", "GGML_AVX512"),
+                 ("avx512vbmi", "GGML_AVX512_VBMI"), ("avx512_vnni", "GGML_AVX512_VNNI"),
+                 ("avx512_bf16", "GGML_AVX512_BF16"))
+
+
+def llamacpp_build_config(cpu_flags: set[str] | None = None) -> tuple[str, list[str]]:
+    """(build folder name, ISA CMake flags) of the benchmark's llama.cpp build on this CPU: native, except on a CPU
+    with AMX, where the same ISA is listed without AMX. Why: llama.cpp's AMX matrix product
+    (ggml_backend_amx_mul_mat) died with SIGSEGV on the Q4_K_M target at its first prompt here (llama-cpp-python
+    0.3.36, 2 threads, 2026-12-03); `--no-repack` avoided it but decoded ~18 % slower than the build without AMX."""
+    if cpu_flags is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            text = ""
+        line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+        cpu_flags = set(line.partition(":")[2].split())
+    if "amx_tile" not in cpu_flags:
+        return "build", ["-DGGML_NATIVE=ON"]
+    return "build_noamx", ["-DGGML_NATIVE=OFF"] + [f"-D{opt}={'ON' if f in cpu_flags else 'OFF'}"
+                                                   for f, opt in _LLAMACPP_ISA]
+
+
+def llamacpp_dir() -> Path:
     import os
 
-    base = Path(os.environ.get("FORERUN_LLAMACPP_DIR", Path.home() / ".cache" / "forerun" / "llamacpp"))
-    d = base / "build" / "bin"
+    return Path(os.environ.get("FORERUN_LLAMACPP_DIR", Path.home() / ".cache" / "forerun" / "llamacpp"))
+
+
+def llamacpp_bin_dir() -> Path:
+    d = llamacpp_dir() / llamacpp_build_config()[0] / "bin"
     if not (d / "llama-completion").exists() or not (d / "llama-speculative").exists():
         raise SystemExit(f"forerun bench: llama.cpp is not built in {d}; run `python benchmarks/llamacpp.py build`")
     return d
@@ -307,6 +335,7 @@ def _save(args, rows) -> None:
             "loadavg": [round(x, 2) for x in __import__("os").getloadavg()]}
     if getattr(args, "llamacpp", False):
         meta["llamacpp_bin"] = str(llamacpp_bin_dir())
+        meta["llamacpp_isa"] = llamacpp_build_config()[1]
     if any(r.get("eagle_head") for r in rows):
         meta["eagle_head"] = eagle_head_info(Path(next(r["eagle_head"] for r in rows if r.get("eagle_head"))))
         plain_tps = next((r["tok_per_s"] for r in rows if r["config"] == "plain"), None)

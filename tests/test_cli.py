@@ -273,3 +273,17 @@ def test_train_eagle_target_must_name_a_model_and_defaults_fill_in(capsys, no_lo
                      "--distill-batch", "4"])
     assert a.distill_batch == 4 and a.distill_max_new == DEFAULTS["distill_max_new"]
     assert a.draft_vocab == DEFAULTS["draft_vocab"]
+
+
+def test_llamacpp_build_config_avoids_amx():
+    """The benchmark's llama.cpp build: native where the CPU lacks AMX; on an AMX CPU the same ISA listed without
+    it, in a folder of its own (its AMX matrix product crashed on the Q4_K_M target here)."""
+    from forerun.bench import llamacpp_build_config
+
+    name, flags = llamacpp_build_config({"avx2", "fma", "avx512f"})
+    assert (name, flags) == ("build", ["-DGGML_NATIVE=ON"])
+    name, flags = llamacpp_build_config({"avx", "avx2", "fma", "f16c", "bmi2", "avx512f", "avx512_vnni",
+                                         "amx_tile", "amx_int8"})
+    assert name == "build_noamx" and "-DGGML_NATIVE=OFF" in flags
+    assert "-DGGML_AVX512=ON" in flags and "-DGGML_AVX512_VNNI=ON" in flags and "-DGGML_AVX512_BF16=OFF" in flags
+    assert not any("AMX" in f for f in flags)

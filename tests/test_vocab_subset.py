@@ -106,3 +106,12 @@ def test_greedy_output_with_a_restricted_draft_equals_plain_and_drafts_stay_in_t
 def _drafted_tokens(out) -> list[int]:
     """Every token id of a DraftProposal (host lists, or device tokens read back)."""
     return [t for ts in out.resolve() for t in ts]
+
+
+def test_subset_ids_live_on_the_heads_device():
+    """The ids move with the head's rows (a GPU draft scatters inside its CUDA graphs, where copying them from the
+    CPU cannot be captured): a head on the meta device gets its ids there too."""
+    head = nn.Linear(8, 32, bias=False, device="meta")
+    sub = SubsetHead(head, subset_ids(32, 10, [31]), 32)
+    assert sub.ids.device.type == "meta" and sub.head.weight.device.type == "meta"
+    assert SubsetHead(nn.Linear(8, 32, bias=False), subset_ids(32, 10), 32).ids.device.type == "cpu"

@@ -70,7 +70,10 @@ class SubsetHead(nn.Module):
         self.head = _rows(head, ids)
         self.vocab_size = vocab_size
         self.in_features, self.out_features = head.in_features, vocab_size
-        self.register_buffer("ids", ids.clone(), persistent=False)
+        # the ids live where the head's rows do: `scatter` runs inside the CUDA graphs of a GPU draft, where a copy
+        # from the CPU cannot be captured (draft_vocab_gpu.py failed so before this)
+        dev = next(iter([*self.head.parameters(), *self.head.buffers()]), ids).device
+        self.register_buffer("ids", ids.clone().to(dev), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., V]
         return self.scatter(self.head(x))

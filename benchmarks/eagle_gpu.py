@@ -548,8 +548,8 @@ def main() -> None:
                     help="time only the drafting phase (graph vs eager) per batch and tree; no rounds")
     ap.add_argument("--replot", metavar="JSON", help="only draw the PNG of an earlier run's JSON")
     ap.add_argument("--profile", action="store_true",
-                    help="also profile a few rounds and drafting calls (graph mode) with torch.profiler: kernels by "
-                         "name, GPU busy / idle time, widest idle gaps (JSON key `profiles`)")
+                    help="also profile a few rounds and drafting calls (the first drafting mode) with torch.profiler: "
+                         "kernels by name, GPU busy / idle time, widest idle gaps (JSON key `profiles`)")
     ap.add_argument("--modes", default=None, help="drafting modes, comma list of graph,eager (default both on CUDA)")
     args = ap.parse_args()
     if args.replot:
@@ -660,8 +660,9 @@ def main() -> None:
                     n_graphs = drafter.capture_graphs([b], [(shape_t.topk, shape_t.steps, shape_t.nodes)])
                     log(f"b={b}: {n_graphs} drafting graphs captured ({time.perf_counter() - t:.1f} s)")
                 draft_alone = draft_phase_ms(drafter, reqs, inner)
+                profiled = dict(batch=b, tree=[shape_t.topk, shape_t.steps, shape_t.nodes], mode=mode)
                 if args.profile and mode == modes[0]:
-                    profiles.append(dict(batch=b, tree=[shape_t.topk, shape_t.steps, shape_t.nodes], mode=mode, what="propose_tree",
+                    profiles.append(dict(profiled, what="propose_tree",
                                          **profile_calls(lambda: drafter.propose_tree(reqs), device)))
                 drafts.append(dict(batch=b, topk=shape_t.topk, steps=shape_t.steps, nodes=shape_t.nodes, mode=mode,
                                    draft_ms=draft_alone, ideal_draft_ms=head_ms,
@@ -689,10 +690,11 @@ def main() -> None:
                 expect = sampler.expect
                 drafted = [len(par) for pars in sampler.trees for par in pars]
                 if min(drafted) < shape_t.nodes:
-                    log(f"WARNING: trees of {min(drafted)}..{max(drafted)} nodes drafted, the shape has {shape_t.nodes}")
+                    log(f"WARNING: trees of {min(drafted)}..{max(drafted)} nodes drafted, "
+                        f"the shape has {shape_t.nodes}")
                 syncs = count_syncs(lambda: tree_round(tr, reqs, shape_t.nodes), device)
                 if args.profile and mode == modes[0]:
-                    profiles.append(dict(batch=b, tree=[shape_t.topk, shape_t.steps, shape_t.nodes], mode=mode, what="tree_round",
+                    profiles.append(dict(profiled, what="tree_round",
                                          **profile_calls(lambda: tree_round(tr, reqs, shape_t.nodes), device)))
                 tok_round = committed / (rounds * b)
                 exp_round = expect / (rounds * b)

@@ -25,7 +25,8 @@ import tarfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from forerun.bench import llamacpp_build_config, llamacpp_dir  # noqa: E402  (where the build lives, its ISA flags)
+# where the build lives and its ISA flags: one definition, shared with `forerun bench --llamacpp`
+from forerun.bench import llamacpp_build_config, llamacpp_built, llamacpp_dir  # noqa: E402
 
 CACHE = llamacpp_dir()
 PACKAGE = "llama-cpp-python"
@@ -34,8 +35,7 @@ TARGETS = ("llama-completion", "llama-speculative", "llama-bench", "llama-simple
 
 def bin_dir() -> Path | None:
     """The directory holding the built tools, or None when not built yet."""
-    d = CACHE / llamacpp_build_config()[0] / "bin"
-    return d if (d / "llama-speculative").exists() and (d / "llama-completion").exists() else None
+    return llamacpp_built()
 
 
 def _source_dir(log) -> Path:

@@ -101,7 +101,8 @@ def main() -> int:
         r["vs_llamacpp_plain"] = round(r["tok_per_s"] / base["llama.cpp plain"], 3)
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "model": a.model, "draft": a.draft,
             "threads": a.threads, "prompts": len(prompts), "max_tokens": a.max_tokens, "quantize": a.quantize,
-            "layout": layout, "int4_others": quant.INT4_OTHERS, "draft_int4_others": quant.DRAFT_INT4_OTHERS, "k": a.k, "eagle": a.eagle, "llamacpp": bench.llamacpp_bin_dir().as_posix(),
+            "layout": layout, "int4_others": quant.INT4_OTHERS, "draft_int4_others": quant.DRAFT_INT4_OTHERS,
+            "k": a.k, "eagle": a.eagle, "llamacpp": bench.llamacpp_bin_dir().as_posix(),
             "spec_identical_to_plain": f"{identical}/{len(prompts)}",
             "loadavg_start": [round(x, 2) for x in load_start], "loadavg_end": [round(x, 2) for x in os.getloadavg()],
             "order": "per prompt: " + ", ".join(names)}

@@ -196,10 +196,17 @@ def llamacpp_dir() -> Path:
     return Path(os.environ.get("FORERUN_LLAMACPP_DIR", Path.home() / ".cache" / "forerun" / "llamacpp"))
 
 
-def llamacpp_bin_dir() -> Path:
+def llamacpp_built() -> Path | None:
+    """The bin folder of this CPU's llama.cpp build when its two tools are there, else None."""
     d = llamacpp_dir() / llamacpp_build_config()[0] / "bin"
-    if not (d / "llama-completion").exists() or not (d / "llama-speculative").exists():
-        raise SystemExit(f"forerun bench: llama.cpp is not built in {d}; run `python benchmarks/llamacpp.py build`")
+    return d if (d / "llama-completion").exists() and (d / "llama-speculative").exists() else None
+
+
+def llamacpp_bin_dir() -> Path:
+    d = llamacpp_built()
+    if d is None:
+        where = llamacpp_dir() / llamacpp_build_config()[0] / "bin"
+        raise SystemExit(f"forerun bench: llama.cpp is not built in {where}; run `python benchmarks/llamacpp.py build`")
     return d
 
 

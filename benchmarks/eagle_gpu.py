@@ -30,8 +30,10 @@ The random head's logits are replaced by ones whose top-k probabilities are q (`
 dynamic tree keeps what a head as confident as it is right would keep; the head's forward still runs in full.
 
 Drafting modes: `graph` (the default on CUDA: the draft extend and the whole dynamic tree each replay one CUDA
-graph, the tree built on the device, one host read at the end) and `eager` (the same device code launched op by
-op: `EagleDrafter(cuda_graphs=False)`); each tree row is measured in both. The drafting phase alone
+graph, the tree built on the device, one host read at the end; the next round's drafting queued from the device
+verdict before the host reads it, `EagleDrafter.prelaunch`), `serial` (the same graphs, the drafting launched after
+the host read, as before session 26: `overlap_trees=False`) and `eager` (the same device code launched op by
+op: `EagleDrafter(cuda_graphs=False)`); each tree row is measured in each mode asked for. The drafting phase alone
 (`propose_tree` back to back, its wall time including the final read) is reported against its ideal (the head's
 extend + tree steps, each timed alone).
 
@@ -550,7 +552,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="also profile a few rounds and drafting calls (the first drafting mode) with torch.profiler: "
                          "kernels by name, GPU busy / idle time, widest idle gaps (JSON key `profiles`)")
-    ap.add_argument("--modes", default=None, help="drafting modes, comma list of graph,eager (default both on CUDA)")
+    ap.add_argument("--modes", default=None,
+                    help="drafting modes, comma list of graph,serial,eager (default graph,eager on CUDA)")
     args = ap.parse_args()
     if args.replot:
         with open(args.replot) as f:
@@ -654,8 +657,9 @@ def main() -> None:
                 head_step_ms(drafter, reqs, shape_t.topk * d, max(1, inner // 4), want=shape_t.topk, graph=True)
                 for d in range(1, shape_t.steps)) if cuda else head_ms
             for mode in modes:
-                drafter.cuda_graphs = None if mode == "graph" else False
-                if mode == "graph":  # every extend length a round can feed, and the tree: nothing captured while timed
+                drafter.cuda_graphs = None if mode in ("graph", "serial") else False
+                drafter.overlap_trees = False if mode == "serial" else None
+                if mode in ("graph", "serial"):  # every extend length a round can feed, and the tree: nothing captured while timed
                     t = time.perf_counter()
                     n_graphs = drafter.capture_graphs([b], [(shape_t.topk, shape_t.steps, shape_t.nodes)])
                     log(f"b={b}: {n_graphs} drafting graphs captured ({time.perf_counter() - t:.1f} s)")
@@ -679,6 +683,7 @@ def main() -> None:
                     tree_round(tr, reqs, shape_t.nodes)
                 sync(device)
                 sampler.trees.clear()
+                pre0 = dict(drafter.prelaunch_stats)
                 t = time.perf_counter()
                 committed, draft_s = 0, 0.0
                 for _ in range(rounds):
@@ -687,6 +692,7 @@ def main() -> None:
                     draft_s += d_
                 sync(device)
                 secs = time.perf_counter() - t
+                prelaunched = {k: v - pre0[k] for k, v in drafter.prelaunch_stats.items()}
                 expect = sampler.expect
                 drafted = [len(par) for pars in sampler.trees for par in pars]
                 if min(drafted) < shape_t.nodes:
@@ -713,7 +719,8 @@ def main() -> None:
                            kernel_ideal_round_ms=kernel_round_ms, kernel_ideal_head_ms=head_k_ms,
                            fraction_of_kernel_ideal=committed / secs / (b * exp_round / (kernel_round_ms * 1e-3)),
                            fraction_realized_kernels=kernel_round_ms / (1e3 * secs / rounds),
-                           speedup_vs_plain=committed / secs / costs[b]["plain_tok_s"])
+                           speedup_vs_plain=committed / secs / costs[b]["plain_tok_s"],
+                           prelaunch=prelaunched)
                 rows_out.append(row)
                 log(f"b={b} tree {shape_t.topk},{shape_t.steps},{shape_t.nodes} [{mode}]: {row['tok_s']:.1f} tok/s, "
                     f"{row['round_ms']:.2f} ms/round (ideal {round_ms:.2f}; drafting {row['draft_ms']:.2f}, ideal "

@@ -2,12 +2,16 @@
 the committed rows' states on the device, one host read of the verdict) against its host path and plain decoding."""
 from __future__ import annotations
 
+from dataclasses import replace
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from forerun.config import CacheConfig, SpecConfig
 from forerun.engine.engine import Engine
 from forerun.engine.round import TreeRound
+from forerun.engine.sampler import RoundSampler
 from forerun.sampling_params import SamplingParams
 
 from tiny import hf_model, model_from_hf, ours_from_hf, random_eagle_head_dir, tiny_tokenizer
@@ -58,6 +62,19 @@ def _run(eng: Engine, params: list[SamplingParams], host_only: bool = False) -> 
     return [out[str(i)] for i in range(len(params))], calls
 
 
+def _plain(hf, params: SamplingParams) -> list[list[int]]:
+    """Plain greedy decoding of PROMPTS (the reference)."""
+    plain = Engine.from_model(ours_from_hf(hf).model, tiny_tokenizer(hf.config.vocab_size), device="cpu",
+                              cache=CacheConfig(block_size=4, num_blocks=2048))
+    for i, p in enumerate(PROMPTS):
+        plain.add_request(p, params, request_id=str(i))
+    out: dict[str, list[int]] = {}
+    while plain.has_unfinished():
+        for d in plain.step():
+            out.setdefault(d.request_id, []).extend(d.new_token_ids)
+    return [out[str(i)] for i in range(len(PROMPTS))]
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     hf = hf_model("qwen2")
@@ -70,16 +87,7 @@ def test_device_round_greedy_equals_plain(setup, budget):
     hf, head = setup
     greedy = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     got, calls = _run(_engine(hf, head, budget=budget), [greedy] * len(PROMPTS))
-    plain = Engine.from_model(ours_from_hf(hf).model, tiny_tokenizer(hf.config.vocab_size), device="cpu",
-                              cache=CacheConfig(block_size=4, num_blocks=2048))
-    for i, p in enumerate(PROMPTS):
-        plain.add_request(p, greedy, request_id=str(i))
-    out: dict[str, list[int]] = {}
-    while plain.has_unfinished():
-        for d in plain.step():
-            out.setdefault(d.request_id, []).extend(d.new_token_ids)
-    want = [out[str(i)] for i in range(len(PROMPTS))]
-    assert got == want
+    assert got == _plain(hf, greedy)
     assert calls["device"] > 0 or budget
 
 
@@ -128,3 +136,103 @@ def test_batched_kv_move_equals_per_sequence_move():
     pools[1].move(None, src, dst)
     assert torch.equal(pools[0].k, pools[1].k) and torch.equal(pools[0].v, pools[1].v)
     assert not torch.equal(pools[0].k, init)
+
+
+# -- overlapped rounds: the next round's drafting queued from the device verdict (EagleDrafter.prelaunch) ----------
+class _PathSampler(RoundSampler):
+    """The engine's verifier with its device verdict replaced by a path drawn at random (the tree's first-ranked
+    child at every level, to a random depth), so the rounds accept 0..max_depth drafts although the random head
+    drafts nothing the tiny target would accept. Records every verified tree (tokens, parents) and path."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__("auto")
+        self.gen = torch.Generator().manual_seed(seed)
+        self.seen: list = []
+
+    def tree_launch(self, logits, requests, rows, starts, tokens, parents, draft_probs, depths):
+        pending = super().tree_launch(logits, requests, rows, starts, tokens, parents, draft_probs, depths)
+        b, n = len(rows), max(rows)
+        if any(x != n for x in rows) or tokens.shape[0] != b * n:
+            return pending
+        dev = tokens.device
+        par, tok = parents.view(b, n), tokens.view(b, n)
+        j = torch.arange(n, device=dev)
+        want = torch.randint(0, n, (b,), generator=self.gen).to(dev)
+        nodes = torch.full((b, n), -1, dtype=torch.long, device=dev)
+        nodes[:, 0] = 0
+        cur, alive = torch.zeros(b, dtype=torch.long, device=dev), torch.ones(b, dtype=torch.bool, device=dev)
+        for d in range(1, n):
+            child = torch.where((par == cur[:, None]) & (j > 0), j, n).min(-1).values
+            alive = alive & (child < n) & (d <= want)
+            cur = torch.where(alive, child, cur)
+            nodes[:, d] = torch.where(alive, cur, -1)
+        acc = (nodes >= 0).sum(-1) - 1
+        out = torch.where(nodes[:, 1:] >= 0, tok.gather(1, nodes[:, 1:].clamp(min=0)), -1)
+        out = torch.cat([out, torch.full_like(out[:, :1], -1)], 1)
+        out.scatter_(1, acc[:, None], pending.res.output_token_ids[:, :1].clamp(min=0))
+        self.seen.append((tok[:, 1:].tolist(), par.tolist(), acc.tolist()))
+        res = SimpleNamespace(num_accepted=acc, accepted_nodes=nodes, output_token_ids=out)
+        host, event = self.verdict_to_host(res, pending.bad)
+        return replace(pending, res=res, host=host, event=event)
+
+
+def _overlap_run(hf, head, overlap: bool, budget: bool, late: bool = True, graphs: bool = False, monkeypatch=None):
+    eng = _engine(hf, head, tree=(3, 3, 8), budget=budget)
+    eng.drafter.overlap_trees = overlap
+    if graphs:  # the CUDA path's buckets and graph keys, eager bodies; a first use "captures" over dummy inputs
+        from forerun.drafters.eagle import _StaticDrafting
+
+        monkeypatch.setattr(type(eng.drafter), "_graphs_on", lambda self: True)
+        get = _StaticDrafting._get
+
+        def capturing_get(self, key, body, b, qe):
+            if key not in self.graphs:
+                self._dummy(b, qe)  # what a capture's warm-up runs do to the static inputs
+            return get(self, key, body, b, qe)
+
+        monkeypatch.setattr(_StaticDrafting, "_get", capturing_get)
+    eng.round.sampler = sampler = _PathSampler(seed=3)
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=48 + 6 * i, ignore_eos=True), request_id=str(i))
+    out: dict[str, list[int]] = {}
+    steps = 0
+    while eng.has_unfinished():
+        for d in eng.step():
+            out.setdefault(d.request_id, []).extend(d.new_token_ids)
+        steps += 1
+        if late and steps == 4:  # a request arriving mid-way: the next round is not the one prelaunched
+            eng.add_request([9, 8, 7], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), request_id="late")
+    assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
+    return out, sampler.seen, eng.drafter.prelaunch_stats
+
+
+@pytest.mark.parametrize("budget,graphs", [(False, False), (True, False), (False, True)])
+def test_prelaunched_drafting_equals_drafting_after_the_verdict(setup, budget, graphs, monkeypatch):
+    """Rounds accepting 0..2 drafts (a drawn verdict): with the next round's drafting queued from the device verdict,
+    every round verifies the same trees (node for node) and commits the same tokens as with the drafting launched
+    after the host read; prelaunched trees are used, and one that no longer fits (a request joined) is dropped.
+    graphs: the CUDA path's bucketed static buffers, graphs first "captured" during a prelaunch (a capture's dummy
+    run once overwrote the prelaunch's inputs on the H200: every request drafted the same tree)."""
+    hf, head = setup
+    off = _overlap_run(hf, head, False, budget, graphs=graphs, monkeypatch=monkeypatch)
+    on = _overlap_run(hf, head, True, budget, graphs=graphs, monkeypatch=monkeypatch)
+    assert off[2] == {"launched": 0, "used": 0, "discarded": 0}
+    stats = on[2]
+    # (with the budget, this CPU's measured costs soon pick shapes whose trees differ in size: the host path)
+    assert stats["used"] >= (1 if budget else 8) and stats["discarded"] >= 1, stats
+    assert stats["launched"] == stats["used"] + stats["discarded"]
+    assert sorted({a for _, _, accs in on[1] for a in accs}) == [0, 1, 2]  # every path length happened
+    assert on[1] == off[1]
+    assert on[0] == off[0]
+
+
+def test_prelaunched_drafting_keeps_greedy_output(setup):
+    """The real greedy verdict with overlapped drafting on: output identical to plain decoding (the test above
+    without a drawn verdict; prelaunches happen)."""
+    hf, head = setup
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    eng = _engine(hf, head, budget=False)
+    eng.drafter.overlap_trees = True
+    got, calls = _run(eng, [greedy] * len(PROMPTS))
+    assert eng.drafter.prelaunch_stats["used"] > 0
+    assert got == _plain(hf, greedy)

@@ -699,3 +699,57 @@ def test_warmup_captures_every_decode_and_verify_graph_before_serving():
     outs = llm.generate(prompts, sp)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert set(gr.graphs) == before, f"captured while serving: {set(gr.graphs) - before}"
+
+
+def test_eagle_prelaunched_drafting_on_cuda_graphs(tmp_path):
+    """EAGLE trees on CUDA graphs with the next round's drafting queued from the device verdict (on by default):
+    with a drawn verdict (0..2 drafts accepted), every round verifies the same trees and commits the same tokens
+    as with the drafting launched after the host read; with the real greedy verdict the output is plain greedy."""
+    import sys, os
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_eagle_round import PROMPTS, _PathSampler
+    from tiny import hf_model, random_eagle_head_dir, sharpen, tiny_tokenizer
+
+    from forerun.config import SpecConfig
+    from forerun.engine.engine import Engine
+    from forerun.sampling_params import SamplingParams
+
+    hf = sharpen(hf_model("qwen2"), 3.0)
+    build = model_factory(hf, torch.float32)
+    head = random_eagle_head_dir(build().cpu(), tmp_path / "head")
+    tok = tiny_tokenizer(hf.config.vocab_size)
+    kw = dict(device="cuda", dtype=torch.float32, cache=CacheConfig(block_size=16, num_blocks=512))
+
+    def run(overlap, drawn: bool, max_tokens=lambda i: 40 + 6 * i):
+        eng = Engine.from_model(build(), tok, spec=SpecConfig(method="eagle", eagle_head=head, eagle_tree=(3, 3, 8)),
+                                **kw)
+        eng.drafter.budget = None
+        eng.drafter.overlap_trees = overlap
+        assert eng.drafter._graphs_on()
+        sampler = None
+        if drawn:
+            eng.round.sampler = sampler = _PathSampler(seed=5)
+        for i, p in enumerate(PROMPTS):
+            eng.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens(i), ignore_eos=True),
+                            request_id=str(i))
+        out = {}
+        while eng.has_unfinished():
+            for d in eng.step():
+                out.setdefault(d.request_id, []).extend(d.new_token_ids)
+        return out, (sampler.seen if sampler else None), dict(eng.drafter.prelaunch_stats)
+
+    on, off = run(None, True), run(False, True)
+    assert on[2]["used"] >= 8 and off[2]["launched"] == 0, on[2]
+    assert sorted({a for _, _, accs in on[1] for a in accs}) == [0, 1, 2]
+    assert on[1] == off[1] and on[0] == off[0]
+    greedy = run(None, False, lambda i: 24)
+    assert greedy[2]["used"] > 0
+    plain = Engine.from_model(build(), tok, **kw)
+    for i, p in enumerate(PROMPTS):
+        plain.add_request(p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), request_id=str(i))
+    want = {}
+    while plain.has_unfinished():
+        for d in plain.step():
+            want.setdefault(d.request_id, []).extend(d.new_token_ids)
+    assert greedy[0] == want

@@ -26,6 +26,12 @@ choice by pairwise ranks, the head run over static buffers), on the CPU and the 
 reads the host once, at its end. On CUDA (with a capturable attention backend) greedy batches replay CUDA
 graphs: one for the draft extend per (batch bucket, rows), one for the whole tree per (batch bucket, shape)
 (`_StaticDrafting`; `EagleDrafter(cuda_graphs=False)` runs the same code eagerly).
+
+Overlapped rounds (`prelaunch`): in TreeRound's device path the next round's drafting (extend over the accepted
+path + the whole tree) is queued from the device verdict, before the host reads it, so the GPU drafts while the
+host commits, schedules and prepares the next verify step. The next proposal takes that tree when its plan (same
+requests, same shape, no per-request caps, the rows the host verdict committed) is the one the prelaunch assumed;
+otherwise it drafts again (the prelaunch wrote only head-cache rows the new drafting overwrites).
 """
 from __future__ import annotations
 
@@ -46,6 +52,7 @@ from ..structured import (ALL_ALLOWED, apply_bitmask_, apply_grammar_to_draft_lo
 from ..runtime.cuda_graph import capturing
 from ..runtime.runner import Chunk, ModelRunner
 from ..verify.probs import SamplingTensors, logits_to_probs, sample_from_probs
+from ..kvcache.pool import OutOfBlocks
 from .base import DraftProposal, Drafter, TreeProposal
 from .eagle_budget import TreeBudget, TreeBudgetPolicy
 from .tree_drafter import tree_depth_cap
@@ -141,6 +148,12 @@ class EagleDrafter(Drafter):
         self.cuda_graphs = cuda_graphs
         self.static: _StaticDrafting | None = None  # static buffers + graphs of the drafting phase (first use)
         self.last_tree: DeviceTree | None = None  # the last proposal's tree on the device (tests, debugging)
+        # queue the next round's drafting from the device verdict (TreeRound's device path): None = where the
+        # drafting replays CUDA graphs (on the CPU the host runs the work itself: nothing to overlap), True / False
+        # force it (tests run it on the CPU); FORERUN_EAGLE_PRELAUNCH=0 turns the automatic choice off
+        self.overlap_trees: bool | None = None
+        self._pre: _Prelaunch | None = None
+        self.prelaunch_stats = {"launched": 0, "used": 0, "discarded": 0}
 
     def use_target_cost(self, cost=None) -> TreeBudgetPolicy:
         """Turn on the per-round tree budget (the configured tree is its maximum). cost: the target's measured
@@ -160,19 +173,26 @@ class EagleDrafter(Drafter):
         self._observe_features(requests, feats, starts)
 
     def observe_target_batch(self, requests: list[Request], states: dict[int, torch.Tensor], counts: list[int],
-                             starts: list[int]) -> None:
+                             starts: list[int], features: torch.Tensor | None = None) -> None:
         """`observe_target` for rows laid out [R, m, H] per layer (states[layer][i, :counts[i]] are request i's
         newly committed rows, from position starts[i]): the features made in one call, and, when every request
         keeps the same number of earlier rows (the common case after a tree round: the root's), joined with
-        them in one copy; rows past counts[i] are ignored."""
+        them in one copy; rows past counts[i] are ignored. features: [R, m, F], those states' features already
+        made (`prelaunch` made them)."""
         b = len(requests)
         if not b:
             return
+        pre = self._pre
+        if pre is not None and pre.req_ids == tuple(r.req_id for r in requests) and pre.roots == list(starts):
+            pre.expect = [s + c for s, c in zip(starts, counts)]  # the newest committed position the host verdict gave
         some = next(iter(states.values()))
         m = some.shape[1]
         with torch.inference_mode():
-            feats = self.head.target_feature({layer: h.reshape(b * m, -1) for layer, h in states.items()})
-            feats = feats.to(self.head_dtype).view(b, m, -1)
+            if features is not None:
+                feats = features
+            else:
+                feats = self.head.target_feature({layer: h.reshape(b * m, -1) for layer, h in states.items()})
+                feats = feats.to(self.head_dtype).view(b, m, -1)
         keep = []
         for r, s in zip(requests, starts):
             cur = self._feats.get(r.req_id)
@@ -301,6 +321,7 @@ class EagleDrafter(Drafter):
 
     # -- chains --------------------------------------------------------------------------------------------
     def propose(self, requests: list[Request], ks: list[int]) -> DraftProposal:
+        self._pre = None  # chains draft from the cache's rows as they are
         tokens: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         active, ranges = [], []
@@ -371,6 +392,7 @@ class EagleDrafter(Drafter):
         at most max_drafts[i] nodes beyond the root (the engine's context room); a request with no room for one
         draft gets its root alone (a plain row)."""
         v = self.head.vocab_size
+        pre, self._pre = self._pre, None  # a prelaunched tree is taken now or never (its buffers are reused)
         ranges = [self._feed_range(r) for r in requests]
         node_caps = list(max_drafts) if max_drafts is not None else [None] * len(requests)
         depth_caps = [tree_depth_cap(r, m) for r, m in zip(requests, node_caps)]
@@ -387,10 +409,17 @@ class EagleDrafter(Drafter):
             lay, caps, live_sizes = self._tree_caps(group, shape, [depth_caps[i] for i in live],
                                                     [node_caps[i] for i in live])
             reduced = lay.steps < shape.steps or lay.nodes < shape.nodes
-            marks = Marks(self.cache.device)
-            marks.mark()  # 0: drafting starts (1: launched)
-            tree = self._draft_tree(group, [ranges[i] for i in live], lay, caps)
-            marks.mark()
+            if pre is not None and pre.matches(requests, ranges, len(live), shape, lay, caps, self.static.writes):
+                marks, tree = pre.marks, pre.tree  # drafted during the last verification
+                for i in live:
+                    self.cache.kv.set_length(requests[i].req_id, ranges[i][1])
+                self.prelaunch_stats["used"] += 1
+                pre = None
+            else:
+                marks = Marks(self.cache.device)
+                marks.mark()  # 0: drafting starts (1: launched)
+                tree = self._draft_tree(group, [ranges[i] for i in live], lay, caps)
+                marks.mark()
             tree.start_host_copy()
             self._settle(group)
             for i, n in zip(live, live_sizes):
@@ -398,11 +427,15 @@ class EagleDrafter(Drafter):
             n = sizes[live[0]]
             if len(live) == len(requests) and n > 1 and all(sizes[i] == n for i in live):
                 roots = h2d([r.all_tokens[-1] for r in requests], self.cache.device, torch.int64)
+                parents = tree.parents[:, :n]  # a graph's output: the next prelaunch may overwrite it before a re-check
                 dev_batch = DeviceTreeBatch(
-                    n, torch.cat([roots[:, None], tree.tokens[:, 1:n]], 1), tree.parents[:, :n],
+                    n, torch.cat([roots[:, None], tree.tokens[:, 1:n]], 1),
+                    parents.clone() if self._overlap_on() else parents,
                     tree.mask[:, :n, :n], tree.depth[:, :n], None if tree.probs is None else tree.probs[:, :n],
                     lay.steps)
             self.last_tree = tree
+        if pre is not None:
+            self.prelaunch_stats["discarded"] += 1
         if self.budget is not None:
             self._proposed = (time.perf_counter(), {r.req_id: s for r, s in zip(requests, sizes)})
 
@@ -441,7 +474,87 @@ class EagleDrafter(Drafter):
                     probs[i] = zero.expand(len(toks[i]), v)
             return TreeProposal(toks, parents, probs)
 
-        return TreeDraft(finish, dev_batch)
+        return TreeDraft(finish, dev_batch, None if marks is None else (lambda: marks.seconds(0, 1)))
+
+    def _overlap_on(self) -> bool:
+        if self.overlap_trees is not None:
+            return self.overlap_trees
+        return self._graphs_on() and os.environ.get("FORERUN_EAGLE_PRELAUNCH", "1") != "0"
+
+    def prelaunch(self, requests: list[Request], tree: DeviceTreeBatch, verdict, states: dict[int, torch.Tensor],
+                  roots: list[int]) -> torch.Tensor | None:
+        """Queue the next round's drafting from this round's device verdict, before the host reads it (TreeRound's
+        device path, after the verification, the KV move and the gather of the committed rows' states).
+
+        tree: this round's trees (n nodes each, node 0 the root at position roots[i]); verdict: the device
+        verdict (num_accepted [R], accepted_nodes [R, n] root first, output_token_ids [R, n]: the a accepted
+        drafts then the bonus token); states[layer]: [R, s + 1, H] target states of the path's rows (root
+        first, rows past the path unused). If request i accepts a drafts, the next proposal feeds head rows
+        roots[i] - 1 .. roots[i] + a (the kept root row again, the path, the bonus token: a + 2 rows, laid out
+        as s + 2 with padding) and grows its tree from ctx = roots[i] + a + 1: all of it from the device, in the
+        extend graph of s + 2 rows and the tree graph the next proposal would replay.
+
+        Returns the path rows' features [R, s + 1, F] (for `observe_target_batch`), or None when nothing was
+        queued: overlap off, a sampled or grammar-constrained request, a head cache not at roots[i] - 1, a
+        budget that may cap the next tree, or too few free head-cache blocks."""
+        if not self._overlap_on() or self.static is None or not requests:
+            return None
+        if any(r.params.temperature > 0 or grammar_of(r) is not None for r in requests):
+            return None
+        kv, st = self.cache.kv, self.static
+        b = len(requests)
+        s = next(iter(states.values())).shape[1] - 1
+        qe = s + 2
+        prev_rows = []
+        for r, root in zip(requests, roots):  # the kept root row's feature (position root - 1) and the cache there
+            have = self._feats.get(r.req_id)
+            if not kv.has(r.req_id) or kv.length(r.req_id) != root - 1 or have is None:
+                return None
+            s0, f = have
+            if not s0 <= root - 1 < s0 + f.shape[0]:
+                return None
+            prev_rows.append(f[root - 1 - s0])
+        shape = self.budget.choose(b, record=False) if self.budget is not None else \
+            TreeBudget(self.tree_topk, self.tree_steps, self.tree_nodes)
+        if not shape.drafts:
+            return None
+        lay = TreeLayout.get(min(shape.topk, self.head.draft_vocab_size), shape.steps, shape.nodes)
+        # worth it only if the next tree is uncapped whatever this round accepts
+        if any(r.remaining - (s + 1) - 1 < lay.steps for r in requests):
+            return None
+        if qe > st.max_extend or (st.bucket(b) is None and self._graphs_on()):
+            return None
+        ends = [max(root + s + 1 + lay.topk * (lay.steps - 1), root - 1 + qe) for root in roots]
+        need = sum(max(0, -(-e // kv.block_size) - len(kv.blocks(r.req_id))) for r, e in zip(requests, ends))
+        if kv.num_free_blocks < need + b:  # keep a spare block per request for the scheduler's own reservations
+            return None
+        try:
+            for r, e in zip(requests, ends):
+                kv.reserve(r.req_id, e)
+        except OutOfBlocks:
+            return None
+        dev = self.cache.device
+        graphs = self._graphs_on()
+        with torch.inference_mode():
+            acc = verdict.num_accepted.long()  # [R]
+            nodes = verdict.accepted_nodes[:, : s + 1].clamp(min=0)  # [R, s + 1]; past the path: the root (unused)
+            path = tree.tokens.gather(1, nodes)  # [R, s + 1], the root's token first
+            ids = torch.cat([path, path[:, :1]], 1)  # [R, s + 2]
+            ids.scatter_(1, acc[:, None] + 1, verdict.output_token_ids.gather(1, acc[:, None]).to(ids.dtype))
+            feats = self.head.target_feature({layer: h.reshape(b * (s + 1), -1) for layer, h in states.items()})
+            feats = feats.to(self.head_dtype).view(b, s + 1, -1)
+            rows = torch.cat([torch.stack(prev_rows)[:, None], feats], 1)  # [R, s + 2, F]
+            ctx = h2d(roots, dev, torch.long) + acc + 1
+            marks = Marks(dev)
+            marks.mark()
+            st.extend_from_device(requests, [root - 1 for root in roots], ids, rows, acc + 1, ctx, graphs)
+            max_len = max(ends)
+            out = st.tree_graph(lay, b, max_len) if graphs else st.tree_eager(lay, b, None, max_len)
+            marks.mark()
+        out.start_host_copy()
+        self._pre = _Prelaunch(tuple(r.req_id for r in requests), list(roots), shape, lay, out, marks, st.writes)
+        self.prelaunch_stats["launched"] += 1
+        return feats
 
     def _tree_caps(self, group: list[Request], shape: TreeBudget, depth_caps: list[int],
                    max_drafts: list[int | None]) -> tuple["TreeLayout", tuple[list[int], list[int]] | None, list[int]]:
@@ -480,6 +593,7 @@ class EagleDrafter(Drafter):
         cuda_graphs=False). `Engine.warmup` calls it for the engine's batch buckets."""
         if not self._graphs_on():
             return 0
+        self._pre = None  # capturing replays every graph over dummy inputs
         if self.static is None:
             self.static = _StaticDrafting(self)
         shapes = shapes or [(self.tree_topk, s, self.tree_nodes) for s in range(self.tree_steps, 0, -1)]
@@ -589,6 +703,25 @@ class EagleDrafter(Drafter):
     def cached_length(self, request: Request) -> int | None:
         kv = self.cache.kv
         return kv.length(request.req_id) if kv.has(request.req_id) else 0
+
+
+class _Prelaunch:
+    """A next round's drafting queued from a device verdict (`EagleDrafter.prelaunch`) and what it assumed."""
+
+    def __init__(self, req_ids: tuple, roots: list[int], shape: TreeBudget, lay: "TreeLayout", tree: "DeviceTree",
+                 marks: Marks, writes: int) -> None:
+        self.req_ids, self.roots, self.shape, self.lay, self.tree, self.marks = req_ids, roots, shape, lay, tree, marks
+        self.writes = writes  # the static buffers' write count after it (a later write reuses its outputs)
+        self.expect: list[int] | None = None  # per request the newest committed position (observe_target_batch)
+
+    def matches(self, requests: list[Request], ranges: list, live: int, shape: TreeBudget, lay: "TreeLayout",
+                caps, writes: int) -> bool:
+        """The proposal's plan is the one drafted: the same requests in the same order, all drafting, the same
+        shape and layout, no per-request caps, each request feeding rows roots - 1 .. the committed end, and
+        nothing run over the static buffers since."""
+        return (self.expect is not None and writes == self.writes and live == len(requests) and caps is None and shape == self.shape
+                and lay is self.lay and tuple(r.req_id for r in requests) == self.req_ids
+                and all(rng == (root - 1, e) for rng, root, e in zip(ranges, self.roots, self.expect)))
 
 
 # -- the dynamic tree on the device ---------------------------------------------------------------------------
@@ -702,10 +835,12 @@ class DeviceTreeBatch:
 
 class TreeDraft:
     """A launched tree proposal: `device` (a DeviceTreeBatch, or None when the trees' sizes differ) at once,
-    the host TreeProposal from `result()` (which waits for the drafting phase's one host read)."""
+    the host TreeProposal from `result()` (which waits for the drafting phase's one host read); `seconds()`: the
+    drafting phase's device time (None: nothing drafted), also when it was queued during the last round."""
 
-    def __init__(self, finish, device: DeviceTreeBatch | None) -> None:
+    def __init__(self, finish, device: DeviceTreeBatch | None, seconds=None) -> None:
         self._finish, self.device, self._prop = finish, device, None
+        self.seconds = seconds
 
     def result(self) -> TreeProposal:
         if self._prop is None:
@@ -746,7 +881,7 @@ class DeviceTree:
     def start_host_copy(self) -> None:
         """Queue the copy of `packed` to (pinned) host memory now; `host` then waits for this copy only, not for
         work queued after it (the verification launched from the device tree)."""
-        if self.packed.device.type != "cuda" or self._host is not None:
+        if self.packed.device.type != "cuda" or self._host is not None or getattr(self, "_event", None) is not None:
             return
         self._pinned = torch.empty(self.packed.shape, dtype=self.packed.dtype, pin_memory=True)
         self._pinned.copy_(self.packed, non_blocking=True)
@@ -996,6 +1131,7 @@ class _StaticDrafting:
         self.graphs: dict[tuple, _Captured] = {}
         self._pool = None
         self.replays = 0
+        self.writes = 0  # runs of any body over the static buffers (a prelaunched tree is valid while unchanged)
 
     def bucket(self, n: int) -> int | None:
         return next((b for b in self.batch_sizes if b >= n), None)
@@ -1059,6 +1195,7 @@ class _StaticDrafting:
         if self.device.type != "cuda":  # CPU (tests): the same bodies and bucket padding, run eagerly
             cap = self.graphs[key] = _Captured(None, body, None)
             return cap
+        self.writes += 1
         with torch.inference_mode():
             self._dummy(b, qe)
             if self._pool is None:
@@ -1094,6 +1231,7 @@ class _StaticDrafting:
 
     def _replay(self, cap: _Captured):
         self.replays += 1
+        self.writes += 1
         if cap.graph is None:
             with torch.inference_mode():
                 return cap.body()
@@ -1120,6 +1258,7 @@ class _StaticDrafting:
 
     def extend(self, reqs: list[Request], ranges: list[tuple[int, int]], graphs: bool) -> None:
         """Feed the rows each request misses; the root's output / logits into root_out / root_logits[:len]."""
+        self.writes += 1
         d = self.drafter
         n = len(reqs)
         qe = max(hi - lo for lo, hi in ranges)
@@ -1158,6 +1297,30 @@ class _StaticDrafting:
         else:
             self._replay(cap)
 
+    def extend_from_device(self, reqs: list[Request], lo: list[int], ids: torch.Tensor, feats: torch.Tensor,
+                           nlast: torch.Tensor, ctx: torch.Tensor, graphs: bool) -> None:
+        """`extend` with its rows already on the device (EagleDrafter.prelaunch): ids [n, qe], feats [n, qe, F]
+        (request i's rows from position lo[i], padding past its last), nlast [n] (its last row), ctx [n] (its
+        length after the extend). The caller checked qe <= max_extend and, with graphs, the bucket."""
+        n, qe = ids.shape
+        b = self.bucket(n) if graphs else n
+        cap = self._get(("extend", b, qe), self._extend_body(b, qe), b, qe) if graphs else None  # (a capture
+        self.writes += 1  # runs over dummy inputs: before the inputs go in)
+        self.ids[: n * qe].copy_(ids.reshape(-1))
+        self.feats[: n * qe].copy_(feats.reshape(n * qe, -1))
+        if b > n:
+            self.ids[n * qe: b * qe].zero_()
+            self.feats[n * qe: b * qe].zero_()
+        self._fill_ints(n, b, lo, [0] * n, [0] * n, reqs)  # lo and the tables (nlast / ctx from the device below)
+        self.nlast[:n].copy_(nlast)
+        self.ctx[:n].copy_(ctx)
+        if b > n:
+            self.nlast[n:b].fill_(qe - 1)
+        if cap is not None:
+            self._replay(cap)
+        else:
+            self._extend_body(b, qe, max(lo) + qe)()
+
     def tree_graph(self, lay: TreeLayout, n: int, max_len: int | None = None, capped: bool = False) -> DeviceTree:
         """The greedy tree of n requests from the static buffers: a graph replay (bucket padded; eager beyond the
         largest bucket, with max_len bounding the KV lengths). capped: per-request caps (set_caps), a graph of its own."""
@@ -1176,6 +1339,7 @@ class _StaticDrafting:
 
     def tree_eager(self, lay: TreeLayout, n: int, sample: _Sampling | None, max_seq_len: int | None = None,
                    capped: bool = False) -> DeviceTree:
+        self.writes += 1
         with torch.inference_mode():
             out = self._tree_body(lay, n, sample, max_seq_len, capped)()
         steps = lay.s_steps if sample is not None and sample.all_sampled else lay.steps - 1

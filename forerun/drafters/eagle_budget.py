@@ -185,11 +185,13 @@ class TreeBudgetPolicy:
     def expected_tokens(self, shape: TreeBudget) -> float:
         return 1.0 + self.calibration * self.values.get(shape, 0.0)
 
-    def choose(self, batch: int) -> TreeBudget:
+    def choose(self, batch: int, record: bool = True) -> TreeBudget:
         """The shape with the most expected tokens per second for a round of `batch` drafting requests; the
-        maximum until costs and values are measured. Shapes never measured are not chosen."""
+        maximum until costs and values are measured. Shapes never measured are not chosen. record=False: a look
+        ahead (an overlapped round's guess at the next choice), not counted in `chosen` / `last`."""
+        pick = self._pick if record else (lambda shape: shape)
         if not self.ready or batch < 1:
-            return self._pick(self.max)
+            return pick(self.max)
         best, best_rate = TreeBudget(1, 1, 1), -1.0
         for shape in self.ladder:
             if shape.drafts and shape not in self.values:
@@ -197,7 +199,7 @@ class TreeBudgetPolicy:
             rate = batch * self.expected_tokens(shape) / self.round_seconds(shape, batch)
             if rate > best_rate * 1.0001:
                 best, best_rate = shape, rate
-        return self._pick(best)
+        return pick(best)
 
     def _pick(self, shape: TreeBudget) -> TreeBudget:
         self.last = shape

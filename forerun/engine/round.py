@@ -300,6 +300,11 @@ class TreeRound(Round):
         kv.move(None, slots.gather(1, nodes[:, 1:]).reshape(-1), slots[:, 1: s + 1].reshape(-1))
         flat = (torch.arange(b, device=dev)[:, None] * n + nodes).reshape(-1)
         hidden = {layer: h[flat].view(b, s + 1, -1) for layer, h in out.hidden_states.items()}
+        # overlap: the next round's drafting queued from the device verdict (EAGLE), so the device drafts while
+        # the host reads the verdict, commits and prepares the next verify step
+        feats = None
+        if not coupled and hasattr(self.drafter, "prelaunch"):
+            feats = self.drafter.prelaunch(reqs, tree, pending.res, hidden, roots)
         prop = pend.result()  # the drafting phase's host read (the draft is done; the verification runs)
         verdict, paths = self.sampler.tree_finish(pending, prop)
         accepted = verdict.num_accepted
@@ -307,10 +312,11 @@ class TreeRound(Round):
             kv.truncate(r.req_id, root + a + 1)
             self.drafter.rollback(r, root + a + 1)
         if self.drafter.target_hidden_layers:
-            self.drafter.observe_target_batch(reqs, hidden, [a + 1 for a in accepted], roots)
+            self.drafter.observe_target_batch(reqs, hidden, [a + 1 for a in accepted], roots, features=feats)
         depth = [max(_depths(p)) for p in prop.parents]
         steps = max(depth, default=0)
-        draft_s, target_s = marks.seconds(t0, t1), marks.seconds(t1, t2)
+        draft_s = pend.seconds() if getattr(pend, "seconds", None) is not None else marks.seconds(t0, t1)
+        target_s = marks.seconds(t1, t2)
         return RoundResult(verdict.emitted, depth, accepted, verdict.logprobs,
                            draft_step_seconds=draft_s / steps if steps else None, target_seconds=target_s,
                            draft_seconds=draft_s, target_tokens=b * n, sampled_rows=b * n,

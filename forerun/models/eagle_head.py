@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from ..attention.metadata import AttnMetadata
 from ..config import ModelConfig
 from ..kvcache.pool import KVPool
+from .ops import LayerOps
 from .layers import RMSNorm, RotaryEmbedding
 from .llama import DecoderLayer, LlamaForCausalLM
 
@@ -159,23 +160,33 @@ class EagleHead(nn.Module):
     def device(self) -> torch.device:
         return self.layer.post_attention_layernorm.weight.device
 
-    def _input(self, input_ids: torch.Tensor, feats: torch.Tensor, from_target: bool):
-        """(attention input [.., 2H or H], residual [.., H])."""
+    def _input(self, input_ids: torch.Tensor, feats: torch.Tensor, from_target: bool, ops: LayerOps | None = None):
+        """(attention input [.., 2H or H], residual [.., H]). ops: the target's layer ops (paged forward: fused
+        norm kernels on CUDA); None: the modules themselves (training: autograd)."""
         emb = self.target.model.embed_tokens(input_ids).to(self.compute_dtype)
         feats = feats.to(self.compute_dtype)
         if self.eagle.version == 1:
             x = self.fc(torch.cat([emb, feats], dim=-1))
             return x, x
         x = self.fc(feats) if from_target else feats
+        if ops is not None:
+            return torch.cat([ops.add_rmsnorm(emb, None, self.layer.input_layernorm)[0],
+                              ops.add_rmsnorm(x.contiguous(), None, self.hidden_norm)[0]], dim=-1), x
         return torch.cat([self.layer.input_layernorm(emb), self.hidden_norm(x)], dim=-1), x
 
-    def _mlp_tail(self, a: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def _mlp_tail(self, a: torch.Tensor, residual: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
+        if ops is not None:  # the residual add and the norm in one kernel, the SwiGLU in the product's epilogue (CUDA)
+            n, h = ops.add_rmsnorm(a, residual, self.layer.post_attention_layernorm)
+            return h + ops.mlp(n, self.layer.mlp)
         h = residual + a
         return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
 
-    def logits(self, out: torch.Tensor) -> torch.Tensor:
+    def logits(self, out: torch.Tensor, ops: LayerOps | None = None) -> torch.Tensor:
         """Head output [R, H] -> float32 logits over the DRAFT vocabulary [R, Vd]."""
-        x = self.norm(out) if self.norm is not None else out
+        if self.norm is None:
+            x = out
+        else:
+            x = self.norm(out) if ops is None else ops.add_rmsnorm(out, None, self.norm)[0]
         head = self.lm_head if self.lm_head is not None else self.target.lm_head
         return head(x.to(self._head_dtype(head))).float()
 
@@ -209,13 +220,13 @@ class EagleHead(nn.Module):
         rows: torch.Tensor | None = None,  # [R] rows whose outputs are wanted (None: all)
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes the rows' keys/values into the head's cache; returns (out [R, H], draft logits [R, Vd])."""
-        x, residual = self._input(input_ids, feats, from_target)
         t = self.target
+        x, residual = self._input(input_ids, feats, from_target, t.ops)
         a = self.layer.self_attn(x, positions, self.rope, meta, kv, t.backend, t.ops)
         if rows is not None:  # the MLP only for the rows whose outputs are wanted (rows are independent there)
             a, residual = a[rows], residual[rows]
-        out = self._mlp_tail(a, residual)
-        return out, self.logits(out)
+        out = self._mlp_tail(a, residual, t.ops)
+        return out, self.logits(out, t.ops)
 
     # -- dense forward (training) --------------------------------------------------------------------
     def attention_dense(self, x: torch.Tensor, positions: torch.Tensor, cache: list | None, mask: torch.Tensor

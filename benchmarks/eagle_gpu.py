@@ -815,8 +815,8 @@ def plot(res: dict, png: str) -> None:
     ax.set_title(f"EAGLE dynamic trees, {res['device']}, synthetic a={res['accept']} ({res.get('date', '')})",
                  fontsize=9)
     ax.set_xlim(0, 1.25 * max(r["round_ms"] for r in rows))
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3)
-    fig.tight_layout()
+    fig.legend(*ax.get_legend_handles_labels(), fontsize=8, loc="lower center", ncol=3)
+    fig.tight_layout(rect=(0, 0.45 / fig.get_figheight(), 1, 1))  # room for the legend below, whatever the rows
     fig.savefig(png, dpi=110)
 
 

@@ -206,33 +206,36 @@ def _overlap_run(hf, head, overlap: bool, budget: bool, late: bool = True, graph
     return out, sampler.seen, eng.drafter.prelaunch_stats
 
 
-@pytest.mark.parametrize("budget,graphs", [(False, False), (True, False), (False, True)])
-def test_prelaunched_drafting_equals_drafting_after_the_verdict(setup, budget, graphs, monkeypatch):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_prelaunched_drafting_equals_drafting_after_the_verdict(setup, graphs, monkeypatch):
     """Rounds accepting 0..2 drafts (a drawn verdict): with the next round's drafting queued from the device verdict,
     every round verifies the same trees (node for node) and commits the same tokens as with the drafting launched
     after the host read; prelaunched trees are used, and one that no longer fits (a request joined) is dropped.
     graphs: the CUDA path's bucketed static buffers, graphs first "captured" during a prelaunch (a capture's dummy
     run once overwrote the prelaunch's inputs on the H200: every request drafted the same tree)."""
     hf, head = setup
-    off = _overlap_run(hf, head, False, budget, graphs=graphs, monkeypatch=monkeypatch)
-    on = _overlap_run(hf, head, True, budget, graphs=graphs, monkeypatch=monkeypatch)
+    off = _overlap_run(hf, head, False, False, graphs=graphs, monkeypatch=monkeypatch)
+    on = _overlap_run(hf, head, True, False, graphs=graphs, monkeypatch=monkeypatch)
     assert off[2] == {"launched": 0, "used": 0, "discarded": 0}
     stats = on[2]
-    # (with the budget, this CPU's measured costs soon pick shapes whose trees differ in size: the host path)
-    assert stats["used"] >= (1 if budget else 8) and stats["discarded"] >= 1, stats
+    assert stats["used"] >= 8 and stats["discarded"] >= 1, stats
     assert stats["launched"] == stats["used"] + stats["discarded"]
     assert sorted({a for _, _, accs in on[1] for a in accs}) == [0, 1, 2]  # every path length happened
     assert on[1] == off[1]
     assert on[0] == off[0]
 
 
-def test_prelaunched_drafting_keeps_greedy_output(setup):
+@pytest.mark.parametrize("budget", [False, True])
+def test_prelaunched_drafting_keeps_greedy_output(setup, budget):
     """The real greedy verdict with overlapped drafting on: output identical to plain decoding (the test above
-    without a drawn verdict; prelaunches happen)."""
+    without a drawn verdict; prelaunches happen). budget: shapes chosen from measured times (not replayable, so
+    not compared round by round above), the look-ahead `choose(record=False)` guessing the next shape."""
     hf, head = setup
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    eng = _engine(hf, head, budget=False)
+    eng = _engine(hf, head, budget=budget)
     eng.drafter.overlap_trees = True
     got, calls = _run(eng, [greedy] * len(PROMPTS))
-    assert eng.drafter.prelaunch_stats["used"] > 0
+    stats = eng.drafter.prelaunch_stats
+    assert stats["launched"] >= stats["used"] + stats["discarded"] and stats["launched"] <= stats["used"] + stats["discarded"] + 1
+    assert stats["used"] > 0 or budget
     assert got == _plain(hf, greedy)

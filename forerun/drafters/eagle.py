@@ -185,14 +185,7 @@ class EagleDrafter(Drafter):
         pre = self._pre
         if pre is not None and pre.req_ids == tuple(r.req_id for r in requests) and pre.roots == list(starts):
             pre.expect = [s + c for s, c in zip(starts, counts)]  # the newest committed position the host verdict gave
-        some = next(iter(states.values()))
-        m = some.shape[1]
-        with torch.inference_mode():
-            if features is not None:
-                feats = features
-            else:
-                feats = self.head.target_feature({layer: h.reshape(b * m, -1) for layer, h in states.items()})
-                feats = feats.to(self.head_dtype).view(b, m, -1)
+        feats = features if features is not None else self._batch_features(states)
         keep = []
         for r, s in zip(requests, starts):
             cur = self._feats.get(r.req_id)
@@ -210,6 +203,13 @@ class EagleDrafter(Drafter):
         long = [r for r in requests if self._pending(r) >= self.eager_rows]
         if long:
             self._feed_rows(long)
+
+    def _batch_features(self, states: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Target states [R, m, H] per layer -> the head's features [R, m, F] in one call."""
+        b, m = next(iter(states.values())).shape[:2]
+        with torch.inference_mode():
+            feats = self.head.target_feature({layer: h.reshape(b * m, -1) for layer, h in states.items()})
+            return feats.to(self.head_dtype).view(b, m, -1)
 
     def _record_target(self, requests: list[Request], counts: list[int]) -> None:
         if self._proposed is not None and self.budget is not None and self.budget.target_cost is None:
@@ -522,7 +522,8 @@ class EagleDrafter(Drafter):
         # worth it only if the next tree is uncapped whatever this round accepts
         if any(r.remaining - (s + 1) - 1 < lay.steps for r in requests):
             return None
-        if qe > st.max_extend or (st.bucket(b) is None and self._graphs_on()):
+        graphs = self._graphs_on()
+        if qe > st.max_extend or (graphs and st.bucket(b) is None):
             return None
         ends = [max(root + s + 1 + lay.topk * (lay.steps - 1), root - 1 + qe) for root in roots]
         need = sum(max(0, -(-e // kv.block_size) - len(kv.blocks(r.req_id))) for r, e in zip(requests, ends))
@@ -534,15 +535,13 @@ class EagleDrafter(Drafter):
         except OutOfBlocks:
             return None
         dev = self.cache.device
-        graphs = self._graphs_on()
+        feats = self._batch_features(states)  # [R, s + 1, F]
         with torch.inference_mode():
             acc = verdict.num_accepted.long()  # [R]
             nodes = verdict.accepted_nodes[:, : s + 1].clamp(min=0)  # [R, s + 1]; past the path: the root (unused)
             path = tree.tokens.gather(1, nodes)  # [R, s + 1], the root's token first
             ids = torch.cat([path, path[:, :1]], 1)  # [R, s + 2]
             ids.scatter_(1, acc[:, None] + 1, verdict.output_token_ids.gather(1, acc[:, None]).to(ids.dtype))
-            feats = self.head.target_feature({layer: h.reshape(b * (s + 1), -1) for layer, h in states.items()})
-            feats = feats.to(self.head_dtype).view(b, s + 1, -1)
             rows = torch.cat([torch.stack(prev_rows)[:, None], feats], 1)  # [R, s + 2, F]
             ctx = h2d(roots, dev, torch.long) + acc + 1
             marks = Marks(dev)
@@ -719,8 +718,8 @@ class _Prelaunch:
         """The proposal's plan is the one drafted: the same requests in the same order, all drafting, the same
         shape and layout, no per-request caps, each request feeding rows roots - 1 .. the committed end, and
         nothing run over the static buffers since."""
-        return (self.expect is not None and writes == self.writes and live == len(requests) and caps is None and shape == self.shape
-                and lay is self.lay and tuple(r.req_id for r in requests) == self.req_ids
+        return (self.expect is not None and writes == self.writes and live == len(requests) and caps is None
+                and shape == self.shape and lay is self.lay and tuple(r.req_id for r in requests) == self.req_ids
                 and all(rng == (root - 1, e) for rng, root, e in zip(ranges, self.roots, self.expect)))
 
 

@@ -302,9 +302,7 @@ class TreeRound(Round):
         hidden = {layer: h[flat].view(b, s + 1, -1) for layer, h in out.hidden_states.items()}
         # overlap: the next round's drafting queued from the device verdict (EAGLE), so the device drafts while
         # the host reads the verdict, commits and prepares the next verify step
-        feats = None
-        if not coupled and hasattr(self.drafter, "prelaunch"):
-            feats = self.drafter.prelaunch(reqs, tree, pending.res, hidden, roots)
+        feats = None if coupled else self.drafter.prelaunch(reqs, tree, pending.res, hidden, roots)
         prop = pend.result()  # the drafting phase's host read (the draft is done; the verification runs)
         verdict, paths = self.sampler.tree_finish(pending, prop)
         accepted = verdict.num_accepted
@@ -315,7 +313,7 @@ class TreeRound(Round):
             self.drafter.observe_target_batch(reqs, hidden, [a + 1 for a in accepted], roots, features=feats)
         depth = [max(_depths(p)) for p in prop.parents]
         steps = max(depth, default=0)
-        draft_s = pend.seconds() if getattr(pend, "seconds", None) is not None else marks.seconds(t0, t1)
+        draft_s = pend.seconds() if pend.seconds is not None else marks.seconds(t0, t1)
         target_s = marks.seconds(t1, t2)
         return RoundResult(verdict.emitted, depth, accepted, verdict.logprobs,
                            draft_step_seconds=draft_s / steps if steps else None, target_seconds=target_s,

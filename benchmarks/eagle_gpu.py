@@ -31,8 +31,10 @@ dynamic tree keeps what a head as confident as it is right would keep; the head'
 
 Drafting modes: `graph` (the default on CUDA: the draft extend and the whole dynamic tree each replay one CUDA
 graph, the tree built on the device, one host read at the end; the next round's drafting queued from the device
-verdict before the host reads it, `EagleDrafter.prelaunch`), `serial` (the same graphs, the drafting launched after
-the host read, as before session 26: `overlap_trees=False`) and `eager` (the same device code launched op by
+verdict before the host reads it, `EagleDrafter.prelaunch`, and the next round's verify step too,
+`TreeRound._queue_verify`, session 27), `prelaunch` (the drafting queued ahead, the verify step prepared by the host
+after the read: session 26's rounds, `TreeRound.preverify = False`), `serial` (the same graphs, the drafting
+launched after the host read, as before session 26: `overlap_trees=False`) and `eager` (the same device code launched op by
 op: `EagleDrafter(cuda_graphs=False)`); each tree row is measured in each mode asked for. The drafting phase alone
 (`propose_tree` back to back, its wall time including the final read) is reported against its ideal (the head's
 extend + tree steps, each timed alone).
@@ -369,7 +371,54 @@ def count_syncs(fn, device: torch.device) -> int | None:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message).lower() for w in caught)
+    found = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    count_syncs.where = [f"{os.path.relpath(w.filename, REPO)}:{w.lineno}" for w in found]  # (the last call's)
+    return len(found)
+
+
+def host_profile(fn, device: torch.device, calls: int = 30, top: int = 25) -> dict:
+    """Where the host's time goes in `calls` rounds: wall time, the part spent waiting in CUDA event / stream
+    synchronisation (the rest is host work: when it nearly equals the wall time the round is host-bound, and
+    queuing more work ahead cannot help), and cProfile's top functions by own time (cProfile slows Python code, so
+    its shares are indicative; the wall / wait split is measured without it)."""
+    import cProfile
+    import pstats
+
+    waited = [0.0]
+    ev_sync, st_sync = torch.cuda.Event.synchronize, torch.cuda.Stream.synchronize
+
+    def timed(orig):
+        def f(self):
+            t = time.perf_counter()
+            try:
+                return orig(self)
+            finally:
+                waited[0] += time.perf_counter() - t
+        return f
+
+    sync(device)
+    torch.cuda.Event.synchronize, torch.cuda.Stream.synchronize = timed(ev_sync), timed(st_sync)
+    try:
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync(device)
+        wall = time.perf_counter() - t
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        sync(device)
+        prof.disable()
+    finally:
+        torch.cuda.Event.synchronize, torch.cuda.Stream.synchronize = ev_sync, st_sync
+    st = pstats.Stats(prof)
+    rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:top]  # by own time
+    funcs = [dict(where=f"{os.path.relpath(k[0], REPO) if k[0].startswith(REPO) else os.path.basename(k[0])}:{k[1]}"
+                        f" {k[2]}", own_us=1e6 * v[2] / calls, cum_us=1e6 * v[3] / calls, calls=v[0] / calls)
+             for k, v in rows]
+    return dict(calls=calls, wall_ms=1e3 * wall / calls, waiting_ms=1e3 * waited[0] / (2 * calls),
+                host_ms=1e3 * (wall - waited[0] / 2) / calls, profiled_functions=funcs)
 
 
 def plain_round(runner: ModelRunner, reqs: list[Request]) -> int:
@@ -545,6 +594,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=None, help="prompt tokens per request (default 256)")
     ap.add_argument("--draft-vocab", type=int, default=None, help="head draft vocabulary (default 32000)")
     ap.add_argument("--no-graphs", action="store_true", help="the target eager (no CUDA graphs; drafting eager too)")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="per tree row and mode: the round's host work vs its waits, and cProfile's top functions")
     ap.add_argument("--quick", action="store_true", help="batches 1,16, tree 4,4,16, 20 rounds, context 128")
     ap.add_argument("--draft-only", action="store_true",
                     help="time only the drafting phase (graph vs eager) per batch and tree; no rounds")
@@ -553,7 +604,7 @@ def main() -> None:
                     help="also profile a few rounds and drafting calls (the first drafting mode) with torch.profiler: "
                          "kernels by name, GPU busy / idle time, widest idle gaps (JSON key `profiles`)")
     ap.add_argument("--modes", default=None,
-                    help="drafting modes, comma list of graph,serial,eager (default graph,eager on CUDA)")
+                    help="drafting modes, comma list of graph,prelaunch,serial,eager (default graph,eager on CUDA)")
     args = ap.parse_args()
     if args.replot:
         with open(args.replot) as f:
@@ -594,7 +645,8 @@ def main() -> None:
     # every tree runs on the same requests, one after the other: room for all of their rounds
     # (each tree x drafting mode runs warm + timed rounds of up to steps + 1 tokens, plus the drafting-alone
     # calls, which commit nothing; the run died at b=64, tree 1,4,5 [eager] when modes were not counted)
-    per_seq = context + len(trees) * len(modes) * (rounds + warm + 4) * (max(t.steps for t in trees) + 1) \
+    extra = 60 if args.host_profile else 0  # (host_profile's rounds)
+    per_seq = context + len(trees) * len(modes) * (rounds + warm + 4 + extra) * (max(t.steps for t in trees) + 1) \
         + 2 * max_nodes + 64
     max_tokens = max(4096 if not tiny else 512, max_b * max_nodes, max_b * 8)
     runner = ModelRunner(target, CacheConfig(block_size=16, num_blocks=max_b * (-(-per_seq // 16) + 2) + 64), device,
@@ -613,7 +665,7 @@ def main() -> None:
     log(f"target {res['target']}, head {res['head']}, graphs {runner.graphs is not None}")
 
     next_id = 0
-    rows_out, costs, head_costs, drafts, profiles = [], {}, [], [], []
+    rows_out, costs, head_costs, drafts, profiles, host_profiles = [], {}, [], [], [], []
     for b in batches:
         # plain decoding (the baseline) and the target's isolated costs at this batch
         reqs = make_requests(b, context, shape["vocab_size"], seed=b, first_id=next_id)
@@ -657,9 +709,9 @@ def main() -> None:
                 head_step_ms(drafter, reqs, shape_t.topk * d, max(1, inner // 4), want=shape_t.topk, graph=True)
                 for d in range(1, shape_t.steps)) if cuda else head_ms
             for mode in modes:
-                drafter.cuda_graphs = None if mode in ("graph", "serial") else False
+                drafter.cuda_graphs = None if mode in ("graph", "prelaunch", "serial") else False
                 drafter.overlap_trees = False if mode == "serial" else None
-                if mode in ("graph", "serial"):  # every extend length a round can feed, and the tree: nothing captured while timed
+                if mode in ("graph", "prelaunch", "serial"):  # every extend length a round can feed, and the tree: nothing captured while timed
                     t = time.perf_counter()
                     n_graphs = drafter.capture_graphs([b], [(shape_t.topk, shape_t.steps, shape_t.nodes)])
                     log(f"b={b}: {n_graphs} drafting graphs captured ({time.perf_counter() - t:.1f} s)")
@@ -679,11 +731,13 @@ def main() -> None:
                     continue
                 sampler = SyntheticTreeSampler(q, device, shape_t.steps, seed=1000 * b + shape_t.nodes)
                 tr = TreeRound(runner, drafter, sampler)
+                tr.preverify = False if mode == "prelaunch" else None
                 for _ in range(warm):
                     tree_round(tr, reqs, shape_t.nodes)
                 sync(device)
                 sampler.trees.clear()
                 pre0 = dict(drafter.prelaunch_stats)
+                pv0 = dict(tr.preverify_stats)
                 t = time.perf_counter()
                 committed, draft_s = 0, 0.0
                 for _ in range(rounds):
@@ -693,12 +747,22 @@ def main() -> None:
                 sync(device)
                 secs = time.perf_counter() - t
                 prelaunched = {k: v - pre0[k] for k, v in drafter.prelaunch_stats.items()}
+                preverified = {k: v - pv0[k] for k, v in tr.preverify_stats.items()}
                 expect = sampler.expect
                 drafted = [len(par) for pars in sampler.trees for par in pars]
                 if min(drafted) < shape_t.nodes:
                     log(f"WARNING: trees of {min(drafted)}..{max(drafted)} nodes drafted, "
                         f"the shape has {shape_t.nodes}")
                 syncs = count_syncs(lambda: tree_round(tr, reqs, shape_t.nodes), device)
+                sync_where = getattr(count_syncs, "where", None)
+                hostp = None
+                if args.host_profile and cuda:
+                    hostp = dict(batch=b, tree=[shape_t.topk, shape_t.steps, shape_t.nodes], mode=mode,
+                                 **host_profile(lambda: tree_round(tr, reqs, shape_t.nodes), device))
+                    host_profiles.append(hostp)
+                    log(f"b={b} {mode}: round {hostp['wall_ms']:.2f} ms, host work {hostp['host_ms']:.2f} ms, "
+                        f"waiting {hostp['waiting_ms']:.2f} ms; top: " + "; ".join(
+                            f"{f['where']} {f['own_us']:.0f}us" for f in hostp['profiled_functions'][:8]))
                 if args.profile and mode == modes[0]:
                     profiles.append(dict(profiled, what="tree_round",
                                          **profile_calls(lambda: tree_round(tr, reqs, shape_t.nodes), device)))
@@ -720,7 +784,7 @@ def main() -> None:
                            fraction_of_kernel_ideal=committed / secs / (b * exp_round / (kernel_round_ms * 1e-3)),
                            fraction_realized_kernels=kernel_round_ms / (1e3 * secs / rounds),
                            speedup_vs_plain=committed / secs / costs[b]["plain_tok_s"],
-                           prelaunch=prelaunched)
+                           prelaunch=prelaunched, preverify=preverified, sync_sites=sync_where)
                 rows_out.append(row)
                 log(f"b={b} tree {shape_t.topk},{shape_t.steps},{shape_t.nodes} [{mode}]: {row['tok_s']:.1f} tok/s, "
                     f"{row['round_ms']:.2f} ms/round (ideal {round_ms:.2f}; drafting {row['draft_ms']:.2f}, ideal "
@@ -733,7 +797,8 @@ def main() -> None:
         if drafter.static is not None:
             res["draft_graphs"] = len(drafter.static.graphs)
         res.update(costs={str(k): v for k, v in costs.items()}, head_step=head_costs, trees=rows_out,
-                   drafting=drafts, **({"profiles": profiles} if profiles else {}))
+                   drafting=drafts, **({"profiles": profiles} if profiles else {}),
+                   **({"host_profiles": host_profiles} if host_profiles else {}))
         save(res, args.out)
 
     # the budget the measured costs give (forerun/drafters/eagle_budget.py), for a head whose confidence is
@@ -829,11 +894,11 @@ def print_table(res: dict) -> None:
     for hc in res["head_step"]:
         print(f"{hc['batch']:5d} {hc['target_decode_ms']:16.3f} {hc['step_1rows_ms']:20.3f} {hc['c']:6.3f} "
               f"{hc['extend_2rows_ms']:9.3f}")
-    print(f"\n{'batch':>5s} {'tree':>9s} {'mode':>5s} {'tok/s':>9s} {'ideal':>9s} {'%ideal':>7s} {'%ideal(real)':>12s} "
+    print(f"\n{'batch':>5s} {'tree':>9s} {'mode':>9s} {'tok/s':>9s} {'ideal':>9s} {'%ideal':>7s} {'%ideal(real)':>12s} "
           f"{'ms/round':>8s} {'ideal ms':>8s} {'draft ms':>8s} {'ideal':>6s} {'tok/round':>9s} {'E':>5s} {'x plain':>7s} "
           f"{'%kern(real)':>11s}")
     for r in res["trees"]:
-        print(f"{r['batch']:5d} {r['topk']},{r['steps']},{r['nodes']:<5d} {r.get('mode', '-'):>5s} {r['tok_s']:9.1f} "
+        print(f"{r['batch']:5d} {r['topk']},{r['steps']},{r['nodes']:<5d} {r.get('mode', '-'):>9s} {r['tok_s']:9.1f} "
               f"{r['ideal_tok_s']:9.1f} {100 * r['fraction_of_ideal']:6.1f}% {100 * r['fraction_realized']:11.1f}% "
               f"{r['round_ms']:8.2f} {r['ideal_round_ms']:8.2f} {r.get('draft_ms', float('nan')):8.2f} "
               f"{r['ideal_head_ms']:6.2f} {r['tokens_per_round']:9.2f} {r['expected_tokens_per_round']:5.2f} "
@@ -841,10 +906,10 @@ def print_table(res: dict) -> None:
     if res.get("drafting"):
         print("\ndrafting phase alone (propose_tree back to back, wall ms incl. its one host read) vs its ideal "
               "(head extend + tree steps, each timed alone):")
-        print(f"{'batch':>5s} {'tree':>9s} {'mode':>5s} {'draft ms':>9s} {'ideal ms':>9s} {'%ideal':>7s} "
+        print(f"{'batch':>5s} {'tree':>9s} {'mode':>9s} {'draft ms':>9s} {'ideal ms':>9s} {'%ideal':>7s} "
               f"{'kernels ms':>10s} {'%kernels':>8s}")
         for r in res["drafting"]:
-            print(f"{r['batch']:5d} {r['topk']},{r['steps']},{r['nodes']:<5d} {r['mode']:>5s} {r['draft_ms']:9.3f} "
+            print(f"{r['batch']:5d} {r['topk']},{r['steps']},{r['nodes']:<5d} {r['mode']:>9s} {r['draft_ms']:9.3f} "
                   f"{r['ideal_draft_ms']:9.3f} {100 * r['fraction_of_ideal']:6.1f}% {r['kernel_ideal_draft_ms']:10.3f} "
                   f"{100 * r['fraction_of_kernel_ideal']:7.1f}%")
     print("\nbudget from the measured costs (forerun/drafters/eagle_budget.py):")

@@ -176,9 +176,23 @@ class _PathSampler(RoundSampler):
         return replace(pending, res=res, host=host, event=event)
 
 
-def _overlap_run(hf, head, overlap: bool, budget: bool, late: bool = True, graphs: bool = False, monkeypatch=None):
+def _target_graphs(eng: Engine) -> None:
+    """The target's CUDA-graph runner with eager bodies (buckets, static buffers, replay counts as on the GPU)."""
+    from forerun.runtime.cuda_graph import GraphRunner
+
+    eng.runner.graphs = GraphRunner(eng.runner, batch_sizes=(1, 2, 4, 8), max_q_len=eng.spec.max_draft_tokens + 1,
+                                    use_graphs=False)
+
+
+def _overlap_run(hf, head, overlap: bool, budget: bool, late: bool = True, graphs: bool = False, monkeypatch=None,
+                 preverify: bool | None = False):
+    """preverify: queue the next round's verify step too (on the target's eager stand-in graph runner); False: the
+    target runs its verify steps as before (no graph runner)."""
     eng = _engine(hf, head, tree=(3, 3, 8), budget=budget)
     eng.drafter.overlap_trees = overlap
+    if preverify is not False:
+        _target_graphs(eng)
+        eng.round.preverify = preverify
     if graphs:  # the CUDA path's buckets and graph keys, eager bodies; a first use "captures" over dummy inputs
         from forerun.drafters.eagle import _StaticDrafting
 
@@ -203,6 +217,8 @@ def _overlap_run(hf, head, overlap: bool, budget: bool, late: bool = True, graph
         if late and steps == 4:  # a request arriving mid-way: the next round is not the one prelaunched
             eng.add_request([9, 8, 7], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), request_id="late")
     assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
+    if preverify is not False:
+        return out, sampler.seen, eng.drafter.prelaunch_stats, eng.round.preverify_stats
     return out, sampler.seen, eng.drafter.prelaunch_stats
 
 
@@ -239,3 +255,75 @@ def test_prelaunched_drafting_keeps_greedy_output(setup, budget):
     assert stats["launched"] >= stats["used"] + stats["discarded"] and stats["launched"] <= stats["used"] + stats["discarded"] + 1
     assert stats["used"] > 0 or budget
     assert got == _plain(hf, greedy)
+
+
+# -- overlapped rounds: the next round's verify step queued from the device verdict too (TreeRound._queue_verify) --
+@pytest.mark.parametrize("graphs", [False, True])
+def test_preverified_rounds_equal_rounds_verified_after_the_verdict(setup, graphs, monkeypatch):
+    """With the next round's verify step queued from the device verdict (ids, positions, cache slots and tree mask
+    from the drawn verdict and the prelaunched tree), every round verifies the same trees and commits the same
+    tokens as rounds that prepare their verify step on the host after the read; queued steps are used, and the one
+    queued before a request joined is dropped. graphs: the drafter's bucketed static buffers too."""
+    hf, head = setup
+    base = _overlap_run(hf, head, True, False, graphs=graphs, monkeypatch=monkeypatch, preverify=False)
+    off = _overlap_run(hf, head, True, False, graphs=graphs, monkeypatch=monkeypatch, preverify=None)
+    monkeypatch.setenv("FORERUN_EAGLE_PREVERIFY", "0")  # (None follows the switch)
+    switched = _overlap_run(hf, head, True, False, graphs=graphs, monkeypatch=monkeypatch, preverify=None)
+    monkeypatch.delenv("FORERUN_EAGLE_PREVERIFY")
+    assert switched[3] == {"launched": 0, "used": 0, "discarded": 0}
+    stats = off[3]
+    assert stats["used"] >= 8 and stats["discarded"] >= 1, stats
+    assert stats["launched"] == stats["used"] + stats["discarded"]
+    assert sorted({a for _, _, accs in off[1] for a in accs}) == [0, 1, 2]
+    assert off[1] == base[1] == switched[1]
+    assert off[0] == base[0] == switched[0]
+
+
+def test_preverified_rounds_keep_greedy_output(setup):
+    """The real greedy verdict with the next round's drafting and verify step queued ahead: output identical to plain
+    decoding, queued verify steps used."""
+    hf, head = setup
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    eng = _engine(hf, head, budget=False)
+    eng.drafter.overlap_trees = True
+    _target_graphs(eng)
+    got, calls = _run(eng, [greedy] * len(PROMPTS))
+    stats = eng.round.preverify_stats
+    assert stats["used"] > 0 and stats["launched"] == stats["used"] + stats["discarded"], stats
+    assert got == _plain(hf, greedy)
+
+
+def test_preverify_waits_for_joins_and_context_room(setup):
+    """The engine's veto: no verify step is queued while a request waits to join (the next round reads its prompt)
+    or when a next tree could reach the context limit."""
+    hf, head = setup
+    eng = _engine(hf, head, budget=False)
+    r = SimpleNamespace(num_tokens=100)
+    eng.scheduler.running = [r]
+    assert eng._tree_lookahead([r], 2, 8)
+    assert not eng._tree_lookahead([r], 2, eng.max_model_len - 100 - 3)
+    eng.scheduler.waiting.append(SimpleNamespace(num_tokens=5))
+    assert not eng._tree_lookahead([r], 2, 8)
+    eng.scheduler.waiting.clear()
+    eng.scheduler.running = [r, SimpleNamespace(num_tokens=7)]  # somebody else runs: the next round is not this one
+    assert not eng._tree_lookahead([r], 2, 8)
+
+
+@pytest.mark.parametrize("forced", [None, True])
+def test_preverify_from_two_requests_unless_forced(setup, forced):
+    """A lone request's round is host-bound on the H200: its next verify step is queued ahead only when forced
+    (TreeRound.PREVERIFY_MIN_BATCH), and its output is plain greedy either way."""
+    hf, head = setup
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    eng = _engine(hf, head, budget=False)
+    eng.drafter.overlap_trees = True
+    _target_graphs(eng)
+    eng.round.preverify = forced
+    eng.add_request(PROMPTS[0], greedy, request_id="0")
+    out = []
+    while eng.has_unfinished():
+        for d in eng.step():
+            out.extend(d.new_token_ids)
+    stats = eng.round.preverify_stats
+    assert (stats["used"] > 0) if forced else stats["launched"] == 0, stats
+    assert out == _plain(hf, greedy)[0]

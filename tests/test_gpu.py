@@ -702,7 +702,8 @@ def test_warmup_captures_every_decode_and_verify_graph_before_serving():
 
 
 def test_eagle_prelaunched_drafting_on_cuda_graphs(tmp_path):
-    """EAGLE trees on CUDA graphs with the next round's drafting queued from the device verdict (on by default):
+    """EAGLE trees on CUDA graphs with the next round's drafting (and verify step) queued from the device verdict (on
+    by default):
     with a drawn verdict (0..2 drafts accepted), every round verifies the same trees and commits the same tokens
     as with the drafting launched after the host read; with the real greedy verdict the output is plain greedy."""
     import sys, os
@@ -721,11 +722,12 @@ def test_eagle_prelaunched_drafting_on_cuda_graphs(tmp_path):
     tok = tiny_tokenizer(hf.config.vocab_size)
     kw = dict(device="cuda", dtype=torch.float32, cache=CacheConfig(block_size=16, num_blocks=512))
 
-    def run(overlap, drawn: bool, max_tokens=lambda i: 40 + 6 * i):
+    def run(overlap, drawn: bool, max_tokens=lambda i: 40 + 6 * i, preverify=None):
         eng = Engine.from_model(build(), tok, spec=SpecConfig(method="eagle", eagle_head=head, eagle_tree=(3, 3, 8)),
                                 **kw)
         eng.drafter.budget = None
         eng.drafter.overlap_trees = overlap
+        eng.round.preverify = preverify
         assert eng.drafter._graphs_on()
         sampler = None
         if drawn:
@@ -737,14 +739,18 @@ def test_eagle_prelaunched_drafting_on_cuda_graphs(tmp_path):
         while eng.has_unfinished():
             for d in eng.step():
                 out.setdefault(d.request_id, []).extend(d.new_token_ids)
-        return out, (sampler.seen if sampler else None), dict(eng.drafter.prelaunch_stats)
+        return out, (sampler.seen if sampler else None), dict(eng.drafter.prelaunch_stats), \
+            dict(eng.round.preverify_stats)
 
-    on, off = run(None, True), run(False, True)
+    # on: the next round's drafting and verify step queued from the device verdict (the defaults); draft: the
+    # drafting only; off: neither
+    on, draft, off = run(None, True), run(None, True, preverify=False), run(False, True)
     assert on[2]["used"] >= 8 and off[2]["launched"] == 0, on[2]
+    assert on[3]["used"] >= 8 and draft[3]["launched"] == 0 and off[3]["launched"] == 0, on[3]
     assert sorted({a for _, _, accs in on[1] for a in accs}) == [0, 1, 2]
-    assert on[1] == off[1] and on[0] == off[0]
+    assert on[1] == off[1] == draft[1] and on[0] == off[0] == draft[0]
     greedy = run(None, False, lambda i: 24)
-    assert greedy[2]["used"] > 0
+    assert greedy[2]["used"] > 0 and greedy[3]["used"] > 0
     plain = Engine.from_model(build(), tok, **kw)
     for i, p in enumerate(PROMPTS):
         plain.add_request(p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), request_id=str(i))

@@ -401,7 +401,7 @@ class EagleDrafter(Drafter):
             TreeBudget(self.tree_topk, self.tree_steps, self.tree_nodes)
         self.last_tree = None
         tree = lay = marks = None
-        dev_batch = None
+        dev_batch = used = None
         sizes = [1] * len(requests)
         reduced = False
         if live and shape.drafts:
@@ -414,7 +414,7 @@ class EagleDrafter(Drafter):
                 for i in live:
                     self.cache.kv.set_length(requests[i].req_id, ranges[i][1])
                 self.prelaunch_stats["used"] += 1
-                pre = None
+                pre, used = None, tree
             else:
                 marks = Marks(self.cache.device)
                 marks.mark()  # 0: drafting starts (1: launched)
@@ -474,7 +474,7 @@ class EagleDrafter(Drafter):
                     probs[i] = zero.expand(len(toks[i]), v)
             return TreeProposal(toks, parents, probs)
 
-        return TreeDraft(finish, dev_batch, None if marks is None else (lambda: marks.seconds(0, 1)))
+        return TreeDraft(finish, dev_batch, None if marks is None else (lambda: marks.seconds(0, 1)), prelaunched=used)
 
     def _overlap_on(self) -> bool:
         if self.overlap_trees is not None:
@@ -554,6 +554,15 @@ class EagleDrafter(Drafter):
         self._pre = _Prelaunch(tuple(r.req_id for r in requests), list(roots), shape, lay, out, marks, st.writes)
         self.prelaunch_stats["launched"] += 1
         return feats
+
+    def prelaunched(self) -> tuple["DeviceTree", int] | None:
+        """The tree batch the last `prelaunch` queued and the node count per tree that the next proposal keeps of it
+        when it takes it (uncapped greedy trees), or None (nothing queued)."""
+        pre = self._pre
+        if pre is None:
+            return None
+        lay = pre.lay
+        return pre.tree, min(lay.greedy_nodes, lay.slots_upto(lay.steps), pre.shape.nodes)
 
     def _tree_caps(self, group: list[Request], shape: TreeBudget, depth_caps: list[int],
                    max_drafts: list[int | None]) -> tuple["TreeLayout", tuple[list[int], list[int]] | None, list[int]]:
@@ -837,9 +846,11 @@ class TreeDraft:
     the host TreeProposal from `result()` (which waits for the drafting phase's one host read); `seconds()`: the
     drafting phase's device time (None: nothing drafted), also when it was queued during the last round."""
 
-    def __init__(self, finish, device: DeviceTreeBatch | None, seconds=None) -> None:
+    def __init__(self, finish, device: DeviceTreeBatch | None, seconds=None, prelaunched: "DeviceTree | None" = None
+                 ) -> None:
         self._finish, self.device, self._prop = finish, device, None
         self.seconds = seconds
+        self.prelaunched = prelaunched  # the tree queued by the last round's `prelaunch`, when it is this one
 
     def result(self) -> TreeProposal:
         if self._prop is None:

@@ -214,6 +214,8 @@ class Engine:
         self.sampler = RoundSampler(self.spec.rule, self._verify_kwargs())
         round_cls = TreeRound if tree else ChainRound
         self.round = round_cls(self.runner, self.drafter, self.sampler)
+        if tree:
+            self.round.lookahead = self._tree_lookahead
         self.scheduler = Scheduler(self.runner.kv, self.drafter, max_num_seqs, budget, tree)
         self.scheduler.draft_prefill = self.runner.graphs is None  # on graphs a prompt's chunk replays as pieces
         self.generator = torch.Generator().manual_seed(seed)
@@ -562,6 +564,15 @@ class Engine:
         """Committed tokens of r that the draft's own cache (which the caller knows exists) does not hold."""
         kv = self.drafter.kv
         return r.num_tokens - (kv.length(r.req_id) if kv.has(r.req_id) else 0)
+
+    def _tree_lookahead(self, reqs: list[Request], accepted_max: int, nodes: int) -> bool:
+        """TreeRound's check before it queues the next round's verify step from the device verdict: the next round
+        will be these requests' tree round (nobody waits to join, nobody else runs) and every next tree of `nodes`
+        nodes fits its context whatever this round accepts (at most accepted_max drafts plus the bonus token)."""
+        sched = self.scheduler
+        if sched.waiting or len(sched.running) != len(reqs):
+            return False
+        return all(r.num_tokens + accepted_max + 1 + nodes < self.max_model_len for r in reqs)
 
     def _tree_drafts(self, r: Request) -> int:
         """Nodes beyond the root of the tree request r drafts this round: the configured tree cut to what fits, as

@@ -13,6 +13,7 @@ proposal. Sampling, coins, the coupling and the choice of verifier live in `engi
 """
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -233,6 +234,29 @@ class ChainRound(Round):
                            sampled_rows=sum(n + 1 for n, it in zip(nd, items) if it.final), drafted_nodes=nd)
 
 
+@dataclass
+class _Preverify:
+    """The next round's verify step, queued from this round's device verdict (`TreeRound._queue_verify`), and what
+    it assumed: the same requests in the same order taking the prelaunched tree of n nodes each, each request's
+    root (its newest committed position) where the host verdict put it (`expect`, set once the verdict is read),
+    and no target graph replayed since (`replays`: its output lives in the graph's static memory)."""
+
+    req_ids: tuple
+    tree: object  # the prelaunched DeviceTree it verifies
+    n: int
+    out: ForwardOutput  # logits [B * n, V], hidden states [B * n, H]
+    slots: torch.Tensor  # [B * n] the step's cache slots (node j of request b at its root + j)
+    marks: Marks  # 0 -> 1: the verify step's device time
+    replays: int
+    expect: list[int] | None = None
+
+    def matches(self, reqs: list[Request], pend, kv, replays: int) -> bool:
+        return (self.expect is not None and replays == self.replays and pend.prelaunched is self.tree
+                and pend.device is not None and pend.device.n == self.n
+                and tuple(r.req_id for r in reqs) == self.req_ids
+                and all(r.num_tokens - 1 == e and kv.length(r.req_id) == e for r, e in zip(reqs, self.expect)))
+
+
 class TreeRound(Round):
     """Target cache: the round writes [missing committed tokens before the root] + tree nodes; node j sits at
     cache position root + j while its RoPE position is root + depth(j). The accepted path's keys were computed
@@ -244,7 +268,29 @@ class TreeRound(Round):
     of the verify step, the verification, the KV move of every accepted path and the gather of the committed
     rows' hidden states are queued without reading the device; the host reads the drafted tree and the verdict
     (each copied to the host as soon as it is made) once the verification is queued. Other rounds take the
-    general path (host-built chunks)."""
+    general path (host-built chunks).
+
+    Overlapped rounds (CUDA graphs, greedy batches): once the drafter has queued the next round's drafting from the
+    device verdict (`EagleDrafter.prelaunch`), the next round's verify step is queued too (`_queue_verify`): its
+    ids, RoPE positions, cache slots and tree mask come from the verdict and the prelaunched tree on the device,
+    so the device runs the next drafting and verify forward while the host reads this verdict and commits it.
+    The next round uses it when its plan is the one assumed (`_Preverify.matches`), else drops it (its cache
+    writes lie past every committed length: the round that runs instead overwrites them)."""
+
+    # the smallest batch whose next verify step is queued ahead when `preverify` is None: at batch 1 the H200 round
+    # is bound by the host's work (~6-8 ms of Python per round against ~6.7 ms of GPU work), and queuing the verify
+    # step ahead measured 0-7 % slower there, 1-10 % faster from batch 4 (eagle_h200_session27.json)
+    PREVERIFY_MIN_BATCH = 2
+
+    def __init__(self, target: ModelRunner, drafter: Drafter | None, sampler: RoundSampler) -> None:
+        super().__init__(target, drafter, sampler)
+        # None: on wherever drafting is prelaunched on the target's graphs, from PREVERIFY_MIN_BATCH requests on
+        self.preverify: bool | None = None
+        # the engine's veto (requests, accepted at most, nodes) -> bool: False when the next round will not be the
+        # one assumed (arrivals waiting to join, a context limit near); without it only the tokens left are checked
+        self.lookahead: "Callable[[list[Request], int, int], bool] | None" = None
+        self.preverify_stats = {"launched": 0, "used": 0, "discarded": 0}
+        self._pv: _Preverify | None = None
 
     def run(self, items: list[RoundItem]) -> RoundResult:
         marks = Marks(self.target.device)
@@ -263,6 +309,9 @@ class TreeRound(Round):
         else:
             prop = self.drafter.propose_tree(reqs, caps) if trees else None
             t1 = marks.mark()
+        if self._pv is not None:  # (the round queued last time was for the device path)
+            self._pv = None
+            self.preverify_stats["discarded"] += 1
         return self._run_host(items, trees, prop, marks, t0, t1)
 
     # -- the device path -----------------------------------------------------------------------------
@@ -272,20 +321,30 @@ class TreeRound(Round):
         reqs = [it.request for it in items]
         b, n = len(reqs), tree.n
         roots = [r.num_tokens - 1 for r in reqs]  # feed 1: the cache holds everything before the root
-        # the verify step: placeholders laid out on the host (slots, lengths, tables), then ids, positions and the
-        # tree mask from the device tree
-        step = self.target.prepare([Chunk(r.req_id, [0] * n, logits=n) for r in reqs])
-        step.input_ids.copy_(tree.tokens.reshape(-1))
-        step.positions.copy_((h2d(roots, dev, torch.int64)[:, None] + tree.depth).reshape(-1))
-        step = replace(step, meta=replace(step.meta, tree_mask=tree.mask.reshape(b * n, n)))
         layers = self.drafter.target_hidden_layers
-        executor = self.target.graphs if self.target.graphs is not None else self.target
-        out = executor.execute(step, None, layers)
+        graphs = self.target.graphs
+        pv, self._pv = self._pv, None
+        if pv is not None and pv.matches(reqs, pend, kv, graphs.replays):  # queued during the last round
+            self.preverify_stats["used"] += 1
+            for r, root in zip(reqs, roots):
+                kv.set_length(r.req_id, root + n)  # (what the step wrote; its blocks were reserved then)
+            out, slots, vmarks = pv.out, pv.slots.view(b, n), pv.marks
+        else:
+            if pv is not None:
+                self.preverify_stats["discarded"] += 1
+            # the verify step: placeholders laid out on the host (slots, lengths, tables), then ids, positions and
+            # the tree mask from the device tree
+            step = self.target.prepare([Chunk(r.req_id, [0] * n, logits=n) for r in reqs])
+            step.input_ids.copy_(tree.tokens.reshape(-1))
+            step.positions.copy_((h2d(roots, dev, torch.int64)[:, None] + tree.depth).reshape(-1))
+            step = replace(step, meta=replace(step.meta, tree_mask=tree.mask.reshape(b * n, n)))
+            out = (graphs if graphs is not None else self.target).execute(step, None, layers)
+            slots, vmarks = step.meta.slot_mapping.view(b, n), None
         t2 = marks.mark()
         coupled = any(is_coupled(r, self.sampler.rule) for r in reqs)
         prop = pend.result() if coupled else None  # coupled requests key their rows by the nodes' depths
         rows = [n] * b
-        starts = step.starts
+        starts = [i * n for i in range(b)]
         pending = self.sampler.tree_launch(
             out.logits, reqs, rows, starts, tree.tokens.reshape(-1), tree.parents.reshape(-1),
             None if tree.probs is None else (lambda: tree.probs.reshape(b * n, -1)),
@@ -296,16 +355,20 @@ class TreeRound(Round):
         nodes = pending.res.accepted_nodes[:, : s + 1]  # [b, s + 1], root first, -1 past the path
         ar = torch.arange(s + 1, device=dev)
         nodes = torch.where(nodes >= 0, nodes, ar)
-        slots = step.meta.slot_mapping.view(b, n)
         kv.move(None, slots.gather(1, nodes[:, 1:]).reshape(-1), slots[:, 1: s + 1].reshape(-1))
         flat = (torch.arange(b, device=dev)[:, None] * n + nodes).reshape(-1)
         hidden = {layer: h[flat].view(b, s + 1, -1) for layer, h in out.hidden_states.items()}
         # overlap: the next round's drafting queued from the device verdict (EAGLE), so the device drafts while
-        # the host reads the verdict, commits and prepares the next verify step
+        # the host reads the verdict, commits and prepares the next verify step; then that verify step itself
         feats = None if coupled else self.drafter.prelaunch(reqs, tree, pending.res, hidden, roots)
+        if feats is not None:
+            self._pv = self._queue_verify(reqs, roots, s, pending.res)
+            pending.stale = self._pv is not None  # (the replay reuses this round's output memory)
         prop = pend.result()  # the drafting phase's host read (the draft is done; the verification runs)
         verdict, paths = self.sampler.tree_finish(pending, prop)
         accepted = verdict.num_accepted
+        if self._pv is not None:
+            self._pv.expect = [root + a + 1 for root, a in zip(roots, accepted)]
         for r, a, root in zip(reqs, accepted, roots):
             kv.truncate(r.req_id, root + a + 1)
             self.drafter.rollback(r, root + a + 1)
@@ -314,11 +377,55 @@ class TreeRound(Round):
         depth = [max(_depths(p)) for p in prop.parents]
         steps = max(depth, default=0)
         draft_s = pend.seconds() if pend.seconds is not None else marks.seconds(t0, t1)
-        target_s = marks.seconds(t1, t2)
+        target_s = vmarks.seconds(0, 1) if vmarks is not None else marks.seconds(t1, t2)
         return RoundResult(verdict.emitted, depth, accepted, verdict.logprobs,
                            draft_step_seconds=draft_s / steps if steps else None, target_seconds=target_s,
                            draft_seconds=draft_s, target_tokens=b * n, sampled_rows=b * n,
                            drafted_nodes=[len(t) - 1 for t in prop.tokens])
+
+    def _preverify_on(self, batch: int) -> bool:
+        if self.preverify is not None:
+            return self.preverify
+        return batch >= self.PREVERIFY_MIN_BATCH and os.environ.get("FORERUN_EAGLE_PREVERIFY", "1") != "0"
+
+    def _queue_verify(self, reqs: list[Request], roots: list[int], s: int, res) -> _Preverify | None:
+        """Queue the next round's verify step from this round's device verdict (res: num_accepted [B],
+        output_token_ids [B, n]: the accepted drafts then the bonus token) and the tree the drafter has just
+        prelaunched: request i's next root is the bonus token at roots[i] + a_i + 1, its nodes' keys go to the cache
+        positions after it. None when it would not be the next round's (see `_Preverify`): off, no graphs, a request
+        wanting logprobs, too few tokens left for an uncapped tree, the engine's veto, no bucket, too few blocks."""
+        graphs, kv = self.target.graphs, self.target.kv
+        pre = self.drafter.prelaunched() if self._preverify_on(len(reqs)) and graphs is not None else None
+        if pre is None or any(r.params.logprobs is not None for r in reqs):
+            return None
+        tree, n = pre
+        b = len(reqs)
+        if n < 2 or n > graphs.max_q_len or graphs.bucket(b) is None:
+            return None
+        if any(r.remaining - (s + 1) - 1 < n - 1 for r in reqs):  # the next tree must not be cut by a request's end
+            return None
+        if self.lookahead is not None and not self.lookahead(reqs, s, n):
+            return None
+        ends = [root + s + 1 + n for root in roots]  # the next root is at most roots + s + 1
+        need = sum(max(0, -(-e // kv.block_size) - len(kv.blocks(r.req_id))) for r, e in zip(reqs, ends))
+        if kv.num_free_blocks < need + b:  # (a spare block per request for the scheduler's own reservations)
+            return None
+        for r, e in zip(reqs, ends):
+            kv.reserve(r.req_id, e)
+        dev = self.target.device
+        with torch.inference_mode():
+            acc = res.num_accepted.long()  # [B]
+            bonus = res.output_token_ids.gather(1, acc[:, None]).long()  # [B, 1]: the next root's token
+            ctx = h2d(roots, dev, torch.int64) + acc + 1  # [B]: the next root's position
+            tokens = torch.cat([bonus, tree.tokens[:, 1:n].long()], 1)  # [B, n]
+            self.target.load_block_tables([r.req_id for r in reqs])
+            vmarks = Marks(dev)
+            vmarks.mark()
+            out, slots = graphs.replay_tree(tokens, ctx, tree.depth[:, :n], tree.mask[:, :n, :n],
+                                            self.drafter.target_hidden_layers)
+            vmarks.mark()
+        self.preverify_stats["launched"] += 1
+        return _Preverify(tuple(r.req_id for r in reqs), tree, n, out, slots, vmarks, graphs.replays)
 
     # -- the general path ----------------------------------------------------------------------------
     def _run_host(self, items: list[RoundItem], trees: list[int], prop: TreeProposal | None, marks: Marks,

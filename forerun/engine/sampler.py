@@ -189,6 +189,9 @@ class RoundSampler:
             pending.event.synchronize()
         both = pending.host.tolist()
         w = pending.width
+        if any(row[-1] for row in both) and pending.stale:
+            raise ValueError("target logits of this round contain NaN or +Inf, or a fully masked row: no token can "
+                             f"be sampled (requests {[r.req_id for r in pending.requests]})")
         if any(row[-1] for row in both):  # non-finite target logits: the checked verification raises the error
             verify_tree(pending.logits, pending.tokens, pending.parents,
                         h2d(pending.starts, pending.logits.device, torch.int64),
@@ -315,6 +318,9 @@ class TreePending:
     q: torch.Tensor | None
     width: int
     bad: torch.Tensor  # [] bool: a non-finite target row
+    # the logits were overwritten after the verification was queued (TreeRound queued the next round's verify in
+    # the same graph's static memory): a non-finite row is reported without re-reading them
+    stale: bool = False
 
 
 def _depths(parents: list[int]) -> list[int]:

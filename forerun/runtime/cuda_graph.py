@@ -477,6 +477,35 @@ class GraphRunner:
         return self._replay(cap).logits[: b * logits_per_seq]
 
 
+    def replay_tree(self, tokens: torch.Tensor, context_lens: torch.Tensor, depth: torch.Tensor, mask: torch.Tensor,
+                    hidden_layers=()) -> tuple[ForwardOutput, torch.Tensor]:
+        """A tree verify step laid out from device tensors (no host values): B sequences of n nodes each.
+
+        tokens [B, n] int64 (node 0 the root); context_lens [B] int64: cached tokens before the root (node j's
+        key goes to cache position context_lens + j, its RoPE position is context_lens + depth[:, j]);
+        depth [B, n]; mask [B, n, n] bool (ancestor-or-self). Sequence b is row b of the runner's block tables
+        (the caller reserved the blocks and loaded the rows; the KVPool's host lengths are the caller's to set).
+        Replays the same bucket as `execute` of the host-prepared step (one graph for both). Returns (output:
+        logits [B * n, V] and hidden states [B * n, H], static memory; the step's cache slots [B * n])."""
+        b, n = tokens.shape
+        key = GraphKey(self.bucket(b) or 0, n, n, True, None, tuple(hidden_layers))
+        if key.num_seqs == 0 or n > self.max_q_len:
+            raise ValueError(f"replay_tree: no bucket for {b} sequences x {n} nodes")
+        cap = self._get(key, create=True)
+        buf, bs, t = self.runner.buffers, self.block_size, b * n
+        cache_pos = context_lens[:, None] + self._ar[None, :n]  # [B, n]
+        pages = torch.gather(buf.block_tables[:b], 1, cache_pos // bs)
+        slots = (pages * bs + cache_pos % bs).reshape(-1)  # [B * n]
+        buf.input_ids[:t].copy_(tokens.reshape(-1))
+        buf.positions[:t].copy_((context_lens[:, None] + depth).reshape(-1))
+        buf.slot_mapping[:t].copy_(slots)
+        buf.seq_lens[:b].copy_(context_lens + n)
+        buf.query_start_loc[: b + 1].copy_(self._ar[: b + 1] * n)
+        self._tree[:t, :n].copy_(mask.reshape(t, n))
+        self._fill_padding(b, t, key.num_seqs, n)
+        out = self._replay(cap)
+        return ForwardOutput(out.logits[:t], {i: h[:t] for i, h in out.hidden_states.items()}), slots
+
     def join_len(self, num_seqs: int, prompt_tokens: int) -> int | None:
         """The join graph's prompt rows for a prompt of this many tokens joining num_seqs uniform sequences: the
         smallest of JOIN_SIZES that holds it (the rest is padding), or None (too long, or no room in the buffers for

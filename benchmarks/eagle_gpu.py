@@ -300,8 +300,8 @@ class SyntheticTreeSampler(RoundSampler):
         """Expected tokens of the trees verified since the last reset (exact under the synthetic model)."""
         return sum(expected_tokens(par, self.q) for pars in self.trees for par in pars)
 
-    def tree_launch(self, logits, requests, rows, starts, tokens, parents, draft_probs, depths):
-        pending = super().tree_launch(logits, requests, rows, starts, tokens, parents, draft_probs, depths)
+    def tree_launch(self, logits, requests, rows, starts, tokens, parents, draft_probs, depths, layout=None):
+        pending = super().tree_launch(logits, requests, rows, starts, tokens, parents, draft_probs, depths, layout)
         b, n = len(rows), max(rows)
         if any(x != n for x in rows) or tokens.shape[0] != b * n:
             return pending  # drawn on the host in tree_finish
@@ -309,6 +309,25 @@ class SyntheticTreeSampler(RoundSampler):
         par, tok = parents.view(b, n), tokens.view(b, n)
         j = torch.arange(n, device=dev)
         rank = ((par[:, :, None] == par[:, None, :]) & (j[None, None, :] < j[None, :, None])).sum(-1)  # sibling rank
+        if layout is not None:  # all levels at once: the path = the nodes whose every ancestor has its level's rank
+            mask, depth = layout
+            levels = min(n - 1, self.max_depth)
+            u = torch.rand(b, levels, generator=self.gen, device=dev, dtype=torch.float64)
+            want = torch.cat([torch.zeros_like(u[:, :1], dtype=torch.long),
+                              torch.searchsorted(self.cumq, u, right=True)], 1)  # [b, levels + 1]: rank caught
+            caught = (rank == want.gather(1, depth.clamp(max=levels))) & (depth <= levels) | (j == 0)
+            on_path = ~(mask & ~caught[:, None, :]).any(-1)
+            final = torch.where(on_path, depth, -1).argmax(-1)
+            path = mask.gather(1, final.view(b, 1, 1).expand(b, 1, n)).squeeze(1)
+            nodes = torch.full((b, n + 1), -1, dtype=torch.long, device=dev).scatter_(
+                1, torch.where(path, depth, n), j.expand(b, n))[:, :n]
+            acc = depth.gather(1, final[:, None]).squeeze(1)
+            out = torch.where(nodes[:, 1:] >= 0, tok.gather(1, nodes[:, 1:].clamp(min=0)), -1)
+            out = torch.cat([out, torch.full_like(out[:, :1], -1)], 1)
+            out.scatter_(1, acc[:, None], pending.res.output_token_ids[:, :1].clamp(min=0))
+            res = SimpleNamespace(num_accepted=acc, accepted_nodes=nodes, output_token_ids=out)
+            host, event = self.verdict_to_host(res, pending.bad)
+            return replace(pending, res=res, host=host, event=event)
         nodes = torch.full((b, n), -1, dtype=torch.long, device=dev)
         nodes[:, 0] = 0
         cur = torch.zeros(b, dtype=torch.long, device=dev)

@@ -149,8 +149,8 @@ class _PathSampler(RoundSampler):
         self.gen = torch.Generator().manual_seed(seed)
         self.seen: list = []
 
-    def tree_launch(self, logits, requests, rows, starts, tokens, parents, draft_probs, depths):
-        pending = super().tree_launch(logits, requests, rows, starts, tokens, parents, draft_probs, depths)
+    def tree_launch(self, logits, requests, rows, starts, tokens, parents, draft_probs, depths, layout=None):
+        pending = super().tree_launch(logits, requests, rows, starts, tokens, parents, draft_probs, depths, layout)
         b, n = len(rows), max(rows)
         if any(x != n for x in rows) or tokens.shape[0] != b * n:
             return pending

@@ -167,3 +167,35 @@ def test_verify_tree_and_verify_chain_share_the_default_rule():
     scaled *= 0.99
     with pytest.raises(ValueError, match="sums to 0.99"):
         verify_tree(**dict(b, draft_probs=scaled))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_tree_verdict_equals_verify_tree(device):
+    """The device round's greedy verdict (layout from the drafter's mask and depths, TreeRound._run_device) against
+    verify_tree(rule="greedy") and the reference: random uniform trees over a 4-token vocabulary (duplicate sibling
+    tokens: the first in index order wins) with integer logits (argmax ties: the first index), accepted counts,
+    path nodes and emitted tokens equal; and the power check: some trees accept 3+ drafts, some none."""
+    from forerun.drafters.eagle import tree_mask_and_depth
+    from forerun.verify.tree import greedy_tree_verdict
+
+    g = torch.Generator().manual_seed(27)
+    accepted = []
+    for b, n in [(1, 2), (7, 5), (40, 9), (16, 16)]:
+        parents = torch.full((b, n), -1, dtype=torch.long)
+        for i in range(1, n):
+            parents[:, i] = (torch.rand(b, generator=g) * i).long()
+        logits = torch.randint(0, 3, (b * n, 4), generator=g).float()  # ties
+        am = logits.argmax(-1).view(b, n)
+        tokens = torch.randint(0, 4, (b, n), generator=g)
+        follow = torch.rand(b, n, generator=g) < 0.6  # mostly the parent's argmax: deep paths
+        tokens = torch.where(follow & (parents >= 0), am.gather(1, parents.clamp(min=0)), tokens)
+        tokens[:, 0] = 0
+        mask, depth = tree_mask_and_depth(parents, n)
+        got = greedy_tree_verdict(*(x.to(device) for x in (logits, tokens, parents, mask, depth)))
+        ref = verify_tree(logits, tokens.reshape(-1), parents.reshape(-1), torch.arange(b) * n, torch.full((b,), n),
+                          const_sampling(b, temperature=0.0), torch.rand(b * n, 2, generator=g), rule="greedy")
+        assert got.num_accepted.tolist() == ref.num_accepted.tolist()
+        assert got.accepted_nodes.tolist() == ref.accepted_nodes.tolist()
+        assert got.output_token_ids.tolist() == ref.output_token_ids.tolist()
+        accepted += ref.num_accepted.tolist()
+    assert max(accepted) >= 3 and min(accepted) == 0

@@ -863,8 +863,8 @@ class DeviceTree:
 
     nodes [R, n]: kept node ids (root first, ascending = breadth first); tokens [R, n] (column 0 unset: the
     root's token is the host's); parents [R, n]: parent's column (-1 for the root); depth [R, n] and mask
-    [R, n, n] (column j is node i or one of its ancestors: the verify tree mask), computed from parents on first
-    use; probs [R, n, V] (sampled batches only); packed [R, *] float64: tokens, parents, kept scores, every
+    [R, n, n] (column j is node i or one of its ancestors: the verify tree mask), made by the drafting body (also
+    inside its graph), or computed from parents on first use; probs [R, n, V] (sampled batches only); packed [R, *] float64: tokens, parents, kept scores, every
     candidate's score and parent. After a graph replay these are the graph's tensors: valid until the next
     proposal."""
 
@@ -874,11 +874,12 @@ class DeviceTree:
         self.probs = out["probs"][:batch] if out.get("probs") is not None else None
         self.steps_run = steps_run
         self._host = None
-        self._mask = None
+        # (mask, depth) when the drafting computed them (the static drafting's graphs do), else made on first use
+        self._mask = (out["mask"][:batch], out["depth"][:batch]) if out.get("mask") is not None else None
 
     @property
     def mask(self) -> torch.Tensor:
-        """[R, n, n] verify tree mask, computed on the device on first use (not part of the captured graph)."""
+        """[R, n, n] verify tree mask: the drafting graph's output, or computed on the device on first use."""
         if self._mask is None:
             self._mask = tree_mask_and_depth(self.parents, self.steps_run + 1)
         return self._mask[0]
@@ -1172,10 +1173,15 @@ class _StaticDrafting:
     def _tree_body(self, lay: TreeLayout, b: int, sample: _Sampling | None = None, max_seq_len: int | None = None,
                    capped: bool = False):
         """capped: per-request depth and node caps from `dcap` / `ncap` (set_caps)."""
+        hops = (lay.s_steps if sample is not None and sample.all_sampled else lay.steps - 1) + 1
+
         def body() -> dict[str, torch.Tensor]:
-            return grow_tree(self.head, self.kv, lay, self.root_out[:b], self.root_logits[:b], self.ctx[:b],
-                             self.tables[:b], self.bs, max_seq_len or self.max_seq_len, sample,
-                             (self.dcap[:b], self.ncap[:b]) if capped else None)
+            out = grow_tree(self.head, self.kv, lay, self.root_out[:b], self.root_logits[:b], self.ctx[:b],
+                            self.tables[:b], self.bs, max_seq_len or self.max_seq_len, sample,
+                            (self.dcap[:b], self.ncap[:b]) if capped else None)
+            # the verify step's tree mask and depths in the same graph (~30 small kernels launched for free)
+            out["mask"], out["depth"] = tree_mask_and_depth(out["parents"], hops)
+            return out
 
         return body
 

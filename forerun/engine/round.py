@@ -348,7 +348,7 @@ class TreeRound(Round):
         pending = self.sampler.tree_launch(
             out.logits, reqs, rows, starts, tree.tokens.reshape(-1), tree.parents.reshape(-1),
             None if tree.probs is None else (lambda: tree.probs.reshape(b * n, -1)),
-            [_depths(p) for p in prop.parents] if coupled else None)
+            [_depths(p) for p in prop.parents] if coupled else None, layout=(tree.mask, tree.depth))
         # before the verdict is read: every accepted path's keys to root + 1.. (a path has at most max_depth
         # drafts; slots past it copy onto themselves) and the committed rows' hidden states gathered
         s = min(n - 1, tree.max_depth)

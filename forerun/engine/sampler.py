@@ -22,6 +22,8 @@ from ..devices import h2d, to_host_async
 from ..drafters.base import TreeProposal
 from ..request import Request
 from ..verify import SamplingTensors, compute_logprobs, verify_chain, verify_tree
+from ..verify.probs import check_logits
+from ..verify.tree import greedy_tree_verdict
 from ..verify.coupling import coupled_scores, row_key
 from ..verify.probs import logits_to_probs
 
@@ -147,16 +149,26 @@ class RoundSampler:
         return self.tree_finish(pending, prop)
 
     def tree_launch(self, logits: torch.Tensor, requests: list[Request], rows: list[int], starts: list[int],
-                    tokens: torch.Tensor, parents: torch.Tensor, draft_probs, depths: list[list[int]] | None
-                    ) -> "TreePending":
+                    tokens: torch.Tensor, parents: torch.Tensor, draft_probs, depths: list[list[int]] | None,
+                    layout: tuple[torch.Tensor, torch.Tensor] | None = None) -> "TreePending":
         """Queue the tree verification without reading the device back. tokens / parents: [sum rows] int64 on the
         device (request i's nodes at its rows, root first; local parents, -1 at roots); draft_probs: [sum rows, V],
         or a callable making it (called only when a rule reads it), or None (greedy batches); depths[i][j]: node
-        j's depth (read only for coupled requests: None is allowed when there are none). The verdict is copied
-        to the host asynchronously; `tree_finish` waits for it (the round's one host read)."""
+        j's depth (read only for coupled requests: None is allowed when there are none). layout: (ancestor-or-self
+        mask [R, n, n], depth [R, n]) of R trees of n nodes each (a drafter's device tree): a greedy batch is then
+        verified by `greedy_tree_verdict` (the same rule, a fraction of the device ops, no coins drawn). The verdict
+        is copied to the host asynchronously; `tree_finish` waits for it (the round's one host read)."""
         device = logits.device
         logits, starts = _compact(logits, starts, rows)
         raw = logits
+        b, n = len(rows), max(rows)
+        if (layout is not None and self.rule in ("auto", "greedy") and logits.shape[0] == b * n
+                and all(r.params.temperature == 0 for r in requests)):
+            res = greedy_tree_verdict(logits, tokens.view(b, n), parents.view(b, n), layout[0], layout[1])
+            bad = ~torch.isfinite(logits.amax(-1)).all()
+            host, event = self.verdict_to_host(res, bad)
+            return TreePending(res, host, event, raw, logits, requests, starts, rows, tokens, parents, None, None,
+                               None, n, bad)
         coupled = [is_coupled(r, self.rule) for r in requests]
         if any(coupled) and depths is None:
             raise ValueError("coupled requests need the nodes' depths")
@@ -192,6 +204,8 @@ class RoundSampler:
         if any(row[-1] for row in both) and pending.stale:
             raise ValueError("target logits of this round contain NaN or +Inf, or a fully masked row: no token can "
                              f"be sampled (requests {[r.req_id for r in pending.requests]})")
+        if any(row[-1] for row in both) and pending.st is None:  # (the greedy verdict: no coins were drawn)
+            check_logits(pending.logits, name="target_logits")
         if any(row[-1] for row in both):  # non-finite target logits: the checked verification raises the error
             verify_tree(pending.logits, pending.tokens, pending.parents,
                         h2d(pending.starts, pending.logits.device, torch.int64),
@@ -313,8 +327,8 @@ class TreePending:
     rows: list[int]
     tokens: torch.Tensor
     parents: torch.Tensor
-    st: SamplingTensors
-    coins: torch.Tensor
+    st: SamplingTensors | None  # (None: the greedy verdict, no sampling tensors or coins)
+    coins: torch.Tensor | None
     q: torch.Tensor | None
     width: int
     bad: torch.Tensor  # [] bool: a non-finite target row

@@ -48,6 +48,11 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def last_token(self) -> int:
+        """The newest committed token (all_tokens[-1] without building the list)."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 

@@ -327,3 +327,39 @@ def test_preverify_from_two_requests_unless_forced(setup, forced):
     stats = eng.round.preverify_stats
     assert (stats["used"] > 0) if forced else stats["launched"] == 0, stats
     assert out == _plain(hf, greedy)[0]
+
+
+class _SpoilingSampler(RoundSampler):
+    """The engine's verifier, with a NaN put into one target row of every device-path (greedy verdict) round."""
+
+    def __init__(self) -> None:
+        super().__init__("auto")
+        self.spoiled = 0
+
+    def tree_launch(self, logits, requests, rows, starts, tokens, parents, draft_probs, depths, layout=None):
+        if layout is not None:
+            logits = logits.clone()
+            logits[3, 5] = float("nan")
+            self.spoiled += 1
+        return super().tree_launch(logits, requests, rows, starts, tokens, parents, draft_probs, depths, layout)
+
+
+@pytest.mark.parametrize("preverify", [False, True])
+def test_device_round_names_non_finite_target_logits(setup, preverify):
+    """A NaN in the target's logits stops the device round (greedy verdict) with an error naming the request, also
+    when the next verify step was queued over the same logits' memory (preverify: no re-read)."""
+    hf, head = setup
+    eng = _engine(hf, head, budget=False)
+    eng.drafter.overlap_trees = True
+    if preverify:
+        _target_graphs(eng)
+        eng.round.preverify = True
+    eng.round.sampler = sampler = _SpoilingSampler()
+    for i, p in enumerate(PROMPTS[:2]):
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), request_id=str(i))
+    with pytest.raises(ValueError, match="NaN") as err:
+        while eng.has_unfinished():
+            eng.step()
+    assert sampler.spoiled >= 1 and "request" in str(err.value)
+    # (queued over: the verdict's flag is reported without re-reading the logits, naming the round's requests)
+    assert ("of this round" in str(err.value)) == preverify and eng.round.preverify_stats["launched"] == preverify

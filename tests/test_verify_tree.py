@@ -198,4 +198,12 @@ def test_greedy_tree_verdict_equals_verify_tree(device):
         assert got.accepted_nodes.tolist() == ref.accepted_nodes.tolist()
         assert got.output_token_ids.tolist() == ref.output_token_ids.tolist()
         accepted += ref.num_accepted.tolist()
+        assert bool(got.finite)
+        for bad in (float("nan"), float("inf")):  # a non-finite row is flagged (the round then names it)
+            spoiled = logits.clone()
+            spoiled[b * n - 1, 1] = bad
+            assert not bool(greedy_tree_verdict(spoiled, tokens, parents, mask, depth).finite)
+        spoiled = logits.clone()
+        spoiled[0] = float("-inf")
+        assert not bool(greedy_tree_verdict(spoiled, tokens, parents, mask, depth).finite)
     assert max(accepted) >= 3 and min(accepted) == 0

@@ -426,7 +426,7 @@ class EagleDrafter(Drafter):
                 sizes[i] = n
             n = sizes[live[0]]
             if len(live) == len(requests) and n > 1 and all(sizes[i] == n for i in live):
-                roots = h2d([r.all_tokens[-1] for r in requests], self.cache.device, torch.int64)
+                roots = h2d([r.last_token for r in requests], self.cache.device, torch.int64)
                 parents = tree.parents[:, :n]  # a graph's output: the next prelaunch may overwrite it before a re-check
                 dev_batch = DeviceTreeBatch(
                     n, torch.cat([roots[:, None], tree.tokens[:, 1:n]], 1),
@@ -440,7 +440,7 @@ class EagleDrafter(Drafter):
             self._proposed = (time.perf_counter(), {r.req_id: s for r, s in zip(requests, sizes)})
 
         def finish() -> TreeProposal:
-            toks = [[r.all_tokens[-1]] for r in requests]
+            toks = [[r.last_token] for r in requests]
             parents: list[list[int]] = [[-1] for _ in requests]
             probs: list[torch.Tensor | None] = [None] * len(requests)
             if tree is not None:
@@ -449,7 +449,7 @@ class EagleDrafter(Drafter):
                 sampled_values = 0
                 for a, i in enumerate(live):
                     r, row, n = requests[i], host[a], sizes[i]
-                    toks[i] = [r.all_tokens[-1]] + [int(x) for x in row[1:n]]
+                    toks[i] = [r.last_token] + [int(x) for x in row[1:n]]
                     parents[i] = [-1] + [int(x) for x in row[n_out + 1: n_out + n]]
                     if r.params.temperature > 0:
                         probs[i] = tree.probs[a, :n]
@@ -659,7 +659,7 @@ class EagleDrafter(Drafter):
             for a, r in enumerate(group):  # drawn in node order, as the host tree drew them
                 if r.params.temperature > 0 and idx.numel():
                     u[a, idx] = torch.rand(idx.numel(), generator=r.generator)
-            roots = h2d([r.all_tokens[-1] for r in group], dev, torch.int64)
+            roots = h2d([r.last_token for r in group], dev, torch.int64)
             hook = self._grammar_hook(group, states, lay) if constrained else None
             sample = _Sampling(greedy, SamplingTensors.from_params([r.params for r in group], dev), h2d(u, dev),
                                roots, hook)

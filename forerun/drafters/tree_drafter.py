@@ -102,7 +102,7 @@ class TreeDrafter(ModelDrafter):
         caps = list(max_drafts) if max_drafts is not None else [None] * len(requests)
         depths = [shape.prefix_depth(tree_depth_cap(r, m), m) for r, m in zip(requests, caps)]
         sizes = [shape.nodes_upto(d) for d in depths]
-        tokens = [[r.all_tokens[-1]] + [0] * (n - 1) for r, n in zip(requests, sizes)]
+        tokens = [[r.last_token] + [0] * (n - 1) for r, n in zip(requests, sizes)]
         probs: list[torch.Tensor | None] = [None] * len(requests)
         self.feed(requests, [r.num_tokens - 1 for r in requests])  # catch-up in budget-sized forwards
         root_pos = [r.num_tokens - 1 for r in requests]

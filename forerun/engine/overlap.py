@@ -61,7 +61,7 @@ def overlapped_decode(runner: ModelRunner, requests: list[Request], limit: int,
     gr, kv, dev = runner.graphs, runner.kv, runner.device
     cuda = dev.type == "cuda"
     b = len(requests)
-    ids = torch.tensor([[r.all_tokens[-1]] for r in requests], device=dev)  # [B, 1] next input, fed on device
+    ids = torch.tensor([[r.last_token] for r in requests], device=dev)  # [B, 1] next input, fed on device
     ctx = torch.tensor([kv.length(r.req_id) for r in requests], device=dev)  # [B] cached tokens before a step
     runner.load_block_tables([r.req_id for r in requests])  # row i = requests[i] (run_uniform's rows)
     inputs = sampler.plain_inputs(requests, dev)  # seeded requests: greedy on log p + g(seed, position)

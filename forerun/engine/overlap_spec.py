@@ -184,7 +184,7 @@ def overlapped_spec_rounds(target, drafter, requests: list[Request], k: int, lim
             first = jlogits.argmax(-1)  # [1]
             row = torch.cat([first, first.new_zeros(kk), h2d([0, n - 1], dev, torch.int64)])  # accepted 0, L n - 1
             rows_out = torch.cat([rows_out, row.view(1, kk + 3)])
-            last2 = torch.cat([last2, torch.stack([h2d([rd.all_tokens[-1]], dev, torch.int64), first], 1)])
+            last2 = torch.cat([last2, torch.stack([h2d([rd.last_token], dev, torch.int64), first], 1)])
             L = torch.cat([L, h2d([n], dev, torch.int64)])
         out, done = to_host_async(rows_out)  # (queued before the draft's read below: the commit does not wait on it)
         if rd is not None:

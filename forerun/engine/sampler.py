@@ -165,7 +165,7 @@ class RoundSampler:
         if (layout is not None and self.rule in ("auto", "greedy") and logits.shape[0] == b * n
                 and all(r.params.temperature == 0 for r in requests)):
             res = greedy_tree_verdict(logits, tokens.view(b, n), parents.view(b, n), layout[0], layout[1])
-            bad = ~torch.isfinite(logits.amax(-1)).all()
+            bad = ~res.finite
             host, event = self.verdict_to_host(res, bad)
             return TreePending(res, host, event, raw, logits, requests, starts, rows, tokens, parents, None, None,
                                None, n, bad)
@@ -205,7 +205,8 @@ class RoundSampler:
             raise ValueError("target logits of this round contain NaN or +Inf, or a fully masked row: no token can "
                              f"be sampled (requests {[r.req_id for r in pending.requests]})")
         if any(row[-1] for row in both) and pending.st is None:  # (the greedy verdict: no coins were drawn)
-            check_logits(pending.logits, name="target_logits")
+            ids = torch.tensor([r.req_id for r in pending.requests]).repeat_interleave(torch.tensor(pending.rows))
+            check_logits(pending.logits, row_to_req=ids, name="target_logits")
         if any(row[-1] for row in both):  # non-finite target logits: the checked verification raises the error
             verify_tree(pending.logits, pending.tokens, pending.parents,
                         h2d(pending.starts, pending.logits.device, torch.int64),

@@ -16,13 +16,16 @@ replay up to `piece_batch_tokens` tokens (several prompts arriving together, a d
 Steps that would need more than `max_pieces` replays, trees, or chunks wanting logits for several rows of a long
 chunk run eagerly.
 
-Two ways in:
+Ways in:
   * `execute(step)` / `forward(chunks)`: the ModelRunner's host-side `prepare`, then replay (engine path).
   * `run_uniform(input_ids [B, q], context_lens [B])`: positions, slots and lengths are computed on the device
     inside the graph from the block tables already in the buffers (no host work, no sync: decode loops).
   * `run_uniform_join(...)`: the same uniform rows plus one prompt read in the same forward (a request joining
     an overlapped speculative session: its prompt rides along with the members' verify rows, one weight stream
     for both, instead of a forward of its own between two rounds).
+  * `replay_tree(tokens, context_lens, depth, mask)`: a tree verify step laid out from device tensors (EAGLE
+    rounds queue the next round's verify from the device verdict: TreeRound._queue_verify), replaying the bucket
+    `execute` would.
 
 Outputs of a replay live in the graph's static memory and are overwritten by the next replay of that bucket.
 The model's attention backend must declare `supports_cuda_graphs` (TritonPagedAttention does).

@@ -261,6 +261,7 @@ class GreedyTreeVerdict:
     num_accepted: Tensor  # [R] long
     accepted_nodes: Tensor  # [R, n] long: local node ids root first, -1 past the path
     output_token_ids: Tensor  # [R, n] long: accepted drafts, then the final token, -1 after
+    finite: Tensor  # [] bool: every row's maximum is finite (a row with NaN, +Inf or nothing but -inf is not)
 
 
 def greedy_tree_verdict(target_logits: Tensor, tokens: Tensor, parents: Tensor, ancestors: Tensor,
@@ -285,7 +286,9 @@ def greedy_tree_verdict(target_logits: Tensor, tokens: Tensor, parents: Tensor, 
     nodes = torch.full((r, n + 1), -1, dtype=torch.long, device=tokens.device).scatter_(
         1, torch.where(path, depth, n), j.expand(r, n))[:, :n]  # by depth
     out = torch.where(nodes >= 0, am.gather(1, nodes.clamp(min=0)), -1)  # argmax after each path node
-    return GreedyTreeVerdict(depth.gather(1, final[:, None]).squeeze(1), nodes, out)
+    # (argmax lands on a NaN, on +Inf, or on -inf when nothing else is left: one gather checks every row)
+    finite = torch.isfinite(target_logits.gather(1, am.view(-1, 1))).all()
+    return GreedyTreeVerdict(depth.gather(1, final[:, None]).squeeze(1), nodes, out, finite)
 
 
 def _sampled_final(rule: str, probs: Tensor, draft_probs: Tensor | None, tokens: Tensor, uniforms: Tensor,

@@ -728,6 +728,13 @@ def main() -> None:
                 head_step_ms(drafter, reqs, shape_t.topk * d, max(1, inner // 4), want=shape_t.topk, graph=True)
                 for d in range(1, shape_t.steps)) if cuda else head_ms
             for mode in modes:
+                # fresh requests at the configured context for every row: rows reusing the same requests ran at a
+                # context grown by every row before (at batch 64 the last row's attention read ~8x the KV bytes of
+                # the verify forward its ideal was timed with: the session-26/27 sweeps' "drift" at batch 64)
+                release(runner, drafter, reqs)
+                reqs = make_requests(b, context, shape["vocab_size"], seed=100 + b, first_id=next_id)
+                next_id += b
+                prefill(runner, drafter, reqs, max_tokens)
                 drafter.cuda_graphs = None if mode in ("graph", "prelaunch", "serial") else False
                 drafter.overlap_trees = False if mode == "serial" else None
                 if mode in ("graph", "prelaunch", "serial"):  # every extend length a round can feed, and the tree: nothing captured while timed

@@ -322,24 +322,19 @@ class SyntheticTreeSampler(RoundSampler):
             nodes = torch.full((b, n + 1), -1, dtype=torch.long, device=dev).scatter_(
                 1, torch.where(path, depth, n), j.expand(b, n))[:, :n]
             acc = depth.gather(1, final[:, None]).squeeze(1)
-            out = torch.where(nodes[:, 1:] >= 0, tok.gather(1, nodes[:, 1:].clamp(min=0)), -1)
-            out = torch.cat([out, torch.full_like(out[:, :1], -1)], 1)
-            out.scatter_(1, acc[:, None], pending.res.output_token_ids[:, :1].clamp(min=0))
-            res = SimpleNamespace(num_accepted=acc, accepted_nodes=nodes, output_token_ids=out)
-            host, event = self.verdict_to_host(res, pending.bad)
-            return replace(pending, res=res, host=host, event=event)
-        nodes = torch.full((b, n), -1, dtype=torch.long, device=dev)
-        nodes[:, 0] = 0
-        cur = torch.zeros(b, dtype=torch.long, device=dev)
-        alive = torch.ones(b, dtype=torch.bool, device=dev)
-        for d in range(1, min(n, self.max_depth + 1)):
-            u = torch.rand(b, 1, generator=self.gen, device=dev, dtype=torch.float64)
-            r = torch.searchsorted(self.cumq, u, right=True)  # [b, 1]: the rank caught (len(q): none)
-            hit = (par == cur[:, None]) & (rank == r) & (j > 0)
-            alive = alive & hit.any(-1)
-            cur = torch.where(alive, hit.long().argmax(-1), cur)
-            nodes[:, d] = torch.where(alive, cur, -1)
-        acc = (nodes >= 0).sum(-1) - 1
+        else:  # level by level from the root
+            nodes = torch.full((b, n), -1, dtype=torch.long, device=dev)
+            nodes[:, 0] = 0
+            cur = torch.zeros(b, dtype=torch.long, device=dev)
+            alive = torch.ones(b, dtype=torch.bool, device=dev)
+            for d in range(1, min(n, self.max_depth + 1)):
+                u = torch.rand(b, 1, generator=self.gen, device=dev, dtype=torch.float64)
+                r = torch.searchsorted(self.cumq, u, right=True)  # [b, 1]: the rank caught (len(q): none)
+                hit = (par == cur[:, None]) & (rank == r) & (j > 0)
+                alive = alive & hit.any(-1)
+                cur = torch.where(alive, hit.long().argmax(-1), cur)
+                nodes[:, d] = torch.where(alive, cur, -1)
+            acc = (nodes >= 0).sum(-1) - 1
         out = torch.where(nodes[:, 1:] >= 0, tok.gather(1, nodes[:, 1:].clamp(min=0)), -1)
         out = torch.cat([out, torch.full_like(out[:, :1], -1)], 1)
         out.scatter_(1, acc[:, None], pending.res.output_token_ids[:, :1].clamp(min=0))

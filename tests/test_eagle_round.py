@@ -266,17 +266,17 @@ def test_preverified_rounds_equal_rounds_verified_after_the_verdict(setup, graph
     queued before a request joined is dropped. graphs: the drafter's bucketed static buffers too."""
     hf, head = setup
     base = _overlap_run(hf, head, True, False, graphs=graphs, monkeypatch=monkeypatch, preverify=False)
-    off = _overlap_run(hf, head, True, False, graphs=graphs, monkeypatch=monkeypatch, preverify=None)
+    on = _overlap_run(hf, head, True, False, graphs=graphs, monkeypatch=monkeypatch, preverify=True)
     monkeypatch.setenv("FORERUN_EAGLE_PREVERIFY", "0")  # (None follows the switch)
     switched = _overlap_run(hf, head, True, False, graphs=graphs, monkeypatch=monkeypatch, preverify=None)
     monkeypatch.delenv("FORERUN_EAGLE_PREVERIFY")
     assert switched[3] == {"launched": 0, "used": 0, "discarded": 0}
-    stats = off[3]
+    stats = on[3]
     assert stats["used"] >= 8 and stats["discarded"] >= 1, stats
     assert stats["launched"] == stats["used"] + stats["discarded"]
-    assert sorted({a for _, _, accs in off[1] for a in accs}) == [0, 1, 2]
-    assert off[1] == base[1] == switched[1]
-    assert off[0] == base[0] == switched[0]
+    assert sorted({a for _, _, accs in on[1] for a in accs}) == [0, 1, 2]
+    assert on[1] == base[1] == switched[1]
+    assert on[0] == base[0] == switched[0]
 
 
 def test_preverified_rounds_keep_greedy_output(setup):
@@ -363,3 +363,35 @@ def test_device_round_names_non_finite_target_logits(setup, preverify):
     assert sampler.spoiled >= 1 and "request" in str(err.value)
     # (queued over: the verdict's flag is reported without re-reading the logits, naming the round's requests)
     assert ("of this round" in str(err.value)) == preverify and eng.round.preverify_stats["launched"] == preverify
+
+
+def test_preverify_waits_for_a_steady_batch(setup):
+    """The automatic choice queues the next verify step only while recent rounds kept their requests: with a request
+    arriving every few rounds (each arrival drops the step queued before it) it drops fewer than when forced; with
+    a steady batch it queues them; the output is plain greedy either way."""
+    hf, head = setup
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    def run(forced, arrivals):
+        eng = _engine(hf, head, budget=False)
+        eng.drafter.overlap_trees = True
+        _target_graphs(eng)
+        eng.round.preverify = forced
+        for i, p in enumerate(PROMPTS):
+            eng.add_request(p, greedy, request_id=str(i))
+        out: dict[str, list[int]] = {}
+        steps = 0
+        while eng.has_unfinished():
+            for d in eng.step():
+                out.setdefault(d.request_id, []).extend(d.new_token_ids)
+            steps += 1
+            if arrivals and steps % 4 == 0 and steps <= 16:
+                eng.add_request([9, 8, 7, steps], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                                request_id=f"late{steps}")
+        return [out[str(i)] for i in range(len(PROMPTS))], dict(eng.round.preverify_stats)
+
+    forced, auto = run(True, True), run(None, True)
+    assert auto[0] == forced[0] == _plain(hf, greedy)
+    assert forced[1]["discarded"] >= 3 and auto[1]["discarded"] < forced[1]["discarded"], (forced[1], auto[1])
+    steady = run(None, False)
+    assert steady[1]["used"] >= 5 and steady[1]["discarded"] <= 1, steady[1]

@@ -270,8 +270,9 @@ class TreeRound(Round):
     (each copied to the host as soon as it is made) once the verification is queued. Other rounds take the
     general path (host-built chunks).
 
-    Overlapped rounds (CUDA graphs, greedy batches): once the drafter has queued the next round's drafting from the
-    device verdict (`EagleDrafter.prelaunch`), the next round's verify step is queued too (`_queue_verify`): its
+    Overlapped rounds (CUDA graphs, greedy batches, a steady batch of two requests or more): once the drafter has
+    queued the next round's drafting from the device verdict (`EagleDrafter.prelaunch`), the next round's verify
+    step is queued too (`_queue_verify`): its
     ids, RoPE positions, cache slots and tree mask come from the verdict and the prelaunched tree on the device,
     so the device runs the next drafting and verify forward while the host reads this verdict and commits it.
     The next round uses it when its plan is the one assumed (`_Preverify.matches`), else drops it (its cache
@@ -281,6 +282,12 @@ class TreeRound(Round):
     # is bound by the host's work (~6-8 ms of Python per round against ~6.7 ms of GPU work), and queuing the verify
     # step ahead measured 0-7 % slower there, 1-10 % faster from batch 4 (eagle_h200_session27.json)
     PREVERIFY_MIN_BATCH = 2
+    # ... and a steady batch: a queued step is dropped when the next round's requests differ (one finished, one
+    # joined), and a dropped step costs a whole verify forward against the ~5 % of a round a used one saves; so the
+    # automatic choice queues one only while the share of recent rounds that kept the round before's requests (an
+    # exponential average, weight STEADY_DECAY on the past) is at least PREVERIFY_STEADY
+    PREVERIFY_STEADY = 0.95
+    STEADY_DECAY = 0.9
 
     def __init__(self, target: ModelRunner, drafter: Drafter | None, sampler: RoundSampler) -> None:
         super().__init__(target, drafter, sampler)
@@ -291,10 +298,16 @@ class TreeRound(Round):
         self.lookahead: "Callable[[list[Request], int, int], bool] | None" = None
         self.preverify_stats = {"launched": 0, "used": 0, "discarded": 0}
         self._pv: _Preverify | None = None
+        self._last_ids: tuple | None = None
+        self.steady = 1.0  # the exponential average of rounds with the round before's requests
 
     def run(self, items: list[RoundItem]) -> RoundResult:
         marks = Marks(self.target.device)
         t0 = marks.mark()
+        ids = tuple((it.request.req_id, it.feed, it.final) for it in items)
+        if self._last_ids is not None:  # (the first round compares with nothing)
+            self.steady = self.STEADY_DECAY * self.steady + (1 - self.STEADY_DECAY) * (ids == self._last_ids)
+        self._last_ids = ids
         self._feed_drafter(items)
         trees = [i for i, it in enumerate(items) if it.final and it.k > 0]
         reqs = [items[i].request for i in trees]
@@ -386,7 +399,8 @@ class TreeRound(Round):
     def _preverify_on(self, batch: int) -> bool:
         if self.preverify is not None:
             return self.preverify
-        return batch >= self.PREVERIFY_MIN_BATCH and os.environ.get("FORERUN_EAGLE_PREVERIFY", "1") != "0"
+        return (batch >= self.PREVERIFY_MIN_BATCH and self.steady >= self.PREVERIFY_STEADY
+                and os.environ.get("FORERUN_EAGLE_PREVERIFY", "1") != "0")
 
     def _queue_verify(self, reqs: list[Request], roots: list[int], s: int, res) -> _Preverify | None:
         """Queue the next round's verify step from this round's device verdict (res: num_accepted [B],

@@ -185,7 +185,7 @@ def _target_graphs(eng: Engine) -> None:
 
 
 def _overlap_run(hf, head, overlap: bool, budget: bool, late: bool = True, graphs: bool = False, monkeypatch=None,
-                 preverify: bool | None = False):
+                 preverify: bool | None = False, stops: dict | None = None):
     """preverify: queue the next round's verify step too (on the target's eager stand-in graph runner); False: the
     target runs its verify steps as before (no graph runner)."""
     eng = _engine(hf, head, tree=(3, 3, 8), budget=budget)
@@ -207,7 +207,8 @@ def _overlap_run(hf, head, overlap: bool, budget: bool, late: bool = True, graph
         monkeypatch.setattr(_StaticDrafting, "_get", capturing_get)
     eng.round.sampler = sampler = _PathSampler(seed=3)
     for i, p in enumerate(PROMPTS):
-        eng.add_request(p, SamplingParams(temperature=0, max_tokens=48 + 6 * i, ignore_eos=True), request_id=str(i))
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=48 + 6 * i, ignore_eos=True,
+                                          stop_token_ids=(stops or {}).get(i, ())), request_id=str(i))
     out: dict[str, list[int]] = {}
     steps = 0
     while eng.has_unfinished():
@@ -232,7 +233,7 @@ def test_prelaunched_drafting_equals_drafting_after_the_verdict(setup, graphs, m
     hf, head = setup
     off = _overlap_run(hf, head, False, False, graphs=graphs, monkeypatch=monkeypatch)
     on = _overlap_run(hf, head, True, False, graphs=graphs, monkeypatch=monkeypatch)
-    assert off[2] == {"launched": 0, "used": 0, "discarded": 0}
+    assert off[2] == {"launched": 0, "used": 0, "discarded": 0, "partial": 0}
     stats = on[2]
     assert stats["used"] >= 8 and stats["discarded"] >= 1, stats
     assert stats["launched"] == stats["used"] + stats["discarded"]
@@ -270,7 +271,7 @@ def test_preverified_rounds_equal_rounds_verified_after_the_verdict(setup, graph
     monkeypatch.setenv("FORERUN_EAGLE_PREVERIFY", "0")  # (None follows the switch)
     switched = _overlap_run(hf, head, True, False, graphs=graphs, monkeypatch=monkeypatch, preverify=None)
     monkeypatch.delenv("FORERUN_EAGLE_PREVERIFY")
-    assert switched[3] == {"launched": 0, "used": 0, "discarded": 0}
+    assert switched[3] == {"launched": 0, "used": 0, "discarded": 0, "partial": 0}
     stats = on[3]
     assert stats["used"] >= 8 and stats["discarded"] >= 1, stats
     assert stats["launched"] == stats["used"] + stats["discarded"]
@@ -395,3 +396,27 @@ def test_preverify_waits_for_a_steady_batch(setup):
     assert forced[1]["discarded"] >= 3 and auto[1]["discarded"] < forced[1]["discarded"], (forced[1], auto[1])
     steady = run(None, False)
     assert steady[1]["used"] >= 5 and steady[1]["discarded"] <= 1, steady[1]
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_queued_rounds_survive_requests_ending_early(setup, graphs, monkeypatch):
+    """Requests ending on a stop token (an end the look-ahead cannot plan for): the next round takes the rows of the
+    requests still running from the drafting and the verify step queued for all of them (`partial`), and every round
+    verifies the same trees and commits the same tokens as without queuing anything."""
+    hf, head = setup
+    free = _overlap_run(hf, head, True, False, late=False, graphs=graphs, monkeypatch=monkeypatch)[0]
+
+    def first_new(out: list[int], at: int) -> int:  # a token first emitted at `at` or after: the request stops there
+        return next(t for j, t in enumerate(out) if j >= at and t not in out[:j])
+
+    # request 0 ends first (the rows taken are then not a prefix of those queued), 2 later; request 3 runs on
+    stops = {i: (first_new(free[str(i)], 12 + 8 * i),) for i in range(3)}
+    none = _overlap_run(hf, head, False, False, late=False, graphs=graphs, monkeypatch=monkeypatch, stops=stops)
+    on = _overlap_run(hf, head, True, False, late=False, graphs=graphs, monkeypatch=monkeypatch, preverify=True,
+                      stops=stops)
+    assert len(on[0]["0"]) < 48 and len(on[0]["2"]) < 60  # they ended early (1 may or may not: once the batch
+    # changes, the drawn paths, and so its tokens, differ from the run that chose the stop tokens)
+    assert on[2]["partial"] >= 1 and on[3]["partial"] >= 1, (on[2], on[3])
+    done = on[3]["used"] + on[3]["discarded"]
+    assert done <= on[3]["launched"] <= done + 1  # (the last request's last round may leave one queued)
+    assert on[1] == none[1] and on[0] == none[0]

@@ -112,3 +112,17 @@ class Drafter(ABC):
     def cached_length(self, request: Request) -> int | None:
         """Tokens of the request in the drafter's own cache (None: the drafter has no cache)."""
         return None
+
+
+def subsequence_rows(ids, of) -> list[int] | None:
+    """Where each of `ids` sits in `of` when they are a subsequence of it (same order, some left out), else None:
+    a batch queued ahead that some requests have left since (EAGLE's prelaunched drafting, a queued verify step)."""
+    at, rows = 0, []
+    for x in ids:
+        while at < len(of) and of[at] != x:
+            at += 1
+        if at == len(of):
+            return None
+        rows.append(at)
+        at += 1
+    return rows

@@ -53,7 +53,7 @@ from ..runtime.cuda_graph import capturing
 from ..runtime.runner import Chunk, ModelRunner
 from ..verify.probs import SamplingTensors, logits_to_probs, sample_from_probs
 from ..kvcache.pool import OutOfBlocks
-from .base import DraftProposal, Drafter, TreeProposal
+from .base import DraftProposal, Drafter, TreeProposal, subsequence_rows
 from .eagle_budget import TreeBudget, TreeBudgetPolicy
 from .tree_drafter import tree_depth_cap
 
@@ -153,7 +153,8 @@ class EagleDrafter(Drafter):
         # force it (tests run it on the CPU); FORERUN_EAGLE_PRELAUNCH=0 turns the automatic choice off
         self.overlap_trees: bool | None = None
         self._pre: _Prelaunch | None = None
-        self.prelaunch_stats = {"launched": 0, "used": 0, "discarded": 0}
+        # used: taken by the next proposal (partial: for some of its requests, the others having finished)
+        self.prelaunch_stats = {"launched": 0, "used": 0, "discarded": 0, "partial": 0}
 
     def use_target_cost(self, cost=None) -> TreeBudgetPolicy:
         """Turn on the per-round tree budget (the configured tree is its maximum). cost: the target's measured
@@ -409,12 +410,15 @@ class EagleDrafter(Drafter):
             lay, caps, live_sizes = self._tree_caps(group, shape, [depth_caps[i] for i in live],
                                                     [node_caps[i] for i in live])
             reduced = lay.steps < shape.steps or lay.nodes < shape.nodes
-            if pre is not None and pre.matches(requests, ranges, len(live), shape, lay, caps, self.static.writes):
-                marks, tree = pre.marks, pre.tree  # drafted during the last verification
+            rows = None if pre is None else pre.matches(requests, ranges, len(live), shape, lay, caps,
+                                                         self.static.writes)
+            if rows is not None:  # drafted during the last verification (for these requests and maybe others)
+                marks, tree = pre.marks, pre.tree if rows == list(range(len(pre.req_ids))) else pre.tree.select(rows)
                 for i in live:
                     self.cache.kv.set_length(requests[i].req_id, ranges[i][1])
                 self.prelaunch_stats["used"] += 1
-                pre, used = None, tree
+                self.prelaunch_stats["partial"] += len(rows) < len(pre.req_ids)
+                pre, used = None, (pre.tree, rows)
             else:
                 marks = Marks(self.cache.device)
                 marks.mark()  # 0: drafting starts (1: launched)
@@ -723,13 +727,19 @@ class _Prelaunch:
         self.expect: list[int] | None = None  # per request the newest committed position (observe_target_batch)
 
     def matches(self, requests: list[Request], ranges: list, live: int, shape: TreeBudget, lay: "TreeLayout",
-                caps, writes: int) -> bool:
-        """The proposal's plan is the one drafted: the same requests in the same order, all drafting, the same
-        shape and layout, no per-request caps, each request feeding rows roots - 1 .. the committed end, and
-        nothing run over the static buffers since."""
-        return (self.expect is not None and writes == self.writes and live == len(requests) and caps is None
-                and shape == self.shape and lay is self.lay and tuple(r.req_id for r in requests) == self.req_ids
-                and all(rng == (root - 1, e) for rng, root, e in zip(ranges, self.roots, self.expect)))
+                caps, writes: int) -> list[int] | None:
+        """The proposal's plan is the one drafted: its requests among those drafted for, in the same order (some
+        may have finished since), all drafting, the same shape and layout, no per-request caps, each request
+        feeding rows roots - 1 .. the committed end, and nothing run over the static buffers since. Returns the
+        drafted rows of the requests (one each), or None."""
+        if not (self.expect is not None and writes == self.writes and live == len(requests) and caps is None
+                and shape == self.shape and lay is self.lay):
+            return None
+        rows = subsequence_rows([r.req_id for r in requests], self.req_ids)
+        if rows is None or any(rng != (self.roots[j] - 1, self.expect[j]) for rng, j in zip(ranges, rows)):
+            return None
+        return rows
+
 
 
 # -- the dynamic tree on the device ---------------------------------------------------------------------------
@@ -846,11 +856,13 @@ class TreeDraft:
     the host TreeProposal from `result()` (which waits for the drafting phase's one host read); `seconds()`: the
     drafting phase's device time (None: nothing drafted), also when it was queued during the last round."""
 
-    def __init__(self, finish, device: DeviceTreeBatch | None, seconds=None, prelaunched: "DeviceTree | None" = None
-                 ) -> None:
+    def __init__(self, finish, device: DeviceTreeBatch | None, seconds=None,
+                 prelaunched: "tuple[DeviceTree, list[int]] | None" = None) -> None:
         self._finish, self.device, self._prop = finish, device, None
         self.seconds = seconds
-        self.prelaunched = prelaunched  # the tree queued by the last round's `prelaunch`, when it is this one
+        # when this is the tree batch the last round's `prelaunch` queued: (that batch, the rows of it taken, one per
+        # request: all of them, or those of the requests still running when some finished)
+        self.prelaunched = prelaunched
 
     def result(self) -> TreeProposal:
         if self._prop is None:
@@ -876,6 +888,16 @@ class DeviceTree:
         self._host = None
         # (mask, depth) when the drafting computed them (the static drafting's graphs do), else made on first use
         self._mask = (out["mask"][:batch], out["depth"][:batch]) if out.get("mask") is not None else None
+
+    def select(self, rows: list[int]) -> "DeviceTree":
+        """These requests' rows (copies: a prelaunched batch taken after some of its requests finished)."""
+        idx = h2d(rows, self.tokens.device, torch.int64)
+        pick = lambda x: None if x is None else x.index_select(0, idx)  # noqa: E731
+        mask, depth = self.mask, self.depth
+        t = DeviceTree({"nodes": pick(self.nodes), "tokens": pick(self.tokens), "parents": pick(self.parents),
+                        "packed": pick(self.packed), "probs": pick(self.probs), "mask": pick(mask),
+                        "depth": pick(depth)}, len(rows), self.steps_run)
+        return t
 
     @property
     def mask(self) -> torch.Tensor:

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from ..devices import Marks, h2d
-from ..drafters.base import DraftProposal, Drafter, TreeProposal
+from ..drafters.base import DraftProposal, Drafter, TreeProposal, subsequence_rows
 from ..request import Request
 from ..models.llama import ForwardOutput
 from ..runtime.runner import Chunk, ModelRunner
@@ -250,11 +250,19 @@ class _Preverify:
     replays: int
     expect: list[int] | None = None
 
-    def matches(self, reqs: list[Request], pend, kv, replays: int) -> bool:
-        return (self.expect is not None and replays == self.replays and pend.prelaunched is self.tree
-                and pend.device is not None and pend.device.n == self.n
-                and tuple(r.req_id for r in reqs) == self.req_ids
-                and all(r.num_tokens - 1 == e and kv.length(r.req_id) == e for r, e in zip(reqs, self.expect)))
+    def matches(self, reqs: list[Request], pend, kv, replays: int) -> list[int] | None:
+        """The rows of the step (one per request, in order) when the round can take it, else None: its requests
+        are among those queued for (some may have finished), taking the prelaunched tree's rows of the same
+        requests, each root where the host verdict put it."""
+        if self.expect is None or replays != self.replays or pend.device is None or pend.device.n != self.n:
+            return None
+        rows = subsequence_rows([r.req_id for r in reqs], self.req_ids)
+        if rows is None or pend.prelaunched is None or pend.prelaunched[0] is not self.tree \
+                or pend.prelaunched[1] != rows:
+            return None
+        ok = all(r.num_tokens - 1 == self.expect[j] and kv.length(r.req_id) == self.expect[j]
+                 for r, j in zip(reqs, rows))
+        return rows if ok else None
 
 
 class TreeRound(Round):
@@ -296,7 +304,7 @@ class TreeRound(Round):
         # the engine's veto (requests, accepted at most, nodes) -> bool: False when the next round will not be the
         # one assumed (arrivals waiting to join, a context limit near); without it only the tokens left are checked
         self.lookahead: "Callable[[list[Request], int, int], bool] | None" = None
-        self.preverify_stats = {"launched": 0, "used": 0, "discarded": 0}
+        self.preverify_stats = {"launched": 0, "used": 0, "discarded": 0, "partial": 0}  # (partial: see prelaunch_stats)
         self._pv: _Preverify | None = None
         self._last_ids: tuple | None = None
         self.steady = 1.0  # the exponential average of rounds with the round before's requests
@@ -305,8 +313,9 @@ class TreeRound(Round):
         marks = Marks(self.target.device)
         t0 = marks.mark()
         ids = tuple((it.request.req_id, it.feed, it.final) for it in items)
-        if self._last_ids is not None:  # (the first round compares with nothing)
-            self.steady = self.STEADY_DECAY * self.steady + (1 - self.STEADY_DECAY) * (ids == self._last_ids)
+        if self._last_ids is not None:  # (the first round compares with nothing; requests may have finished)
+            kept = subsequence_rows(ids, self._last_ids) is not None
+            self.steady = self.STEADY_DECAY * self.steady + (1 - self.STEADY_DECAY) * kept
         self._last_ids = ids
         self._feed_drafter(items)
         trees = [i for i, it in enumerate(items) if it.final and it.k > 0]
@@ -337,11 +346,18 @@ class TreeRound(Round):
         layers = self.drafter.target_hidden_layers
         graphs = self.target.graphs
         pv, self._pv = self._pv, None
-        if pv is not None and pv.matches(reqs, pend, kv, graphs.replays):  # queued during the last round
+        rows = None if pv is None else pv.matches(reqs, pend, kv, graphs.replays)
+        if rows is not None:  # queued during the last round
             self.preverify_stats["used"] += 1
             for r, root in zip(reqs, roots):
                 kv.set_length(r.req_id, root + n)  # (what the step wrote; its blocks were reserved then)
-            out, slots, vmarks = pv.out, pv.slots.view(b, n), pv.marks
+            out, slots, vmarks = pv.out, pv.slots.view(-1, n), pv.marks
+            if len(rows) < slots.shape[0]:  # some of its requests finished since: the others' rows
+                self.preverify_stats["partial"] += 1
+                flat = (h2d(rows, dev, torch.int64)[:, None] * n + torch.arange(n, device=dev)).reshape(-1)
+                out = ForwardOutput(out.logits.index_select(0, flat),
+                                    {layer: h.index_select(0, flat) for layer, h in out.hidden_states.items()})
+                slots = slots.view(-1)[flat].view(b, n)
         else:
             if pv is not None:
                 self.preverify_stats["discarded"] += 1

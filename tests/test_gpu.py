@@ -759,3 +759,46 @@ def test_eagle_prelaunched_drafting_on_cuda_graphs(tmp_path):
         for d in plain.step():
             want.setdefault(d.request_id, []).extend(d.new_token_ids)
     assert greedy[0] == want
+
+
+def test_eagle_queued_rounds_with_early_ends_on_cuda_graphs(tmp_path):
+    """On CUDA graphs, requests ending on a stop token while the next round's drafting and verify step are queued:
+    the next round takes the others' rows (`partial`), with the same trees and tokens as without queuing."""
+    import sys, os
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_eagle_round import PROMPTS, _PathSampler
+    from tiny import hf_model, random_eagle_head_dir, sharpen, tiny_tokenizer
+
+    from forerun.config import SpecConfig
+    from forerun.engine.engine import Engine
+    from forerun.sampling_params import SamplingParams
+
+    hf = sharpen(hf_model("qwen2"), 3.0)
+    build = model_factory(hf, torch.float32)
+    head = random_eagle_head_dir(build().cpu(), tmp_path / "head")
+    tok = tiny_tokenizer(hf.config.vocab_size)
+    kw = dict(device="cuda", dtype=torch.float32, cache=CacheConfig(block_size=16, num_blocks=512))
+
+    def run(overlap, preverify, stops):
+        eng = Engine.from_model(build(), tok, spec=SpecConfig(method="eagle", eagle_head=head, eagle_tree=(3, 3, 8)),
+                                **kw)
+        eng.drafter.budget = None
+        eng.drafter.overlap_trees = overlap
+        eng.round.preverify = preverify
+        eng.round.sampler = sampler = _PathSampler(seed=5)
+        for i, p in enumerate(PROMPTS):
+            eng.add_request(p, SamplingParams(temperature=0, max_tokens=48 + 6 * i, ignore_eos=True,
+                                              stop_token_ids=stops.get(i, ())), request_id=str(i))
+        out = {}
+        while eng.has_unfinished():
+            for d in eng.step():
+                out.setdefault(d.request_id, []).extend(d.new_token_ids)
+        return out, sampler.seen, dict(eng.drafter.prelaunch_stats), dict(eng.round.preverify_stats)
+
+    free = run(None, True, {})[0]
+    first_new = lambda out, at: next(t for j, t in enumerate(out) if j >= at and t not in out[:j])  # noqa: E731
+    stops = {i: (first_new(free[str(i)], 12 + 8 * i),) for i in range(3)}
+    on, off = run(None, True, stops), run(False, False, stops)
+    assert len(on[0]["0"]) < 48 and on[2]["partial"] >= 1 and on[3]["partial"] >= 1, (on[2], on[3])
+    assert on[1] == off[1] and on[0] == off[0]

@@ -177,11 +177,30 @@ class _PathSampler(RoundSampler):
 
 
 def _target_graphs(eng: Engine) -> None:
-    """The target's CUDA-graph runner with eager bodies (buckets, static buffers, replay counts as on the GPU)."""
+    """The target's CUDA-graph runner with eager bodies (buckets, static buffers, replay counts as on the GPU), whose
+    outputs live in one buffer per graph as a captured graph's do: a read of a replay's output after the next
+    replay of its bucket sees the next one's, as on the GPU."""
+    from forerun.models.llama import ForwardOutput
     from forerun.runtime.cuda_graph import GraphRunner
 
-    eng.runner.graphs = GraphRunner(eng.runner, batch_sizes=(1, 2, 4, 8), max_q_len=eng.spec.max_draft_tokens + 1,
-                                    use_graphs=False)
+    gr = GraphRunner(eng.runner, batch_sizes=(1, 2, 4, 8), max_q_len=eng.spec.max_draft_tokens + 1, use_graphs=False)
+    replay, static = gr._replay, {}
+
+    def static_replay(cap):
+        out = replay(cap)
+        keep = static.get(id(cap))
+        if keep is None:
+            keep = static[id(cap)] = ForwardOutput(
+                None if out.logits is None else torch.empty_like(out.logits),
+                {layer: torch.empty_like(h) for layer, h in out.hidden_states.items()})
+        if out.logits is not None:
+            keep.logits.copy_(out.logits)
+        for layer, h in out.hidden_states.items():
+            keep.hidden_states[layer].copy_(h)
+        return keep
+
+    gr._replay = static_replay
+    eng.runner.graphs = gr
 
 
 def _overlap_run(hf, head, overlap: bool, budget: bool, late: bool = True, graphs: bool = False, monkeypatch=None,
@@ -280,10 +299,20 @@ def test_preverified_rounds_equal_rounds_verified_after_the_verdict(setup, graph
     assert on[0] == base[0] == switched[0]
 
 
-def test_preverified_rounds_keep_greedy_output(setup):
+@pytest.fixture(scope="module")
+def setup_llama(tmp_path_factory):
+    """A tiny llama whose greedy continuations vary (the qwen2 one repeats one token per prompt)."""
+    from tiny import sharpen
+
+    hf = sharpen(hf_model("llama"), 8.0)
+    return hf, random_eagle_head_dir(model_from_hf(hf), tmp_path_factory.mktemp("head_llama") / "head")
+
+
+@pytest.mark.parametrize("which", ["qwen2", "llama"])
+def test_preverified_rounds_keep_greedy_output(setup, setup_llama, which):
     """The real greedy verdict with the next round's drafting and verify step queued ahead: output identical to plain
     decoding, queued verify steps used."""
-    hf, head = setup
+    hf, head = setup if which == "qwen2" else setup_llama
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     eng = _engine(hf, head, budget=False)
     eng.drafter.overlap_trees = True

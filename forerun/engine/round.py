@@ -290,10 +290,11 @@ class TreeRound(Round):
     # is bound by the host's work (~6-8 ms of Python per round against ~6.7 ms of GPU work), and queuing the verify
     # step ahead measured 0-7 % slower there, 1-10 % faster from batch 4 (eagle_h200_session27.json)
     PREVERIFY_MIN_BATCH = 2
-    # ... and a steady batch: a queued step is dropped when the next round's requests differ (one finished, one
-    # joined), and a dropped step costs a whole verify forward against the ~5 % of a round a used one saves; so the
-    # automatic choice queues one only while the share of recent rounds that kept the round before's requests (an
-    # exponential average, weight STEADY_DECAY on the past) is at least PREVERIFY_STEADY
+    # ... and a steady batch: a queued step is dropped when a request joins or the drafter's budget picks another
+    # shape than it guessed, and a dropped step costs a whole verify forward against the ~5 % of a round a used one
+    # saves; so the automatic choice queues one only while the share of recent rounds that kept the round before's
+    # requests (or some of them) and its queued drafting (an exponential average, weight STEADY_DECAY on the past)
+    # is at least PREVERIFY_STEADY
     PREVERIFY_STEADY = 0.95
     STEADY_DECAY = 0.9
 
@@ -312,11 +313,11 @@ class TreeRound(Round):
     def run(self, items: list[RoundItem]) -> RoundResult:
         marks = Marks(self.target.device)
         t0 = marks.mark()
-        ids = tuple((it.request.req_id, it.feed, it.final) for it in items)
-        if self._last_ids is not None:  # (the first round compares with nothing; requests may have finished)
-            kept = subsequence_rows(ids, self._last_ids) is not None
-            self.steady = self.STEADY_DECAY * self.steady + (1 - self.STEADY_DECAY) * kept
+        ids = tuple(it.request.req_id for it in items)  # (a join is what drops a queued step; a prompt's chunk does not)
+        kept = self._last_ids is None or subsequence_rows(ids, self._last_ids) is not None  # (some may have ended)
         self._last_ids = ids
+        stats = getattr(self.drafter, "prelaunch_stats", None)
+        dropped = stats["discarded"] if stats is not None else 0
         self._feed_drafter(items)
         trees = [i for i, it in enumerate(items) if it.final and it.k > 0]
         reqs = [items[i].request for i in trees]
@@ -325,12 +326,17 @@ class TreeRound(Round):
                 and getattr(self.drafter, "supports_async_tree", False) and all(grammar_of(r) is None for r in reqs)):
             pend = self.drafter.propose_tree_async(reqs, caps)
             t1 = marks.mark()
+            # steady: the batch kept its requests (or some of them) and the drafting queued for it was not dropped
+            # (a budget whose look-ahead guessed another shape drops it, and the queued verify step with it)
+            kept = kept and (stats is None or stats["discarded"] == dropped)
+            self.steady = self.STEADY_DECAY * self.steady + (1 - self.STEADY_DECAY) * kept
             if pend.device is not None:
                 return self._run_device(items, pend, marks, t0, t1)
             prop = pend.result()
         else:
             prop = self.drafter.propose_tree(reqs, caps) if trees else None
             t1 = marks.mark()
+            self.steady = self.STEADY_DECAY * self.steady + (1 - self.STEADY_DECAY) * kept
         if self._pv is not None:  # (the round queued last time was for the device path)
             self._pv = None
             self.preverify_stats["discarded"] += 1
@@ -347,6 +353,7 @@ class TreeRound(Round):
         graphs = self.target.graphs
         pv, self._pv = self._pv, None
         rows = None if pv is None else pv.matches(reqs, pend, kv, graphs.replays)
+        ran = b * n  # target rows the verify forward ran
         if rows is not None:  # queued during the last round
             self.preverify_stats["used"] += 1
             for r, root in zip(reqs, roots):
@@ -354,6 +361,7 @@ class TreeRound(Round):
             out, slots, vmarks = pv.out, pv.slots.view(-1, n), pv.marks
             if len(rows) < slots.shape[0]:  # some of its requests finished since: the others' rows
                 self.preverify_stats["partial"] += 1
+                ran = slots.shape[0] * n  # (the forward ran over them all: not this batch's cost)
                 flat = (h2d(rows, dev, torch.int64)[:, None] * n + torch.arange(n, device=dev)).reshape(-1)
                 out = ForwardOutput(out.logits.index_select(0, flat),
                                     {layer: h.index_select(0, flat) for layer, h in out.hidden_states.items()})
@@ -409,7 +417,7 @@ class TreeRound(Round):
         target_s = vmarks.seconds(0, 1) if vmarks is not None else marks.seconds(t1, t2)
         return RoundResult(verdict.emitted, depth, accepted, verdict.logprobs,
                            draft_step_seconds=draft_s / steps if steps else None, target_seconds=target_s,
-                           draft_seconds=draft_s, target_tokens=b * n, sampled_rows=b * n,
+                           draft_seconds=draft_s, target_tokens=ran, sampled_rows=b * n,
                            drafted_nodes=[len(t) - 1 for t in prop.tokens])
 
     def _preverify_on(self, batch: int) -> bool:
@@ -425,14 +433,13 @@ class TreeRound(Round):
         positions after it. None when it would not be the next round's (see `_Preverify`): off, no graphs, a request
         wanting logprobs, too few tokens left for an uncapped tree, the engine's veto, no bucket, too few blocks."""
         graphs, kv = self.target.graphs, self.target.kv
+        # (the prelaunch already checked that no request's end cuts the next tree: its depth is what an end cuts)
         pre = self.drafter.prelaunched() if self._preverify_on(len(reqs)) and graphs is not None else None
         if pre is None or any(r.params.logprobs is not None for r in reqs):
             return None
         tree, n = pre
         b = len(reqs)
         if n < 2 or n > graphs.max_q_len or graphs.bucket(b) is None:
-            return None
-        if any(r.remaining - (s + 1) - 1 < n - 1 for r in reqs):  # the next tree must not be cut by a request's end
             return None
         if self.lookahead is not None and not self.lookahead(reqs, s, n):
             return None

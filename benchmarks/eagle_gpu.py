@@ -73,6 +73,7 @@ from forerun.runtime.runner import Chunk, ModelRunner  # noqa: E402
 from forerun.sampling_params import SamplingParams  # noqa: E402
 from forerun.drafters.base import TreeProposal  # noqa: E402
 from forerun.engine.round import RoundItem, TreeRound  # noqa: E402
+from forerun.verify.tree import deepest_picked_path  # noqa: E402
 from forerun.engine.sampler import RoundSampler, Verdict  # noqa: E402
 
 QWEN3_8B = dict(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
@@ -316,12 +317,7 @@ class SyntheticTreeSampler(RoundSampler):
             want = torch.cat([torch.zeros_like(u[:, :1], dtype=torch.long),
                               torch.searchsorted(self.cumq, u, right=True)], 1)  # [b, levels + 1]: rank caught
             caught = (rank == want.gather(1, depth.clamp(max=levels))) & (depth <= levels) | (j == 0)
-            on_path = ~(mask & ~caught[:, None, :]).any(-1)
-            final = torch.where(on_path, depth, -1).argmax(-1)
-            path = mask.gather(1, final.view(b, 1, 1).expand(b, 1, n)).squeeze(1)
-            nodes = torch.full((b, n + 1), -1, dtype=torch.long, device=dev).scatter_(
-                1, torch.where(path, depth, n), j.expand(b, n))[:, :n]
-            acc = depth.gather(1, final[:, None]).squeeze(1)
+            acc, nodes = deepest_picked_path(caught, mask, depth)
         else:  # level by level from the root
             nodes = torch.full((b, n), -1, dtype=torch.long, device=dev)
             nodes[:, 0] = 0

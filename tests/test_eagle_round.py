@@ -29,6 +29,20 @@ def _engine(hf, head_dir, tree=(3, 3, 8), budget: bool = True) -> Engine:
     return eng
 
 
+def _drain(eng: Engine, after_step=None) -> dict[str, list[int]]:
+    """Step the engine until every request has finished; each request's tokens by id. after_step(steps): called
+    after every step (arrivals)."""
+    out: dict[str, list[int]] = {}
+    steps = 0
+    while eng.has_unfinished():
+        for d in eng.step():
+            out.setdefault(d.request_id, []).extend(d.new_token_ids)
+        steps += 1
+        if after_step is not None:
+            after_step(steps)
+    return out
+
+
 def _run(eng: Engine, params: list[SamplingParams], host_only: bool = False) -> tuple[list[list[int]], dict]:
     calls = {"device": 0, "host": 0}
     run_device, run_host = TreeRound._run_device, TreeRound._run_host
@@ -54,10 +68,7 @@ def _run(eng: Engine, params: list[SamplingParams], host_only: bool = False) -> 
         eng.drafter.propose_tree_async = no_device
     for i, (p, sp) in enumerate(zip(PROMPTS, params)):
         eng.add_request(p, sp, request_id=str(i))
-    out: dict[str, list[int]] = {}
-    while eng.has_unfinished():
-        for d in eng.step():
-            out.setdefault(d.request_id, []).extend(d.new_token_ids)
+    out = _drain(eng)
     assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
     return [out[str(i)] for i in range(len(params))], calls
 
@@ -68,10 +79,7 @@ def _plain(hf, params: SamplingParams) -> list[list[int]]:
                               cache=CacheConfig(block_size=4, num_blocks=2048))
     for i, p in enumerate(PROMPTS):
         plain.add_request(p, params, request_id=str(i))
-    out: dict[str, list[int]] = {}
-    while plain.has_unfinished():
-        for d in plain.step():
-            out.setdefault(d.request_id, []).extend(d.new_token_ids)
+    out = _drain(plain)
     return [out[str(i)] for i in range(len(PROMPTS))]
 
 
@@ -228,14 +236,11 @@ def _overlap_run(hf, head, overlap: bool, budget: bool, late: bool = True, graph
     for i, p in enumerate(PROMPTS):
         eng.add_request(p, SamplingParams(temperature=0, max_tokens=48 + 6 * i, ignore_eos=True,
                                           stop_token_ids=(stops or {}).get(i, ())), request_id=str(i))
-    out: dict[str, list[int]] = {}
-    steps = 0
-    while eng.has_unfinished():
-        for d in eng.step():
-            out.setdefault(d.request_id, []).extend(d.new_token_ids)
-        steps += 1
+    def arrive(steps: int) -> None:
         if late and steps == 4:  # a request arriving mid-way: the next round is not the one prelaunched
             eng.add_request([9, 8, 7], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), request_id="late")
+
+    out = _drain(eng, arrive)
     assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
     if preverify is not False:
         return out, sampler.seen, eng.drafter.prelaunch_stats, eng.round.preverify_stats
@@ -350,10 +355,7 @@ def test_preverify_from_two_requests_unless_forced(setup, forced):
     _target_graphs(eng)
     eng.round.preverify = forced
     eng.add_request(PROMPTS[0], greedy, request_id="0")
-    out = []
-    while eng.has_unfinished():
-        for d in eng.step():
-            out.extend(d.new_token_ids)
+    out = _drain(eng)["0"]
     stats = eng.round.preverify_stats
     assert (stats["used"] > 0) if forced else stats["launched"] == 0, stats
     assert out == _plain(hf, greedy)[0]
@@ -409,15 +411,12 @@ def test_preverify_waits_for_a_steady_batch(setup):
         eng.round.preverify = forced
         for i, p in enumerate(PROMPTS):
             eng.add_request(p, greedy, request_id=str(i))
-        out: dict[str, list[int]] = {}
-        steps = 0
-        while eng.has_unfinished():
-            for d in eng.step():
-                out.setdefault(d.request_id, []).extend(d.new_token_ids)
-            steps += 1
+        def arrive(steps: int) -> None:
             if arrivals and steps % 4 == 0 and steps <= 16:
                 eng.add_request([9, 8, 7, steps], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
                                 request_id=f"late{steps}")
+
+        out = _drain(eng, arrive)
         return [out[str(i)] for i in range(len(PROMPTS))], dict(eng.round.preverify_stats)
 
     forced, auto = run(True, True), run(None, True)

@@ -701,15 +701,14 @@ def test_warmup_captures_every_decode_and_verify_graph_before_serving():
     assert set(gr.graphs) == before, f"captured while serving: {set(gr.graphs) - before}"
 
 
-def test_eagle_prelaunched_drafting_on_cuda_graphs(tmp_path):
-    """EAGLE trees on CUDA graphs with the next round's drafting (and verify step) queued from the device verdict (on
-    by default):
-    with a drawn verdict (0..2 drafts accepted), every round verifies the same trees and commits the same tokens
-    as with the drafting launched after the host read; with the real greedy verdict the output is plain greedy."""
+def _eagle_cuda_runs(tmp_path):
+    """(run, build, tok, kw) for the EAGLE-on-CUDA-graphs tests: run(overlap, preverify, drawn, max_tokens, stops)
+    serves PROMPTS with a random head on a tiny qwen2 (tree (3, 3, 8), no budget) and returns (tokens by request id,
+    the drawn verdict's record or None, prelaunch_stats, preverify_stats)."""
     import sys, os
 
     sys.path.insert(0, os.path.dirname(__file__))
-    from test_eagle_round import PROMPTS, _PathSampler
+    from test_eagle_round import PROMPTS, _PathSampler, _drain
     from tiny import hf_model, random_eagle_head_dir, sharpen, tiny_tokenizer
 
     from forerun.config import SpecConfig
@@ -722,7 +721,7 @@ def test_eagle_prelaunched_drafting_on_cuda_graphs(tmp_path):
     tok = tiny_tokenizer(hf.config.vocab_size)
     kw = dict(device="cuda", dtype=torch.float32, cache=CacheConfig(block_size=16, num_blocks=512))
 
-    def run(overlap, drawn: bool, max_tokens=lambda i: 40 + 6 * i, preverify=None):
+    def run(overlap, preverify=None, drawn=True, max_tokens=lambda i: 40 + 6 * i, stops=None):
         eng = Engine.from_model(build(), tok, spec=SpecConfig(method="eagle", eagle_head=head, eagle_tree=(3, 3, 8)),
                                 **kw)
         eng.drafter.budget = None
@@ -733,72 +732,50 @@ def test_eagle_prelaunched_drafting_on_cuda_graphs(tmp_path):
         if drawn:
             eng.round.sampler = sampler = _PathSampler(seed=5)
         for i, p in enumerate(PROMPTS):
-            eng.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens(i), ignore_eos=True),
-                            request_id=str(i))
-        out = {}
-        while eng.has_unfinished():
-            for d in eng.step():
-                out.setdefault(d.request_id, []).extend(d.new_token_ids)
+            eng.add_request(p, SamplingParams(temperature=0, max_tokens=max_tokens(i), ignore_eos=True,
+                                              stop_token_ids=(stops or {}).get(i, ())), request_id=str(i))
+        out = _drain(eng)
         return out, (sampler.seen if sampler else None), dict(eng.drafter.prelaunch_stats), \
             dict(eng.round.preverify_stats)
 
+    return run, build, tok, kw
+
+
+def test_eagle_prelaunched_drafting_on_cuda_graphs(tmp_path):
+    """EAGLE trees on CUDA graphs with the next round's drafting (and verify step) queued from the device verdict (on
+    by default):
+    with a drawn verdict (0..2 drafts accepted), every round verifies the same trees and commits the same tokens
+    as with the drafting launched after the host read; with the real greedy verdict the output is plain greedy."""
+    run, build, tok, kw = _eagle_cuda_runs(tmp_path)  # (puts tests/ on sys.path)
+    from test_eagle_round import PROMPTS, _drain
+
+    from forerun.engine.engine import Engine
+    from forerun.sampling_params import SamplingParams
+
     # on: the next round's drafting and verify step queued from the device verdict (the defaults); draft: the
     # drafting only; off: neither
-    on, draft, off = run(None, True), run(None, True, preverify=False), run(False, True)
+    on, draft, off = run(None), run(None, preverify=False), run(False)
     assert on[2]["used"] >= 8 and off[2]["launched"] == 0, on[2]
     assert on[3]["used"] >= 8 and draft[3]["launched"] == 0 and off[3]["launched"] == 0, on[3]
     assert sorted({a for _, _, accs in on[1] for a in accs}) == [0, 1, 2]
     assert on[1] == off[1] == draft[1] and on[0] == off[0] == draft[0]
-    greedy = run(None, False, lambda i: 24)
+    greedy = run(None, drawn=False, max_tokens=lambda i: 24)
     assert greedy[2]["used"] > 0 and greedy[3]["used"] > 0
     plain = Engine.from_model(build(), tok, **kw)
     for i, p in enumerate(PROMPTS):
         plain.add_request(p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), request_id=str(i))
-    want = {}
-    while plain.has_unfinished():
-        for d in plain.step():
-            want.setdefault(d.request_id, []).extend(d.new_token_ids)
-    assert greedy[0] == want
+    assert greedy[0] == _drain(plain)
 
 
 def test_eagle_queued_rounds_with_early_ends_on_cuda_graphs(tmp_path):
     """On CUDA graphs, requests ending on a stop token while the next round's drafting and verify step are queued:
     the next round takes the others' rows (`partial`), with the same trees and tokens as without queuing."""
-    import sys, os
-
-    sys.path.insert(0, os.path.dirname(__file__))
-    from test_eagle_round import PROMPTS, _PathSampler
-    from tiny import hf_model, random_eagle_head_dir, sharpen, tiny_tokenizer
-
-    from forerun.config import SpecConfig
-    from forerun.engine.engine import Engine
-    from forerun.sampling_params import SamplingParams
-
-    hf = sharpen(hf_model("qwen2"), 3.0)
-    build = model_factory(hf, torch.float32)
-    head = random_eagle_head_dir(build().cpu(), tmp_path / "head")
-    tok = tiny_tokenizer(hf.config.vocab_size)
-    kw = dict(device="cuda", dtype=torch.float32, cache=CacheConfig(block_size=16, num_blocks=512))
-
-    def run(overlap, preverify, stops):
-        eng = Engine.from_model(build(), tok, spec=SpecConfig(method="eagle", eagle_head=head, eagle_tree=(3, 3, 8)),
-                                **kw)
-        eng.drafter.budget = None
-        eng.drafter.overlap_trees = overlap
-        eng.round.preverify = preverify
-        eng.round.sampler = sampler = _PathSampler(seed=5)
-        for i, p in enumerate(PROMPTS):
-            eng.add_request(p, SamplingParams(temperature=0, max_tokens=48 + 6 * i, ignore_eos=True,
-                                              stop_token_ids=stops.get(i, ())), request_id=str(i))
-        out = {}
-        while eng.has_unfinished():
-            for d in eng.step():
-                out.setdefault(d.request_id, []).extend(d.new_token_ids)
-        return out, sampler.seen, dict(eng.drafter.prelaunch_stats), dict(eng.round.preverify_stats)
-
-    free = run(None, True, {})[0]
+    run = _eagle_cuda_runs(tmp_path)[0]
+    lengths = lambda i: 48 + 6 * i  # noqa: E731
+    free = run(None, True, max_tokens=lengths)[0]
     first_new = lambda out, at: next(t for j, t in enumerate(out) if j >= at and t not in out[:j])  # noqa: E731
     stops = {i: (first_new(free[str(i)], 12 + 8 * i),) for i in range(3)}
-    on, off = run(None, True, stops), run(False, False, stops)
+    on = run(None, True, max_tokens=lengths, stops=stops)
+    off = run(False, False, max_tokens=lengths, stops=stops)
     assert len(on[0]["0"]) < 48 and on[2]["partial"] >= 1 and on[3]["partial"] >= 1, (on[2], on[3])
     assert on[1] == off[1] and on[0] == off[0]

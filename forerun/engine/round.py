@@ -303,7 +303,7 @@ class TreeRound(Round):
         # None: on wherever drafting is prelaunched on the target's graphs, from PREVERIFY_MIN_BATCH requests on
         self.preverify: bool | None = None
         # the engine's veto (requests, accepted at most, nodes) -> bool: False when the next round will not be the
-        # one assumed (arrivals waiting to join, a context limit near); without it only the tokens left are checked
+        # one assumed (arrivals waiting to join, a context limit near); without it only the prelaunch's checks apply
         self.lookahead: "Callable[[list[Request], int, int], bool] | None" = None
         self.preverify_stats = {"launched": 0, "used": 0, "discarded": 0, "partial": 0}  # (partial: see prelaunch_stats)
         self._pv: _Preverify | None = None
@@ -431,7 +431,8 @@ class TreeRound(Round):
         output_token_ids [B, n]: the accepted drafts then the bonus token) and the tree the drafter has just
         prelaunched: request i's next root is the bonus token at roots[i] + a_i + 1, its nodes' keys go to the cache
         positions after it. None when it would not be the next round's (see `_Preverify`): off, no graphs, a request
-        wanting logprobs, too few tokens left for an uncapped tree, the engine's veto, no bucket, too few blocks."""
+        wanting logprobs, the engine's veto, no bucket, too few blocks (a request too near its end for an uncapped
+        tree got no prelaunch, and so no queued step)."""
         graphs, kv = self.target.graphs, self.target.kv
         # (the prelaunch already checked that no request's end cuts the next tree: its depth is what an end cuts)
         pre = self.drafter.prelaunched() if self._preverify_on(len(reqs)) and graphs is not None else None

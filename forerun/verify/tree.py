@@ -279,16 +279,25 @@ def greedy_tree_verdict(target_logits: Tensor, tokens: Tensor, parents: Tensor, 
     j = torch.arange(n, device=tokens.device)
     earlier = (parents[:, :, None] == parents[:, None, :]) & (j[None, None, :] < j[None, :, None])  # [R, i, j<i]
     picked = match & ~(earlier & match[:, None, :]).any(-1)  # the first matching sibling
-    ok = picked | ~child  # (the root)
-    on_path = ~(ancestors & ~ok[:, None, :]).any(-1)  # every ancestor-or-self picked
-    final = torch.where(on_path, depth, -1).argmax(-1)  # [R] the deepest (one per depth: picks are unique)
-    path = ancestors.gather(1, final.view(r, 1, 1).expand(r, 1, n)).squeeze(1)  # [R, n] nodes on its path
-    nodes = torch.full((r, n + 1), -1, dtype=torch.long, device=tokens.device).scatter_(
-        1, torch.where(path, depth, n), j.expand(r, n))[:, :n]  # by depth
+    accepted, nodes = deepest_picked_path(picked | ~child, ancestors, depth)  # (~child: the root)
     out = torch.where(nodes >= 0, am.gather(1, nodes.clamp(min=0)), -1)  # argmax after each path node
     # (argmax lands on a NaN, on +Inf, or on -inf when nothing else is left: one gather checks every row)
     finite = torch.isfinite(target_logits.gather(1, am.view(-1, 1))).all()
-    return GreedyTreeVerdict(depth.gather(1, final[:, None]).squeeze(1), nodes, out, finite)
+    return GreedyTreeVerdict(accepted, nodes, out, finite)
+
+
+def deepest_picked_path(ok: Tensor, ancestors: Tensor, depth: Tensor) -> tuple[Tensor, Tensor]:
+    """ok [R, n]: nodes picked (at most one child per node, the root always): the path to the deepest node whose
+    every ancestor-or-self is picked. Returns (its depth = drafts accepted [R], its nodes by depth [R, n], -1 past
+    it). ancestors [R, n, n] bool (ancestor-or-self), depth [R, n]."""
+    r, n = ok.shape
+    on_path = ~(ancestors & ~ok[:, None, :]).any(-1)  # every ancestor-or-self picked
+    final = torch.where(on_path, depth, -1).argmax(-1)  # [R] the deepest (one per depth: picks are unique)
+    path = ancestors.gather(1, final.view(r, 1, 1).expand(r, 1, n)).squeeze(1)  # [R, n] nodes on its path
+    j = torch.arange(n, device=ok.device)
+    nodes = torch.full((r, n + 1), -1, dtype=torch.long, device=ok.device).scatter_(
+        1, torch.where(path, depth, n), j.expand(r, n))[:, :n]  # by depth
+    return depth.gather(1, final[:, None]).squeeze(1), nodes
 
 
 def _sampled_final(rule: str, probs: Tensor, draft_probs: Tensor | None, tokens: Tensor, uniforms: Tensor,

@@ -842,6 +842,8 @@ def main() -> None:
         level = sorted(sorted(new, key=lambda j: -score[j])[: big.topk])
     pol.record_values(pol.tree_values(parent, depth, score, rank))
     res["budget"] = pol.table(sorted(set(batches) | {1, 2, 4, 8, 16, 32, 64}))
+    # the greedy tree's bookkeeping: forerun/kernels/eagle_tree.py's Triton kernels (CUDA's default) or torch ops
+    res["tree_ops"] = "torch" if os.environ.get("FORERUN_EAGLE_FUSED") == "0" or not cuda else "fused"
     res["ideal_definition"] = ("B x expected tokens per round (synthetic model, exact over the trees drafted) / "
                                "(target forward over B x nodes rows + head extend + (steps-1) head tree steps, "
                                "each timed alone)")

@@ -791,7 +791,9 @@ def _twins(target, head, topk, steps, nodes, **kw):
 def calibrate(head, q: list[float]) -> None:
     """Logits that put q_r on K tokens chosen from the row's input token (so each node's children differ) and
     spread the rest evenly: every node's children have the same probabilities, so cumulative scores tie
-    exactly across paths (r1, r2) and (r2, r1) and the tie-breaks decide the tree."""
+    exactly across paths (r1, r2) and (r2, r1) and the tie-breaks decide the tree.
+    (Exact only as far as torch's log_softmax rounds every such row alike: it does not, by 1 ulp across shapes and
+    positions; the oracle shares the device path's torch ops, so both break the same near-ties.)"""
     forward = head.forward
     k = len(q)
 
@@ -816,6 +818,41 @@ TREES = [(3, 3, 8), (4, 4, 16), (2, 5, 12), (1, 4, 5), (4, 2, 30), (3, 1, 4)]
 def test_device_tree_equals_host_tree(topk, steps, nodes, version, batch):
     """Greedy dynamic trees on random heads, several rounds each (extends after acceptance, ragged batches): the
     device tree is the host-built one, node for node."""
+    _device_tree_equals_host_tree(topk, steps, nodes, version, batch)
+
+
+@pytest.fixture
+def fused_tree(monkeypatch):
+    """grow_tree's greedy bookkeeping in forerun/kernels/eagle_tree.py's Triton kernels (CUDA's default; on the CPU
+    under Triton's interpreter)."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():  # these trees live on the CPU: the interpreter is off beside a GPU
+        pytest.skip("CPU trees through the kernels need the interpreter; on CUDA: tests/test_gpu.py")
+    monkeypatch.setenv("FORERUN_EAGLE_FUSED", "1")
+    import forerun.drafters.eagle as E
+
+    calls = []
+    real = E._grow_tree_fused
+    monkeypatch.setattr(E, "_grow_tree_fused", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("topk,steps,nodes", [(3, 3, 8), (4, 4, 16), (2, 5, 12), (1, 4, 5), (3, 1, 4)])
+def test_fused_tree_kernels_equal_host_tree(topk, steps, nodes, fused_tree):
+    _device_tree_equals_host_tree(topk, steps, nodes, 3, 3)
+    assert fused_tree  # the kernels grew the trees
+
+
+@pytest.mark.parametrize("topk,steps,nodes", [(3, 3, 8), (4, 2, 30)])
+def test_fused_tree_kernels_capped_trees(topk, steps, nodes, fused_tree):
+    """Per-request depth and node caps through the fused kernels. (Exact ties are checked on the kernels alone,
+    tests/test_eagle_tree_kernels.py: torch's log_softmax rounds equal rows differently by shape, so the host
+    oracle's "ties" are not ties for kernels that round every equal row alike.)"""
+    _capped_trees(topk, steps, nodes, "greedy")
+    assert fused_tree
+
+
+def _device_tree_equals_host_tree(topk, steps, nodes, version, batch):
     hf = hf_model("qwen2")
     target = ours_from_hf(hf, num_blocks=512)
     head = random_head(target.model, version, draft_vocab=50 if version == 3 else None)
@@ -869,6 +906,10 @@ def test_capped_trees_equal_host_tree(topk, steps, nodes, kind):
     serves trees of several depths and sizes (grow_tree's caps) and some rounds give a request its root alone:
     the device trees equal the host oracle's, node for node (draws and q rows of sampled trees too), and greedy
     output stays plain greedy."""
+    _capped_trees(topk, steps, nodes, kind)
+
+
+def _capped_trees(topk, steps, nodes, kind):
     hf = hf_model("qwen2")
     target = ours_from_hf(hf, num_blocks=512)
     head = random_head(target.model, 3, draft_vocab=50)

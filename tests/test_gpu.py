@@ -767,6 +767,25 @@ def test_eagle_prelaunched_drafting_on_cuda_graphs(tmp_path):
     assert greedy[0] == _drain(plain)
 
 
+def test_eagle_fused_tree_kernels_on_cuda_graphs(tmp_path, monkeypatch):
+    """The greedy tree's bookkeeping in Triton (forerun/kernels/eagle_tree.py, CUDA's default) against grow_tree's
+    torch ops (FORERUN_EAGLE_FUSED=0), both captured in the drafting graphs: the same trees verified round by round
+    (a drawn verdict: 0..2 drafts accepted) and the same tokens; the kernels ran."""
+    import forerun.drafters.eagle as E
+
+    run = _eagle_cuda_runs(tmp_path)[0]
+    calls = []
+    real = E._grow_tree_fused
+    monkeypatch.setattr(E, "_grow_tree_fused", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    fused = run(None)
+    assert calls
+    monkeypatch.setenv("FORERUN_EAGLE_FUSED", "0")
+    n = len(calls)
+    ops = run(None)
+    assert len(calls) == n
+    assert fused[1] == ops[1] and fused[0] == ops[0]
+
+
 def test_eagle_queued_rounds_with_early_ends_on_cuda_graphs(tmp_path):
     """On CUDA graphs, requests ending on a stop token while the next round's drafting and verify step are queued:
     the next round takes the others' rows (`partial`), with the same trees and tokens as without queuing."""

@@ -957,7 +957,8 @@ def _first(chosen: torch.Tensor, count: int, first: torch.Tensor | None = None) 
 def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root_logits: torch.Tensor,
               ctx: torch.Tensor, tables: torch.Tensor, block_size: int, max_seq_len: int,
               sample: _Sampling | None = None,
-              caps: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+              caps: tuple[torch.Tensor, torch.Tensor] | None = None,
+              fused: bool | None = None) -> dict[str, torch.Tensor]:
     """The dynamic tree of R requests, with fixed-shape torch ops only (no host reads, no data-dependent shapes):
     capturable in one CUDA graph when `sample` is None (every request greedy, no grammar).
 
@@ -970,13 +971,20 @@ def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root
     candidates (ancestor-closed: a parent never scores below its child and sorts first on ties).
     caps (depth [R], nodes [R], root included; `EagleDrafter._tree_caps`): request i keeps at most nodes[i] nodes
     of depth <= depth[i] (greedy: its best such candidates; sampled: the first nodes[i] of its static slots); the
-    columns past nodes[i] of every output hold no node (id M) and are never read."""
+    columns past nodes[i] of every output hold no node (id M) and are never read.
+    fused (greedy only; None: on CUDA when the shape fits, `fused_tree_kernels`): the bookkeeping between the head's
+    steps in forerun/kernels/eagle_tree.py's few Triton launches (the same arithmetic), and the verify step's mask
+    and depth with the final selection (returned as `mask` / `depth`)."""
     dev = root_out.device
     c = lay.consts(dev)
     r_, k, s = root_out.shape[0], lay.topk, lay.steps
     m_, hid = lay.num_slots, root_out.shape[1]
     rows_max = max((s - 1) * k, 1)
     full_path = sample is not None
+    if fused is None:
+        fused = sample is None and fused_tree_kernels(dev, lay)
+    if fused:
+        return _grow_tree_fused(head, kv, lay, root_out, root_logits, ctx, tables, block_size, max_seq_len, caps)
     steps_run = lay.s_steps if sample is not None and sample.all_sampled else s - 1
     tok = torch.zeros(r_, m_, dtype=torch.long, device=dev)
     if sample is not None:
@@ -1109,6 +1117,59 @@ def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root
     return dict(nodes=nodes, tokens=tokens, parents=parents, probs=probs, packed=packed)
 
 
+def fused_tree_kernels(device: torch.device, lay: TreeLayout) -> bool:
+    """Whether greedy trees of this shape grow with forerun/kernels/eagle_tree.py's kernels: on CUDA by default
+    (FORERUN_EAGLE_FUSED=0: the torch ops; =1: also elsewhere, e.g. the CPU under Triton's interpreter)."""
+    flag = os.environ.get("FORERUN_EAGLE_FUSED", "")
+    if flag == "0" or (device.type != "cuda" and flag != "1"):
+        return False
+    from forerun.kernels.eagle_tree import fits
+    return fits(lay.topk, lay.num_slots, max((lay.steps - 1) * lay.topk, 1), lay.greedy_nodes)
+
+
+def _grow_tree_fused(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root_logits: torch.Tensor,
+                     ctx: torch.Tensor, tables: torch.Tensor, block_size: int, max_seq_len: int,
+                     caps: tuple[torch.Tensor, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """grow_tree for greedy trees, its bookkeeping in Triton kernels (one step: select_step, the feature gather,
+    the head, the bank write, expand_topk's two launches); the same tensors and arithmetic as the torch path."""
+    from forerun.kernels.eagle_tree import expand_topk, final_select, select_step
+    dev = root_out.device
+    c = lay.consts(dev)
+    r_, k, s = root_out.shape[0], lay.topk, lay.steps
+    m_, hid = lay.num_slots, root_out.shape[1]
+    rows_max = max((s - 1) * k, 1)
+    d2t = head.draft_to_target
+    tok = torch.zeros(r_, m_, dtype=torch.long, device=dev)
+    score = torch.zeros(r_, m_, dtype=torch.float64, device=dev)
+    par = torch.full((r_, m_), -1, dtype=torch.long, device=dev)
+    bank = torch.zeros(r_, 1 + rows_max, hid, dtype=root_out.dtype, device=dev)
+    bank[:, 0] = root_out
+    anc = torch.zeros(r_, rows_max, rows_max, dtype=torch.uint8, device=dev)
+    front = torch.zeros(r_, rows_max, dtype=torch.long, device=dev)
+    fpar = torch.zeros(r_, rows_max, dtype=torch.long, device=dev)
+    expand_topk(root_logits, k, d2t, torch.zeros(r_, 1, dtype=torch.long, device=dev), score, tok, par, lay.lo[1])
+    if s > 1:
+        pos_all = ctx[:, None] - 1 + c["row_depth"][None, :]  # [R, rows_max]
+        cpos = ctx[:, None] + c["ar"][None, :rows_max]
+        slots_all = tables.gather(1, cpos // block_size) * block_size + cpos % block_size
+        ar_r = torch.arange(r_ + 1, device=dev)
+        # per step t (row t - 1): query starts ar_r * t K; the rows whose logits are wanted: each request's last K
+        tk = c["ar"][1:s, None] * k  # [S-1, 1]
+        qsl = ar_r[None, :] * tk  # [S-1, R+1]
+        want = (ar_r[None, :r_, None] * tk[:, :, None] + (tk - k)[:, :, None] + c["ar"][None, None, :k])  # [S-1, R, K]
+    for t in range(1, s):
+        lo, size, n = lay.lo[t], lay.size[t], t * k
+        ids, positions, slots, tmask, seq_lens, fidx = select_step(
+            score, tok, front, fpar, anc, pos_all, slots_all, ctx, lo, size, t, k)
+        feats = bank.view(r_ * (1 + rows_max), hid).index_select(0, fidx)
+        meta = AttnMetadata(query_start_loc=qsl[t - 1], seq_lens=seq_lens, block_tables=tables,
+                            slot_mapping=slots, max_query_len=n, max_seq_len=max_seq_len, tree_mask=tmask)
+        out, logits = head(ids, feats, positions, meta, kv, False, rows=want[t - 1].reshape(-1))
+        bank[:, 1 + (t - 1) * k: 1 + t * k] = out.view(r_, k, hid)
+        expand_topk(logits, k, d2t, front[:, (t - 1) * k: t * k], score, tok, par, lay.lo[t + 1])
+    return final_select(score, tok, par, c["depth"], lay.greedy_nodes, s, caps)
+
+
 def tree_mask_and_depth(parents: torch.Tensor, max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
     """parents [R, n] (parent columns, -1 at the root) -> (ancestor-or-self mask [R, n, n], depth [R, n]): the
     verification's tree mask and RoPE offsets, by max_depth pointer hops on the device (fixed shapes)."""
@@ -1201,8 +1262,10 @@ class _StaticDrafting:
             out = grow_tree(self.head, self.kv, lay, self.root_out[:b], self.root_logits[:b], self.ctx[:b],
                             self.tables[:b], self.bs, max_seq_len or self.max_seq_len, sample,
                             (self.dcap[:b], self.ncap[:b]) if capped else None)
-            # the verify step's tree mask and depths in the same graph (~30 small kernels launched for free)
-            out["mask"], out["depth"] = tree_mask_and_depth(out["parents"], hops)
+            # the verify step's tree mask and depths in the same graph (~30 small kernels launched for free; the
+            # fused kernels make them with the final selection)
+            if out.get("mask") is None:
+                out["mask"], out["depth"] = tree_mask_and_depth(out["parents"], hops)
             return out
 
         return body

@@ -1,0 +1,184 @@
+"""forerun/kernels/eagle_tree.py (the greedy dynamic tree's bookkeeping in Triton) against the torch code of
+forerun.drafters.eagle.grow_tree, on the CPU under Triton's interpreter or on CUDA.
+
+Whole trees through the kernels are compared with the host-built oracle in tests/test_eagle.py
+(test_fused_tree_kernels_*); here each kernel meets its torch counterpart on inputs made to tie: scores drawn
+from a few values (every tie broken by the lower index), logits with equal maxima across vocabulary chunks."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+from forerun.drafters.eagle import TreeLayout, _first, _rank, tree_mask_and_depth  # noqa: E402
+from forerun.kernels.eagle_tree import expand_topk, final_select, select_step  # noqa: E402
+
+DEV = torch.device("cuda" if CUDA else "cpu")
+
+
+def _expand_ref(logits, k, d2t, parents, score, tok, par, lo):
+    r_, p = parents.shape
+    top = logits.float().log_softmax(-1).topk(k, dim=-1)
+    ids, lp = d2t[top.indices], top.values
+    blk = slice(lo, lo + p * k)
+    tok[:, blk] = ids.reshape(r_, p * k)
+    score[:, blk] = (score.gather(1, parents)[:, :, None] + lp.double().view(r_, p, k)).reshape(r_, p * k)
+    par[:, blk] = parents[:, :, None].expand(r_, p, k).reshape(r_, p * k)
+
+
+@pytest.mark.parametrize("r_,p,v,k", [(3, 2, 50, 3), (2, 3, 5000, 4), (1, 4, 4096, 1), (2, 1, 9000, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expand_topk_is_log_softmax_topk(r_, p, v, k, dtype):
+    """Children of every parent: the top-k of log_softmax (over one or several 2048-entry chunks), mapped to target
+    ids, cumulative scores, parents (read from a strided view, as grow_tree passes its frontier rows)."""
+    if dtype == torch.bfloat16 and not CUDA:
+        pytest.skip("the interpreter emulates bfloat16 imprecisely")
+    g = torch.Generator().manual_seed(r_ * 100 + v + k)
+    m = 1 + p * k + 5
+    logits = (torch.randn(r_ * p, v, generator=g) * 3).to(dtype).to(DEV)
+    d2t = torch.randperm(3 * v, generator=g)[:v].to(DEV)
+    front = torch.randint(0, 4, (r_, p + 3), generator=g).to(DEV)  # parents (slots below lo = 4): columns 1 .. p
+    base = torch.randn(r_, m, generator=g, dtype=torch.float64).to(DEV)
+    outs = []
+    for fn in (_expand_ref, expand_topk):
+        score, tok, par = base.clone(), torch.zeros(r_, m, dtype=torch.long, device=DEV), \
+            torch.full((r_, m), -1, dtype=torch.long, device=DEV)
+        fn(logits, k, d2t, front[:, 1: 1 + p], score, tok, par, 4)
+        outs.append((score, tok, par))
+    (s0, t0, p0), (s1, t1, p1) = outs
+    assert torch.equal(t1, t0) and torch.equal(p1, p0)
+    torch.testing.assert_close(s1, s0, rtol=0, atol=2e-6)
+
+
+def test_expand_topk_ties_go_to_the_lower_index():
+    """Equal logits inside a chunk and across chunks (2048 entries each): the lower draft index first."""
+    v, k = 6000, 4
+    logits = torch.full((2, v), -5.0)
+    logits[0, [5, 2047, 2048, 4100]] = 1.0  # four equal maxima in three chunks
+    logits[1] = 0.0  # every entry ties
+    d2t = torch.arange(v) + 10
+    score = torch.zeros(1, 1 + 2 * k, dtype=torch.float64)
+    tok = torch.zeros(1, 1 + 2 * k, dtype=torch.long)
+    par = torch.full((1, 1 + 2 * k), -1, dtype=torch.long)
+    expand_topk(logits.to(DEV), k, d2t.to(DEV), torch.zeros(1, 2, dtype=torch.long, device=DEV),
+                score := score.to(DEV), tok := tok.to(DEV), par := par.to(DEV), 1)
+    assert tok[0, 1:].tolist() == [15, 2057, 2058, 4110, 10, 11, 12, 13]
+    ref = logits.log_softmax(-1)
+    torch.testing.assert_close(score[0, 1:].cpu(), torch.cat([ref[0, [5, 2047, 2048, 4100]], ref[1, :4]]).double(),
+                               rtol=0, atol=1e-6)
+
+
+def _tied_scores(g, r_, m_):
+    """Scores from a handful of values (many exact ties), root 0."""
+    s = -torch.randint(0, 4, (r_, m_), generator=g).double() * 0.5
+    s[:, 0] = 0.0
+    return s
+
+
+@pytest.mark.parametrize("k,steps,r_", [(3, 4, 2), (4, 4, 3), (1, 5, 2), (8, 3, 1)])
+def test_select_step_is_grow_trees_selection(k, steps, r_):
+    """Every step of a tree: the level's K best (ties: lower position), frontier / feature / ancestor rows, and the
+    head's inputs (ids, positions, slots, tree mask, seq lens, feature rows) as grow_tree's torch code makes them."""
+    lay = TreeLayout.get(k, steps, 10)
+    g = torch.Generator().manual_seed(k * 10 + steps)
+    m_, rm = lay.num_slots, max((steps - 1) * k, 1)
+    score = _tied_scores(g, r_, m_).to(DEV)
+    tok = torch.randint(0, 1000, (r_, m_), generator=g).to(DEV)
+    ctx = torch.randint(5, 50, (r_,), generator=g).to(DEV)
+    pos_all = torch.randint(0, 100, (r_, rm), generator=g).to(DEV)
+    slots_all = torch.randint(0, 1000, (r_, rm), generator=g).to(DEV)
+    ar = torch.arange(max(m_, rm) + 2, device=DEV)
+    eye = torch.eye(rm, dtype=torch.bool, device=DEV)
+    state = [torch.zeros(r_, rm, dtype=torch.long, device=DEV) for _ in range(2)] + \
+        [torch.zeros(r_, rm, rm, dtype=torch.bool, device=DEV)]
+    front, fpar, anc = [x.clone() for x in state]
+    anc8 = anc.to(torch.uint8)
+    for t in range(1, steps):
+        lo, size, n = lay.lo[t], lay.size[t], t * k
+        # grow_tree's torch code
+        key = -score[:, lo: lo + size] + 0.0
+        tri = ar[None, :size] < ar[:size, None]
+        sel = _first(_rank(key, tri[None]) < k, k)
+        rows = slice((t - 1) * k, t * k)
+        front[:, rows] = lo + sel
+        if t == 1:
+            fpar[:, rows] = 0
+        else:
+            ppos = sel // k
+            fpar[:, rows] = 1 + (t - 2) * k + ppos
+            anc[:, rows] = anc.gather(1, ((t - 2) * k + ppos)[:, :, None].expand(r_, k, rm))
+        anc[:, rows] |= eye[rows]
+        want = dict(ids=tok.gather(1, front[:, :n]).reshape(-1), positions=pos_all[:, :n].reshape(-1),
+                    slots=slots_all[:, :n].reshape(-1), tmask=anc[:, :n, :n].reshape(r_ * n, n), seq_lens=ctx + n,
+                    fidx=(torch.arange(r_, device=DEV)[:, None] * (1 + rm) + fpar[:, :n]).reshape(-1))
+        got = dict(zip(want, select_step(score, tok, state[0], state[1], anc8, pos_all, slots_all, ctx,
+                                         lo, size, t, k)))
+        for name in want:
+            assert torch.equal(got[name], want[name]), (t, name, got[name], want[name])
+        assert torch.equal(state[0], front) and torch.equal(state[1], fpar) and torch.equal(anc8.bool(), anc)
+
+
+def _final_ref(score, tok, par, lay, caps, hops):
+    r_, m_ = score.shape
+    dev = score.device
+    ar = torch.arange(m_ + 2, device=dev)
+    depth_c = torch.tensor(lay.depth, device=dev)
+    key = -score[:, 1:] + 0.0
+    tri = ar[None, : m_ - 1] < ar[: m_ - 1, None]
+    ng = lay.greedy_nodes
+    if caps is None:
+        kept = _first(_rank(key, tri[None]) < ng - 1, ng - 1) + 1
+    else:
+        dcap, ncap = caps
+        key = torch.where(depth_c[None, 1:] <= dcap[:, None], key, torch.full_like(key, float("inf")))
+        want = ncap.clamp_max(ng)[:, None] - 1
+        kept = _first(_rank(key, tri[None]) < want, ng - 1) + 1
+        kept = torch.where(ar[None, : ng - 1] < want, kept, torch.full_like(kept, m_))
+    nodes = torch.cat([torch.zeros(r_, 1, dtype=torch.long, device=dev), kept], 1)
+    nodes_c = nodes.clamp_max(m_ - 1)
+    inv = torch.full((r_, m_ + 1), -1, dtype=torch.long, device=dev)
+    inv.scatter_(1, nodes, torch.arange(ng, device=dev).expand(r_, ng))
+    pnode = par.gather(1, nodes_c)
+    parents = torch.where(pnode >= 0, inv.gather(1, pnode.clamp_min(0)), torch.full_like(pnode, -1))
+    parents[:, 0] = -1
+    tokens = tok.gather(1, nodes_c)
+    packed = torch.cat([tokens.double(), parents.double(), score.gather(1, nodes_c), score, par.double()], 1)
+    mask, depth = tree_mask_and_depth(parents, hops)
+    return dict(nodes=nodes, tokens=tokens, parents=parents, packed=packed, mask=mask, depth=depth)
+
+
+@pytest.mark.parametrize("k,steps,nodes,r_", [(4, 4, 16, 3), (3, 3, 8, 2), (1, 4, 5, 2), (4, 2, 30, 2),
+                                              (8, 4, 64, 1)])
+@pytest.mark.parametrize("capped", [False, True])
+def test_final_select_is_grow_trees_selection(k, steps, nodes, r_, capped):
+    """The n - 1 best candidates (ties: lower id; capped: per-request depth and node caps, columns past the cap
+    hold no node), their tokens, parent columns, the packed host copy, and the verify mask / depths."""
+    lay = TreeLayout.get(k, steps, nodes)
+    g = torch.Generator().manual_seed(k * 100 + nodes + capped)
+    m_ = lay.num_slots
+    # parents in the layout: level d's slots hang under level d - 1's (a random frontier of it)
+    par = torch.full((r_, m_), -1, dtype=torch.long)
+    for d in range(1, steps + 1):
+        lo, size = lay.lo[d], lay.size[d]
+        plo, psize = lay.lo[d - 1], lay.size[d - 1]
+        par[:, lo: lo + size] = plo + torch.randint(0, psize, (r_, size), generator=g)
+    score = _tied_scores(g, r_, m_)
+    # children never outscore their parents (as cumulative log-probabilities): the kept set is ancestor-closed
+    for j in range(1, m_):
+        score[:, j] = torch.minimum(score[:, j], score.gather(1, par[:, j: j + 1].clamp_min(0))[:, 0])
+    tok = torch.randint(0, 1000, (r_, m_), generator=g)
+    caps = None
+    if capped:
+        caps = (torch.randint(1, steps + 1, (r_,), generator=g), torch.randint(1, nodes + 3, (r_,), generator=g))
+    to = lambda x: x.to(DEV)  # noqa: E731
+    score, tok, par = map(to, (score, tok, par))
+    caps = tuple(map(to, caps)) if caps else None
+    want = _final_ref(score, tok, par, lay, caps, steps)
+    got = final_select(score, tok, par, torch.tensor(lay.depth, device=DEV), lay.greedy_nodes, steps, caps)
+    for name in want:
+        assert torch.equal(got[name], want[name]), (name, got[name], want[name])

@@ -27,7 +27,7 @@ import triton.language as tl
 
 _BLOCK = 2048  # vocabulary entries per chunk program
 _JB = 16  # comparison tile (columns) of the pairwise ranks
-_BIG = 2 ** 30
+_BIG = tl.constexpr(2 ** 30)  # (a global a kernel reads must be a constexpr)
 
 
 def fits(k: int, num_slots: int, rows_max: int, nodes: int) -> bool:

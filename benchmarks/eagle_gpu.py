@@ -32,7 +32,8 @@ dynamic tree keeps what a head as confident as it is right would keep; the head'
 Drafting modes: `graph` (the default on CUDA: the draft extend and the whole dynamic tree each replay one CUDA
 graph, the tree built on the device, one host read at the end; the next round's drafting queued from the device
 verdict before the host reads it, `EagleDrafter.prelaunch`, and the next round's verify step too,
-`TreeRound._queue_verify`, session 27), `prelaunch` (the drafting queued ahead, the verify step prepared by the host
+`TreeRound._queue_verify`, session 27, where the engine's gate queues it: from 2 requests), `forced` (the same with
+the verify step queued at every batch size, `TreeRound.preverify = True`), `prelaunch` (the drafting queued ahead, the verify step prepared by the host
 after the read: session 26's rounds, `TreeRound.preverify = False`), `serial` (the same graphs, the drafting
 launched after the host read, as before session 26: `overlap_trees=False`) and `eager` (the same device code launched op by
 op: `EagleDrafter(cuda_graphs=False)`); each tree row is measured in each mode asked for. The drafting phase alone
@@ -593,6 +594,11 @@ def parse_trees(text: str) -> list[TreeBudget]:
     return [TreeBudget(*map(int, t.split(","))) for t in text.split(";") if t.strip()]
 
 
+# drafting replayed from CUDA graphs; "forced": graph with the next verify step queued whatever the batch size
+# (TreeRound.preverify = True; "graph" queues it where the engine's gate does)
+GRAPH_MODES = ("graph", "forced", "prelaunch", "serial")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes and few rounds (any device): a smoke run")
@@ -616,7 +622,7 @@ def main() -> None:
                     help="also profile a few rounds and drafting calls (the first drafting mode) with torch.profiler: "
                          "kernels by name, GPU busy / idle time, widest idle gaps (JSON key `profiles`)")
     ap.add_argument("--modes", default=None,
-                    help="drafting modes, comma list of graph,prelaunch,serial,eager (default graph,eager on CUDA)")
+                    help="drafting modes, comma list of graph,forced,prelaunch,serial,eager (default graph,eager on CUDA)")
     args = ap.parse_args()
     if args.replot:
         with open(args.replot) as f:
@@ -728,9 +734,9 @@ def main() -> None:
                 reqs = make_requests(b, context, shape["vocab_size"], seed=100 + b, first_id=next_id)
                 next_id += b
                 prefill(runner, drafter, reqs, max_tokens)
-                drafter.cuda_graphs = None if mode in ("graph", "prelaunch", "serial") else False
+                drafter.cuda_graphs = None if mode in GRAPH_MODES else False
                 drafter.overlap_trees = False if mode == "serial" else None
-                if mode in ("graph", "prelaunch", "serial"):  # every extend length a round can feed, and the tree: nothing captured while timed
+                if mode in GRAPH_MODES:  # every extend length a round can feed, and the tree: nothing captured while timed
                     t = time.perf_counter()
                     n_graphs = drafter.capture_graphs([b], [(shape_t.topk, shape_t.steps, shape_t.nodes)])
                     log(f"b={b}: {n_graphs} drafting graphs captured ({time.perf_counter() - t:.1f} s)")
@@ -750,7 +756,7 @@ def main() -> None:
                     continue
                 sampler = SyntheticTreeSampler(q, device, shape_t.steps, seed=1000 * b + shape_t.nodes)
                 tr = TreeRound(runner, drafter, sampler)
-                tr.preverify = False if mode == "prelaunch" else None
+                tr.preverify = {"prelaunch": False, "forced": True}.get(mode)
                 for _ in range(warm):
                     tree_round(tr, reqs, shape_t.nodes)
                 sync(device)

@@ -22,9 +22,11 @@ DEV = torch.device("cuda" if CUDA else "cpu")
 
 
 def _expand_ref(logits, k, d2t, parents, score, tok, par, lo):
+    """grow_tree's torch expand, its topk as a stable sort: torch.topk leaves the order of equal logits open (bf16
+    rows have many), the kernels put the lower index first."""
     r_, p = parents.shape
-    top = logits.float().log_softmax(-1).topk(k, dim=-1)
-    ids, lp = d2t[top.indices], top.values
+    lp, idx = logits.float().log_softmax(-1).sort(dim=-1, descending=True, stable=True)
+    ids, lp = d2t[idx[:, :k]], lp[:, :k]
     blk = slice(lo, lo + p * k)
     tok[:, blk] = ids.reshape(r_, p * k)
     score[:, blk] = (score.gather(1, parents)[:, :, None] + lp.double().view(r_, p, k)).reshape(r_, p * k)

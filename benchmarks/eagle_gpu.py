@@ -74,7 +74,8 @@ from forerun.runtime.runner import Chunk, ModelRunner  # noqa: E402
 from forerun.sampling_params import SamplingParams  # noqa: E402
 from forerun.drafters.base import TreeProposal  # noqa: E402
 from forerun.engine.round import RoundItem, TreeRound  # noqa: E402
-from forerun.verify.tree import deepest_picked_path  # noqa: E402
+from forerun.devices import to_host_async  # noqa: E402
+from forerun.verify.tree import GreedyTreeVerdict, deepest_picked_path  # noqa: E402
 from forerun.engine.sampler import RoundSampler, Verdict  # noqa: E402
 
 QWEN3_8B = dict(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
@@ -283,6 +284,22 @@ def prefill(runner: ModelRunner, drafter: EagleDrafter | None, reqs: list[Reques
     flush()
 
 
+def sibling_rank(par: torch.Tensor) -> torch.Tensor:
+    """par [b, n] -> each node's rank among its siblings (earlier siblings with the same parent)."""
+    j = torch.arange(par.shape[1], device=par.device)
+    return ((par[:, :, None] == par[:, None, :]) & (j[None, None, :] < j[None, :, None])).sum(-1)
+
+
+def drawn_path(want: torch.Tensor, par: torch.Tensor, mask: torch.Tensor, depth: torch.Tensor):
+    """The synthetic path in torch ops: the deepest node whose every ancestor-or-self has its depth's caught rank
+    (want [b, levels + 1]); (drafts accepted [b], path nodes by depth [b, n]). The kernel path:
+    forerun/kernels/tree_verdict.py `drawn_tree_verdict_packed` (the same path)."""
+    levels = want.shape[1] - 1
+    j = torch.arange(par.shape[1], device=par.device)
+    caught = (sibling_rank(par) == want.gather(1, depth.clamp(max=levels))) & (depth <= levels) | (j == 0)
+    return deepest_picked_path(caught, mask, depth)
+
+
 class SyntheticTreeSampler(RoundSampler):
     """The engine's verifier (the real tree verification runs), whose verdict is then replaced by a path drawn from
     the synthetic acceptance model over the tree really drafted: on the device for a batch of equal trees (before
@@ -296,6 +313,7 @@ class SyntheticTreeSampler(RoundSampler):
         self.gen = torch.Generator(device=device).manual_seed(seed)
         self.cumq = torch.tensor(np.cumsum(q).tolist(), dtype=torch.float64, device=device)
         self.trees: list[list[list[int]]] = []  # parents of every tree verified since the last reset
+        self.kernel = False  # draw with forerun/kernels/tree_verdict.py off CUDA too (Triton's interpreter: tests)
 
     @property
     def expect(self) -> float:
@@ -309,17 +327,21 @@ class SyntheticTreeSampler(RoundSampler):
             return pending  # drawn on the host in tree_finish
         dev = tokens.device
         par, tok = parents.view(b, n), tokens.view(b, n)
-        j = torch.arange(n, device=dev)
-        rank = ((par[:, :, None] == par[:, None, :]) & (j[None, None, :] < j[None, :, None])).sum(-1)  # sibling rank
         if layout is not None:  # all levels at once: the path = the nodes whose every ancestor has its level's rank
             mask, depth = layout
             levels = min(n - 1, self.max_depth)
-            u = torch.rand(b, levels, generator=self.gen, device=dev, dtype=torch.float64)
-            want = torch.cat([torch.zeros_like(u[:, :1], dtype=torch.long),
-                              torch.searchsorted(self.cumq, u, right=True)], 1)  # [b, levels + 1]: rank caught
-            caught = (rank == want.gather(1, depth.clamp(max=levels))) & (depth <= levels) | (j == 0)
-            acc, nodes = deepest_picked_path(caught, mask, depth)
+            # [b, levels + 1]: the sibling rank caught at each depth (len(q): none; column 0, the root's, unread)
+            u = torch.rand(b, levels + 1, generator=self.gen, device=dev, dtype=torch.float64)
+            want = torch.searchsorted(self.cumq, u, right=True)
+            if isinstance(pending.res, GreedyTreeVerdict) and (dev.type == "cuda" or self.kernel):
+                from forerun.kernels.tree_verdict import drawn_tree_verdict_packed
+                packed = drawn_tree_verdict_packed(pending.res.packed, want, tok, par, mask, depth)
+                host, event = to_host_async(packed)  # (the flag column: the real verdict's)
+                return replace(pending, res=GreedyTreeVerdict(packed), host=host, event=event)
+            acc, nodes = drawn_path(want, par, mask, depth)
         else:  # level by level from the root
+            j = torch.arange(n, device=dev)
+            rank = sibling_rank(par)
             nodes = torch.full((b, n), -1, dtype=torch.long, device=dev)
             nodes[:, 0] = 0
             cur = torch.zeros(b, dtype=torch.long, device=dev)
@@ -540,17 +562,18 @@ def profile_calls(fn, device: torch.device, calls: int = 6, top: int = 30) -> di
     grouped by name (device us per call, count per call) and the widest idle gaps with the kernels on both sides
     (a gap = the host had not queued the next kernel yet)."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sync(device)
     with profile(activities=acts) as prof:
         t = time.perf_counter()
         for _ in range(calls):
-            fn()
+            with record_function("profiled_call"):
+                fn()
         sync(device)
         wall = (time.perf_counter() - t) * 1e6 / calls
-    ev = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+    ev = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and e.name != "profiled_call"),
                 key=lambda e: e.time_range.start)
     by_name: dict[str, list[float]] = {}
     busy, gaps, end, prev = 0.0, [], None, None
@@ -570,12 +593,25 @@ def profile_calls(fn, device: torch.device, calls: int = 6, top: int = 30) -> di
     kernels = sorted(((k, sum(v) / calls, len(v) / calls) for k, v in by_name.items()), key=lambda x: -x[1])
     gaps.sort(key=lambda g: -g[0])
     host = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:15]
+    # the last call's timeline (us from its start): GPU intervals and the host's CUDA runtime calls, to see what the
+    # GPU waited for
+    marks = sorted((e for e in prof.events() if e.name == "profiled_call" and e.device_type == DeviceType.CPU),
+                   key=lambda e: e.time_range.start)
+    timeline = None
+    if marks:
+        t0 = marks[-1].time_range.start
+        gpu = [[round(e.time_range.start - t0, 1), round(e.time_range.end - t0, 1), e.name[:48]]
+               for e in ev if e.time_range.end >= t0]
+        cpu = [[round(e.time_range.start - t0, 1), round(e.time_range.end - t0, 1), e.name[:48]]
+               for e in prof.events() if e.device_type == DeviceType.CPU and e.time_range.start >= t0
+               and (e.name.startswith("cuda") or e.name.startswith("forerun"))]
+        timeline = dict(gpu=gpu, host=sorted(cpu))
     return dict(host_ops=[dict(name=a.key[:80], self_us=round(a.self_cpu_time_total / calls, 1),
                                count=round(a.count / calls, 2)) for a in host],
                 calls=calls, wall_us=wall, gpu_busy_us=busy / calls, gpu_span_us=span / calls,
                 gpu_idle_us=wall - busy / calls, kernels_per_call=len(ev) / calls,
                 kernels=[dict(name=k, us=round(us, 2), count=round(c, 2)) for k, us, c in kernels[:top]],
-                widest_gaps=[dict(us=round(g, 1), after=a, before=b) for g, a, b in gaps[:12]])
+                widest_gaps=[dict(us=round(g, 1), after=a, before=b) for g, a, b in gaps[:12]], timeline=timeline)
 
 
 def print_profile(label: str, p: dict) -> None:

@@ -184,3 +184,41 @@ def test_final_select_is_grow_trees_selection(k, steps, nodes, r_, capped):
     got = final_select(score, tok, par, torch.tensor(lay.depth, device=DEV), lay.greedy_nodes, steps, caps)
     for name in want:
         assert torch.equal(got[name], want[name]), (name, got[name], want[name])
+
+
+def test_drawn_verdict_kernel_is_the_benchs_torch_draw():
+    """benchmarks/eagle_gpu.py's synthetic verdict: the kernel (drawn_tree_verdict_packed, CUDA's) and the torch ops
+    (drawn_path) take the same path for the same caught ranks, the real verdict's final token after it and its
+    flag kept; random trees, ranks caught 0..3 or none (4), trees accepting 0 to several drafts."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from eagle_gpu import drawn_path
+
+    from forerun.kernels.tree_verdict import drawn_tree_verdict_packed
+    from forerun.verify.tree import greedy_tree_verdict
+
+    g = torch.Generator().manual_seed(3)
+    acc_seen = []
+    for b, n, levels in [(6, 8, 3), (9, 16, 5), (2, 3, 2)]:
+        par = torch.full((b, n), -1, dtype=torch.long)
+        for i in range(1, n):
+            par[:, i] = (torch.rand(b, generator=g) * min(i, 3)).long()  # wide near the root: sibling ranks 0..
+        mask, depth = tree_mask_and_depth(par, n)
+        tok = torch.randint(0, 50, (b, n), generator=g)
+        want = torch.multinomial(torch.tensor([0.45, 0.15, 0.1, 0.05, 0.25]), b * (levels + 1), replacement=True,
+                                 generator=g).view(b, levels + 1)
+        logits = torch.randn(b * n, 50, generator=g)
+        logits[1, 0] = float("nan")  # request 0's flag set: kept
+        dev = [x.to(DEV) for x in (logits, tok, par, mask, depth, want)]
+        real = greedy_tree_verdict(dev[0], dev[1], dev[2], dev[3], dev[4], kernel=False).packed
+        got = drawn_tree_verdict_packed(real, dev[5], dev[1], dev[2], dev[3], dev[4]).cpu()
+        acc, nodes = drawn_path(want, par, mask, depth)
+        out = torch.where(nodes[:, 1:] >= 0, tok.gather(1, nodes[:, 1:].clamp(min=0)), -1)
+        out = torch.cat([out, torch.full_like(out[:, :1], -1)], 1)
+        out.scatter_(1, acc[:, None], real[:, 1 + n: 2 + n].cpu().clamp(min=0))
+        assert got[:, 0].tolist() == acc.tolist()
+        assert torch.equal(got[:, 1: 1 + n], nodes) and torch.equal(got[:, 1 + n: 1 + 2 * n], out)
+        assert got[:, -1].tolist() == real[:, -1].tolist() and got[0, -1] != 0
+        acc_seen += acc.tolist()
+    assert min(acc_seen) == 0 and max(acc_seen) >= 2

@@ -169,24 +169,37 @@ def test_verify_tree_and_verify_chain_share_the_default_rule():
         verify_tree(**dict(b, draft_probs=scaled))
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_greedy_tree_verdict_equals_verify_tree(device):
+def test_greedy_tree_verdict_equals_verify_tree(device, kernel):
     """The device round's greedy verdict (layout from the drafter's mask and depths, TreeRound._run_device) against
     verify_tree(rule="greedy") and the reference: random uniform trees over a 4-token vocabulary (duplicate sibling
     tokens: the first in index order wins) with integer logits (argmax ties: the first index), accepted counts,
-    path nodes and emitted tokens equal; and the power check: some trees accept 3+ drafts, some none."""
-    from forerun.drafters.eagle import tree_mask_and_depth
-    from forerun.verify.tree import greedy_tree_verdict
+    path nodes and emitted tokens equal; and the power check: some trees accept 3+ drafts, some none.
+    kernel: forerun/kernels/tree_verdict.py (CUDA's default; the CPU runs it under Triton's interpreter), also
+    over a 9000-token vocabulary (three 4096-entry chunks, argmax ties across them)."""
+    from functools import partial
 
+    from forerun.drafters.eagle import tree_mask_and_depth
+    from forerun.verify import tree as T
+
+    if kernel:
+        pytest.importorskip("triton")
+        if device == "cpu" and torch.cuda.is_available():
+            pytest.skip("the interpreter is off beside a GPU (the kernel runs on CUDA there)")
+    greedy_tree_verdict = partial(T.greedy_tree_verdict, kernel=kernel)
     g = torch.Generator().manual_seed(27)
     accepted = []
-    for b, n in [(1, 2), (7, 5), (40, 9), (16, 16)]:
+    for b, n, v in [(1, 2, 4), (7, 5, 4), (40, 9, 4), (16, 16, 4)] + ([(5, 7, 9000)] if kernel else []):
         parents = torch.full((b, n), -1, dtype=torch.long)
         for i in range(1, n):
             parents[:, i] = (torch.rand(b, generator=g) * i).long()
-        logits = torch.randint(0, 3, (b * n, 4), generator=g).float()  # ties
+        logits = torch.randint(0, 3, (b * n, v), generator=g).float()  # ties
         am = logits.argmax(-1).view(b, n)
-        tokens = torch.randint(0, 4, (b, n), generator=g)
+        if v > 4096:  # the maximum in a later chunk too: the lowest index must win across chunks
+            logits[:, 4096 + 17] = logits[:, 5000] = 3.0
+            logits[::2, 3] = 3.0
+        tokens = torch.randint(0, 4 if v == 4 else v, (b, n), generator=g)
         follow = torch.rand(b, n, generator=g) < 0.6  # mostly the parent's argmax: deep paths
         tokens = torch.where(follow & (parents >= 0), am.gather(1, parents.clamp(min=0)), tokens)
         tokens[:, 0] = 0

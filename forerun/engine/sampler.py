@@ -165,8 +165,8 @@ class RoundSampler:
         if (layout is not None and self.rule in ("auto", "greedy") and logits.shape[0] == b * n
                 and all(r.params.temperature == 0 for r in requests)):
             res = greedy_tree_verdict(logits, tokens.view(b, n), parents.view(b, n), layout[0], layout[1])
-            bad = ~res.finite
-            host, event = self.verdict_to_host(res, bad)
+            bad = res.bad
+            host, event = to_host_async(res.packed)
             return TreePending(res, host, event, raw, logits, requests, starts, rows, tokens, parents, None, None,
                                None, n, bad)
         coupled = [is_coupled(r, self.rule) for r in requests]
@@ -192,7 +192,7 @@ class RoundSampler:
         """Queue the copy of a tree verdict (num_accepted [R], accepted_nodes [R, n], output_token_ids [R, n]) and
         the non-finite flag to the host: (host tensor [R, 2 + 2 n], CUDA event after the copy or None)."""
         return to_host_async(torch.cat([res.num_accepted.unsqueeze(1), res.accepted_nodes, res.output_token_ids,
-                                        bad.long().expand(res.num_accepted.shape[0], 1)], 1))
+                                        bad.long().reshape(-1, 1).expand(res.num_accepted.shape[0], 1)], 1))
 
     def tree_finish(self, pending: "TreePending", prop: TreeProposal | None = None) -> tuple[Verdict, list[list[int]]]:
         """Wait for the verdict of `tree_launch` (one host read); (Verdict, per request the accepted path, node
@@ -332,7 +332,7 @@ class TreePending:
     coins: torch.Tensor | None
     q: torch.Tensor | None
     width: int
-    bad: torch.Tensor  # [] bool: a non-finite target row
+    bad: torch.Tensor  # [] bool or [R] (per request, the greedy verdict's): a non-finite target row
     # the logits were overwritten after the verification was queued (TreeRound queued the next round's verify in
     # the same graph's static memory): a non-finite row is reported without re-reading them
     stale: bool = False

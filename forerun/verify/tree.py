@@ -15,6 +15,7 @@ token. Everything is vectorised over requests and nodes; only "exact" loops over
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -256,22 +257,48 @@ def verify_tree(
 
 @dataclass
 class GreedyTreeVerdict:
-    """`greedy_tree_verdict`'s result: the fields of TreeVerifyResult a round on the device reads."""
+    """`greedy_tree_verdict`'s result: the fields of TreeVerifyResult a round on the device reads, as views of
+    `packed` [R, 2 + 2 n] int64 (what the round copies to the host in one piece): accepted, path nodes, output
+    tokens, a non-finite flag."""
 
-    num_accepted: Tensor  # [R] long
-    accepted_nodes: Tensor  # [R, n] long: local node ids root first, -1 past the path
-    output_token_ids: Tensor  # [R, n] long: accepted drafts, then the final token, -1 after
-    finite: Tensor  # [] bool: every row's maximum is finite (a row with NaN, +Inf or nothing but -inf is not)
+    packed: Tensor
+
+    @property
+    def num_accepted(self) -> Tensor:  # [R] long
+        return self.packed[:, 0]
+
+    @property
+    def accepted_nodes(self) -> Tensor:  # [R, n] long: local node ids root first, -1 past the path
+        return self.packed[:, 1: 1 + (self.packed.shape[1] - 2) // 2]
+
+    @property
+    def output_token_ids(self) -> Tensor:  # [R, n] long: accepted drafts, then the final token, -1 after
+        n = (self.packed.shape[1] - 2) // 2
+        return self.packed[:, 1 + n: 1 + 2 * n]
+
+    @property
+    def bad(self) -> Tensor:  # [R] long: nonzero where a target row's maximum is not finite
+        return self.packed[:, -1]
+
+    @property
+    def finite(self) -> Tensor:  # [] bool: every row's maximum is finite (a row with NaN, +Inf or nothing but -inf is not)
+        return (self.bad == 0).all()
 
 
 def greedy_tree_verdict(target_logits: Tensor, tokens: Tensor, parents: Tensor, ancestors: Tensor,
-                        depth: Tensor) -> GreedyTreeVerdict:
+                        depth: Tensor, kernel: bool | None = None) -> GreedyTreeVerdict:
     """The greedy tree rule (`verify_tree(rule="greedy")`: take the target's argmax at the accepted node, look for it
     among the children, first in index order) for R trees of n nodes each whose layout is already on the device:
     tokens [R, n] (root first), parents [R, n] (-1 at the root, parent before child), ancestors [R, n, n] bool
     (ancestor-or-self), depth [R, n]; target_logits [R * n, V], tree-major. The same verdict as verify_tree in
     ~20 device ops instead of ~100 (no layout to build: a drafter's device tree carries its mask and depths) and no
-    host synchronisation."""
+    host synchronisation. kernel (None: on CUDA unless FORERUN_TREE_VERDICT_KERNEL=0): the same in two Triton
+    launches (forerun/kernels/tree_verdict.py; the flag then per request)."""
+    if kernel is None:
+        kernel = target_logits.is_cuda and os.environ.get("FORERUN_TREE_VERDICT_KERNEL", "") != "0"
+    if kernel:
+        from ..kernels.tree_verdict import greedy_tree_verdict_packed
+        return GreedyTreeVerdict(greedy_tree_verdict_packed(target_logits, tokens, parents, ancestors, depth))
     r, n = tokens.shape
     am = target_logits.argmax(-1).view(r, n)  # [R, n]: the target's next token after each node
     child = parents >= 0
@@ -282,8 +309,8 @@ def greedy_tree_verdict(target_logits: Tensor, tokens: Tensor, parents: Tensor, 
     accepted, nodes = deepest_picked_path(picked | ~child, ancestors, depth)  # (~child: the root)
     out = torch.where(nodes >= 0, am.gather(1, nodes.clamp(min=0)), -1)  # argmax after each path node
     # (argmax lands on a NaN, on +Inf, or on -inf when nothing else is left: one gather checks every row)
-    finite = torch.isfinite(target_logits.gather(1, am.view(-1, 1))).all()
-    return GreedyTreeVerdict(accepted, nodes, out, finite)
+    bad = ~torch.isfinite(target_logits.gather(1, am.view(-1, 1))).all()
+    return GreedyTreeVerdict(torch.cat([accepted[:, None], nodes, out, bad.long().expand(r, 1)], 1))
 
 
 def deepest_picked_path(ok: Tensor, ancestors: Tensor, depth: Tensor) -> tuple[Tensor, Tensor]:

@@ -212,11 +212,12 @@ def test_greedy_tree_verdict_equals_verify_tree(device, kernel):
         assert got.output_token_ids.tolist() == ref.output_token_ids.tolist()
         accepted += ref.num_accepted.tolist()
         assert bool(got.finite)
+        layout = [x.to(device) for x in (tokens, parents, mask, depth)]
         for bad in (float("nan"), float("inf")):  # a non-finite row is flagged (the round then names it)
             spoiled = logits.clone()
             spoiled[b * n - 1, 1] = bad
-            assert not bool(greedy_tree_verdict(spoiled, tokens, parents, mask, depth).finite)
+            assert not bool(greedy_tree_verdict(spoiled.to(device), *layout).finite)
         spoiled = logits.clone()
         spoiled[0] = float("-inf")
-        assert not bool(greedy_tree_verdict(spoiled, tokens, parents, mask, depth).finite)
+        assert not bool(greedy_tree_verdict(spoiled.to(device), *layout).finite)
     assert max(accepted) >= 3 and min(accepted) == 0

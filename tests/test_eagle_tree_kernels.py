@@ -15,7 +15,8 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
-from forerun.drafters.eagle import TreeLayout, _first, _rank, tree_mask_and_depth  # noqa: E402
+from forerun.drafters.eagle import (TreeLayout, _first, _greedy_kept, _kept_tree, _rank,  # noqa: E402
+                                    tree_mask_and_depth)
 from forerun.kernels.eagle_tree import expand_topk, final_select, select_step  # noqa: E402
 
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -126,30 +127,9 @@ def test_select_step_is_grow_trees_selection(k, steps, r_):
 
 
 def _final_ref(score, tok, par, lay, caps, hops):
-    r_, m_ = score.shape
-    dev = score.device
-    ar = torch.arange(m_ + 2, device=dev)
-    depth_c = torch.tensor(lay.depth, device=dev)
-    key = -score[:, 1:] + 0.0
-    tri = ar[None, : m_ - 1] < ar[: m_ - 1, None]
-    ng = lay.greedy_nodes
-    if caps is None:
-        kept = _first(_rank(key, tri[None]) < ng - 1, ng - 1) + 1
-    else:
-        dcap, ncap = caps
-        key = torch.where(depth_c[None, 1:] <= dcap[:, None], key, torch.full_like(key, float("inf")))
-        want = ncap.clamp_max(ng)[:, None] - 1
-        kept = _first(_rank(key, tri[None]) < want, ng - 1) + 1
-        kept = torch.where(ar[None, : ng - 1] < want, kept, torch.full_like(kept, m_))
-    nodes = torch.cat([torch.zeros(r_, 1, dtype=torch.long, device=dev), kept], 1)
-    nodes_c = nodes.clamp_max(m_ - 1)
-    inv = torch.full((r_, m_ + 1), -1, dtype=torch.long, device=dev)
-    inv.scatter_(1, nodes, torch.arange(ng, device=dev).expand(r_, ng))
-    pnode = par.gather(1, nodes_c)
-    parents = torch.where(pnode >= 0, inv.gather(1, pnode.clamp_min(0)), torch.full_like(pnode, -1))
-    parents[:, 0] = -1
-    tokens = tok.gather(1, nodes_c)
-    packed = torch.cat([tokens.double(), parents.double(), score.gather(1, nodes_c), score, par.double()], 1)
+    """grow_tree's torch final selection (its own functions) and the verify mask / depths."""
+    nodes = _greedy_kept(score, lay, lay.consts(score.device), caps)
+    _, tokens, parents, packed = _kept_tree(nodes, tok, par, score)
     mask, depth = tree_mask_and_depth(parents, hops)
     return dict(nodes=nodes, tokens=tokens, parents=parents, packed=packed, mask=mask, depth=depth)
 

@@ -1070,33 +1070,16 @@ def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root
         expand(t, lo + sel, logits)
 
     # final selection: greedy trees keep the n - 1 best candidates (SGLang's), sampled trees every valid slot
-    key = -score[:, 1:] + 0.0
-    tri = c["ar"][None, : m_ - 1] < c["ar"][: m_ - 1, None]
-    ng = lay.greedy_nodes
-    if caps is None:
-        kept = _first(_rank(key, tri[None]) < ng - 1, ng - 1) + 1  # [R, n - 1] ascending ids
-    else:  # candidates deeper than the request's cap rank last (their ids are higher: ties keep them last too)
-        dcap, ncap = caps
-        key = torch.where(c["depth"][None, 1:] <= dcap[:, None], key, torch.full_like(key, float("inf")))
-        want = ncap.clamp_max(ng)[:, None] - 1  # [R, 1] candidates kept
-        kept = _first(_rank(key, tri[None]) < want, ng - 1) + 1
-        kept = torch.where(c["ar"][None, : ng - 1] < want, kept, torch.full_like(kept, m_))
-    nodes = torch.cat([torch.zeros(r_, 1, dtype=torch.long, device=dev), kept], 1)
-    n_out = ng
+    nodes = _greedy_kept(score, lay, c, caps)
+    n_out = lay.greedy_nodes
     if sample is not None:
         ns = len(lay.s_nodes)
-        n_out = max(ng, ns)
+        n_out = max(n_out, ns)
         pad = lambda x, fill: torch.cat([x, torch.full((r_, n_out - x.shape[1]), fill, dtype=x.dtype, device=dev)], 1)  # noqa: E731
         nodes = torch.where(sample.greedy[:, None], pad(nodes, m_), pad(c["s_nodes"][None].expand(r_, ns), m_))
         if caps is not None:  # sampled trees: the first ncap slots (breadth first: ancestor-closed)
-            nodes = torch.where(c["ar"][None, :n_out] < ncap[:, None], nodes, torch.full_like(nodes, m_))
-    nodes_c = nodes.clamp_max(m_ - 1)
-    inv = torch.full((r_, m_ + 1), -1, dtype=torch.long, device=dev)
-    inv.scatter_(1, nodes, torch.arange(n_out, device=dev).expand(r_, n_out))
-    pnode = par.gather(1, nodes_c)
-    parents = torch.where(pnode >= 0, inv.gather(1, pnode.clamp_min(0)), torch.full_like(pnode, -1))
-    parents[:, 0] = -1
-    tokens = tok.gather(1, nodes_c)
+            nodes = torch.where(c["ar"][None, :n_out] < caps[1][:, None], nodes, torch.full_like(nodes, m_))
+    nodes_c, tokens, parents, packed = _kept_tree(nodes, tok, par, score)
     probs = None
     if qbank is not None:
         fslot = torch.full((r_, m_ + 1), -1, dtype=torch.long, device=dev)
@@ -1113,8 +1096,41 @@ def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root
             has = has & has_child[:, :n_out]
         probs = qbank.gather(1, bslot.clamp_min(0)[:, :, None].expand(r_, n_out, qbank.shape[-1]))
         probs = probs * has[:, :, None]
-    packed = torch.cat([tokens.double(), parents.double(), score.gather(1, nodes_c), score, par.double()], 1)
     return dict(nodes=nodes, tokens=tokens, parents=parents, probs=probs, packed=packed)
+
+
+def _greedy_kept(score: torch.Tensor, lay: "TreeLayout", c: dict, caps) -> torch.Tensor:
+    """grow_tree's greedy final selection: [R, n] node ids (root first, then the n - 1 best candidates ascending;
+    with caps, columns past a request's node cap hold M and deeper candidates rank last)."""
+    r_, m_ = score.shape
+    key = -score[:, 1:] + 0.0
+    tri = c["ar"][None, : m_ - 1] < c["ar"][: m_ - 1, None]
+    ng = lay.greedy_nodes
+    if caps is None:
+        kept = _first(_rank(key, tri[None]) < ng - 1, ng - 1) + 1  # [R, n - 1] ascending ids
+    else:  # candidates deeper than the request's cap rank last (their ids are higher: ties keep them last too)
+        dcap, ncap = caps
+        key = torch.where(c["depth"][None, 1:] <= dcap[:, None], key, torch.full_like(key, float("inf")))
+        want = ncap.clamp_max(ng)[:, None] - 1  # [R, 1] candidates kept
+        kept = _first(_rank(key, tri[None]) < want, ng - 1) + 1
+        kept = torch.where(c["ar"][None, : ng - 1] < want, kept, torch.full_like(kept, m_))
+    return torch.cat([torch.zeros(r_, 1, dtype=torch.long, device=score.device), kept], 1)
+
+
+def _kept_tree(nodes: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, score: torch.Tensor):
+    """Kept node ids [R, n] (M: none) -> (ids clamped to a slot, tokens, parent columns (-1: the root, or a
+    parent not kept), packed [R, 3 n + 2 M] float64: tokens, parents, kept scores, every slot's score and parent)."""
+    r_, n_out = nodes.shape
+    m_ = score.shape[1]
+    nodes_c = nodes.clamp_max(m_ - 1)
+    inv = torch.full((r_, m_ + 1), -1, dtype=torch.long, device=nodes.device)
+    inv.scatter_(1, nodes, torch.arange(n_out, device=nodes.device).expand(r_, n_out))
+    pnode = par.gather(1, nodes_c)
+    parents = torch.where(pnode >= 0, inv.gather(1, pnode.clamp_min(0)), torch.full_like(pnode, -1))
+    parents[:, 0] = -1
+    tokens = tok.gather(1, nodes_c)
+    packed = torch.cat([tokens.double(), parents.double(), score.gather(1, nodes_c), score, par.double()], 1)
+    return nodes_c, tokens, parents, packed
 
 
 def fused_tree_kernels(device: torch.device, lay: TreeLayout) -> bool:

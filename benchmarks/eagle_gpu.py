@@ -300,6 +300,11 @@ def drawn_path(want: torch.Tensor, par: torch.Tensor, mask: torch.Tensor, depth:
     return deepest_picked_path(caught, mask, depth)
 
 
+class DrawnVerdict(GreedyTreeVerdict):
+    """A synthetic verdict drawn on the device by the path kernel (`tree_finish` keeps it: the round moved the
+    accepted keys and queued the next steps from it)."""
+
+
 class SyntheticTreeSampler(RoundSampler):
     """The engine's verifier (the real tree verification runs), whose verdict is then replaced by a path drawn from
     the synthetic acceptance model over the tree really drafted: on the device for a batch of equal trees (before
@@ -337,7 +342,7 @@ class SyntheticTreeSampler(RoundSampler):
                 from forerun.kernels.tree_verdict import drawn_tree_verdict_packed
                 packed = drawn_tree_verdict_packed(pending.res.packed, want, tok, par, mask, depth)
                 host, event = to_host_async(packed)  # (the flag column: the real verdict's)
-                return replace(pending, res=GreedyTreeVerdict(packed), host=host, event=event)
+                return replace(pending, res=DrawnVerdict(packed), host=host, event=event)
             acc, nodes = drawn_path(want, par, mask, depth)
         else:  # level by level from the root
             j = torch.arange(n, device=dev)
@@ -364,7 +369,7 @@ class SyntheticTreeSampler(RoundSampler):
     def tree_finish(self, pending, prop: TreeProposal):
         verdict, paths = super().tree_finish(pending, prop)
         self.trees.append(prop.parents)  # (their expected tokens are summed after the timing: `expect`)
-        if isinstance(pending.res, SimpleNamespace):
+        if isinstance(pending.res, (SimpleNamespace, DrawnVerdict)):  # drawn on the device: the verdict read back
             return Verdict(verdict.num_accepted, verdict.emitted, [None] * len(paths)), paths
         emitted, acc, paths = [], [], []  # ragged trees: the drawn path on the host
         for toks, par, e in zip(prop.tokens, prop.parents, verdict.emitted):
@@ -885,7 +890,8 @@ def main() -> None:
     pol.record_values(pol.tree_values(parent, depth, score, rank))
     res["budget"] = pol.table(sorted(set(batches) | {1, 2, 4, 8, 16, 32, 64}))
     # the greedy tree's bookkeeping: forerun/kernels/eagle_tree.py's Triton kernels (CUDA's default) or torch ops
-    res["tree_ops"] = "torch" if os.environ.get("FORERUN_EAGLE_FUSED") == "0" or not cuda else "fused"
+    res["tree_ops"] = ("torch" if os.environ.get("FORERUN_EAGLE_FUSED") == "0" or not cuda
+                       else "fused (for the shapes forerun.kernels.eagle_tree.fits)")
     res["ideal_definition"] = ("B x expected tokens per round (synthetic model, exact over the trees drafted) / "
                                "(target forward over B x nodes rows + head extend + (steps-1) head tree steps, "
                                "each timed alone)")

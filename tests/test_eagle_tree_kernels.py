@@ -76,6 +76,24 @@ def test_expand_topk_ties_go_to_the_lower_index():
                                rtol=0, atol=1e-6)
 
 
+def test_expand_topk_degenerate_rows():
+    """A row with fewer finite logits than K still gives K distinct children (the finite ones first, then the lowest
+    ids; their scores -inf); a row holding a NaN gets NaN scores (as torch's log_softmax gives)."""
+    v, k = 5000, 4
+    logits = torch.full((2, v), float("-inf"))
+    logits[0, [4097, 7]] = torch.tensor([1.0, 2.0])
+    logits[1] = torch.randn(v)
+    logits[1, 3000] = float("nan")
+    score = torch.zeros(1, 1 + 2 * k, dtype=torch.float64, device=DEV)
+    tok = torch.zeros(1, 1 + 2 * k, dtype=torch.long, device=DEV)
+    par = torch.full((1, 1 + 2 * k), -1, dtype=torch.long, device=DEV)
+    expand_topk(logits.to(DEV), k, torch.arange(v, device=DEV), torch.zeros(1, 2, dtype=torch.long, device=DEV),
+                score, tok, par, 1)
+    assert tok[0, 1: 1 + k].tolist() == [7, 4097, 0, 1]
+    assert score[0, 3: 1 + k].tolist() == [float("-inf")] * 2 and score[0, 1: 3].isfinite().all()
+    assert score[0, 1 + k:].isnan().all()
+
+
 def _tied_scores(g, r_, m_):
     """Scores from a handful of values (many exact ties), root 0."""
     s = -torch.randint(0, 4, (r_, m_), generator=g).double() * 0.5
@@ -202,3 +220,45 @@ def test_drawn_verdict_kernel_is_the_benchs_torch_draw():
         assert got[:, -1].tolist() == real[:, -1].tolist() and got[0, -1] != 0
         acc_seen += acc.tolist()
     assert min(acc_seen) == 0 and max(acc_seen) >= 2
+
+
+def test_bench_keeps_the_kernel_drawn_verdict():
+    """benchmarks/eagle_gpu.py's SyntheticTreeSampler with the path kernel (CUDA's): tree_finish returns the path
+    drawn on the device (the round moved the accepted keys and queued the next steps from it), not a second draw,
+    and the bonus token after it is the real verdict's."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from eagle_gpu import SyntheticTreeSampler
+
+    from forerun.drafters.base import TreeProposal
+    from forerun.request import Request
+    from forerun.sampling_params import SamplingParams
+
+    g = torch.Generator().manual_seed(5)
+    b, n, v = 4, 8, 30
+    par = torch.full((b, n), -1, dtype=torch.long)
+    for i in range(1, n):
+        par[:, i] = (torch.rand(b, generator=g) * min(i, 3)).long()
+    mask, depth = tree_mask_and_depth(par, n)
+    tok = torch.randint(0, v, (b, n), generator=g)
+    logits = torch.randn(b * n, v, generator=g)
+    reqs = [Request(i, None, [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=64), torch.Generator(),
+                    frozenset()) for i in range(b)]
+    prop = TreeProposal(tok.tolist(), par.tolist(), [None] * b)
+    seen = []
+    for round_ in range(6):
+        smp = SyntheticTreeSampler([0.6, 0.2, 0.1], DEV, max_depth=4, seed=round_)
+        smp.kernel = True
+        dev = [x.to(DEV) for x in (logits, tok, par, mask, depth)]
+        pending = smp.tree_launch(dev[0], reqs, [n] * b, [i * n for i in range(b)], dev[1].reshape(-1),
+                                  dev[2].reshape(-1), None, None, layout=(dev[3], dev[4]))
+        drawn = pending.res.packed.cpu()
+        verdict, paths = smp.tree_finish(pending, prop)
+        root_token = logits.view(b, n, v)[:, 0].argmax(-1)
+        for i in range(b):
+            a = int(drawn[i, 0])
+            assert verdict.num_accepted[i] == a and paths[i] == drawn[i, 1: 2 + a].tolist()
+            assert verdict.emitted[i] == [tok[i, j].item() for j in paths[i][1:]] + [root_token[i].item()]
+            seen.append(a)
+    assert min(seen) == 0 and max(seen) >= 2

@@ -959,7 +959,7 @@ def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root
               sample: _Sampling | None = None,
               caps: tuple[torch.Tensor, torch.Tensor] | None = None,
               fused: bool | None = None) -> dict[str, torch.Tensor]:
-    """The dynamic tree of R requests, with fixed-shape torch ops only (no host reads, no data-dependent shapes):
+    """The dynamic tree of R requests, with fixed-shape device ops only (no host reads, no data-dependent shapes):
     capturable in one CUDA graph when `sample` is None (every request greedy, no grammar).
 
     root_out [R, H], root_logits [R, Vd]: the draft extend's last row (the root's output and its children's

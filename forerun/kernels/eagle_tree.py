@@ -8,8 +8,9 @@ slot), front [R, RM] (frontier row -> slot), fpar [R, RM] (frontier row -> its f
 uint8 (frontier row sees frontier row). Each kernel is the same arithmetic as grow_tree's torch code:
 
 1. `expand_topk` (two launches per tree step): each parent's K best children = top-K of log_softmax over the draft
-   vocabulary (ties to the lower index), mapped to target ids, written into their level's slots with their
-   cumulative scores. `_chunk_topk_kernel` (grid rows x vocabulary chunks) keeps each chunk's K best and its
+   vocabulary (ties to the lower index; K distinct ids even when fewer entries are finite; a row with a NaN gets
+   NaN scores, as torch gives), mapped to target ids, written into their level's slots with their cumulative
+   scores. `_chunk_topk_kernel` (grid rows x vocabulary chunks) keeps each chunk's K best and its
    max / sum of exp; `_merge_expand_kernel` (grid rows) merges them and writes tok / score / par.
 2. `select_step` (one launch per step): the K best nodes of the level (rank by pairwise comparison, as `_rank`),
    their frontier rows / feature rows / ancestor rows, then the head's inputs over frontier rows 0..n-1: token ids,
@@ -43,19 +44,23 @@ def _chunk_topk_kernel(Logits, PartVal, PartIdx, PartMax, PartSum, V, stride_l, 
     idx = c * BLOCK + tl.arange(0, BLOCK)
     ok = idx < V
     x = tl.load(Logits + row.to(tl.int64) * stride_l + idx, mask=ok, other=float("-inf")).to(tl.float32)
+    nan = tl.max((x != x).to(tl.int32), 0) > 0
+    x = tl.where(x != x, float("-inf"), x)
     m = tl.max(x, 0)
     e = tl.where(ok, tl.exp(x - m), 0.0)
     s = tl.sum(e.to(tl.float64), 0)  # float64: the same sum whatever the order (rows that tie stay tied)
     s = tl.where(m == float("-inf"), 0.0, s)
+    s = tl.where(nan, float("nan"), s)  # a NaN row's scores are NaN, as torch's log_softmax makes them
     kk = tl.arange(0, KP)
     vals = tl.full([KP], float("-inf"), tl.float32)
     ids = tl.full([KP], _BIG, tl.int32)
+    free = ok  # not taken yet (a row with fewer than K finite entries still gives K distinct ids)
     for j in tl.static_range(K):
-        v = tl.max(x, 0)
-        i = tl.min(tl.where(x == v, idx, _BIG), 0)
+        v = tl.max(tl.where(free, x, float("-inf")), 0)
+        i = tl.min(tl.where(free & (x == v), idx, _BIG), 0)
         vals = tl.where(kk == j, v, vals)
         ids = tl.where(kk == j, i, ids)
-        x = tl.where(idx == i, float("-inf"), x)
+        free = free & (idx != i)
     out = (row * nchunks + c) * KP
     tl.store(PartVal + out + kk, vals)
     tl.store(PartIdx + out + kk, ids)
@@ -75,7 +80,7 @@ def _merge_expand_kernel(PartVal, PartIdx, PartMax, PartSum, D2T, Parents, Score
     pm = tl.load(PartMax + row * nchunks + cc, mask=cm, other=float("-inf"))
     ps = tl.load(PartSum + row * nchunks + cc, mask=cm, other=0.0)
     mx = tl.max(pm, 0)
-    tot = tl.sum(tl.where(ps > 0, ps * tl.exp((pm - mx).to(tl.float64)), 0.0), 0)
+    tot = tl.sum(tl.where(ps != 0, ps * tl.exp((pm - mx).to(tl.float64)), 0.0), 0)  # (a NaN chunk: NaN)
     lsum = tl.log(tot).to(tl.float32)  # log_softmax = (x - max) - log(sum exp(x - max)), as torch forms it
     flat = tl.arange(0, CP * KP)
     fm = (flat // KP) < nchunks
@@ -83,11 +88,12 @@ def _merge_expand_kernel(PartVal, PartIdx, PartMax, PartSum, D2T, Parents, Score
     ids = tl.load(PartIdx + row * nchunks * KP + flat, mask=fm, other=_BIG)
     parent = tl.load(Parents + r * stride_p + p)
     base = tl.load(Score + r * M + parent)
+    free = ids < _BIG
     for j in tl.static_range(K):
-        v = tl.max(vals, 0)
-        i = tl.min(tl.where(vals == v, ids, _BIG), 0)
-        vals = tl.where(ids == i, float("-inf"), vals)
-        i = tl.maximum(tl.minimum(i, V - 1), 0)  # a degenerate row (NaN / all -inf) still names a real token
+        v = tl.max(tl.where(free, vals, float("-inf")), 0)
+        i = tl.min(tl.where(free & (vals == v), ids, _BIG), 0)
+        free = free & (ids != i)
+        i = tl.maximum(tl.minimum(i, V - 1), 0)  # (V < K only: still a real token)
         dst = r * M + lo + p * K + j
         tl.store(Tok + dst, tl.load(D2T + i))
         tl.store(Score + dst, base + ((v - mx) - lsum).to(tl.float64))
@@ -170,6 +176,7 @@ def select_step(score, tok, front, fpar, anc, pos_all, slots_all, ctx, lo: int, 
     r_, m_ = score.shape
     rm = front.shape[1]
     n = t * k
+    assert all(x.is_contiguous() for x in (score, tok, front, fpar, anc, pos_all, slots_all, ctx))
     dev = score.device
     ids = torch.empty(r_ * n, dtype=torch.long, device=dev)
     pos = torch.empty(r_ * n, dtype=torch.long, device=dev)
@@ -214,7 +221,7 @@ def _final_kernel(Score, Tok, Par, SlotDepth, Dcap, Ncap,
         rank += tl.sum((less & jv[None, :]).to(tl.int32), 1)
     chosen = iv & (rank < want)
     pos = tl.cumsum(chosen.to(tl.int32), 0) - 1
-    chosen = chosen & (pos < want)
+    chosen = chosen & (pos < want) & (pos < ng - 1)  # (want <= ng - 1: a guard, the row's columns only)
     c = tl.arange(0, NP)
     cv = c < ng
     # columns past `want` hold no node (id M); column 0 is the root
@@ -270,6 +277,7 @@ def final_select(score, tok, par, slot_depth, ng: int, hops: int, caps=None) -> 
                mask=torch.empty(r_, ng, ng, dtype=torch.uint8, device=dev),
                depth=torch.empty(r_, ng, dtype=torch.long, device=dev))
     dcap, ncap = caps if caps is not None else (slot_depth, slot_depth)  # unread without caps
+    assert all(x.is_contiguous() for x in (score, tok, par, slot_depth, dcap, ncap))
     mp = max(triton.next_power_of_2(m_ - 1), _JB)
     _final_kernel[(r_,)](score, tok, par, slot_depth, dcap, ncap,
                          out["nodes"], out["tokens"], out["parents"], out["packed"], out["mask"], out["depth"],

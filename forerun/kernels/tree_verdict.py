@@ -113,7 +113,7 @@ def greedy_tree_verdict_packed(logits: torch.Tensor, tokens: torch.Tensor, paren
     _argmax_chunk_kernel[(r * n, nchunks)](logits, pmax, pidx, v, logits.stride(0), nchunks, BLOCK=_BLOCK,
                                            num_warps=8)
     out = torch.empty(r, 2 + 2 * n, dtype=torch.long, device=dev)
-    _path_kernel[(r,)](pmax, pidx, tokens.contiguous(), parents.contiguous(), ancestors.view(torch.uint8),
+    _path_kernel[(r,)](pmax, pidx, tokens.contiguous(), parents.contiguous(), ancestors.contiguous().view(torch.uint8),
                        depth.contiguous(), pmax, pmax, out, n, nchunks, 0, v,
                        NP=triton.next_power_of_2(n), CP=triton.next_power_of_2(nchunks), SYNTH=False, num_warps=4)
     return out
@@ -126,7 +126,7 @@ def drawn_tree_verdict_packed(real: torch.Tensor, want: torch.Tensor, tokens: to
     verdict of the path whose nodes have their depth's rank, the real final token after it."""
     r, n = tokens.shape
     out = torch.empty_like(real)
-    _path_kernel[(r,)](real, real, tokens.contiguous(), parents.contiguous(), ancestors.view(torch.uint8),
-                       depth.contiguous(), want.contiguous(), real, out, n, 1, want.shape[1] - 1, 1,
+    _path_kernel[(r,)](real, real, tokens.contiguous(), parents.contiguous(), ancestors.contiguous().view(torch.uint8),
+                       depth.contiguous(), want.contiguous(), real.contiguous(), out, n, 1, want.shape[1] - 1, 1,
                        NP=triton.next_power_of_2(n), CP=1, SYNTH=True, num_warps=4)
     return out

@@ -277,8 +277,8 @@ class GreedyTreeVerdict:
         return self.packed[:, 1 + n: 1 + 2 * n]
 
     @property
-    def bad(self) -> Tensor:  # [R] long: nonzero where a target row's maximum is not finite
-        return self.packed[:, -1]
+    def bad(self) -> Tensor:  # [R] long: nonzero where a target row's maximum is not finite (the kernel flags that
+        return self.packed[:, -1]  # request, the torch ops every request of the batch)
 
     @property
     def finite(self) -> Tensor:  # [] bool: every row's maximum is finite (a row with NaN, +Inf or nothing but -inf is not)
@@ -294,8 +294,9 @@ def greedy_tree_verdict(target_logits: Tensor, tokens: Tensor, parents: Tensor, 
     ~20 device ops instead of ~100 (no layout to build: a drafter's device tree carries its mask and depths) and no
     host synchronisation. kernel (None: on CUDA unless FORERUN_TREE_VERDICT_KERNEL=0): the same in two Triton
     launches (forerun/kernels/tree_verdict.py; the flag then per request)."""
-    if kernel is None:
-        kernel = target_logits.is_cuda and os.environ.get("FORERUN_TREE_VERDICT_KERNEL", "") != "0"
+    if kernel is None:  # (trees past 128 nodes: the kernel's [n, n] tiles take minutes to compile)
+        kernel = (target_logits.is_cuda and tokens.shape[1] <= 128
+                  and os.environ.get("FORERUN_TREE_VERDICT_KERNEL", "") != "0")
     if kernel:
         from ..kernels.tree_verdict import greedy_tree_verdict_packed
         return GreedyTreeVerdict(greedy_tree_verdict_packed(target_logits, tokens, parents, ancestors, depth))

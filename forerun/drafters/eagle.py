@@ -957,8 +957,7 @@ def _first(chosen: torch.Tensor, count: int, first: torch.Tensor | None = None) 
 def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root_logits: torch.Tensor,
               ctx: torch.Tensor, tables: torch.Tensor, block_size: int, max_seq_len: int,
               sample: _Sampling | None = None,
-              caps: tuple[torch.Tensor, torch.Tensor] | None = None,
-              fused: bool | None = None) -> dict[str, torch.Tensor]:
+              caps: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The dynamic tree of R requests, with fixed-shape device ops only (no host reads, no data-dependent shapes):
     capturable in one CUDA graph when `sample` is None (every request greedy, no grammar).
 
@@ -972,30 +971,21 @@ def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root
     caps (depth [R], nodes [R], root included; `EagleDrafter._tree_caps`): request i keeps at most nodes[i] nodes
     of depth <= depth[i] (greedy: its best such candidates; sampled: the first nodes[i] of its static slots); the
     columns past nodes[i] of every output hold no node (id M) and are never read.
-    fused (greedy only; None: on CUDA when the shape fits, `fused_tree_kernels`): the bookkeeping between the head's
-    steps in forerun/kernels/eagle_tree.py's few Triton launches (the same arithmetic), and the verify step's mask
-    and depth with the final selection (returned as `mask` / `depth`)."""
+    Greedy trees on CUDA whose shape fits (`fused_tree_kernels`) keep the bookkeeping between the head's steps in
+    forerun/kernels/eagle_tree.py's few Triton launches (the same arithmetic) and return the verify step's mask and
+    depth too (`mask` / `depth`)."""
     dev = root_out.device
     c = lay.consts(dev)
     r_, k, s = root_out.shape[0], lay.topk, lay.steps
     m_, hid = lay.num_slots, root_out.shape[1]
     rows_max = max((s - 1) * k, 1)
     full_path = sample is not None
-    if fused is None:
-        fused = sample is None and fused_tree_kernels(dev, lay)
-    if fused:
+    if sample is None and fused_tree_kernels(dev, lay):
         return _grow_tree_fused(head, kv, lay, root_out, root_logits, ctx, tables, block_size, max_seq_len, caps)
     steps_run = lay.s_steps if sample is not None and sample.all_sampled else s - 1
-    tok = torch.zeros(r_, m_, dtype=torch.long, device=dev)
+    tok, score, par, bank, anc, front, fpar = _tree_buffers(lay, root_out, torch.bool)
     if sample is not None:
         tok[:, 0] = sample.roots
-    score = torch.zeros(r_, m_, dtype=torch.float64, device=dev)
-    par = torch.full((r_, m_), -1, dtype=torch.long, device=dev)
-    bank = torch.zeros(r_, 1 + rows_max, hid, dtype=root_out.dtype, device=dev)  # expanded nodes' outputs
-    bank[:, 0] = root_out
-    anc = torch.zeros(r_, rows_max, rows_max, dtype=torch.bool, device=dev)  # frontier row sees frontier row
-    front = torch.zeros(r_, rows_max, dtype=torch.long, device=dev)  # frontier row -> node id
-    fpar = torch.zeros(r_, rows_max, dtype=torch.long, device=dev)  # frontier row -> its feature's bank slot
     qbank = None
     valid = None
     if sample is not None:
@@ -1031,10 +1021,8 @@ def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root
         par[:, blk] = parents[:, :, None].expand(r_, p, k).reshape(r_, p * k)
 
     expand(0, torch.zeros(r_, 1, dtype=torch.long, device=dev), root_logits)
-    if steps_run:  # every step's rows are a prefix of these: RoPE positions, cache slots (scratch after ctx)
-        pos_all = ctx[:, None] - 1 + c["row_depth"][None, :]  # [R, rows_max]
-        cpos = ctx[:, None] + c["ar"][None, :rows_max]
-        slots_all = tables.gather(1, cpos // block_size) * block_size + cpos % block_size
+    if steps_run:
+        pos_all, slots_all = _frontier_rows(lay, ctx, tables, block_size)
         ar_r = torch.arange(r_ + 1, device=dev)
     for t in range(1, steps_run + 1):
         lo, size = lay.lo[t], lay.size[t]
@@ -1099,6 +1087,34 @@ def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root
     return dict(nodes=nodes, tokens=tokens, parents=parents, probs=probs, packed=packed)
 
 
+def _tree_buffers(lay: "TreeLayout", root_out: torch.Tensor, anc_dtype: torch.dtype):
+    """grow_tree's per-request state (R = root_out's rows, M slots, RM frontier rows): tok [R, M], score [R, M]
+    float64, par [R, M] (-1), bank [R, 1 + RM, H] (expanded nodes' outputs, the root's first), anc [R, RM, RM]
+    (frontier row sees frontier row), front [R, RM] (frontier row -> node id), fpar [R, RM] (frontier row -> its
+    feature's bank slot)."""
+    r_, hid = root_out.shape
+    m_, rows_max, dev = lay.num_slots, max((lay.steps - 1) * lay.topk, 1), root_out.device
+    tok = torch.zeros(r_, m_, dtype=torch.long, device=dev)
+    score = torch.zeros(r_, m_, dtype=torch.float64, device=dev)
+    par = torch.full((r_, m_), -1, dtype=torch.long, device=dev)
+    bank = torch.zeros(r_, 1 + rows_max, hid, dtype=root_out.dtype, device=dev)
+    bank[:, 0] = root_out
+    anc = torch.zeros(r_, rows_max, rows_max, dtype=anc_dtype, device=dev)
+    front = torch.zeros(r_, rows_max, dtype=torch.long, device=dev)
+    fpar = torch.zeros(r_, rows_max, dtype=torch.long, device=dev)
+    return tok, score, par, bank, anc, front, fpar
+
+
+def _frontier_rows(lay: "TreeLayout", ctx: torch.Tensor, tables: torch.Tensor, block_size: int):
+    """RoPE positions and cache slots [R, RM] of every frontier row (each step's rows are a prefix of them; the
+    slots are the scratch rows after ctx)."""
+    c = lay.consts(ctx.device)
+    rows_max = max((lay.steps - 1) * lay.topk, 1)
+    pos_all = ctx[:, None] - 1 + c["row_depth"][None, :]
+    cpos = ctx[:, None] + c["ar"][None, :rows_max]
+    return pos_all, tables.gather(1, cpos // block_size) * block_size + cpos % block_size
+
+
 def _greedy_kept(score: torch.Tensor, lay: "TreeLayout", c: dict, caps) -> torch.Tensor:
     """grow_tree's greedy final selection: [R, n] node ids (root first, then the n - 1 best candidates ascending;
     with caps, columns past a request's node cap hold M and deeper candidates rank last)."""
@@ -1152,22 +1168,12 @@ def _grow_tree_fused(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tenso
     dev = root_out.device
     c = lay.consts(dev)
     r_, k, s = root_out.shape[0], lay.topk, lay.steps
-    m_, hid = lay.num_slots, root_out.shape[1]
-    rows_max = max((s - 1) * k, 1)
+    hid, rows_max = root_out.shape[1], max((s - 1) * k, 1)
     d2t = head.draft_to_target
-    tok = torch.zeros(r_, m_, dtype=torch.long, device=dev)
-    score = torch.zeros(r_, m_, dtype=torch.float64, device=dev)
-    par = torch.full((r_, m_), -1, dtype=torch.long, device=dev)
-    bank = torch.zeros(r_, 1 + rows_max, hid, dtype=root_out.dtype, device=dev)
-    bank[:, 0] = root_out
-    anc = torch.zeros(r_, rows_max, rows_max, dtype=torch.uint8, device=dev)
-    front = torch.zeros(r_, rows_max, dtype=torch.long, device=dev)
-    fpar = torch.zeros(r_, rows_max, dtype=torch.long, device=dev)
+    tok, score, par, bank, anc, front, fpar = _tree_buffers(lay, root_out, torch.uint8)
     expand_topk(root_logits, k, d2t, torch.zeros(r_, 1, dtype=torch.long, device=dev), score, tok, par, lay.lo[1])
     if s > 1:
-        pos_all = ctx[:, None] - 1 + c["row_depth"][None, :]  # [R, rows_max]
-        cpos = ctx[:, None] + c["ar"][None, :rows_max]
-        slots_all = tables.gather(1, cpos // block_size) * block_size + cpos % block_size
+        pos_all, slots_all = _frontier_rows(lay, ctx, tables, block_size)
         ar_r = torch.arange(r_ + 1, device=dev)
         # per step t (row t - 1): query starts ar_r * t K; the rows whose logits are wanted: each request's last K
         tk = c["ar"][1:s, None] * k  # [S-1, 1]

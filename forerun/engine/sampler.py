@@ -23,7 +23,7 @@ from ..drafters.base import TreeProposal
 from ..request import Request
 from ..verify import SamplingTensors, compute_logprobs, verify_chain, verify_tree
 from ..verify.probs import check_logits
-from ..verify.tree import greedy_tree_verdict
+from ..verify.tree import greedy_tree_verdict, pack_verdict
 from ..verify.coupling import coupled_scores, row_key
 from ..verify.probs import logits_to_probs
 
@@ -191,8 +191,7 @@ class RoundSampler:
     def verdict_to_host(res, bad: torch.Tensor):
         """Queue the copy of a tree verdict (num_accepted [R], accepted_nodes [R, n], output_token_ids [R, n]) and
         the non-finite flag to the host: (host tensor [R, 2 + 2 n], CUDA event after the copy or None)."""
-        return to_host_async(torch.cat([res.num_accepted.unsqueeze(1), res.accepted_nodes, res.output_token_ids,
-                                        bad.long().reshape(-1, 1).expand(res.num_accepted.shape[0], 1)], 1))
+        return to_host_async(pack_verdict(res.num_accepted, res.accepted_nodes, res.output_token_ids, bad))
 
     def tree_finish(self, pending: "TreePending", prop: TreeProposal | None = None) -> tuple[Verdict, list[list[int]]]:
         """Wait for the verdict of `tree_launch` (one host read); (Verdict, per request the accepted path, node

@@ -311,7 +311,13 @@ def greedy_tree_verdict(target_logits: Tensor, tokens: Tensor, parents: Tensor, 
     out = torch.where(nodes >= 0, am.gather(1, nodes.clamp(min=0)), -1)  # argmax after each path node
     # (argmax lands on a NaN, on +Inf, or on -inf when nothing else is left: one gather checks every row)
     bad = ~torch.isfinite(target_logits.gather(1, am.view(-1, 1))).all()
-    return GreedyTreeVerdict(torch.cat([accepted[:, None], nodes, out, bad.long().expand(r, 1)], 1))
+    return GreedyTreeVerdict(pack_verdict(accepted, nodes, out, bad))
+
+
+def pack_verdict(accepted: Tensor, nodes: Tensor, out: Tensor, bad: Tensor) -> Tensor:
+    """A tree verdict as the one int64 piece a round copies to the host: [R, 2 + 2 n] = accepted [R], path nodes
+    [R, n], output tokens [R, n], the non-finite flag (bad: [] for the batch, or [R])."""
+    return torch.cat([accepted[:, None], nodes, out, bad.long().reshape(-1, 1).expand(accepted.shape[0], 1)], 1)
 
 
 def deepest_picked_path(ok: Tensor, ancestors: Tensor, depth: Tensor) -> tuple[Tensor, Tensor]:

@@ -123,6 +123,31 @@ def expand_topk(logits: torch.Tensor, k: int, d2t: torch.Tensor, parents: torch.
 
 
 @triton.jit
+def _sort_key(Row, Dep, dcap, idx, size, CAPPED: tl.constexpr):
+    """-score of entries idx of a score row (+ 0.0: no -0.0); CAPPED: +inf where Dep[idx] (their depth) > dcap."""
+    ok = idx < size
+    key = -tl.load(Row + idx, mask=ok, other=0.0) + 0.0
+    if CAPPED:
+        key = tl.where(tl.load(Dep + idx, mask=ok, other=0) <= dcap, key, float("inf"))
+    return key
+
+
+@triton.jit
+def _sort_places(Row, Dep, dcap, size, N: tl.constexpr, JB: tl.constexpr, CAPPED: tl.constexpr):
+    """Entries 0 .. size - 1 of a score row -> [N] each one's place in a stable ascending sort of their keys
+    (`_sort_key`; ties: the lower index first), by pairwise comparison in JB-wide tiles (grow_tree's `_rank`)."""
+    i = tl.arange(0, N)
+    key = _sort_key(Row, Dep, dcap, i, size, CAPPED)
+    rank = tl.zeros([N], tl.int32)
+    for j0 in range(0, N, JB):
+        j = j0 + tl.arange(0, JB)
+        kj = _sort_key(Row, Dep, dcap, j, size, CAPPED)
+        less = (kj[None, :] < key[:, None]) | ((kj[None, :] == key[:, None]) & (j[None, :] < i[:, None]))
+        rank += tl.sum((less & (j < size)[None, :]).to(tl.int32), 1)
+    return rank
+
+
+@triton.jit
 def _select_step_kernel(Score, Tok, Front, Fpar, Anc, PosAll, SlotsAll, Ctx,
                         Ids, Pos, Slots, TMask, SeqLens, FIdx,
                         M, RM, lo, size, t, n,
@@ -131,14 +156,7 @@ def _select_step_kernel(Score, Tok, Front, Fpar, Anc, PosAll, SlotsAll, Ctx,
     r = tl.program_id(0)
     i = tl.arange(0, SP)
     iv = i < size
-    key = -tl.load(Score + r * M + lo + i, mask=iv, other=0.0) + 0.0  # + 0.0: no -0.0
-    rank = tl.zeros([SP], tl.int32)
-    for j0 in range(0, SP, JB):
-        j = j0 + tl.arange(0, JB)
-        jv = j < size
-        kj = -tl.load(Score + r * M + lo + j, mask=jv, other=0.0) + 0.0
-        less = (kj[None, :] < key[:, None]) | ((kj[None, :] == key[:, None]) & (j[None, :] < i[:, None]))
-        rank += tl.sum((less & jv[None, :]).to(tl.int32), 1)
+    rank = _sort_places(Score + r * M + lo, Score, 0, size, SP, JB, False)
     chosen = iv & (rank < K)
     pos = tl.cumsum(chosen.to(tl.int32), 0) - 1
     chosen = chosen & (pos < K)
@@ -201,24 +219,13 @@ def _final_kernel(Score, Tok, Par, SlotDepth, Dcap, Ncap,
     r = tl.program_id(0)
     i = tl.arange(0, MP)  # candidate i is slot i + 1
     iv = i < M - 1
-    key = -tl.load(Score + r * M + 1 + i, mask=iv, other=0.0) + 0.0
-    if CAPPED:
+    if CAPPED:  # candidates deeper than the cap sort last
         dcap = tl.load(Dcap + r)
-        d = tl.load(SlotDepth + 1 + i, mask=iv, other=0)
-        key = tl.where(d <= dcap, key, float("inf"))
         want = tl.minimum(tl.load(Ncap + r), ng) - 1
     else:
+        dcap = 0
         want = ng - 1
-    rank = tl.zeros([MP], tl.int32)
-    for j0 in range(0, MP, JB):
-        j = j0 + tl.arange(0, JB)
-        jv = j < M - 1
-        kj = -tl.load(Score + r * M + 1 + j, mask=jv, other=0.0) + 0.0
-        if CAPPED:
-            dj = tl.load(SlotDepth + 1 + j, mask=jv, other=0)
-            kj = tl.where(dj <= dcap, kj, float("inf"))
-        less = (kj[None, :] < key[:, None]) | ((kj[None, :] == key[:, None]) & (j[None, :] < i[:, None]))
-        rank += tl.sum((less & jv[None, :]).to(tl.int32), 1)
+    rank = _sort_places(Score + r * M + 1, SlotDepth + 1, dcap, M - 1, MP, JB, CAPPED)
     chosen = iv & (rank < want)
     pos = tl.cumsum(chosen.to(tl.int32), 0) - 1
     chosen = chosen & (pos < want) & (pos < ng - 1)  # (want <= ng - 1: a guard, the row's columns only)

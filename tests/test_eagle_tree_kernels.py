@@ -15,9 +15,10 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
-from forerun.drafters.eagle import (TreeLayout, _first, _greedy_kept, _kept_tree, _rank,  # noqa: E402
-                                    tree_mask_and_depth)
-from forerun.kernels.eagle_tree import expand_topk, final_select, select_step  # noqa: E402
+from forerun.drafters.eagle import (TreeLayout, _first, _frontier_rows, _greedy_kept, _kept_tree,  # noqa: E402
+                                    _rank, _tree_buffers, tree_mask_and_depth)
+from forerun.kernels.eagle_tree import (expand_topk, extend_rows, final_select, select_step,  # noqa: E402
+                                        tree_init)
 
 DEV = torch.device("cuda" if CUDA else "cpu")
 
@@ -111,14 +112,16 @@ def test_select_step_is_grow_trees_selection(k, steps, r_):
     score = _tied_scores(g, r_, m_).to(DEV)
     tok = torch.randint(0, 1000, (r_, m_), generator=g).to(DEV)
     ctx = torch.randint(5, 50, (r_,), generator=g).to(DEV)
-    pos_all = torch.randint(0, 100, (r_, rm), generator=g).to(DEV)
-    slots_all = torch.randint(0, 1000, (r_, rm), generator=g).to(DEV)
+    bs = 4
+    tables = torch.randperm(200, generator=g)[: r_ * 30].view(r_, 30).to(DEV)  # 30 blocks of 4: room for ctx + rm
+    pos_all, slots_all = _frontier_rows(lay, ctx, tables, bs)
     ar = torch.arange(max(m_, rm) + 2, device=DEV)
     eye = torch.eye(rm, dtype=torch.bool, device=DEV)
-    state = [torch.zeros(r_, rm, dtype=torch.long, device=DEV) for _ in range(2)] + \
+    front, fpar, anc = [torch.zeros(r_, rm, dtype=torch.long, device=DEV) for _ in range(2)] + \
         [torch.zeros(r_, rm, rm, dtype=torch.bool, device=DEV)]
-    front, fpar, anc = [x.clone() for x in state]
-    anc8 = anc.to(torch.uint8)
+    # the kernel's state starts as garbage (the fused path leaves it empty): nothing unwritten may be read
+    state = [torch.randint(-9, 9, (r_, rm), generator=g).to(DEV) for _ in range(2)]
+    anc8 = torch.randint(0, 2, (r_, rm, rm), generator=g).to(torch.uint8).to(DEV)
     for t in range(1, steps):
         lo, size, n = lay.lo[t], lay.size[t], t * k
         # grow_tree's torch code
@@ -137,11 +140,33 @@ def test_select_step_is_grow_trees_selection(k, steps, r_):
         want = dict(ids=tok.gather(1, front[:, :n]).reshape(-1), positions=pos_all[:, :n].reshape(-1),
                     slots=slots_all[:, :n].reshape(-1), tmask=anc[:, :n, :n].reshape(r_ * n, n), seq_lens=ctx + n,
                     fidx=(torch.arange(r_, device=DEV)[:, None] * (1 + rm) + fpar[:, :n]).reshape(-1))
-        got = dict(zip(want, select_step(score, tok, state[0], state[1], anc8, pos_all, slots_all, ctx,
+        got = dict(zip(want, select_step(score, tok, state[0], state[1], anc8, ctx, tables, bs,
                                          lo, size, t, k)))
         for name in want:
             assert torch.equal(got[name], want[name]), (t, name, got[name], want[name])
-        assert torch.equal(state[0], front) and torch.equal(state[1], fpar) and torch.equal(anc8.bool(), anc)
+        done = slice(0, t * k)  # the rows written so far
+        assert torch.equal(state[0][:, done], front[:, done]) and torch.equal(state[1][:, done], fpar[:, done])
+        assert torch.equal(anc8[:, done].bool(), anc[:, done])
+
+
+@pytest.mark.parametrize("r_,hid", [(1, 64), (3, 1500), (2, 4096)])
+def test_tree_init_sets_the_root_slot_and_bank_row(r_, hid):
+    """The fused tree's state starts empty: tree_init writes the root's slot (token 0, score 0, parent -1) and its
+    output into bank row 0, and nothing else (the other slots and rows keep whatever they held)."""
+    lay = TreeLayout.get(3, 3, 8)
+    g = torch.Generator().manual_seed(hid)
+    root_out = torch.randn(r_, hid, generator=g).to(DEV)
+    tok, score, par, bank, anc, front, fpar = _tree_buffers(lay, root_out, torch.uint8, init=False)
+    for x in (tok, par):
+        x.copy_(torch.randint(-5, 5, x.shape, generator=g))
+    score.copy_(torch.randn(score.shape, generator=g, dtype=torch.float64))
+    bank.copy_(torch.randn(bank.shape, generator=g))
+    before = [x.clone() for x in (tok, score, par, bank)]
+    tree_init(tok, score, par, bank, root_out)
+    ref = _tree_buffers(lay, root_out, torch.uint8)  # the torch path's zero-initialised state
+    for got, old, want in zip((tok, score, par, bank), before, ref):
+        assert torch.equal(got[:, 0], want[:, 0])
+        assert torch.equal(got[:, 1:], old[:, 1:])
 
 
 def _final_ref(score, tok, par, lay, caps, hops):
@@ -262,3 +287,19 @@ def test_bench_keeps_the_kernel_drawn_verdict():
             assert verdict.emitted[i] == [tok[i, j].item() for j in paths[i][1:]] + [root_token[i].item()]
             seen.append(a)
     assert min(seen) == 0 and max(seen) >= 2
+
+
+@pytest.mark.parametrize("b,qe,bs", [(1, 1, 16), (3, 5, 4), (5, 7, 16)])
+def test_extend_rows_is_the_extend_bodys_torch_code(b, qe, bs):
+    """The draft extend's positions, cache slots, seq lens and wanted rows (one launch) as _StaticDrafting's torch
+    code makes them: rows crossing KV blocks, each request's own table."""
+    g = torch.Generator().manual_seed(b * 10 + qe)
+    lo = torch.randint(0, 40, (b,), generator=g).to(DEV)
+    nlast = torch.randint(0, qe, (b,), generator=g).to(DEV)
+    tables = torch.randperm(500, generator=g)[: b * 20].view(b, 20).to(DEV)
+    pos = (lo[:, None] + torch.arange(qe, device=DEV)[None, :])
+    want = (pos.reshape(-1), (tables.gather(1, pos // bs) * bs + pos % bs).reshape(-1), lo + qe,
+            torch.arange(b, device=DEV) * qe + nlast)
+    got = extend_rows(lo, nlast, tables, bs, qe)
+    for name, x, y in zip(("positions", "slots", "seq_lens", "rows"), got, want):
+        assert torch.equal(x, y), (name, x, y)

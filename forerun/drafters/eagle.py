@@ -830,6 +830,19 @@ class TreeLayout:
             )
         return self._dev[key]
 
+    def step_rows(self, device: torch.device, r_: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a batch of r_ trees, per tree step t (row t - 1): the head's query starts [S-1, R+1] (t K rows per
+        request) and the rows whose logits are wanted [S-1, R K] (each request's last K); made once per batch."""
+        key = (str(device), "rows", r_)
+        if key not in self._dev:
+            k, s = self.topk, self.steps
+            tk = torch.arange(1, max(s, 2), device=device)[:, None] * k  # [S-1, 1] (one dummy row when S = 1)
+            ar_r = torch.arange(r_ + 1, device=device)
+            qsl = ar_r[None, :] * tk
+            want = ar_r[None, :r_, None] * tk[:, :, None] + (tk - k)[:, :, None] + torch.arange(k, device=device)
+            self._dev[key] = (qsl.contiguous(), want.reshape(tk.shape[0], r_ * k).contiguous())
+        return self._dev[key]
+
 
 class _Sampling:
     """What the eager (non-graph) tree needs beyond greedy: per request a greedy flag, the sampling parameters,
@@ -1087,21 +1100,23 @@ def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root
     return dict(nodes=nodes, tokens=tokens, parents=parents, probs=probs, packed=packed)
 
 
-def _tree_buffers(lay: "TreeLayout", root_out: torch.Tensor, anc_dtype: torch.dtype):
+def _tree_buffers(lay: "TreeLayout", root_out: torch.Tensor, anc_dtype: torch.dtype, init: bool = True):
     """grow_tree's per-request state (R = root_out's rows, M slots, RM frontier rows): tok [R, M], score [R, M]
     float64, par [R, M] (-1), bank [R, 1 + RM, H] (expanded nodes' outputs, the root's first), anc [R, RM, RM]
     (frontier row sees frontier row), front [R, RM] (frontier row -> node id), fpar [R, RM] (frontier row -> its
-    feature's bank slot)."""
+    feature's bank slot). init=False: left empty (the fused path's `tree_init` sets what is read before written)."""
     r_, hid = root_out.shape
     m_, rows_max, dev = lay.num_slots, max((lay.steps - 1) * lay.topk, 1), root_out.device
-    tok = torch.zeros(r_, m_, dtype=torch.long, device=dev)
-    score = torch.zeros(r_, m_, dtype=torch.float64, device=dev)
-    par = torch.full((r_, m_), -1, dtype=torch.long, device=dev)
-    bank = torch.zeros(r_, 1 + rows_max, hid, dtype=root_out.dtype, device=dev)
-    bank[:, 0] = root_out
-    anc = torch.zeros(r_, rows_max, rows_max, dtype=anc_dtype, device=dev)
-    front = torch.zeros(r_, rows_max, dtype=torch.long, device=dev)
-    fpar = torch.zeros(r_, rows_max, dtype=torch.long, device=dev)
+    new = torch.zeros if init else torch.empty
+    tok = new(r_, m_, dtype=torch.long, device=dev)
+    score = new(r_, m_, dtype=torch.float64, device=dev)
+    par = torch.full((r_, m_), -1, dtype=torch.long, device=dev) if init else new(r_, m_, dtype=torch.long, device=dev)
+    bank = new(r_, 1 + rows_max, hid, dtype=root_out.dtype, device=dev)
+    if init:
+        bank[:, 0] = root_out
+    anc = new(r_, rows_max, rows_max, dtype=anc_dtype, device=dev)
+    front = new(r_, rows_max, dtype=torch.long, device=dev)
+    fpar = new(r_, rows_max, dtype=torch.long, device=dev)
     return tok, score, par, bank, anc, front, fpar
 
 
@@ -1149,11 +1164,17 @@ def _kept_tree(nodes: torch.Tensor, tok: torch.Tensor, par: torch.Tensor, score:
     return nodes_c, tokens, parents, packed
 
 
-def fused_tree_kernels(device: torch.device, lay: TreeLayout) -> bool:
-    """Whether greedy trees of this shape grow with forerun/kernels/eagle_tree.py's kernels: on CUDA by default
-    (FORERUN_EAGLE_FUSED=0: the torch ops; =1: also elsewhere, e.g. the CPU under Triton's interpreter)."""
+def fused_kernels_on(device: torch.device) -> bool:
+    """Whether drafting uses forerun/kernels/eagle_tree.py's kernels (the tree's bookkeeping, the extend's inputs):
+    on CUDA by default (FORERUN_EAGLE_FUSED=0: the torch ops; =1: also elsewhere, e.g. the CPU under Triton's
+    interpreter)."""
     flag = os.environ.get("FORERUN_EAGLE_FUSED", "")
-    if flag == "0" or (device.type != "cuda" and flag != "1"):
+    return flag != "0" and (device.type == "cuda" or flag == "1")
+
+
+def fused_tree_kernels(device: torch.device, lay: TreeLayout) -> bool:
+    """Whether greedy trees of this shape grow with the kernels (`fused_kernels_on` and a shape they take)."""
+    if not fused_kernels_on(device):
         return False
     from forerun.kernels.eagle_tree import fits
     return fits(lay.topk, lay.num_slots, max((lay.steps - 1) * lay.topk, 1), lay.greedy_nodes)
@@ -1164,29 +1185,26 @@ def _grow_tree_fused(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tenso
                      caps: tuple[torch.Tensor, torch.Tensor] | None) -> dict[str, torch.Tensor]:
     """grow_tree for greedy trees, its bookkeeping in Triton kernels (one step: select_step, the feature gather,
     the head, the bank write, expand_topk's two launches); the same tensors and arithmetic as the torch path."""
-    from forerun.kernels.eagle_tree import expand_topk, final_select, select_step
+    from forerun.kernels.eagle_tree import expand_topk, final_select, select_step, tree_init
     dev = root_out.device
     c = lay.consts(dev)
     r_, k, s = root_out.shape[0], lay.topk, lay.steps
     hid, rows_max = root_out.shape[1], max((s - 1) * k, 1)
     d2t = head.draft_to_target
-    tok, score, par, bank, anc, front, fpar = _tree_buffers(lay, root_out, torch.uint8)
-    expand_topk(root_logits, k, d2t, torch.zeros(r_, 1, dtype=torch.long, device=dev), score, tok, par, lay.lo[1])
-    if s > 1:
-        pos_all, slots_all = _frontier_rows(lay, ctx, tables, block_size)
-        ar_r = torch.arange(r_ + 1, device=dev)
-        # per step t (row t - 1): query starts ar_r * t K; the rows whose logits are wanted: each request's last K
-        tk = c["ar"][1:s, None] * k  # [S-1, 1]
-        qsl = ar_r[None, :] * tk  # [S-1, R+1]
-        want = (ar_r[None, :r_, None] * tk[:, :, None] + (tk - k)[:, :, None] + c["ar"][None, None, :k])  # [S-1, R, K]
+    # (each small torch kernel costs ~2-3 us of the device even inside a graph: the state starts empty, one launch
+    # sets the root's slot, the frontier rows' positions and slots are made inside select_step)
+    tok, score, par, bank, anc, front, fpar = _tree_buffers(lay, root_out, torch.uint8, init=False)
+    tree_init(tok, score, par, bank, root_out)
+    expand_topk(root_logits, k, d2t, c["ar"][:1].expand(r_, 1), score, tok, par, lay.lo[1])  # parent: slot 0
+    qsl, want = lay.step_rows(dev, r_)
     for t in range(1, s):
         lo, size, n = lay.lo[t], lay.size[t], t * k
         ids, positions, slots, tmask, seq_lens, fidx = select_step(
-            score, tok, front, fpar, anc, pos_all, slots_all, ctx, lo, size, t, k)
+            score, tok, front, fpar, anc, ctx, tables, block_size, lo, size, t, k)
         feats = bank.view(r_ * (1 + rows_max), hid).index_select(0, fidx)
         meta = AttnMetadata(query_start_loc=qsl[t - 1], seq_lens=seq_lens, block_tables=tables,
                             slot_mapping=slots, max_query_len=n, max_seq_len=max_seq_len, tree_mask=tmask)
-        out, logits = head(ids, feats, positions, meta, kv, False, rows=want[t - 1].reshape(-1))
+        out, logits = head(ids, feats, positions, meta, kv, False, rows=want[t - 1])
         bank[:, 1 + (t - 1) * k: 1 + t * k] = out.view(r_, k, hid)
         expand_topk(logits, k, d2t, front[:, (t - 1) * k: t * k], score, tok, par, lay.lo[t + 1])
     return final_select(score, tok, par, c["depth"], lay.greedy_nodes, s, caps)
@@ -1232,6 +1250,7 @@ class _StaticDrafting:
         self.max_seq_len = self.width * self.bs
         self.batch_sizes = tuple(b for b in sorted(set(batch_sizes)) if b <= self.max_seqs)
         self.max_extend = max_extend
+        self.fused_inputs = fused_kernels_on(dev)  # the extend's positions / slots / rows in one launch
         big = self.batch_sizes[-1] if self.batch_sizes else 1
         i64 = dict(dtype=torch.long, device=dev)
         self.ids = torch.zeros(big * max_extend, **i64)
@@ -1260,16 +1279,22 @@ class _StaticDrafting:
         dev = self.device
         max_seq_len = max_seq_len or self.max_seq_len
 
+        fused = self.fused_inputs
+        qsl = torch.arange(b + 1, device=dev) * qe  # (made once, outside the graph)
+
         def body() -> None:
-            ar = torch.arange(qe, device=dev)
-            pos = self.lo[:b, None] + ar[None, :]  # [b, qe]
             tables = self.tables[:b]
-            slots = tables.gather(1, pos // bs) * bs + pos % bs
-            meta = AttnMetadata(query_start_loc=torch.arange(b + 1, device=dev) * qe, seq_lens=self.lo[:b] + qe,
-                                block_tables=tables, slot_mapping=slots.reshape(-1), max_query_len=qe,
-                                max_seq_len=max_seq_len)
-            rows = torch.arange(b, device=dev) * qe + self.nlast[:b]
-            out, logits = head(self.ids[: b * qe], self.feats[: b * qe], pos.reshape(-1), meta, kv, True, rows=rows)
+            if fused:  # one launch instead of ~10 small kernels (each ~2-3 us of the device, graph or not)
+                from forerun.kernels.eagle_tree import extend_rows
+                pos, slots, seq_lens, rows = extend_rows(self.lo[:b], self.nlast[:b], tables, bs, qe)
+            else:
+                pos = (self.lo[:b, None] + torch.arange(qe, device=dev)[None, :]).reshape(-1)  # [b qe]
+                slots = (tables.gather(1, pos.view(b, qe) // bs) * bs + pos.view(b, qe) % bs).reshape(-1)
+                seq_lens = self.lo[:b] + qe
+                rows = torch.arange(b, device=dev) * qe + self.nlast[:b]
+            meta = AttnMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables, slot_mapping=slots,
+                                max_query_len=qe, max_seq_len=max_seq_len)
+            out, logits = head(self.ids[: b * qe], self.feats[: b * qe], pos, meta, kv, True, rows=rows)
             self.root_out[:b].copy_(out)
             self.root_logits[:b].copy_(logits)
 

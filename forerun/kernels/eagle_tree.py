@@ -7,6 +7,7 @@ score [R, M] float64 (cumulative log-probability), tok [R, M] int64 (target toke
 slot), front [R, RM] (frontier row -> slot), fpar [R, RM] (frontier row -> its feature's bank row), anc [R, RM, RM]
 uint8 (frontier row sees frontier row). Each kernel is the same arithmetic as grow_tree's torch code:
 
+0. `tree_init` (one launch): the root's slot and bank row (nothing else needs an initial value).
 1. `expand_topk` (two launches per tree step): each parent's K best children = top-K of log_softmax over the draft
    vocabulary (ties to the lower index; K distinct ids even when fewer entries are finite; a row with a NaN gets
    NaN scores, as torch gives), mapped to target ids, written into their level's slots with their cumulative
@@ -148,9 +149,9 @@ def _sort_places(Row, Dep, dcap, size, N: tl.constexpr, JB: tl.constexpr, CAPPED
 
 
 @triton.jit
-def _select_step_kernel(Score, Tok, Front, Fpar, Anc, PosAll, SlotsAll, Ctx,
+def _select_step_kernel(Score, Tok, Front, Fpar, Anc, Ctx, Tables,
                         Ids, Pos, Slots, TMask, SeqLens, FIdx,
-                        M, RM, lo, size, t, n,
+                        M, RM, lo, size, t, n, stride_t, BS,
                         K: tl.constexpr, SP: tl.constexpr, JB: tl.constexpr, RMP: tl.constexpr,
                         NP: tl.constexpr):
     r = tl.program_id(0)
@@ -177,24 +178,30 @@ def _select_step_kernel(Score, Tok, Front, Fpar, Anc, PosAll, SlotsAll, Ctx,
     qv = q < n
     fr = tl.load(Front + r * RM + q, mask=qv, other=0)
     tl.store(Ids + r * n + q, tl.load(Tok + r * M + fr, mask=qv, other=0), mask=qv)
-    tl.store(Pos + r * n + q, tl.load(PosAll + r * RM + q, mask=qv, other=0), mask=qv)
-    tl.store(Slots + r * n + q, tl.load(SlotsAll + r * RM + q, mask=qv, other=0), mask=qv)
+    # frontier row q: RoPE position ctx - 1 + its depth (q // K + 1), cache slot the scratch row ctx + q
+    c0 = tl.load(Ctx + r)
+    tl.store(Pos + r * n + q, c0 + q // K, mask=qv)
+    cpos = c0 + q
+    blk = tl.load(Tables + r * stride_t + cpos // BS, mask=qv, other=0)
+    tl.store(Slots + r * n + q, blk * BS + cpos % BS, mask=qv)
     f = tl.load(Fpar + r * RM + q, mask=qv, other=0)
     tl.store(FIdx + r * n + q, r * (1 + RM) + f, mask=qv)
     qm = qv[:, None] & qv[None, :]
     am = tl.load(Anc + r * RM * RM + q[:, None] * RM + q[None, :], mask=qm, other=0)
     tl.store(TMask + (r * n + q[:, None]) * n + q[None, :], am, mask=qm)
-    tl.store(SeqLens + r, tl.load(Ctx + r) + n)
+    tl.store(SeqLens + r, c0 + n)
 
 
-def select_step(score, tok, front, fpar, anc, pos_all, slots_all, ctx, lo: int, size: int, t: int, k: int):
-    """grow_tree's step t selection and the head's inputs. anc: uint8 [R, RM, RM].
+def select_step(score, tok, front, fpar, anc, ctx, tables, block_size: int, lo: int, size: int, t: int, k: int):
+    """grow_tree's step t selection and the head's inputs. anc: uint8 [R, RM, RM]; front / fpar / anc need no
+    initial values (every row a step reads was written by an earlier step). ctx [R]: the committed lengths; tables
+    [R, W] the KV block tables (frontier row q sits at RoPE position ctx - 1 + depth, cache position ctx + q).
     Returns ids [R n], positions [R n], slot_mapping [R n], tree_mask [R n, n] (bool), seq_lens [R], and
     feature rows [R n] of bank.view(R (1 + RM), H)."""
     r_, m_ = score.shape
     rm = front.shape[1]
     n = t * k
-    assert all(x.is_contiguous() for x in (score, tok, front, fpar, anc, pos_all, slots_all, ctx))
+    assert all(x.is_contiguous() for x in (score, tok, front, fpar, anc, ctx)) and tables.stride(1) == 1
     dev = score.device
     ids = torch.empty(r_ * n, dtype=torch.long, device=dev)
     pos = torch.empty(r_ * n, dtype=torch.long, device=dev)
@@ -203,12 +210,35 @@ def select_step(score, tok, front, fpar, anc, pos_all, slots_all, ctx, lo: int, 
     seq_lens = torch.empty(r_, dtype=torch.long, device=dev)
     fidx = torch.empty(r_ * n, dtype=torch.long, device=dev)
     sp = max(triton.next_power_of_2(size), _JB)
-    _select_step_kernel[(r_,)](score, tok, front, fpar, anc, pos_all, slots_all, ctx,
+    _select_step_kernel[(r_,)](score, tok, front, fpar, anc, ctx, tables,
                                ids, pos, slots, tmask, seq_lens, fidx,
-                               m_, rm, lo, size, t, n,
+                               m_, rm, lo, size, t, n, tables.stride(0), block_size,
                                K=k, SP=sp, JB=_JB, RMP=triton.next_power_of_2(rm),
                                NP=triton.next_power_of_2(n), num_warps=4)
     return ids, pos, slots, tmask.view(torch.bool), seq_lens, fidx
+
+
+@triton.jit
+def _tree_init_kernel(Tok, Score, Par, Bank, Root, M, bank_stride, H, BH: tl.constexpr):
+    r = tl.program_id(0)
+    o = tl.arange(0, 1)
+    tl.store(Tok + r * M + o, tl.zeros([1], tl.int64))
+    tl.store(Score + r * M + o, tl.zeros([1], tl.float64))
+    tl.store(Par + r * M + o, tl.full([1], -1, tl.int64))
+    for h0 in range(0, H, BH):
+        h = h0 + tl.arange(0, BH)
+        tl.store(Bank + r.to(tl.int64) * bank_stride + h, tl.load(Root + r.to(tl.int64) * H + h, mask=h < H), mask=h < H)
+
+
+def tree_init(tok, score, par, bank, root_out) -> None:
+    """A tree's state before its first expansion, in one launch: the root's slot (token 0, score 0, parent -1) and
+    its output in bank row 0. Nothing else needs a value: every other slot is written by its level's expansion,
+    every other bank row by its step, before anything reads it."""
+    r_, m_ = score.shape
+    hid = root_out.shape[1]
+    assert all(x.is_contiguous() for x in (tok, score, par, bank, root_out)) and bank.shape[0] == r_
+    _tree_init_kernel[(r_,)](tok, score, par, bank, root_out, m_, bank.stride(0), hid,
+                             BH=min(1024, triton.next_power_of_2(hid)), num_warps=4)
 
 
 @triton.jit
@@ -293,3 +323,33 @@ def final_select(score, tok, par, slot_depth, ng: int, hops: int, caps=None) -> 
     out["mask"] = out["mask"].view(torch.bool)
     out["probs"] = None
     return out
+
+
+@triton.jit
+def _extend_rows_kernel(Lo, Nlast, Tables, Pos, Slots, SeqLens, Rows, stride_t, BS, QE, QP: tl.constexpr):
+    r = tl.program_id(0)
+    q = tl.arange(0, QP)
+    qv = q < QE
+    lo = tl.load(Lo + r)
+    pos = lo + q
+    blk = tl.load(Tables + r * stride_t + pos // BS, mask=qv, other=0)
+    tl.store(Pos + r * QE + q, pos, mask=qv)
+    tl.store(Slots + r * QE + q, blk * BS + pos % BS, mask=qv)
+    tl.store(SeqLens + r, lo + QE)
+    tl.store(Rows + r, r * QE + tl.load(Nlast + r))
+
+
+def extend_rows(lo: torch.Tensor, nlast: torch.Tensor, tables: torch.Tensor, block_size: int, qe: int):
+    """The draft extend's inputs in one launch (in place of ~10 small torch kernels): b requests feeding qe rows
+    from position lo [b] each (KV block tables [b, W]) -> positions [b qe], cache slots [b qe], seq lens [b] (lo +
+    qe) and the rows whose outputs are wanted [b] (row nlast of each request's qe)."""
+    b = lo.shape[0]
+    assert lo.is_contiguous() and nlast.is_contiguous() and tables.stride(1) == 1
+    dev = lo.device
+    pos = torch.empty(b * qe, dtype=torch.long, device=dev)
+    slots = torch.empty(b * qe, dtype=torch.long, device=dev)
+    seq_lens = torch.empty(b, dtype=torch.long, device=dev)
+    rows = torch.empty(b, dtype=torch.long, device=dev)
+    _extend_rows_kernel[(b,)](lo, nlast, tables, pos, slots, seq_lens, rows, tables.stride(0), block_size, qe,
+                              QP=triton.next_power_of_2(qe), num_warps=1)
+    return pos, slots, seq_lens, rows

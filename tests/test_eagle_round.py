@@ -120,6 +120,29 @@ def test_device_round_equals_host_round(setup, kind):
         assert ca["device"] > 0
 
 
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_device_round_commits_paths_with_the_kernels(setup, kind, monkeypatch):
+    """The accepted paths' KV moves and state gathers through forerun/kernels/path_commit.py (CUDA's default; here
+    under Triton's interpreter) against the host path: identical output, the cache invariants checked every step."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter is off beside a GPU (tests/test_path_commit.py runs the kernels on CUDA)")
+    from forerun.kernels import path_commit
+    hf, head = setup
+    temp = 0.0 if kind == "greedy" else 1.0
+    params = [SamplingParams(temperature=temp, max_tokens=12, ignore_eos=True) for _ in PROMPTS]
+    torch.manual_seed(0)
+    b, _ = _run(_engine(hf, head, budget=False), params, host_only=True)
+    monkeypatch.setenv("FORERUN_PATH_KERNELS", "1")  # (conftest runs Triton's interpreter without CUDA)
+    moves = []
+    real = path_commit.move_paths
+    monkeypatch.setattr(path_commit, "move_paths", lambda *a: moves.append(1) or real(*a))
+    torch.manual_seed(0)
+    a, ca = _run(_engine(hf, head, budget=False), params)
+    assert a == b
+    assert ca["device"] > 0 and len(moves) == ca["device"]
+
+
 def test_batched_kv_move_equals_per_sequence_move():
     from forerun.config import ModelConfig
     from forerun.kvcache.pool import KVPool

@@ -390,11 +390,16 @@ class TreeRound(Round):
         # drafts; slots past it copy onto themselves) and the committed rows' hidden states gathered
         s = min(n - 1, tree.max_depth)
         nodes = pending.res.accepted_nodes[:, : s + 1]  # [b, s + 1], root first, -1 past the path
-        ar = torch.arange(s + 1, device=dev)
-        nodes = torch.where(nodes >= 0, nodes, ar)
-        kv.move(None, slots.gather(1, nodes[:, 1:]).reshape(-1), slots[:, 1: s + 1].reshape(-1))
-        flat = (torch.arange(b, device=dev)[:, None] * n + nodes).reshape(-1)
-        hidden = {layer: h[flat].view(b, s + 1, -1) for layer, h in out.hidden_states.items()}
+        pc = _path_kernels(dev)
+        if pc is not None and nodes.dtype == torch.int64 and nodes.stride(1) == 1:
+            pc.move_paths(kv.k, kv.v, slots, nodes, s)  # (one launch for ~8 small kernels, ...
+            hidden = pc.gather_paths(out.hidden_states, nodes, n, s)  # ... one per layer for ~6)
+        else:
+            ar = torch.arange(s + 1, device=dev)
+            nodes = torch.where(nodes >= 0, nodes, ar)
+            kv.move(None, slots.gather(1, nodes[:, 1:]).reshape(-1), slots[:, 1: s + 1].reshape(-1))
+            flat = (torch.arange(b, device=dev)[:, None] * n + nodes).reshape(-1)
+            hidden = {layer: h[flat].view(b, s + 1, -1) for layer, h in out.hidden_states.items()}
         # overlap: the next round's drafting queued from the device verdict (EAGLE), so the device drafts while
         # the host reads the verdict, commits and prepares the next verify step; then that verify step itself
         feats = None if coupled else self.drafter.prelaunch(reqs, tree, pending.res, hidden, roots)
@@ -543,6 +548,16 @@ class TreeRound(Round):
                            draft_step_seconds=draft_s / steps if steps else None, target_seconds=target_s,
                            draft_seconds=draft_s, target_tokens=at, sampled_rows=sum(len(c.token_ids) for c, it in zip(chunks, items) if it.final),
                            drafted_nodes=nd)
+
+
+def _path_kernels(device: torch.device):
+    """forerun/kernels/path_commit.py where it runs: on CUDA by default (FORERUN_PATH_KERNELS=0 keeps the torch ops,
+    =1 uses the kernels elsewhere too, e.g. the CPU under Triton's interpreter); else None."""
+    flag = os.environ.get("FORERUN_PATH_KERNELS", "")
+    if flag == "0" or (device.type != "cuda" and flag != "1"):
+        return None
+    from ..kernels import path_commit
+    return path_commit
 
 
 def _tree_mask(parents: list[int]) -> torch.Tensor:

@@ -834,11 +834,22 @@ def fused_tree(monkeypatch):
     calls = []
     real = E._grow_tree_fused
     monkeypatch.setattr(E, "_grow_tree_fused", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    buffers = E._tree_buffers
+
+    def poisoned(lay, root_out, anc_dtype, init=True):  # the fused path's empty state filled with garbage: a read
+        out = buffers(lay, root_out, anc_dtype, init)  # of anything not written first changes the tree
+        if not init:
+            for x in out:
+                x.fill_(float("nan") if x.is_floating_point() else 77)
+        return out
+
+    monkeypatch.setattr(E, "_tree_buffers", poisoned)
     return calls
 
 
 @pytest.mark.parametrize("topk,steps,nodes", [(3, 3, 8), (4, 4, 16), (2, 5, 12), (1, 4, 5), (3, 1, 4)])
 def test_fused_tree_kernels_equal_host_tree(topk, steps, nodes, fused_tree):
+    """(fused_tree starts every tree's state from garbage: nothing may be read before it is written.)"""
     _device_tree_equals_host_tree(topk, steps, nodes, 3, 3)
     assert fused_tree  # the kernels grew the trees
 

@@ -136,11 +136,14 @@ def test_device_round_commits_paths_with_the_kernels(setup, kind, monkeypatch):
     monkeypatch.setenv("FORERUN_PATH_KERNELS", "1")  # (conftest runs Triton's interpreter without CUDA)
     moves = []
     real = path_commit.move_paths
-    monkeypatch.setattr(path_commit, "move_paths", lambda *a: moves.append(1) or real(*a))
+    monkeypatch.setattr(path_commit, "move_paths", lambda *a: moves.append(a[3].clone()) or real(*a))
     torch.manual_seed(0)
     a, ca = _run(_engine(hf, head, budget=False), params)
     assert a == b
     assert ca["device"] > 0 and len(moves) == ca["device"]
+    if kind == "sampled":  # some accepted node sat elsewhere than where a chain puts it (a move that copies, not
+        # a slot onto itself; the random head's greedy paths are too short for one)
+        assert any(bool((nd[:, 1:] > torch.arange(1, nd.shape[1])).any()) for nd in moves)
 
 
 def test_batched_kv_move_equals_per_sequence_move():

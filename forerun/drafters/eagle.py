@@ -743,6 +743,12 @@ class _Prelaunch:
 
 
 # -- the dynamic tree on the device ---------------------------------------------------------------------------
+def _not_capturing(device: torch.device) -> None:
+    """Constants made inside a CUDA graph capture would only be filled by its replays: they are made in the warm-up
+    runs before it (`_StaticDrafting._get`)."""
+    assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), "a tree constant made while capturing"
+
+
 class TreeLayout:
     """Where every candidate of a dynamic tree (topk K, steps S, nodes n) lives: fixed shapes for the device.
 
@@ -817,6 +823,7 @@ class TreeLayout:
         """Index tensors on the device (made once, outside any capture)."""
         key = str(device)
         if key not in self._dev:
+            _not_capturing(device)
             k, s = self.topk, self.steps
             rows = max((s - 1) * k, 1)
             self._dev[key] = dict(
@@ -835,6 +842,7 @@ class TreeLayout:
         request) and the rows whose logits are wanted [S-1, R K] (each request's last K); made once per batch."""
         key = (str(device), "rows", r_)
         if key not in self._dev:
+            _not_capturing(device)
             k, s = self.topk, self.steps
             tk = torch.arange(1, max(s, 2), device=device)[:, None] * k  # [S-1, 1] (one dummy row when S = 1)
             ar_r = torch.arange(r_ + 1, device=device)
@@ -1251,6 +1259,7 @@ class _StaticDrafting:
         self.batch_sizes = tuple(b for b in sorted(set(batch_sizes)) if b <= self.max_seqs)
         self.max_extend = max_extend
         self.fused_inputs = fused_kernels_on(dev)  # the extend's positions / slots / rows in one launch
+        self._qsl: dict[tuple[int, int], torch.Tensor] = {}  # the extend's query starts per (batch, rows)
         big = self.batch_sizes[-1] if self.batch_sizes else 1
         i64 = dict(dtype=torch.long, device=dev)
         self.ids = torch.zeros(big * max_extend, **i64)
@@ -1280,7 +1289,9 @@ class _StaticDrafting:
         max_seq_len = max_seq_len or self.max_seq_len
 
         fused = self.fused_inputs
-        qsl = torch.arange(b + 1, device=dev) * qe  # (made once, outside the graph)
+        qsl = self._qsl.get((b, qe))  # (made once per shape, outside any graph: the body is built on every call)
+        if qsl is None:
+            qsl = self._qsl[(b, qe)] = torch.arange(b + 1, device=dev) * qe
 
         def body() -> None:
             tables = self.tables[:b]

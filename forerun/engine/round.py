@@ -391,7 +391,9 @@ class TreeRound(Round):
         s = min(n - 1, tree.max_depth)
         nodes = pending.res.accepted_nodes[:, : s + 1]  # [b, s + 1], root first, -1 past the path
         pc = _path_kernels(dev)
-        if pc is not None and nodes.dtype == torch.int64 and nodes.stride(1) == 1:
+        # (the kernels move a path's nodes in order of depth, in place: right because a tree's node ids increase
+        # along every path, which every verdict's accepted_nodes keep, root first, -1 past the path)
+        if pc is not None and nodes.dtype == torch.int64 and nodes.stride(1) == 1 and slots.dtype == torch.int64:
             pc.move_paths(kv.k, kv.v, slots, nodes, s)  # (one launch for ~8 small kernels, ...
             hidden = pc.gather_paths(out.hidden_states, nodes, n, s)  # ... one per layer for ~6)
         else:

@@ -42,12 +42,15 @@ def _move_paths_kernel(K, V, Slots, Nodes, layer_stride, E, n, s, stride_nodes, 
 
 def move_paths(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, nodes: torch.Tensor, s: int) -> None:
     """k, v: the pool's caches [L, blocks, block size, kv heads, head dim] (slot = block * block size + offset);
-    request i's path node j (j = 1..s) moves from slots[i, nodes[i, j]] to slots[i, j]."""
+    request i's path node j (j = 1..s) moves from slots[i, nodes[i, j]] to slots[i, j]. Requires what every tree
+    verdict gives (the module docstring): node ids increasing along a path (so nodes[i, j] >= j), -1 past it;
+    unlike KVPool.move it does not gather every source before the first write."""
     b, n = slots.shape
     if s < 1 or b == 0:
         return
     assert k.is_contiguous() and v.is_contiguous() and k.shape == v.shape
     assert nodes.dtype == torch.int64 and nodes.stride(1) == 1 and nodes.shape[0] == b and nodes.shape[1] > s
+    assert slots.dtype == torch.int64  # (slot * row width in 64 bits)
     slots = slots.contiguous()
     e = k.shape[-2] * k.shape[-1]
     layer_stride = k[0].numel()

@@ -8,7 +8,16 @@ goes on. Every host list that becomes a device tensor in a round goes through `h
 """
 from __future__ import annotations
 
+import os
+
 import torch
+
+
+def kernels_on(flag: str, device: torch.device) -> bool:
+    """Whether Triton kernels that stand in for torch ops run: on CUDA by default; the environment variable `flag`
+    = 0 keeps the torch ops, = 1 runs the kernels elsewhere too (the CPU under Triton's interpreter: tests)."""
+    value = os.environ.get(flag, "")
+    return value != "0" and (device.type == "cuda" or value == "1")
 
 
 def device_problem(name: str | None) -> str | None:

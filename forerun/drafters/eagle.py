@@ -44,7 +44,7 @@ import torch
 
 from ..attention.metadata import AttnMetadata
 from ..config import CacheConfig
-from ..devices import Marks, h2d
+from ..devices import Marks, h2d, kernels_on
 from ..models.eagle_head import EagleHead, load_eagle_head
 from ..request import Request
 from ..structured import (ALL_ALLOWED, apply_bitmask_, apply_grammar_to_draft_logits, bitmask_words, grammar_of,  # issue 14
@@ -1134,8 +1134,13 @@ def _frontier_rows(lay: "TreeLayout", ctx: torch.Tensor, tables: torch.Tensor, b
     c = lay.consts(ctx.device)
     rows_max = max((lay.steps - 1) * lay.topk, 1)
     pos_all = ctx[:, None] - 1 + c["row_depth"][None, :]
-    cpos = ctx[:, None] + c["ar"][None, :rows_max]
-    return pos_all, tables.gather(1, cpos // block_size) * block_size + cpos % block_size
+    return pos_all, cache_slots(tables, ctx[:, None] + c["ar"][None, :rows_max], block_size)
+
+
+def cache_slots(tables: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Cache positions pos [R, q] of R sequences (KV block tables [R, W]) -> their cache slots [R, q] (the kernels'
+    `_slot_of`)."""
+    return tables.gather(1, pos // block_size) * block_size + pos % block_size
 
 
 def _greedy_kept(score: torch.Tensor, lay: "TreeLayout", c: dict, caps) -> torch.Tensor:
@@ -1176,8 +1181,7 @@ def fused_kernels_on(device: torch.device) -> bool:
     """Whether drafting uses forerun/kernels/eagle_tree.py's kernels (the tree's bookkeeping, the extend's inputs):
     on CUDA by default (FORERUN_EAGLE_FUSED=0: the torch ops; =1: also elsewhere, e.g. the CPU under Triton's
     interpreter)."""
-    flag = os.environ.get("FORERUN_EAGLE_FUSED", "")
-    return flag != "0" and (device.type == "cuda" or flag == "1")
+    return kernels_on("FORERUN_EAGLE_FUSED", device)
 
 
 def fused_tree_kernels(device: torch.device, lay: TreeLayout) -> bool:
@@ -1299,8 +1303,9 @@ class _StaticDrafting:
                 from forerun.kernels.eagle_tree import extend_rows
                 pos, slots, seq_lens, rows = extend_rows(self.lo[:b], self.nlast[:b], tables, bs, qe)
             else:
-                pos = (self.lo[:b, None] + torch.arange(qe, device=dev)[None, :]).reshape(-1)  # [b qe]
-                slots = (tables.gather(1, pos.view(b, qe) // bs) * bs + pos.view(b, qe) % bs).reshape(-1)
+                pos = self.lo[:b, None] + torch.arange(qe, device=dev)[None, :]  # [b, qe]
+                slots = cache_slots(tables, pos, bs).reshape(-1)
+                pos = pos.reshape(-1)
                 seq_lens = self.lo[:b] + qe
                 rows = torch.arange(b, device=dev) * qe + self.nlast[:b]
             meta = AttnMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables, slot_mapping=slots,

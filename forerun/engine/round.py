@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from ..devices import Marks, h2d
+from ..devices import Marks, h2d, kernels_on
 from ..drafters.base import DraftProposal, Drafter, TreeProposal, subsequence_rows
 from ..request import Request
 from ..models.llama import ForwardOutput
@@ -555,8 +555,7 @@ class TreeRound(Round):
 def _path_kernels(device: torch.device):
     """forerun/kernels/path_commit.py where it runs: on CUDA by default (FORERUN_PATH_KERNELS=0 keeps the torch ops,
     =1 uses the kernels elsewhere too, e.g. the CPU under Triton's interpreter); else None."""
-    flag = os.environ.get("FORERUN_PATH_KERNELS", "")
-    if flag == "0" or (device.type != "cuda" and flag != "1"):
+    if not kernels_on("FORERUN_PATH_KERNELS", device):
         return None
     from ..kernels import path_commit
     return path_commit

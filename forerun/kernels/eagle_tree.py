@@ -149,6 +149,12 @@ def _sort_places(Row, Dep, dcap, size, N: tl.constexpr, JB: tl.constexpr, CAPPED
 
 
 @triton.jit
+def _slot_of(Tables, r, stride_t, pos, BS, mask):
+    """Cache slots of sequence r's cache positions pos (its KV block table row r; `cache_slots` in torch)."""
+    return tl.load(Tables + r * stride_t + pos // BS, mask=mask, other=0) * BS + pos % BS
+
+
+@triton.jit
 def _select_step_kernel(Score, Tok, Front, Fpar, Anc, Ctx, Tables,
                         Ids, Pos, Slots, TMask, SeqLens, FIdx,
                         M, RM, lo, size, t, n, stride_t, BS,
@@ -181,9 +187,7 @@ def _select_step_kernel(Score, Tok, Front, Fpar, Anc, Ctx, Tables,
     # frontier row q: RoPE position ctx - 1 + its depth (q // K + 1), cache slot the scratch row ctx + q
     c0 = tl.load(Ctx + r)
     tl.store(Pos + r * n + q, c0 + q // K, mask=qv)
-    cpos = c0 + q
-    blk = tl.load(Tables + r * stride_t + cpos // BS, mask=qv, other=0)
-    tl.store(Slots + r * n + q, blk * BS + cpos % BS, mask=qv)
+    tl.store(Slots + r * n + q, _slot_of(Tables, r, stride_t, c0 + q, BS, qv), mask=qv)
     f = tl.load(Fpar + r * RM + q, mask=qv, other=0)
     tl.store(FIdx + r * n + q, r * (1 + RM) + f, mask=qv)
     qm = qv[:, None] & qv[None, :]
@@ -332,9 +336,8 @@ def _extend_rows_kernel(Lo, Nlast, Tables, Pos, Slots, SeqLens, Rows, stride_t, 
     qv = q < QE
     lo = tl.load(Lo + r)
     pos = lo + q
-    blk = tl.load(Tables + r * stride_t + pos // BS, mask=qv, other=0)
     tl.store(Pos + r * QE + q, pos, mask=qv)
-    tl.store(Slots + r * QE + q, blk * BS + pos % BS, mask=qv)
+    tl.store(Slots + r * QE + q, _slot_of(Tables, r, stride_t, pos, BS, qv), mask=qv)
     tl.store(SeqLens + r, lo + QE)
     tl.store(Rows + r, r * QE + tl.load(Nlast + r))
 

@@ -5,8 +5,7 @@ variant saves is the most that fusing that operation away could save; "products 
 when every one of them is gone. Also: attention with fewer KV splits, and decode attention in the one-launch CUDA
 kernel (attention/cuda_decode.py, an experiment) instead of the Triton split + merge kernels.
 A variant fuses each add + RMSNorm into the int4 product after it (FusedLayerOps.fuse_norms, off in the engine:
-measured slower); the "L2 prefetch" variants let each CUDA C++ product prefetch the weights after it
-(quant_cuda.plan_l2_prefetch, the look-ahead in MB). Variants run interleaved (the card's clocks drift); best of the runs. Prints a table, writes JSON (+ PNG).
+measured slower). Variants run interleaved (the card's clocks drift); best of the runs. Prints a table, writes JSON (+ PNG).
 
     python benchmarks/q4_step_budget.py --out benchmarks/results/q4_step_budget_h200.json
 
@@ -41,12 +40,7 @@ VARIANTS = {
     "no qk-norm/rope/cache write": (("rope",), None),
     "no attention": (("attn",), None),
     "products only": (("norm", "rope", "attn"), None),
-    "engine, L2 prefetch 8 MB": ((), None),
-    "engine, L2 prefetch 16 MB": ((), None),
-    "engine, L2 prefetch 32 MB": ((), None),
-    "products only, L2 prefetch 16 MB": (("norm", "rope", "attn"), None),
 }
-PREFETCH_MB = {n: int(n.split("prefetch ")[1].split(" MB")[0]) for n in VARIANTS if "prefetch" in n}
 
 
 def install(model, knocked: tuple[str, ...], splits: int | None, originals: dict,
@@ -102,10 +96,8 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/q4_step_budget.json")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (a smoke run)")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--only", default="", help="comma-separated substrings: run only the variants naming one "
-                    "(and 'engine')")
     args = ap.parse_args()
-    from forerun.models.quant_cuda import plan_l2_prefetch, quantize_model_cuda
+    from forerun.models.quant_cuda import quantize_model_cuda
     from quant_decode_gpu import model_bytes
 
     ctx0 = 512
@@ -120,29 +112,23 @@ def main() -> int:
     originals = {n: getattr(model.ops, n) for n in ("add_rmsnorm", "qkv_to_cache", "norm_linear", "norm_mlp")}
     ids = torch.zeros(1, 1, dtype=torch.int64, device=G.DEV)
     ctx = torch.full((1,), ctx0, dtype=torch.int64, device=G.DEV)
-    only = [w for w in args.only.split(",") if w]
-    variants = {n: v for n, v in VARIANTS.items() if not only or n == "engine" or any(w in n for w in only)}
-    runs: dict[str, list[float]] = {n: [] for n in variants}
-    prefetched = {}
+    runs: dict[str, list[float]] = {n: [] for n in VARIANTS}
     breakdown = {}
     for rep in range(args.repeats):
-        for name, (knocked, splits, *cuda_attention) in variants.items():
+        for name, (knocked, splits, *cuda_attention) in VARIANTS.items():
             install(model, knocked, splits, originals, *cuda_attention)
-            prefetched[name] = plan_l2_prefetch(model, PREFETCH_MB.get(name, 0) << 20)
             side.graphs = GraphRunner(side.runner, batch_sizes=[1], max_q_len=1)
             fn = lambda: side.graphs.run_uniform(ids, ctx, 1)  # noqa: E731
             runs[name].append(G.bench_ms(fn, inner=20, outer=5))
-            if rep == 0 and (name in ("engine", "products only") or cuda_attention or "prefetch 16" in name):
+            if rep == 0 and (name in ("engine", "products only") or cuda_attention):
                 breakdown[name] = G.kernel_breakdown(fn)
             G.log(f"[{rep}] {name:28s} {runs[name][-1]:.4f} ms")
             del side.graphs
     install(model, (), None, originals)
-    plan_l2_prefetch(model, 0)
     base = min(runs["engine"])
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, ctx=ctx0, copy_bw_bytes_per_s=bw,
                weight_bytes=model_bytes(model), floor_ms=floor, layers=model.config.num_layers,
-               variants={n: dict(ms=min(t), runs=t, saves_ms=base - min(t), of_floor=floor / min(t),
-                                 l2_prefetch_bytes_per_step=prefetched[n])
+               variants={n: dict(ms=min(t), runs=t, saves_ms=base - min(t), of_floor=floor / min(t))
                          for n, t in runs.items()},
                kernels=breakdown)
     print(f"\nint4 decode forward, batch 1, {ctx0} cached tokens; floor {floor:.3f} ms "

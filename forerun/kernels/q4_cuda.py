@@ -45,7 +45,6 @@ _SRC = r"""
 #define GLU {GLU}
 #define PDL {PDL}
 #define NORM {NORM}
-#define PF {PF}
 #define NW (GLU ? 2 * R_ : R_)
 
 __device__ __forceinline__ float bf2f(unsigned short h) {{ return __uint_as_float(((unsigned int)h) << 16); }}
@@ -120,8 +119,7 @@ __device__ __forceinline__ unsigned int word_dot(unsigned int w, uint4 xp, unsig
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsigned short* __restrict__ S,
          const unsigned short* __restrict__ Z, unsigned short* __restrict__ y, int n_out, int glu_off,
-         const uint4* __restrict__ res, const uint4* __restrict__ nw, uint4* __restrict__ s_out, float eps,
-         const long long* __restrict__ pf, int pf_n)
+         const uint4* __restrict__ res, const uint4* __restrict__ nw, uint4* __restrict__ s_out, float eps)
 {{
     extern __shared__ uint4 smem[];
     uint4* xq = smem;                        // [4][G_]: pairs of word c of group g at xq[c * G_ + g]
@@ -249,14 +247,6 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
             }}
         }}
     }}
-#if PF
-    // this block's weights are in: ask the L2 for chunks of the weights that come next (the (address, bytes)
-    // pairs of `pf`, dealt round-robin over the blocks), so that they stream while the small kernels between
-    // the products run (kernels/q4_cuda.py, "L2 prefetch")
-    for (int c = threadIdx.x * gridDim.x + blockIdx.x; c < pf_n; c += gridDim.x * WARPS * 32)
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(pf[2 * c]), "r"((unsigned int)pf[2 * c + 1])
-                     : "memory");
-#endif
     #pragma unroll
     for (int r = 0; r < NW; r++) {{
         #pragma unroll
@@ -293,10 +283,8 @@ def smem_bytes(k: int, norm: bool = False) -> int:
     return g * (4 * 16 + 4)
 
 
-def source(k: int, rows: int, warps: int, depth: int, glu: bool, pdl: bool, norm: bool = False,
-           prefetch: bool = False) -> str:
-    return _SRC.format(K=k, R=rows, WARPS=warps, DEPTH=depth, GLU=int(glu), PDL=int(pdl), NORM=int(norm),
-                       PF=int(prefetch))
+def source(k: int, rows: int, warps: int, depth: int, glu: bool, pdl: bool, norm: bool = False) -> str:
+    return _SRC.format(K=k, R=rows, WARPS=warps, DEPTH=depth, GLU=int(glu), PDL=int(pdl), NORM=int(norm))
 
 
 @functools.lru_cache(maxsize=None)
@@ -304,20 +292,18 @@ def _kernel_on(device: int, *config):
     return nvrtc.kernel(source(*config), "q4c_gemv")
 
 
-def _kernel(k: int, rows: int, warps: int, depth: int, glu: bool, pdl: bool, norm: bool = False,
-            prefetch: bool = False):
-    return _kernel_on(torch.cuda.current_device(), k, rows, warps, depth, glu, pdl, norm, prefetch)
+def _kernel(k: int, rows: int, warps: int, depth: int, glu: bool, pdl: bool, norm: bool = False):
+    return _kernel_on(torch.cuda.current_device(), k, rows, warps, depth, glu, pdl, norm)
 
 
 def q4c_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, glu: bool = False,
                rows: int | None = None, warps: int | None = None, depth: int | None = None,
-               pdl: bool | None = None, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+               pdl: bool | None = None) -> torch.Tensor:
     """y = x @ W^T for one contiguous bf16 row x [1, K] and W in quant_gemm's int4 word layout (glu: W holds gate
     rows then up rows, y = silu(x @ gate^T) * (x @ up^T)); bf16 [1, N] (or N / 2). The result matches
     `q4v_linear` up to f16 rounding of the group sums. rows: output rows per warp; warps per block; depth:
-    groups of weights in flight per lane ahead of the arithmetic. prefetch: int64 [C, 2] (device address, bytes)
-    chunks that the blocks ask the L2 to fetch once their own weights are in (`prefetch_chunks`; no effect on y)."""
-    return _launch(x, None, qw32, scale, zero, glu, rows, warps, depth, pdl, prefetch)[0]
+    groups of weights in flight per lane ahead of the arithmetic."""
+    return _launch(x, None, qw32, scale, zero, glu, rows, warps, depth, pdl)[0]
 
 
 def q4c_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -341,18 +327,7 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:  # the kernel reads rows 16 bytes
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def prefetch_chunks(ranges: list[tuple[int, int]], device, chunk: int = 16384) -> torch.Tensor:
-    """(address, bytes) byte ranges -> int64 [C, 2] chunks of at most `chunk` bytes on 16-byte boundaries, the
-    form `q4c_linear(prefetch=...)` takes (cp.async.bulk.prefetch.L2 wants 16-byte aligned multiples of 16)."""
-    out = []
-    for a, n in ranges:
-        lo, hi = a & ~15, (a + n + 15) & ~15
-        out += [(c, min(chunk, hi - c)) for c in range(lo, hi, chunk)]
-    return torch.tensor(out, dtype=torch.int64, device=device).reshape(-1, 2)
-
-
-def _launch(x, norm, qw32, scale, zero, glu, rows, warps, depth, pdl, prefetch=None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch(x, norm, qw32, scale, zero, glu, rows, warps, depth, pdl) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     n = qw32.shape[0]
     if m != 1 or x.dtype != torch.bfloat16 or not x.is_contiguous() or qw32.shape[1] * 8 != k or k % GROUP \
@@ -374,14 +349,8 @@ def _launch(x, norm, qw32, scale, zero, glu, rows, warps, depth, pdl, prefetch=N
         extra = [null if residual is None else residual, _aligned(weight), s if residual is not None else null,
                  ctypes.c_float(eps)]
     with torch.cuda.device(x.device):  # x's device: its module, its current stream
-        pf = prefetch is not None and prefetch.numel() > 0
-        if pf and (prefetch.dtype != torch.int64 or prefetch.device != x.device or prefetch.dim() != 2
-                   or prefetch.shape[1] != 2 or not prefetch.is_contiguous()):
-            raise ValueError(f"q4c_linear: prefetch takes int64 [C, 2] chunks on x's device (prefetch_chunks); got "
-                             f"{prefetch.dtype} {tuple(prefetch.shape)} on {prefetch.device}")
-        kern = _kernel(k, rows, warps, depth, glu, pdl, norm is not None, pf)
+        kern = _kernel(k, rows, warps, depth, glu, pdl, norm is not None)
         per_block = rows * warps
         nvrtc.launch(kern, (n_out + per_block - 1) // per_block, 32 * warps, smem_bytes(k, norm is not None),
-                     [x, qw32, scale, zero, y, n_out, n_out] + extra
-                     + ([prefetch, prefetch.shape[0]] if pf else [null, 0]), pdl)
+                     [x, qw32, scale, zero, y, n_out, n_out] + extra, pdl)
     return y, s

@@ -30,18 +30,15 @@ from torch import nn
 from ..kernels.quant_gemm import (GROUP, MAX_ROWS, Q8_MAX_ROWS, dequantize_int4_w32, dequantize_int8_w32,
                                   pack_int4_w32, pack_int8_w32, q4r_linear, q4t_linear, q4v_linear, q4w2_linear,
                                   q4w_linear, q8v_linear, unpack_int8_w32)
-from ..kernels.q4_cuda import available as q4c_available, prefetch_chunks as q4c_prefetch_chunks, q4c_linear, \
-    q4c_norm_linear
+from ..kernels.q4_cuda import available as q4c_available, q4c_linear, q4c_norm_linear
 from .quant import quantize_groups_int4
 
 
 
-def _q4c(x, qw32, scale, zero, glu, block_n, block_k, use_dot, num_warps, num_stages, prefetch=None):
+def _q4c(x, qw32, scale, zero, glu, block_n, block_k, use_dot, num_warps, num_stages):
     """The CUDA C++ decode kernel under the Triton kernels' configuration names: block_n = output rows per warp,
-    num_stages = groups of weights in flight per lane; it walks the whole of K (block_k, use_dot unused);
-    prefetch: L2 prefetch chunks (plan_l2_prefetch)."""
-    return q4c_linear(x, qw32, scale, zero, glu=glu, rows=block_n, warps=num_warps, depth=num_stages,
-                      prefetch=prefetch)
+    num_stages = groups of weights in flight per lane; it walks the whole of K (block_k, use_dot unused)."""
+    return q4c_linear(x, qw32, scale, zero, glu=glu, rows=block_n, warps=num_warps, depth=num_stages)
 
 
 KERNELS = {"w": q4w_linear, "w2": q4w2_linear, "v": q4v_linear,  # v: 1-2 bf16 rows, packed f16 (decode)
@@ -94,15 +91,11 @@ def tuned(m: int, n: int, k: int, glu: bool, bits: int = 4) -> dict:
         if got else default_config(m, bits)
 
 
-def q4_product(x: torch.Tensor, qw32, scale, zero, glu: bool, cfg: dict,
-               prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T through the kernel `cfg` names; prefetch (L2 prefetch chunks) goes to the CUDA C++ kernel only."""
+def q4_product(x: torch.Tensor, qw32, scale, zero, glu: bool, cfg: dict) -> torch.Tensor:
     cfg = dict(cfg)
     k = x.shape[-1]
     while k % cfg["block_k"]:  # K steps must divide K (and stay powers of two): 896 -> 128, 1536 -> 512
         cfg["block_k"] //= 2
-    if cfg["kernel"] == "c" and prefetch is not None:
-        cfg["prefetch"] = prefetch
     return KERNELS[cfg.pop("kernel")](x, qw32, scale, zero, glu=glu, **cfg)
 
 
@@ -156,7 +149,6 @@ class CudaQ4Linear(CudaQuantLinear):
         self.register_buffer("zero", zero.to(dtype).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
         self.dtype = dtype
-        self.l2_prefetch: torch.Tensor | None = None  # chunks its 1-row product asks the L2 for (plan_l2_prefetch)
 
     @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> "CudaQ4Linear":
@@ -203,82 +195,8 @@ class CudaQ4Linear(CudaQuantLinear):
         for at in range(0, x.shape[0], MAX_ROWS):
             xs = x[at: at + MAX_ROWS]
             parts.append(q4_product(xs, self.qw32, self.scale, self.zero, glu,
-                                    tuned(xs.shape[0], n, self.in_features, glu),
-                                    self.l2_prefetch if xs.shape[0] == 1 else None))
+                                    tuned(xs.shape[0], n, self.in_features, glu)))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def decode_order(model: nn.Module) -> list[tuple[CudaQ4Linear, bool]]:
-    """The int4 linears of a model in the order a decode forward runs them, each with whether it is a gate/up
-    (SwiGLU) matrix. That is their registration order: the Llama-family decoder registers qkv_proj, o_proj,
-    gate_up_proj, down_proj per layer, then lm_head (tests/test_q4_prefetch.py checks it against a forward)."""
-    return [(m, name.endswith("gate_up_proj")) for name, m in model.named_modules() if isinstance(m, CudaQ4Linear)]
-
-
-def _row_ranges(lin: CudaQ4Linear, glu: bool, r0: int, r1: int) -> list[tuple[int, int]]:
-    """(address, bytes) of output rows r0..r1 of lin: their codes, scales and offsets (glu: gate and up rows)."""
-    n = lin.out_features // 2 if glu else lin.out_features
-    out = []
-    for t in (lin.qw32, lin.scale, lin.zero):
-        row = t.shape[1] * t.element_size()
-        out += [(t.data_ptr() + (first + r0) * row, (r1 - r0) * row) for first in ((0, n) if glu else (0,))]
-    return out
-
-
-def plan_l2_prefetch(model: nn.Module, lookahead_bytes: int, chunk: int = 16384) -> int:
-    """Let each 1-row CUDA C++ int4 product ask the L2 for the weights that come after it (issue 12).
-
-    At batch 1 every small kernel between two products (add + RMSNorm, Q/K norm + RoPE, attention and its merge)
-    is time in which the memory system idles: ~0.5 ms of a 2 ms int4 8B step on the H200. Here the weights are
-    one stream, in decode order (`decode_order`); each product whose kernel is the CUDA C++ one, once its own
-    weights are in, prefetches the stream from where the previous one stopped up to `lookahead_bytes` past its
-    own end (the last one wraps round to the first layers of the next step). The products after a gap then read
-    part of their weights from the L2. Sets every linear's `l2_prefetch` (None with lookahead_bytes <= 0);
-    returns the bytes prefetched per step. Plans hold addresses: run it after the weights are in place, before
-    CUDA graphs are captured."""
-    order = decode_order(model)
-    for lin, _ in order:
-        lin.l2_prefetch = None
-    if lookahead_bytes <= 0 or not order or not order[0][0].qw32.is_cuda or not q4c_available(order[0][0].qw32):
-        return 0
-    issuers = [tuned(1, lin.out_features // (2 if glu else 1), lin.in_features, glu)["kernel"] == "c"
-               for lin, glu in order]
-    done = 0
-    for i, pieces in prefetch_plan([lin.weight_bytes for lin, _ in order],
-                                   [lin.out_features // (2 if glu else 1) for lin, glu in order],
-                                   issuers, lookahead_bytes).items():
-        ranges = [r for p, r0, r1 in pieces for r in _row_ranges(*order[p], r0, r1)]
-        done += sum(n for _, n in ranges)
-        order[i][0].l2_prefetch = q4c_prefetch_chunks(ranges, order[i][0].qw32.device, chunk)
-    return done
-
-
-def prefetch_plan(sizes: list[int], rows: list[int], issuers: list[bool], lookahead: int
-                  ) -> dict[int, list[tuple[int, int, int]]]:
-    """The arithmetic of plan_l2_prefetch: products p of `sizes[p]` bytes in `rows[p]` output rows run in order,
-    step after step; product i (issuers[i]) prefetches the stream from where the issuer before it stopped to
-    `lookahead` bytes past its own end. Returns i -> [(product, first row, end row)] (whole rows; neighbouring
-    windows may share a boundary row)."""
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    total = sum(sizes)
-    lookahead = min(lookahead, total // 2)
-    who = [i for i, on in enumerate(issuers) if on]
-    ends = [starts[i] + sizes[i] for i in who]
-    plan = {}
-    for j, i in enumerate(who):
-        lo = max(ends[j], (ends[j - 1] if j else ends[-1] - total) + lookahead)  # where the last one stopped
-        hi = ends[j] + lookahead
-        pieces = []
-        for base in (0, total):  # this step's products, then the next step's
-            for p in range(len(sizes)):
-                a, b = max(lo, base + starts[p]), min(hi, base + starts[p] + sizes[p])
-                if a < b:
-                    per_row = sizes[p] // rows[p]
-                    pieces.append((p, (a - base - starts[p]) // per_row,
-                                   min(rows[p], -(-(b - base - starts[p]) // per_row))))
-        if pieces:
-            plan[i] = pieces
-    return plan
 
 
 def q8_product(x: torch.Tensor, qw8, scale, glu: bool, cfg: dict) -> torch.Tensor:

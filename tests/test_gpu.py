@@ -2,6 +2,9 @@
 CUDA-graph replay vs eager. Skipped where CUDA is unavailable."""
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
@@ -131,6 +134,53 @@ def test_triton_attention_tree_mask():
 def test_triton_attention_prefill_and_small_pages():
     _check_attention(*make_attention_case([300, 37, 1], [0, 64, 1000], 32, 8, 128, seed=2))
     _check_attention(*make_attention_case([5, 9, 2], [33, 70, 3], 12, 4, 80, page=4, seed=3))  # group 3, D 80
+
+
+@pytest.mark.parametrize("bits", [16, 4])
+def test_attention_chain_with_pdl_gives_the_same_logits(bits):
+    """The attention chain launched with PDL (kernels/pdl.py `set_attention_waits`: Q/K norm + RoPE, the split
+    kernel and its merge each start early and wait on the kernel before; the split kernel fetches its first tile of
+    cached keys and values before the wait) gives bit-identical logits to the plain launches, in graph replays of
+    4-layer Qwen3-8B-shape models (bf16, and int4 whose products let the next kernel launch at their start), for
+    decode and 5-token steps at 1 and 4 sequences. Before every replay the cache rows of the step's new tokens
+    are poisoned with NaN: a kernel that read one before RoPE wrote it (a preloaded tile holding a new token, a
+    missing wait) gives NaN or other logits."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import gpu as G
+    from forerun.kernels import pdl
+    from forerun.runtime.cuda_graph import GraphRunner
+    if not pdl.enabled(torch.zeros(1, device=DEV)):
+        pytest.skip("no PDL on this card / Triton")
+    saved = list(pdl._attention)
+    model = G.build_model(dict(G.QWEN3_8B, vocab_size=4096), 4, seed=5)
+    model.ops = FusedLayerOps(pdl_norms=bits == 4)
+    if bits == 4:
+        from forerun.models.quant_cuda import quantize_model_cuda
+        quantize_model_cuda(model)
+    side = G.make_side(model, 4, 512)
+    kv = side.runner.kv
+    g = torch.Generator(device=DEV).manual_seed(0)
+    try:
+        for b, q in ((1, 1), (4, 1), (1, 5), (4, 5)):
+            ids = torch.randint(0, 4096, (b, q), device=DEV, generator=g)
+            ctx = torch.tensor([300, 17, 64, 129][:b], device=DEV)
+            logits = {}
+            for waits in (False, True, False, True):
+                pdl.set_attention_waits(waits, max_rows=1 << 30)  # every step of the test
+                side.graphs = GraphRunner(side.runner, batch_sizes=[b], max_q_len=q)
+                for _ in range(2):  # the capture, then a replay
+                    for row in range(b):  # poison the step's new rows in every layer's cache
+                        pos = torch.arange(int(ctx[row]), int(ctx[row]) + q, device=DEV)
+                        slots = side.tables[row, pos // kv.block_size] * kv.block_size + pos % kv.block_size
+                        for t in (kv.k, kv.v):
+                            t.view(t.shape[0], -1, *t.shape[3:])[:, slots] = float("nan")
+                    out = side.graphs.run_uniform(ids, ctx, q).float().clone()
+                assert torch.isfinite(out).all(), (b, q, waits)
+                logits.setdefault(waits, out)
+                assert torch.equal(out, logits[waits]), (b, q, waits)
+            assert torch.equal(logits[True], logits[False]), (b, q, bits)
+    finally:
+        pdl.set_attention_waits(*saved)
 
 
 # -- fused chain sampler ---------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernels.pdl import enabled as pdl_enabled, gdc_launch_dependents
+from ..kernels.pdl import attention_waits, enabled as pdl_enabled, gdc_launch_dependents, gdc_wait, launch_kwargs
 from . import cuda_decode
 from .base import AttentionBackend, kv_splits
 from .metadata import AttnMetadata
@@ -27,6 +27,29 @@ from .reference import paged_attention_reference
 
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30  # "window" of full attention: every position is within it
+PRELOAD_ALWAYS = [False]  # tests: the first-tile preload without PDL (the CPU interpreter has no grid waits)
+
+
+@triton.jit
+def _softmax_tile(q, k, offs_n, n_ok, prefix, qi, tok, row_ok, window, Tree, stride_tree, qk_scale, m_i, l_i,
+                  HAS_TREE: tl.constexpr):
+    """One tile of keys k [N, D] (positions offs_n, n_ok the real ones) against the rows' queries q [M, D]:
+    the masked scores' online-softmax step. Returns (p [M, N], alpha [M], new m_i, new l_i)."""
+    s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N], log2 units
+    if HAS_TREE:
+        j = offs_n - prefix  # index among the new tokens
+        new = (j >= 0) & n_ok
+        tree = tl.load(Tree + tok[:, None] * stride_tree + j[None, :], mask=row_ok[:, None] & new[None, :], other=0)
+        visible = ((offs_n < prefix) & n_ok)[None, :] | (tree != 0)
+    else:
+        visible = (offs_n[None, :] <= (prefix + qi)[:, None]) & (offs_n[None, :] > (prefix + qi - window)[:, None]) \
+            & n_ok[None, :]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
 # Launch-shape ints that follow the batch (tiles per sequence, KV splits) are not specialized on: Triton compiles a
@@ -45,9 +68,12 @@ def _paged_attention_kernel(
     stride_bt, stride_tree,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    HAS_TREE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+    HAS_TREE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr, PRELOAD: tl.constexpr,
 ):
-    if PDL:  # the o-projection after attention may launch now (forerun/kernels/pdl.py)
+    # PDL: the next kernel (the merge, or the o-projection) may launch now (forerun/kernels/pdl.py). WAIT: launched
+    # early itself; the metadata (written before the forward) and the keys / values cached before this step can be
+    # read before the wait, the queries and this step's new keys (written by the kernel before) only after it.
+    if PDL:
         gdc_launch_dependents()
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -70,8 +96,6 @@ def _paged_attention_kernel(
     tok = q_start + qi  # global query row
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d < HEAD_DIM
-    q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
 
     # keys this tile can see: everything up to its last query (causal); the whole sequence with a tree
     if HAS_TREE:
@@ -89,7 +113,28 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    for t in range(t_lo, t_hi):
+    t_loop = t_lo
+    if PRELOAD:  # the split's first tile, if every key in it was cached before this step: fetched before the wait
+        pre = ((t_lo < t_hi) & ((t_lo + 1) * BLOCK_N <= prefix)).to(tl.int32)
+        offs_n0 = t_lo * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok0 = offs_n0 < kv_end * pre  # (every key of the tile, or none)
+        page0 = tl.load(BlockTables + seq * stride_bt + offs_n0 // PAGE, mask=n_ok0, other=0)
+        in_page0 = offs_n0 % PAGE
+        kv_mask0 = n_ok0[:, None] & d_ok[None, :]
+        k0 = tl.load(K + page0[:, None] * stride_kb + in_page0[:, None] * stride_kp + kvh * stride_kh
+                     + offs_d[None, :], mask=kv_mask0, other=0.0)  # [N, D]
+        v0 = tl.load(V + page0[:, None] * stride_vb + in_page0[:, None] * stride_vp + kvh * stride_vh
+                     + offs_d[None, :], mask=kv_mask0, other=0.0)
+    if WAIT:
+        gdc_wait()
+    q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
+    if PRELOAD:  # (a tile that was not preloaded is all masked here: no change to m_i, l_i, acc)
+        p, alpha, m_i, l_i = _softmax_tile(q, k0, offs_n0, n_ok0, prefix, qi, tok, row_ok, window, Tree,
+                                           stride_tree, qk_scale, m_i, l_i, HAS_TREE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v0.dtype), v0)
+        t_loop = t_lo + pre
+    for t in range(t_loop, t_hi):
         offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_end
         page = tl.load(BlockTables + seq * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
@@ -97,25 +142,11 @@ def _paged_attention_kernel(
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(K + page[:, None] * stride_kb + in_page[:, None] * stride_kp + kvh * stride_kh + offs_d[None, :],
                     mask=kv_mask, other=0.0)  # [N, D]
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [M, N], log2 units
-        if HAS_TREE:
-            j = offs_n - prefix  # index among the new tokens
-            new = (j >= 0) & n_ok
-            tree = tl.load(Tree + tok[:, None] * stride_tree + j[None, :], mask=row_ok[:, None] & new[None, :], other=0)
-            visible = ((offs_n < prefix) & n_ok)[None, :] | (tree != 0)
-        else:
-            visible = (offs_n[None, :] <= (prefix + qi)[:, None]) & (offs_n[None, :] > (prefix + qi - window)[:, None]) \
-                & n_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_i, l_i = _softmax_tile(q, k, offs_n, n_ok, prefix, qi, tok, row_ok, window, Tree, stride_tree,
+                                           qk_scale, m_i, l_i, HAS_TREE)
         v = tl.load(V + page[:, None] * stride_vb + in_page[:, None] * stride_vp + kvh * stride_vh + offs_d[None, :],
                     mask=kv_mask, other=0.0)  # [N, D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
 
     if SPLIT:
         part = (tok * num_heads + head) * num_splits + split  # [M]
@@ -132,10 +163,12 @@ def _paged_attention_kernel(
 def _merge_splits_kernel(
     O, PartAcc, PartM, PartL,  # O [T, Hq, D]; partials as above
     num_heads, num_splits, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr,
 ):
     if PDL:
         gdc_launch_dependents()
+    if WAIT:  # launched early: the partials are the split kernel's
+        gdc_wait()
     row = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, S_PAD)
@@ -212,6 +245,8 @@ class TritonPagedAttention(AttentionBackend):
         tree_arg = tree.view(torch.uint8) if tree is not None else meta.slot_mapping  # dummy when no tree
         tables = meta.block_tables
         grid = (num_seqs * q_tiles, num_kv, splits)
+        wait = attention_waits(q, num_tokens)  # launched early, waiting on Q/K norm + RoPE (kernels/pdl.py)
+        trigger = pdl_enabled(q) and (splits == 1 or wait)  # lets the merge (or the o-projection) launch early
         _paged_attention_kernel[grid](
             q, k_cache, v_cache, out, part_acc, part_m, part_l,
             meta.query_start_loc, meta.seq_lens, tables, tree_arg,
@@ -222,12 +257,13 @@ class TritonPagedAttention(AttentionBackend):
             tables.stride(0), tree.stride(0) if tree is not None else 0,
             GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=self.block_n,
             PAGE=page, HEAD_DIM=head_dim, D_PAD=d_pad, HAS_TREE=tree is not None, SPLIT=splits > 1,
-            PDL=splits == 1 and pdl_enabled(q), num_warps=self.num_warps, num_stages=self.num_stages,
+            PDL=trigger, WAIT=wait, PRELOAD=wait or PRELOAD_ALWAYS[0], num_warps=self.num_warps,
+            num_stages=self.num_stages, **launch_kwargs(wait),
         )
         if splits > 1:
             _merge_splits_kernel[(num_tokens, num_heads)](
                 out, part_acc, part_m, part_l, num_heads, splits, out.stride(0), out.stride(1),
-                HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=triton.next_power_of_2(splits), PDL=pdl_enabled(q),
-                num_warps=4,
+                HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=triton.next_power_of_2(splits), PDL=pdl_enabled(q), WAIT=wait,
+                num_warps=4, **launch_kwargs(wait),
             )
         return out

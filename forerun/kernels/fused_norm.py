@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import enabled as pdl_enabled, gdc_launch_dependents, gdc_wait, launch_kwargs
+from .pdl import attention_waits, enabled as pdl_enabled, gdc_launch_dependents, gdc_wait, launch_kwargs
 
 
 # Launch add + RMSNorm with PDL (it waits on the kernel before) where the caller does not say: off. Measured on the
@@ -74,34 +74,43 @@ def _qk_norm_rope_store_kernel(
     num_q_heads, num_kv_heads, eps, page,
     stride_t, stride_qt, stride_qh, stride_cos,
     stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
-    HALF: tl.constexpr, QK_NORM: tl.constexpr,
+    HALF: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
+    # PDL: launched early (the attention chain waits, kernels/pdl.py): the slot, position, cos / sin rows and norm
+    # weights do not depend on the product before, so they are fetched before the wait; QKV after it
+    if PDL:
+        gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs = tl.arange(0, HALF)
+    is_v = head >= num_q_heads + num_kv_heads
+    is_q = head < num_q_heads
+    slot = tl.load(Slots + tok)
+    blk, in_blk = slot // page, slot % page
+    p = tl.load(Pos + tok)
+    cos = tl.load(Cos + p * stride_cos + offs)  # cos/sin rows repeat their first half: read it once
+    sin = tl.load(Sin + p * stride_cos + offs)
+    if QK_NORM:
+        nw = QW if is_q else KW
+        w_lo = tl.load(nw + offs).to(tl.float32)
+        w_hi = tl.load(nw + HALF + offs).to(tl.float32)
+    if PDL:
+        gdc_wait()
     base = QKV + tok * stride_t + head * (2 * HALF)
     lo = tl.load(base + offs).to(tl.float32)  # first half of the head
     hi = tl.load(base + HALF + offs).to(tl.float32)
-    is_v = head >= num_q_heads + num_kv_heads
-    slot = tl.load(Slots + tok)
-    blk, in_blk = slot // page, slot % page
     if is_v:
         vh = head - num_q_heads - num_kv_heads
         dst = VC + blk * stride_vb + in_blk * stride_vp + vh * stride_vh
         tl.store(dst + offs, lo.to(VC.dtype.element_ty))
         tl.store(dst + HALF + offs, hi.to(VC.dtype.element_ty))
     else:
-        is_q = head < num_q_heads
         if QK_NORM:
             inv = 1.0 / tl.sqrt((tl.sum(lo * lo, 0) + tl.sum(hi * hi, 0)) / (2 * HALF) + eps)
-            nw = QW if is_q else KW
-            lo = (lo * inv).to(QKV.dtype.element_ty).to(tl.float32) * tl.load(nw + offs).to(tl.float32)
-            hi = (hi * inv).to(QKV.dtype.element_ty).to(tl.float32) * tl.load(nw + HALF + offs).to(tl.float32)
+            lo = (lo * inv).to(QKV.dtype.element_ty).to(tl.float32) * w_lo
+            hi = (hi * inv).to(QKV.dtype.element_ty).to(tl.float32) * w_hi
             lo = lo.to(QKV.dtype.element_ty).to(tl.float32)
             hi = hi.to(QKV.dtype.element_ty).to(tl.float32)
-        p = tl.load(Pos + tok)
-        cos = tl.load(Cos + p * stride_cos + offs)  # cos/sin rows repeat their first half: read it once
-        sin = tl.load(Sin + p * stride_cos + offs)
         out_lo = lo * cos - hi * sin
         out_hi = hi * cos + lo * sin
         if is_q:
@@ -131,12 +140,13 @@ def qk_norm_rope_store(
     q = torch.empty(t, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if t:
         norm = q_norm is not None
+        wait = attention_waits(qkv, t)  # launched early, waiting on the qkv product (kernels/pdl.py)
         _qk_norm_rope_store_kernel[(t, num_q_heads + 2 * num_kv_heads)](
             qkv, positions, cos, sin, q_norm if norm else cos, k_norm if norm else cos, slot_mapping, q,
             k_cache, v_cache, num_q_heads, num_kv_heads, eps, k_cache.shape[1],
             qkv.stride(0), q.stride(0), q.stride(1), cos.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            HALF=head_dim // 2, QK_NORM=norm, num_warps=1,
+            HALF=head_dim // 2, QK_NORM=norm, PDL=wait, num_warps=1, **launch_kwargs(wait),
         )
     return q

@@ -62,3 +62,25 @@ def enabled(t: torch.Tensor) -> bool:
 def launch_kwargs(on: bool) -> dict:
     """Keyword arguments for a kernel launch that waits on its predecessor (launch_pdl only where Triton has it)."""
     return {"launch_pdl": True} if on else {}
+
+
+# The attention chain launched with PDL too: Q/K norm + RoPE + KV write, the split attention kernel and its merge
+# each wait on the kernel before instead of starting after it, and fetch first what does not depend on it (RoPE's
+# positions, cos / sin rows and norm weights; attention's block table and the first tile of keys and values that
+# were cached before the step). On for steps of at most ATTENTION_ROWS tokens (a decode step at batch 1): measured
+# on the H200 (benchmarks/pdl_attention_gpu.py, docs/performance.md "Session 30"), the random 8B-shape int4 decode
+# step went 1.989 -> 1.859 ms and the bf16 one 4.467 -> 4.409 ms, while steps of 4-16 tokens ran 0-2 % slower.
+# FORERUN_PDL_ATTENTION=0 turns it off.
+ATTENTION_ROWS = 1
+_attention = [os.environ.get("FORERUN_PDL_ATTENTION", "1") != "0", ATTENTION_ROWS]
+
+
+def set_attention_waits(on: bool, max_rows: int = ATTENTION_ROWS) -> None:
+    """Launch the attention chain with PDL from now on, for steps of at most max_rows tokens (benchmarks compare
+    settings; captured graphs keep what they had)."""
+    _attention[:] = [on, max_rows]
+
+
+def attention_waits(t: torch.Tensor, rows: int) -> bool:
+    """Whether the attention chain's kernels for a step of `rows` tokens on t's device wait on their predecessor."""
+    return _attention[0] and rows <= _attention[1] and enabled(t)

@@ -1,0 +1,74 @@
+"""The Triton attention kernel's first-tile preload (the attention chain under PDL, kernels/pdl.py): the keys and
+values of a split's first tile, when all of them were cached before the step, are fetched before the kernel waits
+on its predecessor and folded in before the loop. Under the CPU interpreter (no grid waits) the preload is forced
+with `PRELOAD_ALWAYS`; the output must equal the plain kernel's exactly and the reference within rounding, for
+decode, multi-token causal, tree and sliding-window steps, tiles the preload takes and tiles it must not (the new
+tokens' own)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from forerun.attention.metadata import AttnMetadata
+from forerun.attention.reference import paged_attention_reference
+
+triton_backend = pytest.importorskip("forerun.attention.triton_backend")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(q_lens, prefixes, hq=4, hkv=2, d=16, page=4, tree=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [p + q for p, q in zip(prefixes, q_lens)]
+    nblk = [-(-s // page) for s in seq_lens]
+    perm = (torch.randperm(sum(nblk) + 2, generator=g) + 1).tolist()
+    tables = torch.zeros(len(q_lens), max(nblk) + 1, dtype=torch.int64)
+    at = 0
+    for b, n in enumerate(nblk):
+        tables[b, :n] = torch.tensor(perm[at:at + n])
+        at += n
+    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
+    k = torch.randn(sum(nblk) + 3, page, hkv, d, generator=g).to(DEV, dtype)
+    v = torch.randn(sum(nblk) + 3, page, hkv, d, generator=g).to(DEV, dtype)
+    q = torch.randn(sum(q_lens), hq, d, generator=g).to(DEV, dtype)
+    qsl = torch.tensor([0] + torch.cumsum(torch.tensor(q_lens), 0).tolist())
+    slots = torch.cat([tables[b, torch.arange(p, p + n) // page] * page + torch.arange(p, p + n) % page
+                       for b, (p, n) in enumerate(zip(prefixes, q_lens))])
+    mask = None
+    if tree:  # each node sees its ancestors and itself
+        mask = torch.zeros(sum(q_lens), max(q_lens), dtype=torch.bool)
+        for b, n in enumerate(q_lens):
+            parent = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+            for i in range(n):
+                j = i
+                while j >= 0:
+                    mask[int(qsl[b]) + i, j] = True
+                    j = parent[j]
+    meta = AttnMetadata(qsl.to(DEV), torch.tensor(seq_lens, device=DEV), tables.to(DEV), slots.to(DEV),
+                        max(q_lens), max(seq_lens), tree_mask=None if mask is None else mask.to(DEV))
+    return q, k, v, meta
+
+
+CASES = {  # q_lens, prefixes, tree, window
+    "decode": ([1, 1, 1, 1], [0, 7, 8, 45], False, None),
+    "causal": ([3, 5, 1], [9, 30, 17], False, None),
+    "tree": ([6, 4, 1], [13, 24, 5], True, None),
+    "window": ([1, 3, 5, 1], [0, 9, 30, 17], False, 7),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_preloaded_first_tile_changes_nothing(name, splits, monkeypatch):
+    q_lens, prefixes, tree, window = CASES[name]
+    q, k, v, meta = _case(q_lens, prefixes, tree=tree, seed=splits)
+    scale = q.shape[-1] ** -0.5
+    backend = triton_backend.TritonPagedAttention(block_n=4, num_splits=splits)
+    monkeypatch.setattr(triton_backend, "PRELOAD_ALWAYS", [False])
+    plain = backend.forward(q, k, v, meta, scale, window=window)
+    monkeypatch.setattr(triton_backend, "PRELOAD_ALWAYS", [True])
+    pre = backend.forward(q, k, v, meta, scale, window=window)
+    assert torch.equal(pre, plain)  # the same arithmetic in the same order
+    ref = paged_attention_reference(q.float(), k.float(), v.float(), meta, scale, window)
+    assert ((pre.float() - ref).abs().max() / ref.abs().max()).item() < 2e-2
+    # (that a preloaded tile never holds a key written in the step itself needs concurrent kernels: the GPU test
+    # tests/test_gpu.py::test_attention_chain_with_pdl_gives_the_same_logits checks it)

@@ -33,6 +33,7 @@ def _add_rmsnorm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < H
+    w = tl.load(W + offs, mask=ok, other=0.0).to(tl.float32)  # (a weight: read before the wait)
     if WAIT:  # launched early too (with launch_pdl): X and Res are written by the kernels before
         gdc_wait()
     s = tl.load(X + row * stride_x + offs, mask=ok, other=0.0)
@@ -42,7 +43,6 @@ def _add_rmsnorm_kernel(
         tl.store(S + row * stride_s + offs, s, mask=ok)
     s32 = s.to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(s32 * s32, 0) / H + eps)
-    w = tl.load(W + offs, mask=ok, other=0.0).to(tl.float32)
     y = (s32 * inv).to(X.dtype.element_ty).to(tl.float32) * w  # normalised value rounded first, as transformers
     tl.store(Y + row * stride_y + offs, y.to(Y.dtype.element_ty), mask=ok)
 

@@ -1,0 +1,148 @@
+#!/usr/bin/env python
+"""The 1-row int4 products' configurations re-chosen inside the decode step (#12).
+
+`forerun/kernels/q4_configs.json` was tuned product by product, each timed alone in a CUDA graph. Inside the
+decode step every kernel is launched early (PDL) and fetches its first `depth` groups of weights per lane before
+it waits on the kernel before, so the best (rows per warp, warps, depth) there can differ. This times the random
+Qwen3-8B-shape int4 decode step (batch 1, 512 cached tokens, graph replays) with one product's configuration
+changed at a time, the tuned table between each candidate (the card's clocks drift), then every product's best
+together against the table, interleaved. Prints a table, writes JSON (+ PNG) and, with --write, the winners into
+the H200 entry of q4_configs.json (only those that beat the table in the final comparison).
+
+    python benchmarks/q4_step_configs_gpu.py --out benchmarks/results/q4_step_configs_h200.json
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import gpu as G  # noqa: E402
+from forerun.models import quant_cuda  # noqa: E402
+from forerun.runtime.cuda_graph import GraphRunner  # noqa: E402
+
+# product key -> candidate (rows per warp, warps, depth) besides the table's
+CANDIDATES = {
+    "m1_n6144_k4096": [(2, 16, 3), (2, 16, 4), (1, 16, 4), (2, 8, 4)],  # qkv
+    "m1_n4096_k4096": [(2, 16, 4), (1, 8, 4), (2, 8, 4), (1, 16, 2)],  # o (and a 4096-row head)
+    "m1_n12288_k4096_glu": [(1, 16, 3), (1, 16, 4), (2, 16, 2), (1, 8, 4)],  # gate/up + SwiGLU
+    "m1_n4096_k12288": [(1, 16, 6), (1, 16, 8), (1, 16, 12), (2, 16, 4)],  # down
+    "m1_n151936_k4096": [(2, 8, 4), (2, 16, 2), (4, 8, 2)],  # head
+}
+
+
+def with_config(table: dict, key: str, rows: int, warps: int, depth: int) -> dict:
+    t = copy.deepcopy(table)
+    t[key] = dict(t[key], block_n=rows, num_warps=warps, num_stages=depth)
+    return t
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results/q4_step_configs.json")
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers (a smoke run)")
+    ap.add_argument("--final-repeats", type=int, default=3)
+    ap.add_argument("--write", action="store_true", help="write the winners into q4_configs.json")
+    args = ap.parse_args()
+    from forerun.models.quant_cuda import quantize_model_cuda
+    from quant_decode_gpu import model_bytes
+
+    name = torch.cuda.get_device_name()
+    base = json.loads(quant_cuda.CONFIGS.read_text()).get(name, {})
+    if not all(base.get(k, {}).get("kernel") == "c" for k in CANDIDATES):
+        print(f"{name}: the table's 1-row products are not all the CUDA C++ kernel; nothing to re-choose")
+        return 1
+    bw = G.copy_bandwidth(2.0)
+    model = G.build_model(G.QWEN3_8B, args.layers, seed=1)
+    model.ops = G.FusedLayerOps()
+    quantize_model_cuda(model)
+    model.ops.pdl_norms = True  # as enable_cuda_graphs sets it for quantized models
+    torch.cuda.empty_cache()
+    floor = model_bytes(model) / bw * 1e3
+    side = G.make_side(model, 1, 512 + 64)
+    ids = torch.zeros(1, 1, dtype=torch.int64, device=G.DEV)
+    ctx = torch.full((1,), 512, dtype=torch.int64, device=G.DEV)
+
+    def step_ms(table: dict) -> float:
+        quant_cuda.set_configs(name, table)
+        side.graphs = GraphRunner(side.runner, batch_sizes=[1], max_q_len=1)
+        ms = G.bench_ms(lambda: side.graphs.run_uniform(ids, ctx, 1), inner=20, outer=5)
+        del side.graphs
+        return ms
+
+    res = dict(device=name, torch=torch.__version__, floor_ms=floor, ctx=512, products={})
+    best = {}
+    for key, cands in CANDIDATES.items():
+        cur = base[key]
+        rows = []
+        for rwd in [(cur["block_n"], cur["num_warps"], cur["num_stages"])] + cands:
+            t_table = step_ms(base)
+            t = step_ms(with_config(base, key, *rwd))
+            rows.append(dict(rows=rwd[0], warps=rwd[1], depth=rwd[2], ms=t, table_ms=t_table, ratio=t / t_table))
+            G.log(f"{key} rows {rwd[0]} warps {rwd[1]} depth {rwd[2]}: {t:.4f} ms (table {t_table:.4f}: {t / t_table:.3f})")
+        res["products"][key] = rows
+        win = min(rows[1:], key=lambda r: r["ratio"])
+        if win["ratio"] < min(1.0, rows[0]["ratio"]) - 0.003:
+            best[key] = (win["rows"], win["warps"], win["depth"])
+    chosen = base
+    for key, rwd in best.items():
+        chosen = with_config(chosen, key, *rwd)
+    final = {"table": [], "chosen": []}
+    for _ in range(args.final_repeats):
+        final["table"].append(step_ms(base))
+        final["chosen"].append(step_ms(chosen))
+    quant_cuda.set_configs(name, base)
+    res["chosen"] = {k: dict(rows=r, warps=w, depth=d) for k, (r, w, d) in best.items()}
+    res["final"] = dict(table_ms=min(final["table"]), chosen_ms=min(final["chosen"]), runs=final,
+                        table_of_floor=floor / min(final["table"]), chosen_of_floor=floor / min(final["chosen"]))
+    print(f"\nint4 decode step, batch 1, 512 cached tokens; floor {floor:.3f} ms")
+    print("| product | rows x warps x depth | step ms | / table |\n| --- | --- | --- | --- |")
+    for key, rows in res["products"].items():
+        for r in rows:
+            print(f"| {key} | {r['rows']} x {r['warps']} x {r['depth']} | {r['ms']:.4f} | {r['ratio']:.3f} |")
+    f = res["final"]
+    print(f"table {f['table_ms']:.4f} ms ({100 * f['table_of_floor']:.1f} % of the floor), chosen {best}: "
+          f"{f['chosen_ms']:.4f} ms ({100 * f['chosen_of_floor']:.1f} %)")
+    if args.write and best and f["chosen_ms"] < f["table_ms"]:
+        allc = json.loads(quant_cuda.CONFIGS.read_text())
+        for key, (r, w, d) in best.items():
+            allc[name][key].update(block_n=r, num_warps=w, num_stages=d, step_tuned=True)
+        quant_cuda.CONFIGS.write_text(json.dumps(allc, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {sorted(best)} into {quant_cuda.CONFIGS}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(res, fh, indent=1)
+    plot(res, os.path.splitext(args.out)[0] + ".png")
+    return 0
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names, ratios = [], []
+    for key, rows in res["products"].items():
+        for r in rows:
+            names.append(f"{key} {r['rows']}x{r['warps']}x{r['depth']}")
+            ratios.append(r["ratio"])
+    fig, ax = plt.subplots(figsize=(9, 0.25 * len(names) + 1.5))
+    ax.barh(names, ratios, color=["tab:green" if x < 1 else "tab:grey" for x in ratios])
+    ax.axvline(1.0, color="k", lw=1)
+    ax.set_xlim(min(ratios) - 0.01, max(ratios) + 0.01)
+    ax.set_xlabel("int4 decode step with this product's configuration / with the table's")
+    ax.set_title(f"1-row int4 products re-chosen inside the step, {res['device']}")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -85,7 +85,8 @@ def main() -> int:
             t_table = step_ms(base)
             t = step_ms(with_config(base, key, *rwd))
             rows.append(dict(rows=rwd[0], warps=rwd[1], depth=rwd[2], ms=t, table_ms=t_table, ratio=t / t_table))
-            G.log(f"{key} rows {rwd[0]} warps {rwd[1]} depth {rwd[2]}: {t:.4f} ms (table {t_table:.4f}: {t / t_table:.3f})")
+            G.log(f"{key} rows {rwd[0]} warps {rwd[1]} depth {rwd[2]}: {t:.4f} ms "
+                  f"(table {t_table:.4f}: {t / t_table:.3f})")
         res["products"][key] = rows
         win = min(rows[1:], key=lambda r: r["ratio"])
         if win["ratio"] < min(1.0, rows[0]["ratio"]) - 0.003:

@@ -114,22 +114,24 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     t_loop = t_lo
-    if PRELOAD:  # the split's first tile, if every key in it was cached before this step: fetched before the wait
-        pre = ((t_lo < t_hi) & ((t_lo + 1) * BLOCK_N <= prefix)).to(tl.int32)
+    if PRELOAD:  # the split's first tile: its keys cached before this step are fetched before the wait
+        pre = (t_lo < t_hi).to(tl.int32)
         offs_n0 = t_lo * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok0 = offs_n0 < kv_end * pre  # (every key of the tile, or none)
+        n_ok0 = offs_n0 < kv_end * pre  # (none when the split has no tile)
+        old0 = n_ok0 & (offs_n0 < prefix)
         page0 = tl.load(BlockTables + seq * stride_bt + offs_n0 // PAGE, mask=n_ok0, other=0)
-        in_page0 = offs_n0 % PAGE
-        kv_mask0 = n_ok0[:, None] & d_ok[None, :]
-        k0 = tl.load(K + page0[:, None] * stride_kb + in_page0[:, None] * stride_kp + kvh * stride_kh
-                     + offs_d[None, :], mask=kv_mask0, other=0.0)  # [N, D]
-        v0 = tl.load(V + page0[:, None] * stride_vb + in_page0[:, None] * stride_vp + kvh * stride_vh
-                     + offs_d[None, :], mask=kv_mask0, other=0.0)
+        kp0 = K + page0[:, None] * stride_kb + (offs_n0 % PAGE)[:, None] * stride_kp + kvh * stride_kh + offs_d[None, :]
+        vp0 = V + page0[:, None] * stride_vb + (offs_n0 % PAGE)[:, None] * stride_vp + kvh * stride_vh + offs_d[None, :]
+        k0 = tl.load(kp0, mask=old0[:, None] & d_ok[None, :], other=0.0)  # [N, D]
+        v0 = tl.load(vp0, mask=old0[:, None] & d_ok[None, :], other=0.0)
     if WAIT:
         gdc_wait()
     q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # [M, D]
-    if PRELOAD:  # (a tile that was not preloaded is all masked here: no change to m_i, l_i, acc)
+    if PRELOAD:  # its keys of this step (written by the kernel before), then the tile as the loop would take it
+        new0 = (n_ok0 & (offs_n0 >= prefix))[:, None] & d_ok[None, :]
+        k0 = tl.where(new0, tl.load(kp0, mask=new0, other=0.0), k0)
+        v0 = tl.where(new0, tl.load(vp0, mask=new0, other=0.0), v0)
         p, alpha, m_i, l_i = _softmax_tile(q, k0, offs_n0, n_ok0, prefix, qi, tok, row_ok, window, Tree,
                                            stride_tree, qk_scale, m_i, l_i, HAS_TREE)
         acc = acc * alpha[:, None] + tl.dot(p.to(v0.dtype), v0)

@@ -38,7 +38,7 @@ def measure(model, ctx0: int, repeats: int, label: str, alt_block_n: int | None 
         if alt_block_n:
             settings[f"on, block_n {alt_block_n}"] = (True, alt_block_n)
         runs = {name: [] for name in settings}
-        block_n = model.backend.block_n
+        block_n, saved = model.backend.block_n, list(pdl._attention)
         for _ in range(repeats):
             for name, (waits, bn) in settings.items():
                 pdl.set_attention_waits(waits, max_rows=1 << 30)  # every step (the engine: 1-token steps)
@@ -47,7 +47,7 @@ def measure(model, ctx0: int, repeats: int, label: str, alt_block_n: int | None 
                 fn = lambda: side.graphs.run_uniform(ids, ctx, q)  # noqa: E731
                 runs[name].append(G.bench_ms(fn, inner=20, outer=5))
                 del side.graphs
-        pdl.set_attention_waits(False)
+        pdl.set_attention_waits(*saved)  # (the engine's setting)
         model.backend.block_n = block_n
         off, on = min(runs["off"]), min(runs["on"])
         out[f"b{b}_q{q}"] = row = dict(batch=b, tokens=q, off_ms=off, on_ms=on, on_over_off=on / off, runs=runs)

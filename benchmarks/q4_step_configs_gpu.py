@@ -112,8 +112,11 @@ def main() -> int:
           f"{f['chosen_ms']:.4f} ms ({100 * f['chosen_of_floor']:.1f} %)")
     if args.write and best and f["chosen_ms"] < f["table_ms"]:
         allc = json.loads(quant_cuda.CONFIGS.read_text())
-        for key, (r, w, d) in best.items():
-            allc[name][key].update(block_n=r, num_warps=w, num_stages=d, step_tuned=True)
+        for key, (r, w, d) in best.items():  # (its time alone and error were the old configuration's)
+            entry = allc[name][key]
+            entry.pop("us", None)
+            entry.pop("rel_err", None)
+            entry.update(block_n=r, num_warps=w, num_stages=d, step_tuned=os.path.relpath(args.out, G.REPO))
         quant_cuda.CONFIGS.write_text(json.dumps(allc, indent=1, sort_keys=True) + "\n")
         print(f"wrote {sorted(best)} into {quant_cuda.CONFIGS}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -142,9 +142,10 @@ def test_attention_chain_with_pdl_gives_the_same_logits(bits):
     kernel and its merge each start early and wait on the kernel before; the split kernel fetches its first tile of
     cached keys and values before the wait) gives bit-identical logits to the plain launches, in graph replays of
     4-layer Qwen3-8B-shape models (bf16, and int4 whose products let the next kernel launch at their start), for
-    decode and 5-token steps at 1 and 4 sequences. Before every replay the cache rows of the step's new tokens
-    are poisoned with NaN: a kernel that read one before RoPE wrote it (a preloaded tile holding a new token, a
-    missing wait) gives NaN or other logits."""
+    decode and 5-token steps at 1 and 4 sequences, the chain waiting at every step size here. The replays alternate
+    two inputs other than the capture's, and before each one the step's new cache rows are poisoned with NaN: a
+    kernel that read its input before the kernel before it wrote it (a missing wait) would see the other input's
+    values, and a preload of a new row would see NaN."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     import gpu as G
     from forerun.kernels import pdl
@@ -152,6 +153,7 @@ def test_attention_chain_with_pdl_gives_the_same_logits(bits):
     if not pdl.enabled(torch.zeros(1, device=DEV)):
         pytest.skip("no PDL on this card / Triton")
     saved = list(pdl._attention)
+    assert saved == [True, 1] or os.environ.get("FORERUN_PDL_ATTENTION") == "0"  # the default: 1-token steps wait
     model = G.build_model(dict(G.QWEN3_8B, vocab_size=4096), 4, seed=5)
     model.ops = FusedLayerOps(pdl_norms=bits == 4)
     if bits == 4:
@@ -162,23 +164,25 @@ def test_attention_chain_with_pdl_gives_the_same_logits(bits):
     g = torch.Generator(device=DEV).manual_seed(0)
     try:
         for b, q in ((1, 1), (4, 1), (1, 5), (4, 5)):
-            ids = torch.randint(0, 4096, (b, q), device=DEV, generator=g)
+            inputs = [torch.randint(0, 4096, (b, q), device=DEV, generator=g) for _ in range(3)]
             ctx = torch.tensor([300, 17, 64, 129][:b], device=DEV)
             logits = {}
-            for waits in (False, True, False, True):
+            for waits in (False, True):
                 pdl.set_attention_waits(waits, max_rows=1 << 30)  # every step of the test
                 side.graphs = GraphRunner(side.runner, batch_sizes=[b], max_q_len=q)
-                for _ in range(2):  # the capture, then a replay
+                side.graphs.run_uniform(inputs[0], ctx, q)  # the capture
+                for i in (1, 2, 1, 2):
                     for row in range(b):  # poison the step's new rows in every layer's cache
                         pos = torch.arange(int(ctx[row]), int(ctx[row]) + q, device=DEV)
                         slots = side.tables[row, pos // kv.block_size] * kv.block_size + pos % kv.block_size
                         for t in (kv.k, kv.v):
                             t.view(t.shape[0], -1, *t.shape[3:])[:, slots] = float("nan")
-                    out = side.graphs.run_uniform(ids, ctx, q).float().clone()
-                assert torch.isfinite(out).all(), (b, q, waits)
-                logits.setdefault(waits, out)
-                assert torch.equal(out, logits[waits]), (b, q, waits)
-            assert torch.equal(logits[True], logits[False]), (b, q, bits)
+                    out = side.graphs.run_uniform(inputs[i], ctx, q).float().clone()
+                    assert torch.isfinite(out).all(), (b, q, waits)
+                    assert torch.equal(out, logits.setdefault((waits, i), out)), (b, q, waits, i)
+            for i in (1, 2):
+                assert torch.equal(logits[(True, i)], logits[(False, i)]), (b, q, bits, i)
+            assert not torch.equal(logits[(False, 1)], logits[(False, 2)])  # the inputs show in the logits
     finally:
         pdl.set_attention_waits(*saved)
 

@@ -27,7 +27,19 @@ from .reference import paged_attention_reference
 
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30  # "window" of full attention: every position is within it
-PRELOAD_ALWAYS = [False]  # tests: the first-tile preload without PDL (the CPU interpreter has no grid waits)
+TESTS_FORCE_PRELOAD = [False]  # tests only: the first-tile preload without PDL (the CPU interpreter has no waits)
+
+
+@triton.jit
+def _kv_tile_ptrs(K, V, BlockTables, seq, stride_bt, offs_n, n_ok, kvh, offs_d,
+                  stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh, PAGE: tl.constexpr):
+    """Pointers [N, D] to the keys and values of positions offs_n of sequence seq, KV head kvh (pages from its
+    block table; rows not n_ok point into block 0)."""
+    page = tl.load(BlockTables + seq * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
+    in_page = offs_n % PAGE
+    kp = K + page[:, None] * stride_kb + in_page[:, None] * stride_kp + kvh * stride_kh + offs_d[None, :]
+    vp = V + page[:, None] * stride_vb + in_page[:, None] * stride_vp + kvh * stride_vh + offs_d[None, :]
+    return kp, vp
 
 
 @triton.jit
@@ -82,8 +94,8 @@ def _paged_attention_kernel(
     q_lo = (pid % num_q_tiles) * BLOCK_Q
     q_start = tl.load(QStart + seq)
     q_len = tl.load(QStart + seq + 1) - q_start
-    if q_lo >= q_len:
-        return
+    if q_lo >= q_len:  # (before any wait: every grid has a program with q_lo = 0 that waits, so this kernel's end
+        return         # still implies its predecessor's)
     seq_len = tl.load(SeqLens + seq)
     prefix = seq_len - q_len
 
@@ -119,9 +131,8 @@ def _paged_attention_kernel(
         offs_n0 = t_lo * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok0 = offs_n0 < kv_end * pre  # (none when the split has no tile)
         old0 = n_ok0 & (offs_n0 < prefix)
-        page0 = tl.load(BlockTables + seq * stride_bt + offs_n0 // PAGE, mask=n_ok0, other=0)
-        kp0 = K + page0[:, None] * stride_kb + (offs_n0 % PAGE)[:, None] * stride_kp + kvh * stride_kh + offs_d[None, :]
-        vp0 = V + page0[:, None] * stride_vb + (offs_n0 % PAGE)[:, None] * stride_vp + kvh * stride_vh + offs_d[None, :]
+        kp0, vp0 = _kv_tile_ptrs(K, V, BlockTables, seq, stride_bt, offs_n0, n_ok0, kvh, offs_d,
+                                 stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh, PAGE)
         k0 = tl.load(kp0, mask=old0[:, None] & d_ok[None, :], other=0.0)  # [N, D]
         v0 = tl.load(vp0, mask=old0[:, None] & d_ok[None, :], other=0.0)
     if WAIT:
@@ -139,15 +150,13 @@ def _paged_attention_kernel(
     for t in range(t_loop, t_hi):
         offs_n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_end
-        page = tl.load(BlockTables + seq * stride_bt + offs_n // PAGE, mask=n_ok, other=0)
-        in_page = offs_n % PAGE
+        kp, vp = _kv_tile_ptrs(K, V, BlockTables, seq, stride_bt, offs_n, n_ok, kvh, offs_d,
+                               stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh, PAGE)
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + page[:, None] * stride_kb + in_page[:, None] * stride_kp + kvh * stride_kh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)  # [N, D]
+        k = tl.load(kp, mask=kv_mask, other=0.0)  # [N, D]
         p, alpha, m_i, l_i = _softmax_tile(q, k, offs_n, n_ok, prefix, qi, tok, row_ok, window, Tree, stride_tree,
                                            qk_scale, m_i, l_i, HAS_TREE)
-        v = tl.load(V + page[:, None] * stride_vb + in_page[:, None] * stride_vp + kvh * stride_vh + offs_d[None, :],
-                    mask=kv_mask, other=0.0)  # [N, D]
+        v = tl.load(vp, mask=kv_mask, other=0.0)  # [N, D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
     if SPLIT:
@@ -259,7 +268,7 @@ class TritonPagedAttention(AttentionBackend):
             tables.stride(0), tree.stride(0) if tree is not None else 0,
             GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=self.block_n,
             PAGE=page, HEAD_DIM=head_dim, D_PAD=d_pad, HAS_TREE=tree is not None, SPLIT=splits > 1,
-            PDL=trigger, WAIT=wait, PRELOAD=wait or PRELOAD_ALWAYS[0], num_warps=self.num_warps,
+            PDL=trigger, WAIT=wait, PRELOAD=wait or TESTS_FORCE_PRELOAD[0], num_warps=self.num_warps,
             num_stages=self.num_stages, **launch_kwargs(wait),
         )
         if splits > 1:

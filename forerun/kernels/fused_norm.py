@@ -74,11 +74,12 @@ def _qk_norm_rope_store_kernel(
     num_q_heads, num_kv_heads, eps, page,
     stride_t, stride_qt, stride_qh, stride_cos,
     stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
-    HALF: tl.constexpr, QK_NORM: tl.constexpr, PDL: tl.constexpr,
+    HALF: tl.constexpr, QK_NORM: tl.constexpr, WAIT: tl.constexpr,
 ):
-    # PDL: launched early (the attention chain waits, kernels/pdl.py): the slot, position, cos / sin rows and norm
-    # weights do not depend on the product before, so they are fetched before the wait; QKV after it
-    if PDL:
+    # WAIT: launched early (the attention chain waits, kernels/pdl.py), and lets the attention after it launch: the
+    # slot, position, cos / sin rows and norm weights do not depend on the product before, so they are fetched
+    # before the wait (V heads fetch them too, unused); QKV after it
+    if WAIT:
         gdc_launch_dependents()
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -94,7 +95,7 @@ def _qk_norm_rope_store_kernel(
         nw = QW if is_q else KW
         w_lo = tl.load(nw + offs).to(tl.float32)
         w_hi = tl.load(nw + HALF + offs).to(tl.float32)
-    if PDL:
+    if WAIT:
         gdc_wait()
     base = QKV + tok * stride_t + head * (2 * HALF)
     lo = tl.load(base + offs).to(tl.float32)  # first half of the head
@@ -147,6 +148,6 @@ def qk_norm_rope_store(
             qkv.stride(0), q.stride(0), q.stride(1), cos.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            HALF=head_dim // 2, QK_NORM=norm, PDL=wait, num_warps=1, **launch_kwargs(wait),
+            HALF=head_dim // 2, QK_NORM=norm, WAIT=wait, num_warps=1, **launch_kwargs(wait),
         )
     return q

@@ -69,8 +69,15 @@ def launch_kwargs(on: bool) -> dict:
 # positions, cos / sin rows and norm weights; attention's block table and the first tile of keys and values that
 # were cached before the step). On for steps of at most ATTENTION_ROWS tokens (a decode step at batch 1): measured
 # on the H200 (benchmarks/pdl_attention_gpu.py, docs/performance.md "Session 30"), the random 8B-shape int4 decode
-# step went 1.989 -> 1.859 ms and the bf16 one 4.467 -> 4.409 ms, while steps of 4-16 tokens ran 0-2 % slower.
-# FORERUN_PDL_ATTENTION=0 turns it off.
+# step went 1.948 -> 1.783 ms, the bf16 one 4.407 -> 4.347 ms and the 0.6B one 1.012 -> 0.989 ms, while steps of
+# 4-16 tokens ran up to 5 % slower (14 % once). FORERUN_PDL_ATTENTION=0 turns it off.
+# What may be read before a wait: only what no kernel launched with PDL writes. The step's metadata (query starts,
+# lengths, block tables, slots, positions) comes from ordinary launches (copies, torch ops, EAGLE's extend_rows /
+# select_step), and every forward starts with the embedding, an ordinary launch that waits for all work before it
+# (earlier forwards, a tree round's KV moves). Inside a forward only layer L's RoPE writes layer L's cache, at the
+# step's own positions (>= the cached prefix), which the attention kernel reads after its wait. (Steps of several
+# sequences can pad with sequences living in block 0, whose RoPE writes may race with another padding sequence's
+# early reads there: harmless for real rows, and such steps do not wait with the default ATTENTION_ROWS = 1.)
 ATTENTION_ROWS = 1
 _attention = [os.environ.get("FORERUN_PDL_ATTENTION", "1") != "0", ATTENTION_ROWS]
 

@@ -70,7 +70,7 @@ def launch_kwargs(on: bool) -> dict:
 # were cached before the step). On for steps of at most ATTENTION_ROWS tokens (a decode step at batch 1): measured
 # on the H200 (benchmarks/pdl_attention_gpu.py, docs/performance.md "Session 30"), the random 8B-shape int4 decode
 # step went 1.948 -> 1.783 ms, the bf16 one 4.407 -> 4.347 ms and the 0.6B one 1.012 -> 0.989 ms, while steps of
-# 4-16 tokens ran up to 5 % slower (14 % once). FORERUN_PDL_ATTENTION=0 turns it off.
+# 4-20 tokens ran up to 5 % slower (14 % once). FORERUN_PDL_ATTENTION=0 turns it off.
 # What may be read before a wait: only what no kernel launched with PDL writes. The step's metadata (query starts,
 # lengths, block tables, slots, positions) comes from ordinary launches (copies, torch ops, EAGLE's extend_rows /
 # select_step), and every forward starts with the embedding, an ordinary launch that waits for all work before it

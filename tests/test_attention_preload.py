@@ -11,43 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from forerun.attention.metadata import AttnMetadata
+from attention_cases import paged_case
 from forerun.attention.reference import paged_attention_reference
 
 triton_backend = pytest.importorskip("forerun.attention.triton_backend")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _case(q_lens, prefixes, hq=4, hkv=2, d=16, page=4, tree=False, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    seq_lens = [p + q for p, q in zip(prefixes, q_lens)]
-    nblk = [-(-s // page) for s in seq_lens]
-    perm = (torch.randperm(sum(nblk) + 2, generator=g) + 1).tolist()
-    tables = torch.zeros(len(q_lens), max(nblk) + 1, dtype=torch.int64)
-    at = 0
-    for b, n in enumerate(nblk):
-        tables[b, :n] = torch.tensor(perm[at:at + n])
-        at += n
-    dtype = torch.bfloat16 if DEV == "cuda" else torch.float32
-    k = torch.randn(sum(nblk) + 3, page, hkv, d, generator=g).to(DEV, dtype)
-    v = torch.randn(sum(nblk) + 3, page, hkv, d, generator=g).to(DEV, dtype)
-    q = torch.randn(sum(q_lens), hq, d, generator=g).to(DEV, dtype)
-    qsl = torch.tensor([0] + torch.cumsum(torch.tensor(q_lens), 0).tolist())
-    slots = torch.cat([tables[b, torch.arange(p, p + n) // page] * page + torch.arange(p, p + n) % page
-                       for b, (p, n) in enumerate(zip(prefixes, q_lens))])
-    mask = None
-    if tree:  # each node sees its ancestors and itself
-        mask = torch.zeros(sum(q_lens), max(q_lens), dtype=torch.bool)
-        for b, n in enumerate(q_lens):
-            parent = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
-            for i in range(n):
-                j = i
-                while j >= 0:
-                    mask[int(qsl[b]) + i, j] = True
-                    j = parent[j]
-    meta = AttnMetadata(qsl.to(DEV), torch.tensor(seq_lens, device=DEV), tables.to(DEV), slots.to(DEV),
-                        max(q_lens), max(seq_lens), tree_mask=None if mask is None else mask.to(DEV))
-    return q, k, v, meta
+def _case(q_lens, prefixes, tree=False, seed=0):
+    return paged_case(q_lens, prefixes, 4, 2, 16, 4, DEV, torch.bfloat16 if DEV == "cuda" else torch.float32,
+                      seed=seed, tree=tree)
 
 
 CASES = {  # q_lens, prefixes, tree, window

@@ -224,36 +224,15 @@ def test_triton_refuses_a_tree_with_a_window():
                                        0.5, window=4)
 
 
-def _paged_case(q_lens, prefixes, hq, hkv, d, page, device, dtype, seed=0):
-    from forerun.attention.metadata import AttnMetadata
-
-    g = torch.Generator().manual_seed(seed)
-    seq_lens = [p + q for p, q in zip(prefixes, q_lens)]
-    nblk = [-(-s // page) for s in seq_lens]
-    perm = (torch.randperm(sum(nblk) + 2, generator=g) + 1).tolist()
-    tables = torch.zeros(len(q_lens), max(nblk) + 1, dtype=torch.int64)
-    at = 0
-    for b, n in enumerate(nblk):
-        tables[b, :n] = torch.tensor(perm[at:at + n])
-        at += n
-    k = torch.randn(sum(nblk) + 3, page, hkv, d, generator=g).to(device, dtype)
-    v = torch.randn(sum(nblk) + 3, page, hkv, d, generator=g).to(device, dtype)
-    q = torch.randn(sum(q_lens), hq, d, generator=g).to(device, dtype)
-    qsl = torch.tensor([0] + torch.cumsum(torch.tensor(q_lens), 0).tolist())
-    slots = torch.cat([tables[b, torch.arange(p, p + n) // page] * page + torch.arange(p, p + n) % page
-                       for b, (p, n) in enumerate(zip(prefixes, q_lens))])
-    meta = AttnMetadata(qsl.to(device), torch.tensor(seq_lens, device=device), tables.to(device), slots.to(device),
-                        max(q_lens), max(seq_lens))
-    return q, k, v, meta
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("window", [1, 16, 100, 4096])
 def test_triton_kernel_window_matches_reference_on_cuda(window):
     from forerun.attention.reference import paged_attention_reference
     from forerun.attention.triton_backend import TritonPagedAttention
 
-    q, k, v, meta = _paged_case([1, 5, 16, 3, 1], [0, 40, 700, 129, 2000], 32, 8, 128, 16, "cuda", torch.bfloat16)
+    from attention_cases import paged_case
+
+    q, k, v, meta = paged_case([1, 5, 16, 3, 1], [0, 40, 700, 129, 2000], 32, 8, 128, 16, "cuda", torch.bfloat16)
     ref = paged_attention_reference(q.float(), k.float(), v.float(), meta, 128 ** -0.5, window)
     for splits in (None, 1, 4):
         out = TritonPagedAttention(num_splits=splits).forward(q, k, v, meta, 128 ** -0.5, window=window)

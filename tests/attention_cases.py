@@ -25,16 +25,21 @@ def paged_case(q_lens, prefixes, hq, hkv, d, page, device, dtype, seed=0, tree=F
     qsl = torch.tensor([0] + torch.cumsum(torch.tensor(q_lens), 0).tolist())
     slots = torch.cat([tables[b, torch.arange(p, p + n) // page] * page + torch.arange(p, p + n) % page
                        for b, (p, n) in enumerate(zip(prefixes, q_lens))])
-    mask = None
-    if tree:
-        mask = torch.zeros(sum(q_lens), max(q_lens), dtype=torch.bool)
-        for b, n in enumerate(q_lens):
-            parent = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
-            for i in range(n):
-                j = i
-                while j >= 0:
-                    mask[int(qsl[b]) + i, j] = True
-                    j = parent[j]
+    mask = random_tree_mask(q_lens, qsl, g) if tree else None
     meta = AttnMetadata(qsl.to(device), torch.tensor(seq_lens, device=device), tables.to(device), slots.to(device),
                         max(q_lens), max(seq_lens), tree_mask=None if mask is None else mask.to(device))
     return q, k, v, meta
+
+
+def random_tree_mask(q_lens, qsl, g: torch.Generator) -> torch.Tensor:
+    """[T, max(q_lens)] bool: a random tree among each sequence's new tokens (qsl: their start rows), each node
+    seeing its ancestors and itself; the parents drawn from g."""
+    mask = torch.zeros(sum(q_lens), max(q_lens), dtype=torch.bool)
+    for b, n in enumerate(q_lens):
+        parent = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+        for i in range(n):
+            j = i
+            while j >= 0:
+                mask[int(qsl[b]) + i, j] = True
+                j = parent[j]
+    return mask

@@ -11,6 +11,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
+from attention_cases import random_tree_mask  # noqa: E402
 from forerun.attention.metadata import AttnMetadata  # noqa: E402
 from forerun.attention.reference import paged_attention_reference  # noqa: E402
 from forerun.attention.triton_backend import TritonPagedAttention  # noqa: E402
@@ -51,16 +52,7 @@ def make_attention_case(q_lens, prefixes, hq, hkv, d, page=16, dtype=torch.bfloa
     for b, (p, n) in enumerate(zip(prefixes, q_lens)):
         pos = torch.arange(p, p + n)
         slots.append(tables[b, pos // page] * page + pos % page)
-    mask = None
-    if tree:  # a random tree per sequence: each node sees its ancestors and itself
-        mask = torch.zeros(sum(q_lens), max(q_lens), dtype=torch.bool)
-        for b, n in enumerate(q_lens):
-            parent = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
-            for i in range(n):
-                j = i
-                while j >= 0:
-                    mask[int(qsl[b]) + i, j] = True
-                    j = parent[j]
+    mask = random_tree_mask(q_lens, qsl, g) if tree else None  # each node sees its ancestors and itself
     meta = AttnMetadata(query_start_loc=qsl.to(DEV), seq_lens=torch.tensor(seq_lens).to(DEV),
                         block_tables=tables.to(DEV), slot_mapping=torch.cat(slots).to(DEV),
                         max_query_len=max(q_lens), max_seq_len=max(seq_lens),

@@ -169,28 +169,14 @@ def test_speculative_greedy_equals_plain_and_transformers_past_the_window(arch):
 
 # -- Triton kernel (interpreter) ----------------------------------------------------------------------------------
 TRITON_CHECK = r"""
-import os, torch
+import os, sys, torch
 os.environ["TRITON_INTERPRET"] = "1"
-from forerun.attention.metadata import AttnMetadata
+sys.path.insert(0, "tests")
+from attention_cases import paged_case
 from forerun.attention.reference import paged_attention_reference
 from forerun.attention.triton_backend import TritonPagedAttention
-g = torch.Generator().manual_seed(0)
-page, hq, hkv, d, window = 4, 4, 2, 16, 7
-q_lens, prefixes = [1, 3, 5, 1], [0, 9, 30, 17]
-seq_lens = [p + q for p, q in zip(prefixes, q_lens)]
-nblk = [-(-s // page) for s in seq_lens]
-perm = (torch.randperm(sum(nblk) + 2, generator=g) + 1).tolist()
-tables = torch.zeros(len(q_lens), max(nblk) + 1, dtype=torch.int64)
-at = 0
-for b, n in enumerate(nblk):
-    tables[b, :n] = torch.tensor(perm[at:at + n]); at += n
-k = torch.randn(sum(nblk) + 3, page, hkv, d, generator=g)
-v = torch.randn(sum(nblk) + 3, page, hkv, d, generator=g)
-q = torch.randn(sum(q_lens), hq, d, generator=g)
-qsl = torch.tensor([0] + torch.cumsum(torch.tensor(q_lens), 0).tolist())
-slots = torch.cat([tables[b, torch.arange(p, p + n) // page] * page + torch.arange(p, p + n) % page
-                   for b, (p, n) in enumerate(zip(prefixes, q_lens))])
-meta = AttnMetadata(qsl, torch.tensor(seq_lens), tables, slots, max(q_lens), max(seq_lens))
+d, window = 16, 7
+q, k, v, meta = paged_case([1, 3, 5, 1], [0, 9, 30, 17], 4, 2, d, 4, "cpu", torch.float32)
 ref = paged_attention_reference(q, k, v, meta, d ** -0.5, window)
 full = paged_attention_reference(q, k, v, meta, d ** -0.5)
 assert (ref - full).abs().max() > 1e-3

@@ -5,6 +5,16 @@ import torch
 
 from forerun.attention.metadata import AttnMetadata
 
+# name -> (q_lens, prefixes, tree, window): the step shapes the Triton attention tests run through
+STEP_CASES = {
+    "one token": ([1], [45], False, None),
+    "decode": ([1, 1, 1, 1], [0, 7, 8, 45], False, None),
+    "causal": ([3, 5, 1], [9, 30, 17], False, None),
+    "tree": ([6, 4, 1], [13, 24, 5], True, None),
+    "window": ([1, 3, 5, 1], [0, 9, 30, 17], False, 7),
+    "decode window": ([1, 1, 1], [0, 20, 45], False, 7),
+}
+
 
 def paged_case(q_lens, prefixes, hq, hkv, d, page, device, dtype, seed=0, tree=False):
     """A ragged batch over a paged KV cache with shuffled blocks (block 0 unused): sequence b has prefixes[b] cached

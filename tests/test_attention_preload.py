@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention_cases import paged_case
+from attention_cases import STEP_CASES as CASES, paged_case
 from forerun.attention.reference import paged_attention_reference
 
 triton_backend = pytest.importorskip("forerun.attention.triton_backend")
@@ -21,15 +21,6 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 def _case(q_lens, prefixes, tree=False, seed=0):
     return paged_case(q_lens, prefixes, 4, 2, 16, 4, DEV, torch.bfloat16 if DEV == "cuda" else torch.float32,
                       seed=seed, tree=tree)
-
-
-CASES = {  # q_lens, prefixes, tree, window
-    "one token": ([1], [45], False, None),
-    "decode": ([1, 1, 1, 1], [0, 7, 8, 45], False, None),
-    "causal": ([3, 5, 1], [9, 30, 17], False, None),
-    "tree": ([6, 4, 1], [13, 24, 5], True, None),
-    "window": ([1, 3, 5, 1], [0, 9, 30, 17], False, 7),
-}
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -7,11 +7,8 @@ bf16: forward steps replayed from CUDA graphs (GraphRunner.run_uniform, 512 cach
 1 / 4 / 16 and steps of 5 and 16 tokens (what a chain or a tree verification feeds), with the chain waiting at every
 step size (the engine does it for 1-token steps). Off and on interleaved, best of the runs. The int4 decode row is
 #12's number (% of the weight-streaming floor). Prints a table, writes JSON (+ PNG).
-`--toggle fold` compares instead the split attention's merge in a second kernel ("off") against the merge folded
-into the split kernel ("on", TritonPagedAttention.fold_merge), the chain waiting as in the engine (1-token steps).
 
     python benchmarks/pdl_attention_gpu.py --out benchmarks/results/pdl_attention_h200.json
-    python benchmarks/pdl_attention_gpu.py --toggle fold --out benchmarks/results/fold_merge_h200.json
 """
 from __future__ import annotations
 
@@ -31,17 +28,6 @@ from forerun.runtime.cuda_graph import GraphRunner  # noqa: E402
 CASES = ((1, 1), (4, 1), (16, 1), (1, 5), (4, 5), (1, 16))  # (sequences, tokens per sequence)
 
 
-TOGGLE = ["waits"]  # what "off" / "on" switch: the chain's waits at every step size, or the folded merge
-
-
-def apply(model, on: bool, saved_waits: list) -> None:
-    if TOGGLE[0] == "waits":
-        pdl.set_attention_waits(on, max_rows=1 << 30)  # every step (the engine: 1-token steps)
-    else:
-        pdl.set_attention_waits(*saved_waits)
-        model.backend.fold_merge = on
-
-
 def measure(model, ctx0: int, repeats: int, label: str, alt_block_n: int | None = None) -> dict:
     side = G.make_side(model, max(b for b, _ in CASES), ctx0 + 32)
     out = {}
@@ -52,17 +38,17 @@ def measure(model, ctx0: int, repeats: int, label: str, alt_block_n: int | None 
         if alt_block_n:
             settings[f"on, block_n {alt_block_n}"] = (True, alt_block_n)
         runs = {name: [] for name in settings}
-        block_n, saved, fold = model.backend.block_n, list(pdl._attention), model.backend.fold_merge
+        block_n, saved = model.backend.block_n, list(pdl._attention)
         for _ in range(repeats):
-            for name, (on, bn) in settings.items():
-                apply(model, on, saved)
+            for name, (waits, bn) in settings.items():
+                pdl.set_attention_waits(waits, max_rows=1 << 30)  # every step (the engine: 1-token steps)
                 model.backend.block_n = bn or block_n
                 side.graphs = GraphRunner(side.runner, batch_sizes=[b], max_q_len=q)
                 fn = lambda: side.graphs.run_uniform(ids, ctx, q)  # noqa: E731
                 runs[name].append(G.bench_ms(fn, inner=20, outer=5))
                 del side.graphs
-        pdl.set_attention_waits(*saved)  # (the engine's settings)
-        model.backend.block_n, model.backend.fold_merge = block_n, fold
+        pdl.set_attention_waits(*saved)  # (the engine's setting)
+        model.backend.block_n = block_n
         off, on = min(runs["off"]), min(runs["on"])
         out[f"b{b}_q{q}"] = row = dict(batch=b, tokens=q, off_ms=off, on_ms=on, on_over_off=on / off, runs=runs)
         if alt_block_n:
@@ -89,9 +75,8 @@ def plot(res: dict, path: str) -> None:
             ratios.append(r["on_over_off"])
     ax.barh(names, ratios, color=["tab:green" if x < 1 else "tab:red" for x in ratios])
     ax.axvline(1.0, color="k", lw=1)
-    what = {"waits": "attention chain with PDL / without", "fold": "merge folded into the split kernel / separate"}
-    ax.set_xlabel(f"step time, {what[res.get('toggle', 'waits')]}")
-    ax.set_title(f"{res.get('toggle', 'waits')}: {res['device']}, {res['ctx']} cached tokens")
+    ax.set_xlabel("step time, attention chain with PDL / without")
+    ax.set_title(f"PDL attention chain, {res['device']}, {res['ctx']} cached tokens")
     ax.invert_yaxis()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -106,10 +91,7 @@ def main() -> int:
     ap.add_argument("--no-small", action="store_true", help="skip the 0.6B-shape (draft) model")
     ap.add_argument("--alt-block-n", type=int, default=None, help="also: waits on with this attention key tile")
     ap.add_argument("--cases", default=None, help="comma list of BxQ (default: 1x1,4x1,16x1,1x5,4x5,1x16)")
-    ap.add_argument("--toggle", choices=("waits", "fold"), default="waits",
-                    help="off / on: the chain's waits (default) or the split attention's merge folded")
     args = ap.parse_args()
-    TOGGLE[0] = args.toggle
     from forerun.models.quant_cuda import quantize_model_cuda
     from quant_decode_gpu import model_bytes
 
@@ -120,7 +102,7 @@ def main() -> int:
     model = G.build_model(G.QWEN3_8B, args.layers, seed=1)
     model.ops = G.FusedLayerOps()
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, ctx=args.ctx, copy_bw_bytes_per_s=bw,
-               toggle=args.toggle, models={})
+               models={})
     res["models"]["bf16"] = measure(model, args.ctx, args.repeats, "bf16", args.alt_block_n)
     quantize_model_cuda(model)
     model.ops.pdl_norms = True  # as enable_cuda_graphs sets it for quantized models
@@ -136,7 +118,7 @@ def main() -> int:
         res["models"]["bf16 0.6B"] = measure(small, args.ctx, args.repeats, "bf16 0.6B", args.alt_block_n)
     d = res["models"]["int4"]["b1_q1"]
     d["off_of_floor"], d["on_of_floor"] = floor / d["off_ms"], floor / d["on_ms"]
-    print(f"\n{args.toggle} off / on, {args.ctx} cached tokens; int4 floor {floor:.3f} ms")
+    print(f"\nattention chain with PDL, {args.ctx} cached tokens; int4 floor {floor:.3f} ms")
     alt = f" | on, block_n {args.alt_block_n} / off" if args.alt_block_n else ""
     print(f"| model | batch x tokens | off ms | on ms | on / off{alt} |\n| --- | --- | --- | --- | --- |"
           + (" --- |" if alt else ""))

@@ -2,9 +2,8 @@
 (CudaQ4Linear), one batch-1 decode forward replayed from a CUDA graph (512 cached tokens), with the operations
 between the matrix products replaced, one kind at a time, by stand-ins that launch nothing. The step time a
 variant saves is the most that fusing that operation away could save; "products only" is the step that is left
-when every one of them is gone. Also: attention with fewer KV splits, its merge in a second kernel (the engine folds
-it into the split kernel), and decode attention in the one-launch CUDA kernel (attention/cuda_decode.py, an
-experiment) instead of the Triton split + merge kernels.
+when every one of them is gone. Also: attention with fewer KV splits, and decode attention in the one-launch CUDA
+kernel (attention/cuda_decode.py, an experiment) instead of the Triton split + merge kernels.
 A variant fuses each add + RMSNorm into the int4 product after it (FusedLayerOps.fuse_norms, off in the engine:
 measured slower). Variants run interleaved (the card's clocks drift); best of the runs. Prints a table, writes JSON (+ PNG).
 
@@ -33,7 +32,6 @@ from forerun.runtime.cuda_graph import GraphRunner  # noqa: E402
 VARIANTS = {
     "engine": ((), None),
     "engine, add+norm fused into the products": (("fused",), None),
-    "engine, attention merge in its own kernel": (("unfold",), None),
     "engine, CUDA C++ decode attention (4 warps)": ((), None, (4, 0)),
     "engine, CUDA C++ decode attention (8 warps)": ((), None, (8, 0)),
     "attention 1 split": ((), 1),
@@ -52,8 +50,7 @@ def install(model, knocked: tuple[str, ...], splits: int | None, originals: dict
     ops = model.ops
     for name, fn in originals.items():
         setattr(ops, name, fn)
-    model.backend = TritonPagedAttention(num_splits=splits, cuda_decode=cuda_attention is not None,
-                                         fold_merge=False if "unfold" in knocked else None)
+    model.backend = TritonPagedAttention(num_splits=splits, cuda_decode=cuda_attention is not None)
     if cuda_attention is not None:
         cuda_decode.WARPS, cuda_decode.TRIGGER = cuda_attention
     bufs: dict = {}

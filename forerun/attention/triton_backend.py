@@ -4,9 +4,8 @@ One program handles one sequence, one KV head, one tile of up to 16 query tokens
 range. Its rows are (query token, query head of the GQA group) pairs, so the keys and values of a KV head are
 read once for the whole group and all the tile's tokens. Keys are visited in tiles of BLOCK_N tokens gathered
 through the block table; scores get the causal mask over the cached prefix plus the new tokens, or the tree
-mask among the new tokens. When few programs would run (small batches), the KV range is split and the partial
-softmaxes are merged (flash-decoding): by a second kernel, or in decode steps (`fold_merge`) by the split program
-that arrives last at its (sequence, KV head)'s counter.
+mask among the new tokens. When few programs would run (small batches), the KV range is split and a second
+kernel merges the partial softmaxes (flash-decoding).
 
 Launch shapes depend only on the number of sequences, the number of tokens and meta.max_query_len, never on
 sequence lengths (those are read on the device), so a step of fixed bucket shape can be captured in a graph.
@@ -28,21 +27,6 @@ from .reference import paged_attention_reference
 
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30  # "window" of full attention: every position is within it
-_COUNTERS = 4096  # arrival counters per device for the folded merge (splits only run below 2 programs per SM)
-_counter_bufs: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """The device's arrival counters, zero between launches (each merging program resets its own). Made in the
-    first (eager) call, never during a CUDA-graph capture: graphs replay over the same buffer."""
-    buf = _counter_bufs.get(device)
-    if buf is None:
-        assert device.type != "cuda" or not torch.cuda.is_current_stream_capturing(), \
-            "attention counters first made during a graph capture"
-        buf = _counter_bufs[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
-    return buf
-
-
 TESTS_FORCE_PRELOAD = [False]  # tests only: the first-tile preload without PDL (the CPU interpreter has no waits)
 
 
@@ -83,33 +67,10 @@ def _softmax_tile(q, k, offs_n, n_ok, prefix, qi, tok, row_ok, window, Tree, str
 # Launch-shape ints that follow the batch (tiles per sequence, KV splits) are not specialized on: Triton compiles a
 # variant per value class (== 1, divisible by 16) of every int argument, and a class first met mid-serving (a ragged
 # step's tile count, a batch size's split count) compiled there: 0.2-0.5 s stalls in the H200's Poisson runs (run 49)
-@triton.jit
-def _merge_rows(O, PartAcc, PartM, PartL, tok, kvh, num_heads, num_splits, stride_ot, stride_oh,
-                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr):
-    """The folded merge of a decode tile (one query token, row tok): for each head of KV head kvh's group, the
-    splits' partial softmaxes combined as _merge_splits_kernel does, all splits in one load per head. The loads
-    bypass L1 (.cg): other programs wrote the partials."""
-    offs_s = tl.arange(0, S_PAD)
-    s_ok = offs_s < num_splits
-    offs_d = tl.arange(0, D_PAD)
-    d_ok = offs_d < HEAD_DIM
-    for hh in tl.static_range(GROUP):
-        head = kvh * GROUP + hh
-        part = (tok * num_heads + head) * num_splits + offs_s  # [S]
-        m = tl.load(PartM + part, mask=s_ok, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(PartL + part, mask=s_ok, other=0.0, cache_modifier=".cg")
-        acc = tl.load(PartAcc + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None] & d_ok[None, :],
-                      other=0.0, cache_modifier=".cg")  # [S, D]
-        w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - tl.max(m, 0)))  # [S]
-        out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
-        tl.store(O + tok * stride_ot + head * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
-
-
 @triton.jit(do_not_specialize=["window", "num_heads", "num_q_tiles", "num_splits"])
 def _paged_attention_kernel(
     Q, K, V, O,  # Q [T, Hq, D], K/V [num_blocks, PAGE, Hkv, D], O [T, Hq, D]
     PartAcc, PartM, PartL,  # [T, Hq, S, D] f32, [T, Hq, S] f32, [T, Hq, S] f32 (used when SPLIT)
-    Counters,  # [>= programs(0) * Hkv] i32, zero between launches (used when FOLD: decode tiles, BLOCK_Q == 1)
     QStart, SeqLens, BlockTables, Tree,  # [B+1] i64, [B] i64, [B, W] i64, [T, Tw] u8
     qk_scale,  # softmax scale * log2(e)
     window,  # sliding window: keys at positions > query position - window (full attention: 2**30)
@@ -120,7 +81,6 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     HAS_TREE: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr, WAIT: tl.constexpr, PRELOAD: tl.constexpr,
-    FOLD: tl.constexpr, S_PAD: tl.constexpr,
 ):
     # PDL: the next kernel (the merge, or the o-projection) may launch now (forerun/kernels/pdl.py). WAIT: launched
     # early itself; the metadata (written before the forward) and the keys / values cached before this step can be
@@ -204,13 +164,6 @@ def _paged_attention_kernel(
         tl.store(PartM + part, m_i, mask=row_ok)
         tl.store(PartL + part, l_i, mask=row_ok)
         tl.store(PartAcc + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
-        if FOLD:  # the last of the splits to arrive merges them (the counter's acq_rel orders the partials' stores
-            tl.debug_barrier()  # of every thread of every split before its loads) and leaves the counter at zero
-            counter = Counters + pid * tl.num_programs(1) + kvh
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-                _merge_rows(O, PartAcc, PartM, PartL, q_start, kvh, num_heads, num_splits, stride_ot, stride_oh,
-                            GROUP, HEAD_DIM, D_PAD, S_PAD)
     else:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(O + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -249,7 +202,7 @@ class TritonPagedAttention(AttentionBackend):
     supports_cuda_graphs = True  # launch shapes never depend on host-side sequence lengths
 
     def __init__(self, block_n: int = 64, max_splits: int = 16, num_warps: int = 4, num_stages: int = 2,
-                 num_splits: int | None = None, cuda_decode: bool = False, fold_merge: bool | None = None) -> None:
+                 num_splits: int | None = None, cuda_decode: bool = False) -> None:
         """cuda_decode: pure decode steps (one new token per sequence, no tree, no window) run the one-launch CUDA
         kernel of attention/cuda_decode.py where it compiles. Off by default: on the H200 it is correct but measured
         slower than these kernels (12 us a layer against 7.4 at 512 tokens, inside int4 products; docs/performance.md)."""
@@ -257,9 +210,6 @@ class TritonPagedAttention(AttentionBackend):
         self.num_warps, self.num_stages = num_warps, num_stages
         self.num_splits = num_splits  # fixed split count (tests); None = chosen from the grid size
         self.cuda_decode = cuda_decode
-        # split steps merged by their last split program instead of a second kernel (None: FORERUN_FOLD_MERGE, on
-        # unless "0"; docs/performance.md has the measurement)
-        self.fold_merge = os.environ.get("FORERUN_FOLD_MERGE", "1") != "0" if fold_merge is None else fold_merge
 
     def _splits(self, programs: int, device: torch.device) -> int:
         return self.num_splits if self.num_splits is not None else kv_splits(programs, device, self.max_splits)
@@ -306,14 +256,10 @@ class TritonPagedAttention(AttentionBackend):
         tree_arg = tree.view(torch.uint8) if tree is not None else meta.slot_mapping  # dummy when no tree
         tables = meta.block_tables
         grid = (num_seqs * q_tiles, num_kv, splits)
-        # (decode tiles only: one query token per program)
-        fold = splits > 1 and block_q == 1 and self.fold_merge and grid[0] * grid[1] <= _COUNTERS
-        counters = _counters(q.device) if fold else meta.seq_lens  # (a dummy when not folding)
         wait = attention_waits(q, num_tokens)  # launched early, waiting on Q/K norm + RoPE (kernels/pdl.py)
-        # lets the merge (or the o-projection) launch early
-        trigger = pdl_enabled(q) and (splits == 1 or fold or wait)
+        trigger = pdl_enabled(q) and (splits == 1 or wait)  # lets the merge (or the o-projection) launch early
         _paged_attention_kernel[grid](
-            q, k_cache, v_cache, out, part_acc, part_m, part_l, counters,
+            q, k_cache, v_cache, out, part_acc, part_m, part_l,
             meta.query_start_loc, meta.seq_lens, tables, tree_arg,
             scale * _LOG2E, window or _NO_WINDOW, num_heads, q_tiles, splits,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -322,11 +268,10 @@ class TritonPagedAttention(AttentionBackend):
             tables.stride(0), tree.stride(0) if tree is not None else 0,
             GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=self.block_n,
             PAGE=page, HEAD_DIM=head_dim, D_PAD=d_pad, HAS_TREE=tree is not None, SPLIT=splits > 1,
-            PDL=trigger, WAIT=wait, PRELOAD=wait or TESTS_FORCE_PRELOAD[0], FOLD=fold,
-            S_PAD=triton.next_power_of_2(splits), num_warps=self.num_warps,
+            PDL=trigger, WAIT=wait, PRELOAD=wait or TESTS_FORCE_PRELOAD[0], num_warps=self.num_warps,
             num_stages=self.num_stages, **launch_kwargs(wait),
         )
-        if splits > 1 and not fold:
+        if splits > 1:
             _merge_splits_kernel[(num_tokens, num_heads)](
                 out, part_acc, part_m, part_l, num_heads, splits, out.stride(0), out.stride(1),
                 HEAD_DIM=head_dim, D_PAD=d_pad, S_PAD=triton.next_power_of_2(splits), PDL=pdl_enabled(q), WAIT=wait,

@@ -370,11 +370,14 @@ def test_preverify_waits_for_joins_and_context_room(setup):
     assert not eng._tree_lookahead([r], 2, 8)
 
 
-@pytest.mark.parametrize("forced", [None, True])
-def test_preverify_from_two_requests_unless_forced(setup, forced):
-    """A lone request's round is host-bound on the H200: its next verify step is queued ahead only when forced
-    (TreeRound.PREVERIFY_MIN_BATCH), and its output is plain greedy either way."""
+@pytest.mark.parametrize("forced,min_batch", [(None, 1), (None, 2), (True, 2), (False, 1)])
+def test_preverify_from_the_smallest_batch_unless_forced(setup, forced, min_batch, monkeypatch):
+    """A lone request's next verify step is queued ahead automatically from TreeRound.PREVERIFY_MIN_BATCH (1, the
+    default: measured on the H200 in session 31) requests on, or when forced, and never when forced off; its output
+    is plain greedy either way."""
     hf, head = setup
+    assert TreeRound.PREVERIFY_MIN_BATCH == 1
+    monkeypatch.setattr(TreeRound, "PREVERIFY_MIN_BATCH", min_batch)
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     eng = _engine(hf, head, budget=False)
     eng.drafter.overlap_trees = True
@@ -383,7 +386,8 @@ def test_preverify_from_two_requests_unless_forced(setup, forced):
     eng.add_request(PROMPTS[0], greedy, request_id="0")
     out = _drain(eng)["0"]
     stats = eng.round.preverify_stats
-    assert (stats["used"] > 0) if forced else stats["launched"] == 0, stats
+    queued = forced if forced is not None else min_batch <= 1
+    assert (stats["used"] > 0) if queued else stats["launched"] == 0, stats
     assert out == _plain(hf, greedy)[0]
 
 

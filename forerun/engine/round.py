@@ -286,10 +286,13 @@ class TreeRound(Round):
     The next round uses it when its plan is the one assumed (`_Preverify.matches`), else drops it (its cache
     writes lie past every committed length: the round that runs instead overwrites them)."""
 
-    # the smallest batch whose next verify step is queued ahead when `preverify` is None: at batch 1 the H200 round
-    # is bound by the host's work (~6-8 ms of Python per round against ~6.7 ms of GPU work), and queuing the verify
-    # step ahead measured 0-7 % slower there, 1-10 % faster from batch 4 (eagle_h200_session27.json)
-    PREVERIFY_MIN_BATCH = 2
+    # the smallest batch whose next verify step is queued ahead when `preverify` is None. From batch 4 it measured
+    # 1-10 % faster (eagle_h200_session27.json). At batch 1 it measured 0-7 % slower while the round was bound by
+    # the host (session 27) and within 1 % either way since (sessions 28-29); in session 31 it made batch-1 rounds
+    # steady (5.70-5.73 / 5.90-5.91 / 6.24-6.26 ms over three runs, trees 4,3,8 / 1,4,5 / 4,4,16) where without it
+    # they drifted by up to 5 % (5.66-6.03 / 5.88-6.09 / 6.19-6.42 ms), ~1 % faster on average
+    # (eagle_h200_session31*.json)
+    PREVERIFY_MIN_BATCH = 1
     # ... and a steady batch: a queued step is dropped when a request joins or the drafter's budget picks another
     # shape than it guessed, and a dropped step costs a whole verify forward against the ~5 % of a round a used one
     # saves; so the automatic choice queues one only while the share of recent rounds that kept the round before's
@@ -300,7 +303,8 @@ class TreeRound(Round):
 
     def __init__(self, target: ModelRunner, drafter: Drafter | None, sampler: RoundSampler) -> None:
         super().__init__(target, drafter, sampler)
-        # None: on wherever drafting is prelaunched on the target's graphs, from PREVERIFY_MIN_BATCH requests on
+        # None: on wherever drafting is prelaunched on the target's graphs, from PREVERIFY_MIN_BATCH requests on, in a
+        # steady batch
         self.preverify: bool | None = None
         # the engine's veto (requests, accepted at most, nodes) -> bool: False when the next round will not be the
         # one assumed (arrivals waiting to join, a context limit near); without it only the prelaunch's checks apply

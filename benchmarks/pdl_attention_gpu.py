@@ -92,8 +92,7 @@ def main() -> int:
     ap.add_argument("--alt-block-n", type=int, default=None, help="also: waits on with this attention key tile")
     ap.add_argument("--cases", default=None, help="comma list of BxQ (default: 1x1,4x1,16x1,1x5,4x5,1x16)")
     args = ap.parse_args()
-    from forerun.models.quant_cuda import quantize_model_cuda
-    from quant_decode_gpu import model_bytes
+    from quant_decode_gpu import model_bytes, quantize_as_engine
 
     if args.cases:
         global CASES
@@ -104,9 +103,7 @@ def main() -> int:
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, ctx=args.ctx, copy_bw_bytes_per_s=bw,
                models={})
     res["models"]["bf16"] = measure(model, args.ctx, args.repeats, "bf16", args.alt_block_n)
-    quantize_model_cuda(model)
-    model.ops.pdl_norms = True  # as enable_cuda_graphs sets it for quantized models
-    torch.cuda.empty_cache()
+    quantize_as_engine(model)
     floor = model_bytes(model) / bw * 1e3
     res["int4_floor_ms"] = floor
     res["models"]["int4"] = measure(model, args.ctx, args.repeats, "int4", args.alt_block_n)

@@ -103,17 +103,11 @@ def main() -> int:
         words = args.variants.split(",")
         for name in [n for n in VARIANTS if n != "engine" and not any(w in n for w in words)]:
             del VARIANTS[name]
-    from forerun.models.quant_cuda import quantize_model_cuda
-    from quant_decode_gpu import model_bytes
+    from quant_decode_gpu import int4_8b_model, model_bytes
 
     ctx0 = 512
     bw = G.copy_bandwidth(2.0)
-    model = G.build_model(G.QWEN3_8B, args.layers, seed=1)
-    model.ops = G.FusedLayerOps()
-    quantize_model_cuda(model)
-    model.ops.pdl_norms = True  # as enable_cuda_graphs sets it for quantized models
-    torch.cuda.empty_cache()
-    floor = model_bytes(model) / bw * 1e3
+    model, floor = int4_8b_model(args.layers, bw)
     side = G.make_side(model, 1, ctx0 + 64)
     originals = {n: getattr(model.ops, n) for n in ("add_rmsnorm", "qkv_to_cache", "norm_linear", "norm_mlp")}
     ids = torch.zeros(1, 1, dtype=torch.int64, device=G.DEV)
@@ -139,7 +133,7 @@ def main() -> int:
                kernels=breakdown)
     print(f"\nint4 decode forward, batch 1, {ctx0} cached tokens; floor {floor:.3f} ms "
           f"({res['weight_bytes'] / 1e9:.2f} GB at {bw / 1e12:.2f} TB/s); 75 % of it: {floor / 0.75:.3f} ms")
-    print(f"| variant | ms | saves | % of floor |\n| --- | --- | --- | --- |")
+    print("| variant | ms | saves | % of floor |\n| --- | --- | --- | --- |")
     for n, v in res["variants"].items():
         print(f"| {n} | {v['ms']:.3f} | {v['saves_ms']:+.3f} | {100 * v['of_floor']:.1f} % |")
     for n, b in breakdown.items():

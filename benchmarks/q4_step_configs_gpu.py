@@ -50,8 +50,7 @@ def main() -> int:
     ap.add_argument("--final-repeats", type=int, default=3)
     ap.add_argument("--write", action="store_true", help="write the winners into q4_configs.json")
     args = ap.parse_args()
-    from forerun.models.quant_cuda import quantize_model_cuda
-    from quant_decode_gpu import model_bytes
+    from quant_decode_gpu import int4_8b_model
 
     name = torch.cuda.get_device_name()
     base = json.loads(quant_cuda.CONFIGS.read_text()).get(name, {})
@@ -59,12 +58,7 @@ def main() -> int:
         print(f"{name}: the table's 1-row products are not all the CUDA C++ kernel; nothing to re-choose")
         return 1
     bw = G.copy_bandwidth(2.0)
-    model = G.build_model(G.QWEN3_8B, args.layers, seed=1)
-    model.ops = G.FusedLayerOps()
-    quantize_model_cuda(model)
-    model.ops.pdl_norms = True  # as enable_cuda_graphs sets it for quantized models
-    torch.cuda.empty_cache()
-    floor = model_bytes(model) / bw * 1e3
+    model, floor = int4_8b_model(args.layers, bw)
     side = G.make_side(model, 1, 512 + 64)
     ids = torch.zeros(1, 1, dtype=torch.int64, device=G.DEV)
     ctx = torch.full((1,), 512, dtype=torch.int64, device=G.DEV)

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import gpu as G  # noqa: E402  (benchmarks/gpu.py: model building, decode steps, profiler breakdown)
 from skinny_gemm import bench_graph  # noqa: E402  (benchmarks/skinny_gemm.py)
-from forerun.kernels.quant_gemm import (dequantize_int4, q4_linear, q4w_linear, quantize_int4,  # noqa: E402
+from forerun.kernels.quant_gemm import (dequantize_int4, q4_linear, quantize_int4,  # noqa: E402
                                         repack_int4_w32)
 from forerun.kernels.skinny_gemm import default_config, skinny_linear  # noqa: E402
 from forerun.kernels import pdl  # noqa: E402
@@ -215,6 +215,24 @@ def model_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def quantize_as_engine(model: torch.nn.Module, bits: int = 4) -> int:
+    """Quantize the model's linears on the GPU (CudaQ4Linear / CudaQ8Linear) and let its norms wait under PDL, as
+    `enable_cuda_graphs` sets them for quantized models; frees the bf16 weights. Returns how many were quantized."""
+    n = quantize_model_cuda(model, bits=bits)
+    model.ops.pdl_norms = True
+    torch.cuda.empty_cache()
+    return n
+
+
+def int4_8b_model(layers: int | None = None, bw: float | None = None) -> tuple[torch.nn.Module, float | None]:
+    """The random Qwen3-8B-shape model (seed 1) in int4 as the engine runs it on CUDA (FusedLayerOps, norms waiting
+    under PDL), and its decode step's weight-streaming floor in ms at copy bandwidth bw (None without bw)."""
+    model = G.build_model(G.QWEN3_8B, layers, seed=1)
+    model.ops = G.FusedLayerOps()
+    quantize_as_engine(model)
+    return model, (model_bytes(model) / bw * 1e3 if bw else None)
+
+
 def whole_model(bw: float, quick: bool, ctx0: int = 512, bits: int = 4) -> dict:
     out = {}
     quant = "q8" if bits == 8 else "q4"
@@ -228,10 +246,8 @@ def whole_model(bw: float, quick: bool, ctx0: int = 512, bits: int = 4) -> dict:
         if label != "bf16":
             del side.graphs
         if label == labels[1]:
-            n = quantize_model_cuda(model, bits=bits)
-            model.ops.pdl_norms = True  # as enable_cuda_graphs sets it for quantized models
+            n = quantize_as_engine(model, bits=bits)
             log(f"quantized {n} linears to int{bits}")
-            torch.cuda.empty_cache()
         bytes_ = model_bytes(model)
         side.graphs = GraphRunner(side.runner, batch_sizes=[1], max_q_len=16)
         step, reset = G.plain_step_fn(side, 1, ctx0, 1.0)

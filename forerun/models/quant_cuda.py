@@ -31,6 +31,7 @@ from ..kernels.quant_gemm import (GROUP, MAX_ROWS, Q8_MAX_ROWS, dequantize_int4_
                                   pack_int4_w32, pack_int8_w32, q4r_linear, q4t_linear, q4v_linear, q4w2_linear,
                                   q4w_linear, q8v_linear, unpack_int8_w32)
 from ..kernels.q4_cuda import available as q4c_available, q4c_linear, q4c_norm_linear
+from ..kernels.q4_mma import available as q4m_available, fits as q4m_fits, q4m_linear
 from .quant import quantize_groups_int4
 
 
@@ -41,10 +42,19 @@ def _q4c(x, qw32, scale, zero, glu, block_n, block_k, use_dot, num_warps, num_st
     return q4c_linear(x, qw32, scale, zero, glu=glu, rows=block_n, warps=num_warps, depth=num_stages)
 
 
+def _q4m(x, qw32, scale, zero, glu, block_n, block_k, use_dot, num_warps, num_stages):
+    """The tensor-core kernel of kernels/q4_mma.py (2-16 rows) under the same names: num_warps per block splitting
+    K, num_stages superblocks of weights in flight per lane (block_n, block_k, use_dot unused)."""
+    return q4m_linear(x, qw32, scale, zero, glu=glu, warps=num_warps, depth=num_stages)
+
+
 KERNELS = {"w": q4w_linear, "w2": q4w2_linear, "v": q4v_linear,  # v: 1-2 bf16 rows, packed f16 (decode)
            "r": q4r_linear,  # r: 1-8 bf16 rows, packed f16, one unpacking per 4 rows (short verification)
            "t": q4t_linear,  # t: 1-16 bf16 rows, bf16 dequantization + tensor cores (verification)
-           "c": _q4c}  # c: 1 bf16 row, CUDA C++ through NVRTC (kernels/q4_cuda.py; decode), where it compiles
+           "c": _q4c,  # c: 1 bf16 row, CUDA C++ through NVRTC (kernels/q4_cuda.py; decode), where it compiles
+           "m": _q4m}  # m: 1-16 bf16 rows, CUDA C++ tensor cores through NVRTC (kernels/q4_mma.py; verification)
+# the NVRTC kernels' availability (tuned entries naming them fall back where they cannot run)
+NVRTC_KERNELS = {"c": lambda: q4c_available(), "m": lambda: q4m_available()}
 MAX_KERNEL_ROWS = {"v": 2, "r": 8, "c": 1}  # the others take up to MAX_ROWS
 
 CONFIGS = Path(__file__).resolve().parent.parent / "kernels" / "q4_configs.json"
@@ -78,15 +88,18 @@ def tuned(m: int, n: int, k: int, glu: bool, bits: int = 4) -> dict:
         except (OSError, ValueError):
             _tables[name] = {}
     table = _tables[name]
-    got = table.get(config_key(m, n, k, glu, bits))
+    key = config_key(m, n, k, glu, bits)
+    got = table.get(key)
     for m2 in range(m + 1, (Q8_MAX_ROWS if bits == 8 else MAX_ROWS) + 1):  # an untuned row count: the next tuned
         if got is not None:  # one above (its tiles hold m rows)
             break
-        got = table.get(config_key(m2, n, k, glu, bits))
+        key = config_key(m2, n, k, glu, bits)
+        got = table.get(key)
         if got is not None and m > MAX_KERNEL_ROWS.get(got["kernel"], MAX_ROWS):
             got = None  # a kernel tuned for fewer rows than m
-    if got and got["kernel"] == "c" and not q4c_available():  # tuned where NVRTC ran, not here: Triton serves
-        got = table.get("triton_" + config_key(m, n, k, glu, bits))
+    if got and got["kernel"] in NVRTC_KERNELS and not (  # tuned where NVRTC ran, not here: Triton serves
+            NVRTC_KERNELS[got["kernel"]]() and (got["kernel"] != "m" or q4m_fits(m, n, k))):
+        got = table.get("triton_" + key)  # (the Triton winner kept beside the entry found)
     return {key: got[key] for key in ("kernel", "block_n", "block_k", "use_dot", "num_warps", "num_stages")} \
         if got else default_config(m, bits)
 

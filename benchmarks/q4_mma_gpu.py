@@ -1,0 +1,164 @@
+#!/usr/bin/env python
+"""The int4 tensor-core product for 2-16 rows (kernels/q4_mma.py, #12) against the kernels the tuned table names
+today, on the H200: each Qwen3-8B product (qkv, o, gate/up with the SwiGLU, down) at 2 / 4 / 8 / 16 rows, timed in
+CUDA graphs over enough weight copies that nothing comes from L2, against its floor (int4 bytes / copy bandwidth);
+then whole forward steps of the random 8B-shape model (decode 1 x 1, verification 1 x 5 / 4 x 5 / 1 x 16)
+with the table as it is and with the tensor-core kernel where it won, beside bf16. Prints tables, writes JSON (+
+PNG); `--write` puts the winners into forerun/kernels/q4_configs.json (the old entry kept as `triton_<key>`, which
+serves while the kernel is off: FORERUN_Q4_MMA=1 turns it on, see kernels/q4_mma.py).
+
+    python benchmarks/q4_mma_gpu.py --out benchmarks/results/q4_mma_h200.json [--write]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import gpu as G  # noqa: E402
+from skinny_gemm import bench_graph  # noqa: E402
+from forerun.models import quant_cuda  # noqa: E402
+from forerun.models.quant_cuda import CudaQ4Linear, config_key, q4_product, tuned  # noqa: E402
+from forerun.runtime.cuda_graph import GraphRunner  # noqa: E402
+
+SHAPES = {"qkv": (6144, 4096, False), "o": (4096, 4096, False), "gate/up": (12288, 4096, True),
+          "down": (4096, 12288, False)}  # name -> (outputs (per half with SwiGLU), K, SwiGLU)
+ROWS = (2, 4, 8, 16)
+MMA = [(4, 4), (8, 4)]  # (warps, depth) tried
+STEPS = ((1, 1), (1, 5), (4, 5), (1, 16))
+
+
+def products(bw: float, l2: int) -> dict:
+    out = {}
+    for name, (n, k, glu) in SHAPES.items():
+        rows_w = 2 * n if glu else n
+        one = CudaQ4Linear.from_float(torch.randn(rows_w, k, device=G.DEV, dtype=torch.bfloat16) * 0.02)
+        nbytes = one.weight_bytes
+        copies = max(2, min(64, -(-4 * l2 // nbytes)))
+        mats = [one] + [SimpleNamespace(qw32=one.qw32.clone(), scale=one.scale.clone(), zero=one.zero.clone())
+                        for _ in range(copies - 1)]
+        floor_us = nbytes / bw * 1e6  # (as the decode floors: bytes / copy bandwidth)
+        for m in ROWS:
+            x = torch.randn(m, k, device=G.DEV, dtype=torch.bfloat16)
+            table = tuned(m, n, k, glu)
+            ref = x.float() @ one.dequantized().float().t()
+            if glu:
+                ref = torch.nn.functional.silu(ref[:, :n]) * ref[:, n:]
+
+            def run(cfg):
+                return lambda: [q4_product(x, c.qw32, c.scale, c.zero, glu, cfg) for c in mats]
+
+            row = dict(rows=m, n=n, k=k, glu=glu, floor_us=floor_us, table=table,
+                       table_us=bench_graph(run(table)) * 1e3 / copies, mma={})
+            for w, d in MMA:
+                if k % (128 * w):
+                    continue
+                cfg = dict(kernel="m", block_n=16, block_k=k, use_dot=True, num_warps=w, num_stages=d)
+                got = q4_product(x, one.qw32, one.scale, one.zero, glu, cfg).float()
+                err = ((got - ref).abs().max() / ref.abs().max()).item()
+                row["mma"][f"{w}x{d}"] = dict(us=bench_graph(run(cfg)) * 1e3 / copies, rel_err=err, cfg=cfg)
+            best = min(row["mma"].values(), key=lambda r: r["us"])
+            row["best_mma"], row["speedup"] = best, row["table_us"] / best["us"]
+            out[config_key(m, n, k, glu)] = row
+            G.log(f"{name:8s} m={m:2d}: table {table['kernel']} {row['table_us']:7.1f} us, mma {best['us']:7.1f} us "
+                  f"({row['speedup']:.2f}x; floor {floor_us:.1f} us, err {best['rel_err']:.1e})")
+        del mats, one
+        torch.cuda.empty_cache()
+    return out
+
+
+def steps(model, label: str, res: dict, ctx0: int = 512) -> None:
+    side = G.make_side(model, max(b for b, _ in STEPS), ctx0 + 32)
+    for b, q in STEPS:
+        ids = torch.zeros(b, q, dtype=torch.int64, device=G.DEV)
+        ctx = torch.full((b,), ctx0, dtype=torch.int64, device=G.DEV)
+        side.graphs = GraphRunner(side.runner, batch_sizes=[b], max_q_len=q)
+        ms = G.bench_ms(lambda: side.graphs.run_uniform(ids, ctx, q), inner=20, outer=5)
+        res.setdefault(f"{b}x{q}", {})[label] = ms
+        G.log(f"{label:12s} {b:2d} x {q:2d}: {ms:.3f} ms")
+        del side.graphs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results/q4_mma.json")
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers (a smoke run)")
+    ap.add_argument("--write", action="store_true", help="write the winners into q4_configs.json")
+    args = ap.parse_args()
+    from quant_decode_gpu import quantize_as_engine
+
+    name = torch.cuda.get_device_name()
+    os.environ["FORERUN_Q4_MMA"] = "0"  # the baselines: the table's other kernels (its "m" entries fall back)
+    bw = G.copy_bandwidth(2.0)
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    res = dict(device=name, torch=torch.__version__, copy_bw_bytes_per_s=bw, products=products(bw, l2), steps={})
+    winners = {key: r["best_mma"]["cfg"] for key, r in res["products"].items()
+               if r["speedup"] > 1.0 and r["best_mma"]["rel_err"] < 1e-2}
+    model = G.build_model(G.QWEN3_8B, args.layers, seed=1)
+    model.ops = G.FusedLayerOps()
+    steps(model, "bf16", res["steps"])
+    quantize_as_engine(model)
+    steps(model, "int4 table", res["steps"])
+    base = json.loads(quant_cuda.CONFIGS.read_text()).get(name, {})
+    table = dict(base)
+    for key, cfg in winners.items():
+        table[key] = dict(cfg, us=res["products"][key]["best_mma"]["us"], rel_err=res["products"][key]["best_mma"]["rel_err"])
+    quant_cuda.set_configs(name, table)
+    os.environ["FORERUN_Q4_MMA"] = "1"
+    steps(model, "int4 mma", res["steps"])
+    os.environ["FORERUN_Q4_MMA"] = "0"
+    quant_cuda.set_configs(name, base)
+    res["winners"] = sorted(winners)
+    print("\n| product | rows | floor us | table kernel | table us | tensor-core us | speedup |\n| --- | --- | --- | --- | --- | --- | --- |")
+    for key, r in res["products"].items():
+        print(f"| {key} | {r['rows']} | {r['floor_us']:.1f} | {r['table']['kernel']} | {r['table_us']:.1f} | "
+              f"{r['best_mma']['us']:.1f} | {r['speedup']:.2f} |")
+    print("\n| step (batch x tokens) | bf16 ms | int4, table ms | int4, tensor-core ms | int4 table / mma |")
+    print("| --- | --- | --- | --- | --- |")
+    for key, r in res["steps"].items():
+        print(f"| {key} | {r['bf16']:.3f} | {r['int4 table']:.3f} | {r['int4 mma']:.3f} | "
+              f"{r['int4 table'] / r['int4 mma']:.2f} |")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    plot(res, os.path.splitext(args.out)[0] + ".png")
+    if args.write and winners:
+        allt = json.loads(quant_cuda.CONFIGS.read_text())
+        card = allt.setdefault(name, {})
+        for key in winners:
+            if key in card and card[key].get("kernel") not in ("m",) and "triton_" + key not in card:
+                card["triton_" + key] = card[key]
+            card[key] = table[key]
+        quant_cuda.CONFIGS.write_text(json.dumps(allt, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {len(winners)} entries into {quant_cuda.CONFIGS}")
+    return 0
+
+
+def plot(res: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    keys = list(res["steps"])
+    for i, label in enumerate(("bf16", "int4 table", "int4 mma")):
+        ax.bar([j + 0.27 * (i - 1) for j in range(len(keys))], [res["steps"][k][label] for k in keys], 0.27,
+               label=label)
+    ax.set_xticks(range(len(keys)), keys)
+    ax.set_xlabel("batch x tokens per step")
+    ax.set_ylabel("forward step (ms)")
+    ax.set_title(f"int4 verification steps, tensor-core kernel, {res['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

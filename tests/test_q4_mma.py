@@ -1,0 +1,194 @@
+"""The int4 tensor-core product of 2-16 rows (forerun/kernels/q4_mma.py): its source compiles without spills where
+nvcc exists (this CPU machine), its lane-to-code mapping -- transcribed here lane by lane, with the MMA's register
+layout of the PTX ISA -- gives x @ dequantized(W)^T on the CPU, and on a GPU the kernel itself does, plain and
+SwiGLU, 2-16 rows, in a CUDA graph, with and without PDL, and as CudaQ4Linear's products where the table names it."""
+import os
+import shutil
+import subprocess
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+from forerun.kernels import q4_mma
+from forerun.kernels.quant_gemm import pack_int4_w32
+from forerun.models.quant import quantize_groups_int4
+
+
+def _quantized(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+    q, s, z = quantize_groups_int4(w)
+    s, z = s.bfloat16(), z.bfloat16()
+    deq = (q.double().reshape(n, k // 32, 32) * s.double()[..., None] + z.double()[..., None]).reshape(n, k)
+    return q, s, z, deq.to(torch.bfloat16).float()  # w = q * scale + zero, rounded once
+
+
+def test_source_compiles_without_spills():
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc here")
+    with tempfile.TemporaryDirectory() as d:
+        for k, w, depth, tiles, glu, pdl in ((4096, 8, 4, 1, 0, 1), (4096, 8, 4, 2, 1, 1), (12288, 8, 4, 2, 0, 1),
+                                             (1536, 4, 3, 2, 0, 0), (896, 1, 4, 1, 1, 1), (4864, 2, 4, 2, 1, 1)):
+            src = os.path.join(d, "k.cu")
+            with open(src, "w") as f:
+                f.write(q4_mma.source(k, w, depth, tiles, bool(glu), bool(pdl)))
+            out = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", os.path.join(d, "k.cubin"), src,
+                                  "-Xptxas", "-v"], capture_output=True, text=True, timeout=300)
+            assert out.returncode == 0, out.stderr[-2000:]
+            assert "0 bytes spill stores" in out.stderr, (k, w, depth, out.stderr[-500:])
+
+
+def _mma(a_regs, b_regs, c):
+    """mma.m16n8k16 (row.col) over a warp, by the PTX ISA's fragment layout: a_regs [32, 4, 2] (a0..a7), b_regs
+    [32, 2, 2], c [32, 4] float; lane = 4 g + t."""
+    A, B = np.zeros((16, 16)), np.zeros((16, 8))
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        for e in range(2):
+            A[g, 2 * t + e], A[g + 8, 2 * t + e] = a_regs[lane, 0, e], a_regs[lane, 1, e]
+            A[g, 2 * t + 8 + e], A[g + 8, 2 * t + 8 + e] = a_regs[lane, 2, e], a_regs[lane, 3, e]
+            B[2 * t + e, g], B[2 * t + 8 + e, g] = b_regs[lane, 0, e], b_regs[lane, 1, e]
+    D = A @ B
+    for lane in range(32):
+        g, t = lane >> 2, lane & 3
+        c[lane] += [D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]]
+
+
+def _emulate(x, q, s, z, warps, glu):
+    """q4m_gemm, lane by lane: which codes and activations each lane puts in which MMA register, as the kernel does."""
+    t_rows, k = x.shape
+    n = q.shape[0]
+    n_out = n // 2 if glu else n
+    spw, tiles = k // 128 // warps, 1 if t_rows <= 8 else 2
+    words = pack_int4_w32(q).numpy().view(np.uint32)  # [N, K / 8]
+    sf, zf = s.float().numpy(), z.float().numpy()
+    xf = x.float().numpy()
+    y = np.zeros((t_rows, n_out))
+
+    def deq(row, gi, i, j):  # pair j of word i of group gi of a row, dequantized as the kernel's bfma2 chain
+        w = int(words[row, 4 * gi + i])
+        lo, hi = (w >> (4 * j)) & 15, (w >> (16 + 4 * j)) & 15
+        return [float(torch.tensor(c * sf[row, gi] + zf[row, gi], dtype=torch.float64).bfloat16()) for c in (lo, hi)]
+
+    for n0 in range(0, n_out, 16):
+        acc = np.zeros((tiles, 2 if glu else 1, 32, 4))
+        for warp in range(warps):
+            for s_ in range(warp * spw, (warp + 1) * spw):
+                for u in range(8):
+                    i, j = u >> 1, 2 * (u & 1)
+                    for r in range(2 if glu else 1):
+                        a = np.zeros((32, 4, 2))
+                        b = np.zeros((tiles, 32, 2, 2))
+                        for lane in range(32):
+                            g, t = lane >> 2, lane & 3
+                            gi = 4 * s_ + t
+                            rows = [n0 + g + h * 8 + (n_out if r else 0) for h in (0, 1)]
+                            a[lane] = [deq(rows[0], gi, i, j), deq(rows[1], gi, i, j),
+                                       deq(rows[0], gi, i, j + 1), deq(rows[1], gi, i, j + 1)]
+                            for nt in range(tiles):
+                                tok = g + 8 * nt
+                                if tok < t_rows:
+                                    base = 32 * gi + 8 * i + 2 * j
+                                    b[nt, lane] = [xf[tok, base: base + 2], xf[tok, base + 2: base + 4]]
+                        for nt in range(tiles):
+                            _mma(a, b[nt], acc[nt, r])
+        for lane in range(32):
+            g, t = lane >> 2, lane & 3
+            for nt in range(tiles):
+                for e in range(4):
+                    tok, row = 8 * nt + 2 * t + (e & 1), n0 + g + 8 * (e >> 1)
+                    v = acc[nt, 0, lane, e]
+                    if glu:
+                        v = v / (1 + np.exp(-v)) * acc[nt, 1, lane, e]
+                    if tok < t_rows:
+                        y[tok, row] = v
+    return y
+
+
+@pytest.mark.parametrize("rows,glu,warps", [(3, False, 2), (8, True, 1), (13, False, 2), (16, True, 2)])
+def test_lane_mapping_gives_the_product(rows, glu, warps):
+    k, n = 256, 64 if glu else 32
+    q, s, z, deq = _quantized(n, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).bfloat16()
+    want = x.float() @ deq.t()
+    if glu:
+        want = torch.nn.functional.silu(want[:, : n // 2]) * want[:, n // 2:]
+    got = torch.from_numpy(_emulate(x, q, s, z, warps, glu)).float()
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    # the check can fail: the lanes' k positions swapped between A and B
+    q2 = q.reshape(n, k // 8, 4, 2).flip(2).reshape(n, k)
+    bad = torch.from_numpy(_emulate(x, q2, s, z, warps, glu)).float()
+    assert ((bad - want).abs().max() / want.abs().max()).item() > 0.05
+
+
+def test_table_entries_fall_back_where_the_kernel_cannot_run(monkeypatch):
+    """A tuned entry naming the tensor-core kernel ("m") gives the Triton entry kept beside it (or the default) where
+    NVRTC cannot run, FORERUN_Q4_MMA=0, or the shape does not fit the kernel; and is used where it can."""
+    from forerun.models import quant_cuda
+    monkeypatch.setattr(quant_cuda, "_card", ["test card"])
+    key = quant_cuda.config_key(4, 64, 256, False)
+    m = dict(kernel="m", block_n=16, block_k=256, use_dot=True, num_warps=2, num_stages=2)
+    r = dict(kernel="r", block_n=8, block_k=256, use_dot=False, num_warps=4, num_stages=2)
+    quant_cuda.set_configs("test card", {key: m, "triton_" + key: r})
+    monkeypatch.setitem(quant_cuda.NVRTC_KERNELS, "m", lambda: False)
+    assert quant_cuda.tuned(4, 64, 256, False) == r
+    monkeypatch.setitem(quant_cuda.NVRTC_KERNELS, "m", lambda: True)
+    assert quant_cuda.tuned(4, 64, 256, False) == m
+    assert quant_cuda.tuned(3, 64, 256, False) == m  # an untuned row count takes the next tuned one
+    monkeypatch.setitem(quant_cuda.NVRTC_KERNELS, "m", lambda: False)
+    assert quant_cuda.tuned(3, 64, 256, False) == r  # ... or the Triton entry kept beside that one
+    monkeypatch.setitem(quant_cuda.NVRTC_KERNELS, "m", lambda: True)
+    bad = quant_cuda.config_key(4, 72, 256, False)  # 72 outputs: not a multiple of 16
+    quant_cuda.set_configs("test card", {bad: m, "triton_" + bad: r})
+    assert quant_cuda.tuned(4, 72, 256, False) == r
+    monkeypatch.setenv("FORERUN_Q4_MMA", "0")
+    assert not q4_mma.available()
+    monkeypatch.delenv("FORERUN_Q4_MMA")
+    assert not q4_mma.available()  # off by default (see q4_mma.available)
+
+
+def test_fits_and_default_warps():
+    assert q4_mma.fits(5, 4096, 4096) and q4_mma.fits(16, 16, 128) and not q4_mma.fits(17, 4096, 4096)
+    assert not q4_mma.fits(4, 4100, 4096) and not q4_mma.fits(4, 4096, 4000)
+    assert q4_mma.default_warps(4096) == 8 and q4_mma.default_warps(12288) == 8 and q4_mma.default_warps(896) == 1
+    assert q4_mma.default_warps(1536) == 4 and q4_mma.default_warps(4864) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (run on the GPU machine)")
+def test_mma_kernel_on_gpu(monkeypatch):
+    """q4m_linear against x @ dequantized(W)^T (float32): rows 1-16, K 896 / 1536 / 4096 / 12288, plain and SwiGLU,
+    warps and depths, PDL on and off, replayed from a CUDA graph; a broken layout fails."""
+    from forerun.models.quant_cuda import CudaQ4Linear
+    monkeypatch.setenv("FORERUN_Q4_MMA", "1")
+    assert q4_mma.available(), "the NVRTC kernel did not compile on the GPU machine"
+    torch.manual_seed(0)
+    for n, k in ((64, 896), (256, 1536), (6144, 4096), (512, 12288)):
+        lin = CudaQ4Linear.from_float(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+        ref = lin.dequantized().float()
+        for rows in (1, 5, 9, 16):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            y = x.float() @ ref.t()
+            glu = torch.nn.functional.silu(y[:, : n // 2]) * y[:, n // 2:]
+            for warps, depth, pdl in ((None, None, True), (1, 2, False), (2, 8, True)):
+                if k % (128 * (warps or 1)) or (warps == 1 and k > 1536):  # (long unrolled loops compile slowly)
+                    continue
+                got = q4_mma.q4m_linear(x, lin.qw32, lin.scale, lin.zero, warps=warps, depth=depth, pdl=pdl)
+                assert ((got.float() - y).abs().max() / y.abs().max()).item() < 1e-2, (n, k, rows, warps)
+                got = q4_mma.q4m_linear(x, lin.qw32, lin.scale, lin.zero, glu=True, warps=warps, depth=depth, pdl=pdl)
+                assert ((got.float() - glu).abs().max() / glu.abs().max()).item() < 2e-2, (n, k, rows, warps, "glu")
+    x = torch.randn(5, 4096, device="cuda", dtype=torch.bfloat16)
+    lin = CudaQ4Linear.from_float(torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16))
+    y = x.float() @ lin.dequantized().float().t()
+    out = q4_mma.q4m_linear(x, lin.qw32, lin.scale, lin.zero)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = q4_mma.q4m_linear(x, lin.qw32, lin.scale, lin.zero)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    y = x.float() @ lin.dequantized().float().t()
+    assert ((out.float() - y).abs().max() / y.abs().max()).item() < 1e-2
+    bad = q4_mma.q4m_linear(x, lin.qw32.flip(1).contiguous(), lin.scale, lin.zero)
+    assert ((bad.float() - y).abs().max() / y.abs().max()).item() > 0.05

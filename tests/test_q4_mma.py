@@ -41,6 +41,46 @@ def test_source_compiles_without_spills():
             assert "0 bytes spill stores" in out.stderr, (k, w, depth, out.stderr[-500:])
 
 
+def _sass(source: str) -> str:
+    import triton
+    nvcc = shutil.which("nvcc")
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if nvcc is None or not os.path.exists(cuobjdump):
+        pytest.skip("no nvcc / cuobjdump here")
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "k.cu"), "w") as f:
+            f.write(source)
+        subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", os.path.join(d, "k.cubin"), os.path.join(d, "k.cu")],
+                       check=True, capture_output=True, timeout=300)
+        return subprocess.run([cuobjdump, "-sass", os.path.join(d, "k.cubin")], capture_output=True, text=True,
+                              check=True, timeout=120).stdout
+
+
+def _activations_after_the_wait(sass: str) -> bool:
+    """In the machine code: before griddepcontrol.wait (ACQBULK) only read-only loads (the weights, scales and
+    offsets, __ldg: LDG...CONSTANT), and the activations read with coherent loads (__ldcg: LDG...STRONG.GPU). A
+    read-only load of the activations may be moved above the wait by ptxas, reading them before the kernel before
+    has written them (it happened: q4_mma's first version failed the PDL chain test on the H200)."""
+    import re
+    pre, wait, post = sass.partition("ACQBULK")
+    return bool(wait) and all(ld.endswith("CONSTANT") for ld in re.findall(r"LDG\.E[\w.]*", pre)) \
+        and "STRONG.GPU" in post
+
+
+def test_activations_are_read_after_the_wait_in_the_machine_code():
+    """Both NVRTC int4 kernels (this one and kernels/q4_cuda.py, plain and with the add + RMSNorm prologue), in the
+    configurations the H200 table uses, with PDL; the old read-only load of the activations is caught."""
+    from forerun.kernels import q4_cuda
+    sources = [q4_mma.source(k, w, d, nt, glu, True) for k, w, d, nt, glu in
+               ((4096, 8, 4, 1, False), (4096, 4, 4, 1, True), (12288, 8, 4, 1, False), (4096, 4, 4, 2, True))]
+    sources += [q4_cuda.source(4096, 2, 16, 2, False, True, False), q4_cuda.source(4096, 1, 16, 2, True, True, False),
+                q4_cuda.source(12288, 1, 16, 4, False, True, False), q4_cuda.source(4096, 2, 16, 2, False, True, True)]
+    for src in sources:
+        assert _activations_after_the_wait(_sass(src)), src[:200]
+    old = q4_mma.source(4096, 8, 4, 1, False, True).replace("__ldcg(x +", "__ldg(x +")
+    assert not _activations_after_the_wait(_sass(old))
+
+
 def _mma(a_regs, b_regs, c):
     """mma.m16n8k16 (row.col) over a warp, by the PTX ISA's fragment layout: a_regs [32, 4, 2] (a0..a7), b_regs
     [32, 2, 2], c [32, 4] float; lane = 4 g + t."""

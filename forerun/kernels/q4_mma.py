@@ -151,7 +151,9 @@ q4m_gemm(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
                 }}
             }}
         }}
-        // the activations of token g (+ 8 nt) at the group's 32 codes: 16 pairs in 4 uint4
+        // the activations of token g (+ 8 nt) at the group's 32 codes: 16 pairs in 4 uint4. Coherent loads (L2):
+        // x is written by the kernel before, and a read-only (.nc, __ldg) load here was moved above
+        // griddepcontrol.wait by ptxas -- reading x before it was written (found in session 31)
         uint4 xv[NT][4];
         #pragma unroll
         for (int nt = 0; nt < NT; nt++) {{
@@ -235,10 +237,11 @@ def fits(m: int, n_out: int, k: int) -> bool:
 
 def available(t: torch.Tensor | None = None) -> bool:
     """NVRTC usable (kernels/nvrtc.py) and switched on with FORERUN_Q4_MMA=1. Off by default until the PDL chain
-    test passes with it: on the H200 its products and steps were right and 2.2-3.3x faster (session 31), but
-    tests/test_gpu.py::test_attention_chain_with_pdl_gives_the_same_logits[4] failed with it (cause not found
-    before the session's device time ran out; docs/performance.md). Tuned entries naming it ("m") fall back to the
-    Triton entries kept beside them."""
+    test passes with it on a GPU: on the H200 its products and steps were right and 2.2-3.3x faster (session 31),
+    but tests/test_gpu.py::test_attention_chain_with_pdl_gives_the_same_logits[4] failed with its first version,
+    whose read-only activation loads ptxas had moved above griddepcontrol.wait (found afterwards in the machine
+    code; the loads are coherent now and tests/test_q4_mma.py checks the SASS, but the fix has not run on a GPU).
+    Tuned entries naming it ("m") fall back to the Triton entries kept beside them."""
     return os.environ.get("FORERUN_Q4_MMA", "0") == "1" and nvrtc.available(t)
 
 

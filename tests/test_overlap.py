@@ -25,9 +25,16 @@ def make(overlap: bool, **kw):
 
 def freeze_costs(llm):
     """Adaptive k weighs acceptance against measured (wall-clock) costs; fixed costs make its choices, and so
-    the coins drawn, depend on the tokens only, as the comparisons between runs here need."""
-    cost = llm.engine.k_policy.cost
-    cost.record_target = cost.record_draft_step = lambda *args: None
+    the coins drawn, depend on the tokens only, as the comparisons between runs here need. Every wall-clock
+    observation is dropped: the forwards and draft steps (fixed below), the rounds' host overheads, the drafter's
+    feeds, the overlapped sessions' starts, the realized rates and plain rounds (with only the first two frozen, a
+    CI run on a loaded machine drafted at other rounds)."""
+    cost, policy = llm.engine.k_policy.cost, llm.engine.k_policy
+    for name in ("record_target", "record_draft_step", "record_spec_overhead", "record_round_overhead",
+                 "record_draft_feed"):
+        setattr(cost, name, lambda *args, **kwargs: None)
+    for name in ("record_session", "record_realized", "record_plain_round"):
+        setattr(policy, name, lambda *args, **kwargs: None)
     for tokens in (2, 5):
         cost.target_obs.append((tokens, 0.01 + 0.001 * tokens))
     cost.draft_obs.append(0.004)

@@ -12,7 +12,6 @@ side by side, and every greedy speculative output is checked token-identical to 
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import gc
 import json

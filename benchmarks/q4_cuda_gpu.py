@@ -209,9 +209,7 @@ def main() -> int:
           f"({100 * tot['floor_us'] / tot['triton_us']:.0f} %) | {tot['cuda_us'] / 1e3:.3f} "
           f"({100 * tot['floor_us'] / tot['cuda_us']:.0f} %) (the faster per product) | |")
     if args.write_configs and new:
-        full = json.loads(quant_cuda.CONFIGS.read_text())
-        full.setdefault(name, {}).update(new)
-        quant_cuda.CONFIGS.write_text(json.dumps(full, indent=1, sort_keys=True) + "\n")
+        quant_cuda.save_configs(name, new)
         G.log(f"wrote {len(new) // 2} CUDA entries to {quant_cuda.CONFIGS}")
     if args.step:
         cuda_all = dict(table)

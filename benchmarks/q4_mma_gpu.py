@@ -129,13 +129,11 @@ def main() -> int:
         json.dump(res, f, indent=1)
     plot(res, os.path.splitext(args.out)[0] + ".png")
     if args.write and winners:
-        allt = json.loads(quant_cuda.CONFIGS.read_text())
-        card = allt.setdefault(name, {})
-        for key in winners:
-            if key in card and card[key].get("kernel") not in ("m",) and "triton_" + key not in card:
-                card["triton_" + key] = card[key]
-            card[key] = table[key]
-        quant_cuda.CONFIGS.write_text(json.dumps(allt, indent=1, sort_keys=True) + "\n")
+        entries = {key: table[key] for key in winners}
+        for key in winners:  # the entry it replaces serves while the kernel is off
+            if key in base and base[key].get("kernel") != "m" and "triton_" + key not in base:
+                entries["triton_" + key] = base[key]
+        quant_cuda.save_configs(name, entries)
         print(f"wrote {len(winners)} entries into {quant_cuda.CONFIGS}")
     return 0
 

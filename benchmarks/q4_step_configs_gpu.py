@@ -105,13 +105,12 @@ def main() -> int:
     print(f"table {f['table_ms']:.4f} ms ({100 * f['table_of_floor']:.1f} % of the floor), chosen {best}: "
           f"{f['chosen_ms']:.4f} ms ({100 * f['chosen_of_floor']:.1f} %)")
     if args.write and best and f["chosen_ms"] < f["table_ms"]:
-        allc = json.loads(quant_cuda.CONFIGS.read_text())
+        entries = {}
         for key, (r, w, d) in best.items():  # (its time alone and error were the old configuration's)
-            entry = allc[name][key]
-            entry.pop("us", None)
-            entry.pop("rel_err", None)
-            entry.update(block_n=r, num_warps=w, num_stages=d, step_tuned=os.path.relpath(args.out, G.REPO))
-        quant_cuda.CONFIGS.write_text(json.dumps(allc, indent=1, sort_keys=True) + "\n")
+            entry = {f: v for f, v in base[key].items() if f not in ("us", "rel_err")}
+            entries[key] = dict(entry, block_n=r, num_warps=w, num_stages=d,
+                                step_tuned=os.path.relpath(args.out, G.REPO))
+        quant_cuda.save_configs(name, entries)
         print(f"wrote {sorted(best)} into {quant_cuda.CONFIGS}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:

@@ -190,6 +190,21 @@ def test_table_entries_fall_back_where_the_kernel_cannot_run(monkeypatch):
     assert not q4_mma.available()  # off by default (see q4_mma.available)
 
 
+def test_save_configs_merges_entries_into_the_file(tmp_path, monkeypatch):
+    """The tuning benchmarks' --write: whole entries replaced or added for one card, the rest of the file kept."""
+    import json
+
+    from forerun.models import quant_cuda
+    path = tmp_path / "q4_configs.json"
+    path.write_text(json.dumps({"card A": {"k1": {"kernel": "r"}, "k2": {"kernel": "t"}}, "card B": {"k1": {}}}))
+    monkeypatch.setattr(quant_cuda, "CONFIGS", path)
+    quant_cuda.save_configs("card A", {"k2": {"kernel": "m"}, "triton_k2": {"kernel": "t"}})
+    quant_cuda.save_configs("card C", {"k9": {"kernel": "c"}})
+    assert json.loads(path.read_text()) == {"card A": {"k1": {"kernel": "r"}, "k2": {"kernel": "m"},
+                                                       "triton_k2": {"kernel": "t"}},
+                                            "card B": {"k1": {}}, "card C": {"k9": {"kernel": "c"}}}
+
+
 def test_fits_and_default_warps():
     assert q4_mma.fits(5, 4096, 4096) and q4_mma.fits(16, 16, 128) and not q4_mma.fits(17, 4096, 4096)
     assert not q4_mma.fits(4, 4100, 4096) and not q4_mma.fits(4, 4096, 4000)

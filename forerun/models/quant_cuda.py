@@ -62,6 +62,14 @@ _tables: dict[str, dict] = {}
 _card: list[str] = []
 
 
+def save_configs(name: str, entries: dict[str, dict]) -> None:
+    """Write tuned entries (config_key -> config, replacing whole entries) for card `name` into CONFIGS, the rest of
+    the file as it is (the tuning benchmarks' --write)."""
+    table = json.loads(CONFIGS.read_text())
+    table.setdefault(name, {}).update(entries)
+    CONFIGS.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+
+
 def config_key(m: int, n: int, k: int, glu: bool, bits: int = 4) -> str:
     return f"{'q8_' if bits == 8 else ''}m{m}_n{n}_k{k}{'_glu' if glu else ''}"
 

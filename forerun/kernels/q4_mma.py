@@ -32,6 +32,7 @@ import torch
 
 from . import nvrtc
 from .pdl import enabled as pdl_enabled
+from .q4_cuda import _aligned
 
 GROUP = 32
 SUPER = 128  # codes per superblock: 4 groups, one per lane of a quad
@@ -270,8 +271,7 @@ def q4m_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: t
                          f"{SUPER} x warps and bf16 scales; got x {tuple(x.shape)} {x.dtype}, qw32 "
                          f"{tuple(qw32.shape)}, warps {warps}, scale {scale.dtype}")
     depth = max(1, min(depth or 4, spw))
-    if not x.is_contiguous() or x.data_ptr() % 16:
-        x = x.contiguous() if not x.is_contiguous() else x.clone()
+    x = _aligned(x)  # (rows read 16 bytes at a time)
     pdl = pdl_enabled(x) if pdl is None else pdl
     y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     with torch.cuda.device(x.device):

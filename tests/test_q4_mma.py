@@ -31,7 +31,8 @@ def test_source_compiles_without_spills():
         pytest.skip("no nvcc here")
     with tempfile.TemporaryDirectory() as d:
         for k, w, depth, tiles, glu, pdl in ((4096, 8, 4, 1, 0, 1), (4096, 8, 4, 2, 1, 1), (12288, 8, 4, 2, 0, 1),
-                                             (1536, 4, 3, 2, 0, 0), (896, 1, 4, 1, 1, 1), (4864, 2, 4, 2, 1, 1)):
+                                             (1536, 4, 3, 2, 0, 0), (896, 1, 4, 1, 1, 1), (4864, 2, 4, 2, 1, 1),
+                                             (4096, 8, 4, 4, 1, 1), (12288, 8, 4, 4, 0, 1), (4096, 4, 4, 3, 1, 1)):
             src = os.path.join(d, "k.cu")
             with open(src, "w") as f:
                 f.write(q4_mma.source(k, w, depth, tiles, bool(glu), bool(pdl)))
@@ -58,13 +59,13 @@ def _sass(source: str) -> str:
 
 def _activations_after_the_wait(sass: str) -> bool:
     """In the machine code: before griddepcontrol.wait (ACQBULK) only read-only loads (the weights, scales and
-    offsets, __ldg: LDG...CONSTANT), and the activations read with coherent loads (__ldcg: LDG...STRONG.GPU). A
+    offsets, __ldg: LDG...CONSTANT), and the activations read with coherent loads (__ldca: LDG...STRONG.SM). A
     read-only load of the activations may be moved above the wait by ptxas, reading them before the kernel before
     has written them (it happened: q4_mma's first version failed the PDL chain test on the H200)."""
     import re
     pre, wait, post = sass.partition("ACQBULK")
     return bool(wait) and all(ld.endswith("CONSTANT") for ld in re.findall(r"LDG\.E[\w.]*", pre)) \
-        and "STRONG.GPU" in post
+        and re.search(r"LDG\.E[\w.]*\.STRONG\.", post) is not None
 
 
 def test_activations_are_read_after_the_wait_in_the_machine_code():
@@ -72,12 +73,13 @@ def test_activations_are_read_after_the_wait_in_the_machine_code():
     configurations the H200 table uses, with PDL; the old read-only load of the activations is caught."""
     from forerun.kernels import q4_cuda
     sources = [q4_mma.source(k, w, d, nt, glu, True) for k, w, d, nt, glu in
-               ((4096, 8, 4, 1, False), (4096, 4, 4, 1, True), (12288, 8, 4, 1, False), (4096, 4, 4, 2, True))]
+               ((4096, 8, 4, 1, False), (4096, 4, 4, 1, True), (12288, 8, 4, 1, False), (4096, 4, 4, 2, True),
+                (4096, 8, 4, 4, True))]
     sources += [q4_cuda.source(4096, 2, 16, 2, False, True, False), q4_cuda.source(4096, 1, 16, 2, True, True, False),
                 q4_cuda.source(12288, 1, 16, 4, False, True, False), q4_cuda.source(4096, 2, 16, 2, False, True, True)]
     for src in sources:
         assert _activations_after_the_wait(_sass(src)), src[:200]
-    old = q4_mma.source(4096, 8, 4, 1, False, True).replace("__ldcg(x +", "__ldg(x +")
+    old = q4_mma.source(4096, 8, 4, 1, False, True).replace("__ldca(x +", "__ldg(x +")
     assert not _activations_after_the_wait(_sass(old))
 
 
@@ -102,7 +104,7 @@ def _emulate(x, q, s, z, warps, glu):
     t_rows, k = x.shape
     n = q.shape[0]
     n_out = n // 2 if glu else n
-    spw, tiles = k // 128 // warps, 1 if t_rows <= 8 else 2
+    spw, tiles = k // 128 // warps, -(-t_rows // 8)
     words = pack_int4_w32(q).numpy().view(np.uint32)  # [N, K / 8]
     sf, zf = s.float().numpy(), z.float().numpy()
     xf = x.float().numpy()
@@ -148,7 +150,8 @@ def _emulate(x, q, s, z, warps, glu):
     return y
 
 
-@pytest.mark.parametrize("rows,glu,warps", [(3, False, 2), (8, True, 1), (13, False, 2), (16, True, 2)])
+@pytest.mark.parametrize("rows,glu,warps", [(3, False, 2), (8, True, 1), (13, False, 2), (16, True, 2),
+                                             (21, True, 2), (32, False, 1)])
 def test_lane_mapping_gives_the_product(rows, glu, warps):
     k, n = 256, 64 if glu else 32
     q, s, z, deq = _quantized(n, k, seed=rows)
@@ -184,10 +187,58 @@ def test_table_entries_fall_back_where_the_kernel_cannot_run(monkeypatch):
     bad = quant_cuda.config_key(4, 72, 256, False)  # 72 outputs: not a multiple of 16
     quant_cuda.set_configs("test card", {bad: m, "triton_" + bad: r})
     assert quant_cuda.tuned(4, 72, 256, False) == r
+    monkeypatch.setattr(q4_mma.nvrtc, "available", lambda t=None: True)
+    monkeypatch.delenv("FORERUN_Q4_MMA", raising=False)
+    assert q4_mma.available()  # on by default where NVRTC runs
     monkeypatch.setenv("FORERUN_Q4_MMA", "0")
     assert not q4_mma.available()
+    monkeypatch.setattr(q4_mma.nvrtc, "available", lambda t=None: False)
     monkeypatch.delenv("FORERUN_Q4_MMA")
-    assert not q4_mma.available()  # off by default (see q4_mma.available)
+    assert not q4_mma.available()
+
+
+def test_untuned_shapes_take_the_tensor_core_kernel_from_two_rows(monkeypatch):
+    """A shape the table does not hold (a draft model's) runs 2-32 rows on the tensor-core kernel where it can run
+    (K split over the warps that divide it), else the Triton default; 1 row keeps the default."""
+    from forerun.models import quant_cuda
+    monkeypatch.setattr(quant_cuda, "_card", ["test card"])
+    quant_cuda.set_configs("test card", {})
+    monkeypatch.setitem(quant_cuda.NVRTC_KERNELS, "m", lambda: True)
+    for m in (2, 3, 4, 9, 16):
+        assert quant_cuda.tuned(m, 1024, 3072, True) == dict(kernel="m", block_n=16, block_k=3072, use_dot=True,
+                                                            num_warps=8, num_stages=4)
+    assert quant_cuda.tuned(4, 896, 896, False)["num_warps"] == 1  # 7 superblocks: one warp
+    assert quant_cuda.tuned(1, 1024, 3072, True) == quant_cuda.default_config(1)
+    assert quant_cuda.tuned(32, 1024, 3072, True)["kernel"] == "m"  # (CudaQ4Linear calls it with up to 32 rows)
+    assert quant_cuda.tuned(33, 1024, 3072, True) == quant_cuda.default_config(33)
+    assert quant_cuda.tuned(4, 72, 1024, False) == quant_cuda.default_config(4)  # 72 outputs do not fit
+    assert quant_cuda.tuned(4, 1024, 1024, False, bits=8) == quant_cuda.default_config(4, 8)
+    monkeypatch.setitem(quant_cuda.NVRTC_KERNELS, "m", lambda: False)
+    assert quant_cuda.tuned(4, 1024, 3072, True) == quant_cuda.default_config(4)
+
+
+def test_more_than_16_rows_take_the_tensor_core_kernel_in_32_row_calls(monkeypatch):
+    """17-32 rows: the 16-row entry where it names the tensor-core kernel, and CudaQ4Linear calls it with up to 32
+    rows at once (the weights streamed once for a 4 x 5-token verification); 16-row calls where it cannot run."""
+    from forerun.models import quant_cuda
+    monkeypatch.setattr(quant_cuda, "_card", ["test card"])
+    m16 = dict(kernel="m", block_n=16, block_k=256, use_dot=True, num_warps=2, num_stages=2)
+    t16 = dict(kernel="t", block_n=64, block_k=256, use_dot=True, num_warps=4, num_stages=3)
+    quant_cuda.set_configs("test card", {quant_cuda.config_key(16, 64, 256, False): m16,
+                                         "triton_" + quant_cuda.config_key(16, 64, 256, False): t16})
+    monkeypatch.setitem(quant_cuda.NVRTC_KERNELS, "m", lambda: True)
+    assert quant_cuda.tuned(20, 64, 256, False) == m16 == quant_cuda.tuned(32, 64, 256, False)
+    calls = []
+    monkeypatch.setitem(quant_cuda.KERNELS, "m", lambda x, *a, **kw: calls.append(("m", x.shape[0])) or x[:, :64])
+    monkeypatch.setitem(quant_cuda.KERNELS, "t", lambda x, *a, **kw: calls.append(("t", x.shape[0])) or x[:, :64])
+    lin = quant_cuda.CudaQ4Linear(torch.randint(0, 16, (64, 256)), torch.ones(64, 8), torch.zeros(64, 8))
+    x = torch.randn(45, 256, dtype=torch.bfloat16)
+    assert lin._product(x, False).shape == (45, 64)
+    assert calls == [("m", 32), ("m", 13)]
+    calls.clear()
+    monkeypatch.setitem(quant_cuda.NVRTC_KERNELS, "m", lambda: False)
+    assert lin._product(x, False).shape == (45, 64)
+    assert calls == [("t", 16), ("t", 16), ("t", 13)]
 
 
 def test_save_configs_merges_entries_into_the_file(tmp_path, monkeypatch):
@@ -206,7 +257,7 @@ def test_save_configs_merges_entries_into_the_file(tmp_path, monkeypatch):
 
 
 def test_fits_and_default_warps():
-    assert q4_mma.fits(5, 4096, 4096) and q4_mma.fits(16, 16, 128) and not q4_mma.fits(17, 4096, 4096)
+    assert q4_mma.fits(5, 4096, 4096) and q4_mma.fits(32, 16, 128) and not q4_mma.fits(33, 4096, 4096)
     assert not q4_mma.fits(4, 4100, 4096) and not q4_mma.fits(4, 4096, 4000)
     assert q4_mma.default_warps(4096) == 8 and q4_mma.default_warps(12288) == 8 and q4_mma.default_warps(896) == 1
     assert q4_mma.default_warps(1536) == 4 and q4_mma.default_warps(4864) == 2
@@ -214,7 +265,7 @@ def test_fits_and_default_warps():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (run on the GPU machine)")
 def test_mma_kernel_on_gpu(monkeypatch):
-    """q4m_linear against x @ dequantized(W)^T (float32): rows 1-16, K 896 / 1536 / 4096 / 12288, plain and SwiGLU,
+    """q4m_linear against x @ dequantized(W)^T (float32): rows 1-32, K 896 / 1536 / 4096 / 12288, plain and SwiGLU,
     warps and depths, PDL on and off, replayed from a CUDA graph; a broken layout fails."""
     from forerun.models.quant_cuda import CudaQ4Linear
     monkeypatch.setenv("FORERUN_Q4_MMA", "1")
@@ -223,7 +274,7 @@ def test_mma_kernel_on_gpu(monkeypatch):
     for n, k in ((64, 896), (256, 1536), (6144, 4096), (512, 12288)):
         lin = CudaQ4Linear.from_float(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
         ref = lin.dequantized().float()
-        for rows in (1, 5, 9, 16):
+        for rows in (1, 5, 9, 16, 20, 32):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             y = x.float() @ ref.t()
             glu = torch.nn.functional.silu(y[:, : n // 2]) * y[:, n // 2:]

@@ -162,9 +162,9 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
     // normalised value, then the product with the weight); block 0 writes the sum (the residual stream)
     float ss = 0.0f;
     for (int i = threadIdx.x; i < 4 * G_; i += WARPS * 32) {{
-        uint4 v = __ldcg(x + i);  // (coherent loads: see the note on the activations below)
+        uint4 v = __ldca(x + i);  // (coherent loads: see the note on the activations below)
         if (res) {{
-            const uint4 r = __ldcg(res + i);
+            const uint4 r = __ldca(res + i);
             v.x = add2(v.x, r.x, ss); v.y = add2(v.y, r.y, ss); v.z = add2(v.z, r.z, ss); v.w = add2(v.w, r.w, ss);
             if (blockIdx.x == 0) s_out[i] = v;
         }} else {{
@@ -197,7 +197,7 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
         // 8 bf16: word i's activations. Written by the kernel before (PDL), so read with a coherent load: a plain
         // read of a const __restrict__ pointer compiles to ld.global.nc, which ptxas may move above
         // griddepcontrol.wait (it did in kernels/q4_mma.py, session 31; tests/test_q4_mma.py checks the SASS)
-        if (i < 4 * G_) v = __ldcg(x + i);
+        if (i < 4 * G_) v = __ldca(x + i);
         float a0 = bf2f(v.x & 0xFFFF), a1 = bf2f(v.x >> 16), a2 = bf2f(v.y & 0xFFFF), a3 = bf2f(v.y >> 16);
         float a4 = bf2f(v.z & 0xFFFF), a5 = bf2f(v.z >> 16), a6 = bf2f(v.w & 0xFFFF), a7 = bf2f(v.w >> 16);
 #endif

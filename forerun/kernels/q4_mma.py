@@ -1,10 +1,11 @@
-"""The int4 product of 2-16 activation rows (verification) on tensor cores, CUDA C++ compiled with NVRTC (issue 12).
+"""The int4 product of 2-32 activation rows (verification) on tensor cores, CUDA C++ compiled with NVRTC (issue 12).
 
 Why: the CUDA-core kernels pay per row (~0.9 instructions per weight per extra row), and the Triton tensor-core
 kernel routes its dequantized tile through shared memory, so on the H200 a 5-token verification step of the int4
 8B model cost 3.5x a decode step (bf16: 1.05x). Here each weight is unpacked once, in registers, straight into
 the operand of `mma.sync.m16n8k16` (bf16 in, float32 accumulation), so up to 8 rows cost one MMA per 256 weights
-and the unpacking is the same whatever the row count.
+and the unpacking is the same whatever the row count (one MMA per tile of 8 rows, up to 4 tiles: 32 rows, so a
+verification of 4 x 5 or 2 x 16 tokens streams the weights once).
 
 The weights are the MMA's A operand (16 output rows x 16 codes), the activations its B operand (16 codes x 8
 tokens). Which code sits at which of the MMA's 16 k positions does not matter as long as A and B agree, so each
@@ -36,7 +37,7 @@ from .q4_cuda import _aligned
 
 GROUP = 32
 SUPER = 128  # codes per superblock: 4 groups, one per lane of a quad
-MAX_ROWS = 16  # two MMA tiles of 8 tokens
+MAX_ROWS = 32  # four MMA tiles of 8 tokens (ceil(rows / 8) tiles; 32 rows compile without spills)
 
 _SRC = r"""
 #define K_ {K}
@@ -152,16 +153,17 @@ q4m_gemm(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
                 }}
             }}
         }}
-        // the activations of token g (+ 8 nt) at the group's 32 codes: 16 pairs in 4 uint4. Coherent loads (L2):
-        // x is written by the kernel before, and a read-only (.nc, __ldg) load here was moved above
-        // griddepcontrol.wait by ptxas -- reading x before it was written (found in session 31)
+        // the activations of token g (+ 8 nt) at the group's 32 codes: 16 pairs in 4 uint4. Coherent loads that
+        // stay in L1 (__ldca: every block on the SM reads the same x): x is written by the kernel before, and a
+        // read-only (.nc, __ldg) load here was moved above griddepcontrol.wait by ptxas -- reading x before it was
+        // written (found in session 31); __ldcg (L2 only) was safe too, but 1.2-1.6x slower at 4-16 rows
         uint4 xv[NT][4];
         #pragma unroll
         for (int nt = 0; nt < NT; nt++) {{
             const int tok = g + 8 * nt;
             #pragma unroll
             for (int i = 0; i < 4; i++)
-                xv[nt][i] = tok < T ? __ldcg(x + (long)tok * (K_ / 8) + gi * 4 + i) : make_uint4(0u, 0u, 0u, 0u);
+                xv[nt][i] = tok < T ? __ldca(x + (long)tok * (K_ / 8) + gi * 4 + i) : make_uint4(0u, 0u, 0u, 0u);
         }}
         #pragma unroll
         for (int u = 0; u < 8; u++) {{  // MMA u: pairs 2u and 2u + 1 = word u / 2, pairs j and j + 1
@@ -237,13 +239,11 @@ def fits(m: int, n_out: int, k: int) -> bool:
 
 
 def available(t: torch.Tensor | None = None) -> bool:
-    """NVRTC usable (kernels/nvrtc.py) and switched on with FORERUN_Q4_MMA=1. Off by default until the PDL chain
-    test passes with it on a GPU: on the H200 its products and steps were right and 2.2-3.3x faster (session 31),
-    but tests/test_gpu.py::test_attention_chain_with_pdl_gives_the_same_logits[4] failed with its first version,
-    whose read-only activation loads ptxas had moved above griddepcontrol.wait (found afterwards in the machine
-    code; the loads are coherent now and tests/test_q4_mma.py checks the SASS, but the fix has not run on a GPU).
-    Tuned entries naming it ("m") fall back to the Triton entries kept beside them."""
-    return os.environ.get("FORERUN_Q4_MMA", "0") == "1" and nvrtc.available(t)
+    """NVRTC usable (kernels/nvrtc.py) and not switched off with FORERUN_Q4_MMA=0 (then tuned entries naming it
+    ("m") fall back to the Triton entries kept beside them). Its first version read the activations with __ldg,
+    which ptxas moved above griddepcontrol.wait in some configurations (tests/test_gpu.py's PDL chain test failed
+    on the H200, session 31); they are read with __ldca now, and tests/test_q4_mma.py checks the machine code."""
+    return os.environ.get("FORERUN_Q4_MMA", "1") != "0" and nvrtc.available(t)
 
 
 def source(k: int, warps: int, depth: int, tiles: int, glu: bool, pdl: bool) -> str:
@@ -257,7 +257,7 @@ def _kernel_on(device: int, *config):
 
 def q4m_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, glu: bool = False,
                warps: int | None = None, depth: int | None = None, pdl: bool | None = None) -> torch.Tensor:
-    """y = x @ W^T for 1..16 bf16 rows x [M, K] and W in quant_gemm's int4 word layout (glu: W holds gate rows then
+    """y = x @ W^T for 1..32 bf16 rows x [M, K] and W in quant_gemm's int4 word layout (glu: W holds gate rows then
     up rows, y = silu(x @ gate^T) * (x @ up^T)); bf16 [M, N] (or N / 2). warps: per block, splitting K; depth:
     superblocks of weights in flight per lane (at most K / 128 / warps)."""
     m, k = x.shape
@@ -275,6 +275,6 @@ def q4m_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: t
     pdl = pdl_enabled(x) if pdl is None else pdl
     y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     with torch.cuda.device(x.device):
-        kern = _kernel_on(torch.cuda.current_device(), k, warps, depth, 1 if m <= 8 else 2, glu, pdl)
+        kern = _kernel_on(torch.cuda.current_device(), k, warps, depth, -(-m // 8), glu, pdl)
         nvrtc.launch(kern, n_out // 16, 32 * warps, 0, [x, qw32, scale, zero, y, m, n_out, n_out], pdl)
     return y

@@ -3,10 +3,12 @@ on the GPU.
 
 `CudaQ4Linear` holds a matrix in the word layout of forerun/kernels/quant_gemm.py (int32 words of 8 codes, a
 bf16 scale and offset per 32 weights: 5 bits per weight, w = q * scale + zero). Products with at most 16 rows
-(decode, verification) run one of the Triton kernels (`KERNELS`), which stream the 4-bit codes once (1-row products
-where the tuned table says so: the CUDA C++ kernel of kernels/q4_cuda.py, compiled with NVRTC); up to
-`CudaQ4Linear.CHUNKED_ROWS` rows run as 16-row calls; larger ones (prefill) dequantize the matrix to bf16 in one
-pass (`dequantize_int4_w32`) and use cuBLAS. A fused gate/up matrix also offers `glu(x)`: the
+(decode, verification) run one of the kernels in `KERNELS`, which stream the 4-bit codes once: the tuned table
+(`tuned`, q4_configs.json) picks per card, shape and row count (on the H200: 1 row the CUDA C++ kernel of
+kernels/q4_cuda.py, 2-16 rows the tensor-core kernel of kernels/q4_mma.py, both compiled with NVRTC; the Triton
+kernels where NVRTC cannot run; a shape the table lacks takes the tensor-core kernel from 2 rows). Up to
+`CudaQ4Linear.CHUNKED_ROWS` rows run as 16-row calls (32-row calls on the tensor-core kernel); larger ones
+(prefill) dequantize the matrix to bf16 in one pass (`dequantize_int4_w32`) and use cuBLAS. A fused gate/up matrix also offers `glu(x)`: the
 SwiGLU in the kernel's epilogue, as FusedLayerOps does for bf16.
 
 `CudaQ8Linear` holds a matrix as 8-bit codes with one scale per 32 weights (GGUF Q8_0: 8.5 bits per weight with
@@ -31,7 +33,8 @@ from ..kernels.quant_gemm import (GROUP, MAX_ROWS, Q8_MAX_ROWS, dequantize_int4_
                                   pack_int4_w32, pack_int8_w32, q4r_linear, q4t_linear, q4v_linear, q4w2_linear,
                                   q4w_linear, q8v_linear, unpack_int8_w32)
 from ..kernels.q4_cuda import available as q4c_available, q4c_linear, q4c_norm_linear
-from ..kernels.q4_mma import available as q4m_available, fits as q4m_fits, q4m_linear
+from ..kernels.q4_mma import MAX_ROWS as Q4M_MAX_ROWS, available as q4m_available, default_warps as q4m_default_warps, \
+    fits as q4m_fits, q4m_linear
 from .quant import quantize_groups_int4
 
 
@@ -43,7 +46,7 @@ def _q4c(x, qw32, scale, zero, glu, block_n, block_k, use_dot, num_warps, num_st
 
 
 def _q4m(x, qw32, scale, zero, glu, block_n, block_k, use_dot, num_warps, num_stages):
-    """The tensor-core kernel of kernels/q4_mma.py (2-16 rows) under the same names: num_warps per block splitting
+    """The tensor-core kernel of kernels/q4_mma.py (1-32 rows) under the same names: num_warps per block splitting
     K, num_stages superblocks of weights in flight per lane (block_n, block_k, use_dot unused)."""
     return q4m_linear(x, qw32, scale, zero, glu=glu, warps=num_warps, depth=num_stages)
 
@@ -52,7 +55,7 @@ KERNELS = {"w": q4w_linear, "w2": q4w2_linear, "v": q4v_linear,  # v: 1-2 bf16 r
            "r": q4r_linear,  # r: 1-8 bf16 rows, packed f16, one unpacking per 4 rows (short verification)
            "t": q4t_linear,  # t: 1-16 bf16 rows, bf16 dequantization + tensor cores (verification)
            "c": _q4c,  # c: 1 bf16 row, CUDA C++ through NVRTC (kernels/q4_cuda.py; decode), where it compiles
-           "m": _q4m}  # m: 1-16 bf16 rows, CUDA C++ tensor cores through NVRTC (kernels/q4_mma.py; verification)
+           "m": _q4m}  # m: 1-32 bf16 rows, CUDA C++ tensor cores through NVRTC (kernels/q4_mma.py; verification)
 # the NVRTC kernels' availability (tuned entries naming them fall back where they cannot run)
 NVRTC_KERNELS = {"c": lambda: q4c_available(), "m": lambda: q4m_available()}
 MAX_KERNEL_ROWS = {"v": 2, "r": 8, "c": 1}  # the others take up to MAX_ROWS
@@ -105,11 +108,19 @@ def tuned(m: int, n: int, k: int, glu: bool, bits: int = 4) -> dict:
         got = table.get(key)
         if got is not None and m > MAX_KERNEL_ROWS.get(got["kernel"], MAX_ROWS):
             got = None  # a kernel tuned for fewer rows than m
+    if got is None and bits == 4 and m > MAX_ROWS:  # 17-32 rows: only the tensor-core kernel takes them (as
+        got = table.get(config_key(MAX_ROWS, n, k, glu))  # CudaQ4Linear._product calls it), tuned as for 16
+        if got is not None and got["kernel"] != "m":
+            got = None
     if got and got["kernel"] in NVRTC_KERNELS and not (  # tuned where NVRTC ran, not here: Triton serves
             NVRTC_KERNELS[got["kernel"]]() and (got["kernel"] != "m" or q4m_fits(m, n, k))):
         got = table.get("triton_" + key)  # (the Triton winner kept beside the entry found)
-    return {key: got[key] for key in ("kernel", "block_n", "block_k", "use_dot", "num_warps", "num_stages")} \
-        if got else default_config(m, bits)
+    if got:
+        return {key: got[key] for key in ("kernel", "block_n", "block_k", "use_dot", "num_warps", "num_stages")}
+    if bits == 4 and m >= 2 and q4m_fits(m, n, k) and NVRTC_KERNELS["m"]():  # an untuned shape (a draft model's):
+        # the tensor-core kernel beat every tuned Triton entry at 2-16 rows on the 8B shapes (q4_mma_h200.json)
+        return dict(kernel="m", block_n=16, block_k=k, use_dot=True, num_warps=q4m_default_warps(k), num_stages=4)
+    return default_config(m, bits)
 
 
 def q4_product(x: torch.Tensor, qw32, scale, zero, glu: bool, cfg: dict) -> torch.Tensor:
@@ -210,11 +221,14 @@ class CudaQ4Linear(CudaQuantLinear):
                                rows=cfg["block_n"], warps=cfg["num_warps"], depth=cfg["num_stages"])
 
     def _product(self, x: torch.Tensor, glu: bool) -> torch.Tensor:
-        """x [M, K] through the kernels, 16 rows per call."""
+        """x [M, K] through the kernels, 16 rows per call (32 where the tensor-core kernel takes more than 16)."""
         n = self.out_features // 2 if glu else self.out_features
+        step = MAX_ROWS
+        if x.shape[0] > MAX_ROWS and q4m_fits(Q4M_MAX_ROWS, n, self.in_features) and NVRTC_KERNELS["m"]():
+            step = Q4M_MAX_ROWS
         parts = []
-        for at in range(0, x.shape[0], MAX_ROWS):
-            xs = x[at: at + MAX_ROWS]
+        for at in range(0, x.shape[0], step):
+            xs = x[at: at + step]
             parts.append(q4_product(xs, self.qw32, self.scale, self.zero, glu,
                                     tuned(xs.shape[0], n, self.in_features, glu)))
         return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -1,11 +1,12 @@
 #!/usr/bin/env python
-"""The int4 tensor-core product for 2-16 rows (kernels/q4_mma.py, #12) against the kernels the tuned table names
-today, on the H200: each Qwen3-8B product (qkv, o, gate/up with the SwiGLU, down) at 2 / 4 / 8 / 16 rows, timed in
+"""The int4 tensor-core product for 2-32 rows (kernels/q4_mma.py, #12) against the kernels the tuned table names
+otherwise, on the H200: each Qwen3-8B product (qkv, o, gate/up with the SwiGLU, down) at 2-32 rows, timed in
 CUDA graphs over enough weight copies that nothing comes from L2, against its floor (int4 bytes / copy bandwidth);
-then whole forward steps of the random 8B-shape model (decode 1 x 1, verification 1 x 5 / 4 x 5 / 1 x 16)
+then whole forward steps of the random 8B-shape model (decode 1 x 1, verification 1 x 5 / 4 x 5 / 1 x 16 / 2 x 16)
 with the table as it is and with the tensor-core kernel where it won, beside bf16. Prints tables, writes JSON (+
 PNG); `--write` puts the winners into forerun/kernels/q4_configs.json (the old entry kept as `triton_<key>`, which
-serves while the kernel is off: FORERUN_Q4_MMA=1 turns it on, see kernels/q4_mma.py).
+serves while the kernel is off: FORERUN_Q4_MMA=0 turns it off, see kernels/q4_mma.py). Products of more than
+16 rows: the tensor-core kernel in one call against the table's kernels in 16-row calls.
 
     python benchmarks/q4_mma_gpu.py --out benchmarks/results/q4_mma_h200.json [--write]
 """
@@ -29,9 +30,9 @@ from forerun.runtime.cuda_graph import GraphRunner  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096, False), "o": (4096, 4096, False), "gate/up": (12288, 4096, True),
           "down": (4096, 12288, False)}  # name -> (outputs (per half with SwiGLU), K, SwiGLU)
-ROWS = (2, 4, 8, 16)
+ROWS = (2, 4, 8, 16, 20, 32)  # (more than 16: the other kernels take them as 16-row calls)
 MMA = [(4, 4), (8, 4)]  # (warps, depth) tried
-STEPS = ((1, 1), (1, 5), (4, 5), (1, 16))
+STEPS = ((1, 1), (1, 5), (4, 5), (1, 16), (2, 16))
 
 
 def products(bw: float, l2: int) -> dict:
@@ -46,7 +47,8 @@ def products(bw: float, l2: int) -> dict:
         floor_us = nbytes / bw * 1e6  # (as the decode floors: bytes / copy bandwidth)
         for m in ROWS:
             x = torch.randn(m, k, device=G.DEV, dtype=torch.bfloat16)
-            table = tuned(m, n, k, glu)
+            table = tuned(min(m, 16), n, k, glu)
+            rest = tuned(m - 16, n, k, glu) if m > 16 else None
             ref = x.float() @ one.dequantized().float().t()
             if glu:
                 ref = torch.nn.functional.silu(ref[:, :n]) * ref[:, n:]
@@ -54,8 +56,14 @@ def products(bw: float, l2: int) -> dict:
             def run(cfg):
                 return lambda: [q4_product(x, c.qw32, c.scale, c.zero, glu, cfg) for c in mats]
 
+            def run_table():  # (rows beyond 16 as a second call, as CudaQ4Linear made them)
+                if rest is None:
+                    return [q4_product(x, c.qw32, c.scale, c.zero, glu, table) for c in mats]
+                return [(q4_product(x[:16], c.qw32, c.scale, c.zero, glu, table),
+                         q4_product(x[16:], c.qw32, c.scale, c.zero, glu, rest)) for c in mats]
+
             row = dict(rows=m, n=n, k=k, glu=glu, floor_us=floor_us, table=table,
-                       table_us=bench_graph(run(table)) * 1e3 / copies, mma={})
+                       table_us=bench_graph(run_table) * 1e3 / copies, mma={})
             for w, d in MMA:
                 if k % (128 * w):
                     continue
@@ -99,7 +107,7 @@ def main() -> int:
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     res = dict(device=name, torch=torch.__version__, copy_bw_bytes_per_s=bw, products=products(bw, l2), steps={})
     winners = {key: r["best_mma"]["cfg"] for key, r in res["products"].items()
-               if r["speedup"] > 1.0 and r["best_mma"]["rel_err"] < 1e-2}
+               if r["speedup"] > 1.0 and r["best_mma"]["rel_err"] < 1e-2 and r["rows"] <= 16}
     model = G.build_model(G.QWEN3_8B, args.layers, seed=1)
     model.ops = G.FusedLayerOps()
     steps(model, "bf16", res["steps"])

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """The int4 tensor-core product for 2-32 rows (kernels/q4_mma.py, #12) against the kernels the tuned table names
-otherwise, on the H200: each Qwen3-8B product (qkv, o, gate/up with the SwiGLU, down) at 2-32 rows, timed in
-CUDA graphs over enough weight copies that nothing comes from L2, against its floor (int4 bytes / copy bandwidth);
-then whole forward steps of the random 8B-shape model (decode 1 x 1, verification 1 x 5 / 4 x 5 / 1 x 16 / 2 x 16)
-with the table as it is and with the tensor-core kernel where it won, beside bf16. Prints tables, writes JSON (+
-PNG); `--write` puts the winners into forerun/kernels/q4_configs.json (the old entry kept as `triton_<key>`, which
-serves while the kernel is off: FORERUN_Q4_MMA=0 turns it off, see kernels/q4_mma.py). Products of more than
-16 rows: the tensor-core kernel in one call against the table's kernels in 16-row calls.
+otherwise, on the H200: each Qwen3-8B product (qkv, o, gate/up with the SwiGLU, down, the head) at 2-32 rows,
+timed in CUDA graphs over enough weight copies that nothing comes from L2, against its floor (int4 bytes / copy
+bandwidth); then whole forward steps of the random 8B-shape model (decode 1 x 1, verification 1 x 5 / 4 x 5 /
+1 x 16 / 2 x 16) with the table as it is and with the tensor-core kernel where it won, beside bf16. Prints tables,
+writes JSON (+ PNG); `--write` puts the winners into forerun/kernels/q4_configs.json (the old entry kept as
+`triton_<key>`, which serves while the kernel is off: FORERUN_Q4_MMA=0 turns it off, see kernels/q4_mma.py).
+Products of more than 16 rows: the tensor-core kernel in one call against the table's kernels in 16-row calls.
 
     python benchmarks/q4_mma_gpu.py --out benchmarks/results/q4_mma_h200.json [--write]
 """
@@ -29,7 +29,9 @@ from forerun.models.quant_cuda import CudaQ4Linear, config_key, q4_product, tune
 from forerun.runtime.cuda_graph import GraphRunner  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096, False), "o": (4096, 4096, False), "gate/up": (12288, 4096, True),
-          "down": (4096, 12288, False)}  # name -> (outputs (per half with SwiGLU), K, SwiGLU)
+          "down": (4096, 12288, False),  # name -> (outputs (per half with SwiGLU), K, SwiGLU)
+          "head": (151936, 4096, False)}  # (added in session 32: its 2-16-row entries are still Triton's, 3-4.5x
+                                          # a 1-row head; not measured with this kernel yet)
 ROWS = (2, 4, 8, 16, 20, 32)  # (more than 16: the other kernels take them as 16-row calls)
 MMA = [(4, 4), (8, 4)]  # (warps, depth) tried
 STEPS = ((1, 1), (1, 5), (4, 5), (1, 16), (2, 16))

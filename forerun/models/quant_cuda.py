@@ -5,11 +5,12 @@ on the GPU.
 bf16 scale and offset per 32 weights: 5 bits per weight, w = q * scale + zero). Products with at most 16 rows
 (decode, verification) run one of the kernels in `KERNELS`, which stream the 4-bit codes once: the tuned table
 (`tuned`, q4_configs.json) picks per card, shape and row count (on the H200: 1 row the CUDA C++ kernel of
-kernels/q4_cuda.py, 2-16 rows the tensor-core kernel of kernels/q4_mma.py, both compiled with NVRTC; the Triton
-kernels where NVRTC cannot run; a shape the table lacks takes the tensor-core kernel from 2 rows). Up to
+kernels/q4_cuda.py, 2-16 rows of the layers' products the tensor-core kernel of kernels/q4_mma.py, both compiled
+with NVRTC (the head's 2-16-row entries are still Triton's, not yet measured against it); the Triton kernels where
+NVRTC cannot run; a shape the table lacks takes the tensor-core kernel from 2 rows). Up to
 `CudaQ4Linear.CHUNKED_ROWS` rows run as 16-row calls (32-row calls on the tensor-core kernel); larger ones
-(prefill) dequantize the matrix to bf16 in one pass (`dequantize_int4_w32`) and use cuBLAS. A fused gate/up matrix also offers `glu(x)`: the
-SwiGLU in the kernel's epilogue, as FusedLayerOps does for bf16.
+(prefill) dequantize the matrix to bf16 in one pass (`dequantize_int4_w32`) and use cuBLAS. A fused gate/up
+matrix also offers `glu(x)`: the SwiGLU in the kernel's epilogue, as FusedLayerOps does for bf16.
 
 `CudaQ8Linear` holds a matrix as 8-bit codes with one scale per 32 weights (GGUF Q8_0: 8.5 bits per weight with
 fp16 scales, w = q * scale) in the int8 word layout (int32 words of 4 codes biased by +128); products of up to 8

@@ -24,14 +24,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gpu as G  # noqa: E402
 from skinny_gemm import bench_graph  # noqa: E402
+from forerun.kernels import q4_mma  # noqa: E402
 from forerun.models import quant_cuda  # noqa: E402
 from forerun.models.quant_cuda import CudaQ4Linear, config_key, q4_product, tuned  # noqa: E402
 from forerun.runtime.cuda_graph import GraphRunner  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096, False), "o": (4096, 4096, False), "gate/up": (12288, 4096, True),
           "down": (4096, 12288, False),  # name -> (outputs (per half with SwiGLU), K, SwiGLU)
-          "head": (151936, 4096, False)}  # (added in session 32: its 2-16-row entries are still Triton's, 3-4.5x
-                                          # a 1-row head; not measured with this kernel yet)
+          "head": (151936, 4096, False)}  # (added in session 32; its 2-16-row entries name this kernel since
+                                          # session 33)
 ROWS = (2, 4, 8, 16, 20, 32)  # (more than 16: the other kernels take them as 16-row calls)
 MMA = [(4, 4), (8, 4)]  # (warps, depth) tried
 STEPS = ((1, 1), (1, 5), (4, 5), (1, 16), (2, 16))
@@ -44,8 +45,11 @@ def products(bw: float, l2: int) -> dict:
         one = CudaQ4Linear.from_float(torch.randn(rows_w, k, device=G.DEV, dtype=torch.bfloat16) * 0.02)
         nbytes = one.weight_bytes
         copies = max(2, min(64, -(-4 * l2 // nbytes)))
-        mats = [one] + [SimpleNamespace(qw32=one.qw32.clone(), scale=one.scale.clone(), zero=one.zero.clone())
-                        for _ in range(copies - 1)]
+        mats = [SimpleNamespace(qw32=one.qw32, scale=one.scale, zero=one.zero)]
+        mats += [SimpleNamespace(qw32=one.qw32.clone(), scale=one.scale.clone(), zero=one.zero.clone())
+                 for _ in range(copies - 1)]
+        for c in mats:  # (the tensor-core kernel's copy of the scales, as CudaQ4Linear holds it where it runs)
+            c.lane_scales = q4_mma.packed_scales(c.scale, c.zero)
         floor_us = nbytes / bw * 1e6  # (as the decode floors: bytes / copy bandwidth)
         for m in ROWS:
             x = torch.randn(m, k, device=G.DEV, dtype=torch.bfloat16)
@@ -56,7 +60,7 @@ def products(bw: float, l2: int) -> dict:
                 ref = torch.nn.functional.silu(ref[:, :n]) * ref[:, n:]
 
             def run(cfg):
-                return lambda: [q4_product(x, c.qw32, c.scale, c.zero, glu, cfg) for c in mats]
+                return lambda: [q4_product(x, c.qw32, c.scale, c.zero, glu, cfg, c.lane_scales) for c in mats]
 
             def run_table():  # (rows beyond 16 as a second call, as CudaQ4Linear made them)
                 if rest is None:
@@ -70,7 +74,7 @@ def products(bw: float, l2: int) -> dict:
                 if k % (128 * w):
                     continue
                 cfg = dict(kernel="m", block_n=16, block_k=k, use_dot=True, num_warps=w, num_stages=d)
-                got = q4_product(x, one.qw32, one.scale, one.zero, glu, cfg).float()
+                got = q4_product(x, one.qw32, one.scale, one.zero, glu, cfg, mats[0].lane_scales).float()
                 err = ((got - ref).abs().max() / ref.abs().max()).item()
                 row["mma"][f"{w}x{d}"] = dict(us=bench_graph(run(cfg)) * 1e3 / copies, rel_err=err, cfg=cfg)
             best = min(row["mma"].values(), key=lambda r: r["us"])
@@ -113,7 +117,9 @@ def main() -> int:
     model = G.build_model(G.QWEN3_8B, args.layers, seed=1)
     model.ops = G.FusedLayerOps()
     steps(model, "bf16", res["steps"])
+    os.environ["FORERUN_Q4_MMA"] = "1"  # (so that CudaQ4Linear builds the tensor-core kernel's packed scales)
     quantize_as_engine(model)
+    os.environ["FORERUN_Q4_MMA"] = "0"
     steps(model, "int4 table", res["steps"])
     base = json.loads(quant_cuda.CONFIGS.read_text()).get(name, {})
     table = dict(base)

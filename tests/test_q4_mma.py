@@ -34,8 +34,8 @@ def test_source_compiles_without_spills():
                                              (1536, 4, 3, 2, 0, 0), (896, 1, 4, 1, 1, 1), (4864, 2, 4, 2, 1, 1),
                                              (4096, 8, 4, 4, 1, 1), (12288, 8, 4, 4, 0, 1), (4096, 4, 4, 3, 1, 1)):
             src = os.path.join(d, "k.cu")
-            with open(src, "w") as f:
-                f.write(q4_mma.source(k, w, depth, tiles, bool(glu), bool(pdl)))
+            with open(src, "w") as f:  # (the packed scales' variant where PDL is on: the one the engine runs)
+                f.write(q4_mma.source(k, w, depth, tiles, bool(glu), bool(pdl), bool(pdl)))
             out = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", os.path.join(d, "k.cubin"), src,
                                   "-Xptxas", "-v"], capture_output=True, text=True, timeout=300)
             assert out.returncode == 0, out.stderr[-2000:]
@@ -72,9 +72,9 @@ def test_activations_are_read_after_the_wait_in_the_machine_code():
     """Both NVRTC int4 kernels (this one and kernels/q4_cuda.py, plain and with the add + RMSNorm prologue), in the
     configurations the H200 table uses, with PDL; the old read-only load of the activations is caught."""
     from forerun.kernels import q4_cuda
-    sources = [q4_mma.source(k, w, d, nt, glu, True) for k, w, d, nt, glu in
-               ((4096, 8, 4, 1, False), (4096, 4, 4, 1, True), (12288, 8, 4, 1, False), (4096, 4, 4, 2, True),
-                (4096, 8, 4, 4, True))]
+    sources = [q4_mma.source(k, w, d, nt, glu, True, packed) for k, w, d, nt, glu, packed in
+               ((4096, 8, 4, 1, False, True), (4096, 4, 4, 1, True, True), (12288, 8, 4, 1, False, True),
+                (4096, 4, 4, 2, True, False), (4096, 8, 4, 4, True, True))]
     sources += [q4_cuda.source(4096, 2, 16, 2, False, True, False), q4_cuda.source(4096, 1, 16, 2, True, True, False),
                 q4_cuda.source(12288, 1, 16, 4, False, True, False), q4_cuda.source(4096, 2, 16, 2, False, True, True)]
     for src in sources:
@@ -99,8 +99,15 @@ def _mma(a_regs, b_regs, c):
         c[lane] += [D[g, 2 * t], D[g, 2 * t + 1], D[g + 8, 2 * t], D[g + 8, 2 * t + 1]]
 
 
-def _emulate(x, q, s, z, warps, glu):
-    """q4m_gemm, lane by lane: which codes and activations each lane puts in which MMA register, as the kernel does."""
+def _bf16_halves(word):  # an int32 of packed_scales -> (scale, offset) as floats
+    w = int(word) & 0xFFFFFFFF
+    return tuple(float(torch.tensor([h], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)) for h in
+                 (w & 0xFFFF, w >> 16))
+
+
+def _emulate(x, q, s, z, warps, glu, packed=None):
+    """q4m_gemm, lane by lane: which codes and activations each lane puts in which MMA register, as the kernel does;
+    with packed (q4_mma.packed_scales), each lane's scales and offsets read from it as the SZP kernel does."""
     t_rows, k = x.shape
     n = q.shape[0]
     n_out = n // 2 if glu else n
@@ -110,10 +117,10 @@ def _emulate(x, q, s, z, warps, glu):
     xf = x.float().numpy()
     y = np.zeros((t_rows, n_out))
 
-    def deq(row, gi, i, j):  # pair j of word i of group gi of a row, dequantized as the kernel's bfma2 chain
+    def deq(row, gi, i, j, sz):  # pair j of word i of group gi of a row, dequantized as the kernel's bfma2 chain
         w = int(words[row, 4 * gi + i])
         lo, hi = (w >> (4 * j)) & 15, (w >> (16 + 4 * j)) & 15
-        return [float(torch.tensor(c * sf[row, gi] + zf[row, gi], dtype=torch.float64).bfloat16()) for c in (lo, hi)]
+        return [float(torch.tensor(c * sz[0] + sz[1], dtype=torch.float64).bfloat16()) for c in (lo, hi)]
 
     for n0 in range(0, n_out, 16):
         acc = np.zeros((tiles, 2 if glu else 1, 32, 4))
@@ -128,8 +135,13 @@ def _emulate(x, q, s, z, warps, glu):
                             g, t = lane >> 2, lane & 3
                             gi = 4 * s_ + t
                             rows = [n0 + g + h * 8 + (n_out if r else 0) for h in (0, 1)]
-                            a[lane] = [deq(rows[0], gi, i, j), deq(rows[1], gi, i, j),
-                                       deq(rows[0], gi, i, j + 1), deq(rows[1], gi, i, j + 1)]
+                            if packed is None:
+                                sz = [(sf[rw, gi], zf[rw, gi]) for rw in rows]
+                            else:
+                                tile = (n0 + (n_out if r else 0)) // 16
+                                sz = [_bf16_halves(packed[tile, s_, lane, h]) for h in (0, 1)]
+                            a[lane] = [deq(rows[0], gi, i, j, sz[0]), deq(rows[1], gi, i, j, sz[1]),
+                                       deq(rows[0], gi, i, j + 1, sz[0]), deq(rows[1], gi, i, j + 1, sz[1])]
                             for nt in range(tiles):
                                 tok = g + 8 * nt
                                 if tok < t_rows:
@@ -165,6 +177,46 @@ def test_lane_mapping_gives_the_product(rows, glu, warps):
     q2 = q.reshape(n, k // 8, 4, 2).flip(2).reshape(n, k)
     bad = torch.from_numpy(_emulate(x, q2, s, z, warps, glu)).float()
     assert ((bad - want).abs().max() / want.abs().max()).item() > 0.05
+
+
+@pytest.mark.parametrize("rows,glu,warps", [(5, True, 2), (11, False, 1)])
+def test_packed_scales_give_the_same_product(rows, glu, warps):
+    """The kernel's copy of the scales and offsets (q4_mma.packed_scales), read lane by lane as the SZP kernel does,
+    gives exactly what scale / zero give; a copy with rows g and g + 8 swapped does not."""
+    k, n = 256, 64 if glu else 32
+    q, s, z, _ = _quantized(n, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(2)).bfloat16()
+    packed = q4_mma.packed_scales(s, z)
+    assert packed.shape == (n // 16, k // 128, 32, 2) and packed.dtype == torch.int32
+    want = _emulate(x, q, s, z, warps, glu)
+    assert np.array_equal(_emulate(x, q, s, z, warps, glu, packed.numpy()), want)
+    swapped = packed.flip(-1).contiguous()
+    assert not np.allclose(_emulate(x, q, s, z, warps, glu, swapped.numpy()), want, rtol=1e-3, atol=1e-3)
+    assert q4_mma.packed_scales(s[:24], z[:24]) is None  # N not a multiple of 16
+
+
+def test_lane_scales_go_to_the_tensor_core_kernel_only_and_count_as_memory(monkeypatch):
+    """q4_product hands CudaQ4Linear's lane-ordered scales to the tensor-core kernel ("m") and to no other; on the CPU
+    the copy is not built; where it is, the memory report counts it once, as quantized-linear bytes, and the state
+    dict leaves it out (it is derived)."""
+    from forerun.models import quant, quant_cuda
+    calls = []
+    for name in ("m", "c"):
+        monkeypatch.setitem(quant_cuda.KERNELS, name, lambda *a, _n=name, **kw: calls.append((_n, kw.get("packed"))))
+    x = torch.zeros(2, 256, dtype=torch.bfloat16)
+    cfg = dict(block_n=16, block_k=256, use_dot=True, num_warps=2, num_stages=2)
+    quant_cuda.q4_product(x, None, None, None, False, dict(cfg, kernel="m"), "lane scales")
+    quant_cuda.q4_product(x, None, None, None, False, dict(cfg, kernel="c"), "lane scales")
+    quant_cuda.q4_product(x, None, None, None, False, dict(cfg, kernel="m"))
+    assert calls == [("m", "lane scales"), ("c", None), ("m", None)]
+    lin = quant_cuda.CudaQ4Linear.from_float(torch.randn(32, 256))
+    assert lin.lane_scales is None
+    before = quant.weight_bytes(lin)
+    lin.lane_scales = q4_mma.packed_scales(lin.scale, lin.zero)
+    after = quant.weight_bytes(lin)
+    extra = 32 * 256 // 32 * 4  # a bf16 scale and offset per group of 32
+    assert after["quantized_linear_bytes"] == before["quantized_linear_bytes"] + extra
+    assert after["total_bytes"] == before["total_bytes"] + extra and "lane_scales" not in lin.state_dict()
 
 
 def test_table_entries_fall_back_where_the_kernel_cannot_run(monkeypatch):
@@ -271,6 +323,8 @@ def test_mma_kernel_on_gpu(monkeypatch):
     monkeypatch.setenv("FORERUN_Q4_MMA", "1")
     assert q4_mma.available(), "the NVRTC kernel did not compile on the GPU machine"
     torch.manual_seed(0)
+    made = CudaQ4Linear.from_float(torch.randn(32, 256, device="cuda", dtype=torch.bfloat16))
+    assert made.lane_scales is not None and "lane_scales" not in made.state_dict()
     for n, k in ((64, 896), (256, 1536), (6144, 4096), (512, 12288)):
         lin = CudaQ4Linear.from_float(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
         ref = lin.dequantized().float()
@@ -283,8 +337,16 @@ def test_mma_kernel_on_gpu(monkeypatch):
                     continue
                 got = q4_mma.q4m_linear(x, lin.qw32, lin.scale, lin.zero, warps=warps, depth=depth, pdl=pdl)
                 assert ((got.float() - y).abs().max() / y.abs().max()).item() < 1e-2, (n, k, rows, warps)
+                if warps is None:  # the copy of the scales CudaQ4Linear keeps: bit for bit
+                    packed = q4_mma.q4m_linear(x, lin.qw32, lin.scale, lin.zero, depth=depth, pdl=pdl,
+                                               packed=lin.lane_scales)
+                    assert torch.equal(packed, got), (n, k, rows, "packed")
                 got = q4_mma.q4m_linear(x, lin.qw32, lin.scale, lin.zero, glu=True, warps=warps, depth=depth, pdl=pdl)
                 assert ((got.float() - glu).abs().max() / glu.abs().max()).item() < 2e-2, (n, k, rows, warps, "glu")
+                if warps is None:
+                    packed = q4_mma.q4m_linear(x, lin.qw32, lin.scale, lin.zero, glu=True, depth=depth, pdl=pdl,
+                                               packed=lin.lane_scales)
+                    assert torch.equal(packed, got), (n, k, rows, "packed glu")
     x = torch.randn(5, 4096, device="cuda", dtype=torch.bfloat16)
     lin = CudaQ4Linear.from_float(torch.randn(6144, 4096, device="cuda", dtype=torch.bfloat16))
     y = x.float() @ lin.dequantized().float().t()

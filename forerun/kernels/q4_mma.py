@@ -21,11 +21,17 @@ the mantissa of 128.0 it gives 128 + q exactly; then q = (128 + q) - 128 and w =
 The warps of a block split K; their partial sums meet in shared memory and warp 0 writes the tile (SwiGLU: the
 gate tile and its up tile in the same warp, silu(gate) * up in the epilogue). PDL as in q4_cuda.py: the first
 DEPTH superblocks of weights are requested before `griddepcontrol.wait`. Layout: quant_gemm's word layout
-(``qw32`` int32 [N, K / 8], bf16 ``scale`` / ``zero`` [N, K / 32]), the same buffers as the other int4 kernels.
+(``qw32`` int32 [N, K / 8], bf16 ``scale`` / ``zero`` [N, K / 32]), the same buffers as the other int4 kernels,
+plus, where given, its own copy of the scales and offsets (`packed_scales`: a lane's four of a superblock in one
+8-byte load, the warp's in one 256-byte piece). Read from [N, K / 32] directly they cost four 2-byte loads per lane
+and superblock, each from 8 rows, and those loads bound the kernel at 2-8 rows: on the H200 the packed copy made
+the 8-row SwiGLU gate/up product 1.12x faster and the head 1.34x (benchmarks/q4_mma_loads_gpu.py, session 33;
+CudaQ4Linear keeps the copy: 20 % more memory than the int4 weights alone, none more read per product).
 Needs N (per half with SwiGLU) a multiple of 16 and K a multiple of 128 x warps.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 
@@ -46,6 +52,7 @@ _SRC = r"""
 #define NT {NT}
 #define GLU {GLU}
 #define PDL {PDL}
+#define SZP {SZP}
 #define G_ (K_ / 32)
 #define SPW (K_ / 128 / WARPS)
 #define NR (GLU ? 2 : 1)
@@ -83,9 +90,11 @@ __device__ __forceinline__ void mma(float* c, unsigned int a0, unsigned int a1, 
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 q4m_gemm(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsigned short* __restrict__ S,
-         const unsigned short* __restrict__ Z, unsigned short* __restrict__ y, int T, int n_out, int glu_off)
+         const unsigned short* __restrict__ Z, unsigned short* __restrict__ y, int T, int n_out, int glu_off,
+         const uint2* __restrict__ SZ)
 {{
-    // x [T, K] bf16 as uint4 (8 codes' activations each); qw [N, G_] uint4 (a group's 4 words); y [T, n_out]
+    // x [T, K] bf16 as uint4 (8 codes' activations each); qw [N, G_] uint4 (a group's 4 words); y [T, n_out];
+    // SZ (SZP): the scales and offsets again, packed per (16-row tile, superblock) in lane order (packed_scales)
 #if WARPS > 1
     __shared__ float red[WARPS - 1][4 * NT * NR][32];
 #endif
@@ -100,7 +109,16 @@ q4m_gemm(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
     }}
     const int s0 = warp * SPW;  // this warp's first superblock
     uint4 wq[DEPTH][NR][2];
+#if SZP
+    // lane (g, t)'s (scale, offset) of rows g and g + 8, group 4 s + t: one 8-byte load, the warp's 256 bytes in one
+    // piece (S / Z directly: four 2-byte loads from 8 rows each, which bound the kernel at 2-8 rows)
+    uint2 szv[DEPTH][NR];
+    const uint2* szr[NR];
+    #pragma unroll
+    for (int r = 0; r < NR; r++) szr[r] = SZ + ((long)(blockIdx.x + (r ? glu_off / 16 : 0)) * (K_ / 128)) * 32 + lane;
+#else
     unsigned short sc[DEPTH][NR][2], zc[DEPTH][NR][2];
+#endif
     #pragma unroll
     for (int d = 0; d < DEPTH; d++) {{
         const int gi = 4 * (s0 + d) + t;
@@ -109,9 +127,14 @@ q4m_gemm(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
             #pragma unroll
             for (int h = 0; h < 2; h++) {{
                 wq[d][r][h] = __ldg(qw + roff[r][h] + gi);
+#if !SZP
                 sc[d][r][h] = __ldg(S + roff[r][h] + gi);
                 zc[d][r][h] = __ldg(Z + roff[r][h] + gi);
+#endif
             }}
+#if SZP
+            szv[d][r] = __ldg(szr[r] + 32 * (s0 + d));
+#endif
         }}
     }}
 #if PDL
@@ -138,8 +161,14 @@ q4m_gemm(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
             #pragma unroll
             for (int h = 0; h < 2; h++) {{
                 w[r][h] = wq[slot][r][h];
+#if SZP
+                const unsigned int v = h ? szv[slot][r].y : szv[slot][r].x;  // (scale, offset) -> both pairs
+                s2[r][h] = __byte_perm(v, 0u, 0x1010);
+                z2[r][h] = __byte_perm(v, 0u, 0x3232);
+#else
                 s2[r][h] = (unsigned int)sc[slot][r][h] * 0x10001u;
                 z2[r][h] = (unsigned int)zc[slot][r][h] * 0x10001u;
+#endif
             }}
         }}
         if (s + DEPTH < SPW) {{  // refill the slot DEPTH superblocks ahead
@@ -148,9 +177,14 @@ q4m_gemm(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
                 #pragma unroll
                 for (int h = 0; h < 2; h++) {{
                     wq[slot][r][h] = __ldg(qw + roff[r][h] + gi + 4 * DEPTH);
+#if !SZP
                     sc[slot][r][h] = __ldg(S + roff[r][h] + gi + 4 * DEPTH);
                     zc[slot][r][h] = __ldg(Z + roff[r][h] + gi + 4 * DEPTH);
+#endif
                 }}
+#if SZP
+                szv[slot][r] = __ldg(szr[r] + 32 * (s0 + s + DEPTH));
+#endif
             }}
         }}
         // the activations of token g (+ 8 nt) at the group's 32 codes: 16 pairs in 4 uint4. Coherent loads that
@@ -246,8 +280,22 @@ def available(t: torch.Tensor | None = None) -> bool:
     return os.environ.get("FORERUN_Q4_MMA", "1") != "0" and nvrtc.available(t)
 
 
-def source(k: int, warps: int, depth: int, tiles: int, glu: bool, pdl: bool) -> str:
-    return _SRC.format(K=k, WARPS=warps, DEPTH=depth, NT=tiles, GLU=int(glu), PDL=int(pdl))
+def source(k: int, warps: int, depth: int, tiles: int, glu: bool, pdl: bool, packed: bool = False) -> str:
+    return _SRC.format(K=k, WARPS=warps, DEPTH=depth, NT=tiles, GLU=int(glu), PDL=int(pdl), SZP=int(packed))
+
+
+def packed_scales(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor | None:
+    """The kernel's own copy of the scales and offsets [N, K / 32] (bf16): per 16-row tile and superblock, for lane
+    4 g + t of a warp, (scale, offset) of row g then of row g + 8 at group 4 s + t -- int32 [N / 16, K / 128, 32, 2]
+    (each int32 a bf16 scale in its low half, the offset in its high half). One 8-byte load per lane replaces four
+    2-byte loads from 8 rows each, which bound the kernel at 2-8 rows (benchmarks/q4_mma_loads_gpu.py). None
+    where the shape cannot be packed (N not a multiple of 16, K not of 128)."""
+    n, groups = scale.shape
+    if n % 16 or groups % 4 or zero.shape != scale.shape or scale.dtype != torch.bfloat16 \
+            or zero.dtype != torch.bfloat16:
+        return None
+    sz = torch.stack([scale, zero], -1).view(n // 16, 2, 8, groups // 4, 4, 2)  # [tile, h, g, s, t, (s, z)]
+    return sz.permute(0, 3, 2, 4, 1, 5).contiguous().view(torch.int32).view(n // 16, groups // 4, 32, 2)
 
 
 @functools.lru_cache(maxsize=None)
@@ -256,10 +304,12 @@ def _kernel_on(device: int, *config):
 
 
 def q4m_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, glu: bool = False,
-               warps: int | None = None, depth: int | None = None, pdl: bool | None = None) -> torch.Tensor:
+               warps: int | None = None, depth: int | None = None, pdl: bool | None = None,
+               packed: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W^T for 1..32 bf16 rows x [M, K] and W in quant_gemm's int4 word layout (glu: W holds gate rows then
     up rows, y = silu(x @ gate^T) * (x @ up^T)); bf16 [M, N] (or N / 2). warps: per block, splitting K; depth:
-    superblocks of weights in flight per lane (at most K / 128 / warps)."""
+    superblocks of weights in flight per lane (at most K / 128 / warps); packed: `packed_scales(scale, zero)`, read
+    instead of scale and zero when given (the same values: the same result bit for bit, faster)."""
     m, k = x.shape
     n = qw32.shape[0]
     n_out = n // 2 if glu else n
@@ -273,8 +323,14 @@ def q4m_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: t
     depth = max(1, min(depth or 4, spw))
     x = _aligned(x)  # (rows read 16 bytes at a time)
     pdl = pdl_enabled(x) if pdl is None else pdl
+    if packed is not None and (packed.shape != (n // 16, k // SUPER, 32, 2) or packed.dtype != torch.int32
+                               or not packed.is_contiguous()):
+        raise ValueError(f"q4m_linear: packed scales must be packed_scales(scale, zero), int32 "
+                         f"{(n // 16, k // SUPER, 32, 2)}; got {packed.dtype} {tuple(packed.shape)}")
     y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     with torch.cuda.device(x.device):
-        kern = _kernel_on(torch.cuda.current_device(), k, warps, depth, -(-m // 8), glu, pdl)
-        nvrtc.launch(kern, n_out // 16, 32 * warps, 0, [x, qw32, scale, zero, y, m, n_out, n_out], pdl)
+        kern = _kernel_on(torch.cuda.current_device(), k, warps, depth, -(-m // 8), glu, pdl, packed is not None)
+        nvrtc.launch(kern, n_out // 16, 32 * warps, 0,
+                     [x, qw32, scale, zero, y, m, n_out, n_out, packed if packed is not None else ctypes.c_void_p(0)],
+                     pdl)
     return y

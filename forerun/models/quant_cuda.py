@@ -34,8 +34,8 @@ from ..kernels.quant_gemm import (GROUP, MAX_ROWS, Q8_MAX_ROWS, dequantize_int4_
                                   pack_int4_w32, pack_int8_w32, q4r_linear, q4t_linear, q4v_linear, q4w2_linear,
                                   q4w_linear, q8v_linear, unpack_int8_w32)
 from ..kernels.q4_cuda import available as q4c_available, q4c_linear, q4c_norm_linear
-from ..kernels.q4_mma import MAX_ROWS as Q4M_MAX_ROWS, available as q4m_available, default_warps as q4m_default_warps, \
-    fits as q4m_fits, q4m_linear
+from ..kernels.q4_mma import MAX_ROWS as Q4M_MAX_ROWS, SUPER as Q4M_SUPER, available as q4m_available, \
+    default_warps as q4m_default_warps, fits as q4m_fits, packed_scales as q4m_packed_scales, q4m_linear
 from .quant import quantize_groups_int4
 
 
@@ -46,10 +46,11 @@ def _q4c(x, qw32, scale, zero, glu, block_n, block_k, use_dot, num_warps, num_st
     return q4c_linear(x, qw32, scale, zero, glu=glu, rows=block_n, warps=num_warps, depth=num_stages)
 
 
-def _q4m(x, qw32, scale, zero, glu, block_n, block_k, use_dot, num_warps, num_stages):
+def _q4m(x, qw32, scale, zero, glu, block_n, block_k, use_dot, num_warps, num_stages, packed=None):
     """The tensor-core kernel of kernels/q4_mma.py (1-32 rows) under the same names: num_warps per block splitting
-    K, num_stages superblocks of weights in flight per lane (block_n, block_k, use_dot unused)."""
-    return q4m_linear(x, qw32, scale, zero, glu=glu, warps=num_warps, depth=num_stages)
+    K, num_stages superblocks of weights in flight per lane (block_n, block_k, use_dot unused); packed: its copy of
+    the scales and offsets (q4_mma.packed_scales), or None."""
+    return q4m_linear(x, qw32, scale, zero, glu=glu, warps=num_warps, depth=num_stages, packed=packed)
 
 
 KERNELS = {"w": q4w_linear, "w2": q4w2_linear, "v": q4v_linear,  # v: 1-2 bf16 rows, packed f16 (decode)
@@ -124,12 +125,17 @@ def tuned(m: int, n: int, k: int, glu: bool, bits: int = 4) -> dict:
     return default_config(m, bits)
 
 
-def q4_product(x: torch.Tensor, qw32, scale, zero, glu: bool, cfg: dict) -> torch.Tensor:
+def q4_product(x: torch.Tensor, qw32, scale, zero, glu: bool, cfg: dict, packed=None) -> torch.Tensor:
+    """x @ W^T through the kernel cfg names; packed: the tensor-core kernel's copy of the scales and offsets
+    (CudaQ4Linear.lane_scales), used by that kernel only."""
     cfg = dict(cfg)
     k = x.shape[-1]
     while k % cfg["block_k"]:  # K steps must divide K (and stay powers of two): 896 -> 128, 1536 -> 512
         cfg["block_k"] //= 2
-    return KERNELS[cfg.pop("kernel")](x, qw32, scale, zero, glu=glu, **cfg)
+    kernel = cfg.pop("kernel")
+    if kernel == "m" and packed is not None:
+        cfg["packed"] = packed
+    return KERNELS[kernel](x, qw32, scale, zero, glu=glu, **cfg)
 
 
 class CudaQuantLinear(nn.Module):
@@ -180,6 +186,13 @@ class CudaQ4Linear(CudaQuantLinear):
         self.register_buffer("qw32", pack_int4_w32(q))
         self.register_buffer("scale", scale.to(dtype).contiguous())
         self.register_buffer("zero", zero.to(dtype).contiguous())
+        # the tensor-core kernel's own copy of the scales and offsets (q4_mma.packed_scales): built where that kernel
+        # can run (a CUDA device with NVRTC, FORERUN_Q4_MMA not 0), +20 % memory over qw32 / scale / zero, not read
+        # by any other kernel; not saved in the state dict (it is derived)
+        packed = None
+        if self.scale.is_cuda and q4m_available(self.scale) and self.in_features % Q4M_SUPER == 0:
+            packed = q4m_packed_scales(self.scale, self.zero)
+        self.register_buffer("lane_scales", packed, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
         self.dtype = dtype
 
@@ -231,7 +244,7 @@ class CudaQ4Linear(CudaQuantLinear):
         for at in range(0, x.shape[0], step):
             xs = x[at: at + step]
             parts.append(q4_product(xs, self.qw32, self.scale, self.zero, glu,
-                                    tuned(xs.shape[0], n, self.in_features, glu)))
+                                    tuned(xs.shape[0], n, self.in_features, glu), self.lane_scales))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 

@@ -659,6 +659,9 @@ def main() -> None:
     ap.add_argument("--draft-only", action="store_true",
                     help="time only the drafting phase (graph vs eager) per batch and tree; no rounds")
     ap.add_argument("--replot", metavar="JSON", help="only draw the PNG of an earlier run's JSON")
+    ap.add_argument("--int4", action="store_true",
+                    help="the target's linears (head included) in int4 as the engine keeps GGUF Q4 weights on CUDA "
+                         "(CudaQ4Linear); the EAGLE head stays in bf16")
     ap.add_argument("--profile", action="store_true",
                     help="also profile a few rounds and drafting calls (the first drafting mode) with torch.profiler: "
                          "kernels by name, GPU busy / idle time, widest idle gaps (JSON key `profiles`)")
@@ -693,13 +696,19 @@ def main() -> None:
     res: dict = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), torch=torch.__version__,
                      device=torch.cuda.get_device_name(0) if cuda else "cpu", tiny=tiny, context=context,
                      accept=args.accept, rho=args.rho, rank_probs=[round(x, 4) for x in q], rounds=rounds,
-                     batches=batches, draft_vocab=draft_vocab, modes=modes, quick=args.quick)
+                     batches=batches, draft_vocab=draft_vocab, modes=modes, quick=args.quick,
+                     target_weights="int4" if args.int4 else str(dtype).replace("torch.", ""))
     log(f"{res['device']}  torch {torch.__version__}  synthetic q_r = {[round(x, 3) for x in q]}")
 
     shape = TINY if tiny else QWEN3_8B
     target = build_target(shape, device, dtype, seed=1)
     head = build_head(target, draft_vocab, device, dtype, seed=2)
     calibrate_head(head, q, seed=3)
+    if args.int4:  # (after the head: it takes nothing from the target's linears; on the CPU (--tiny) the int4
+        from forerun.models.quant_cuda import quantize_model_cuda  # linears multiply their dequantized matrix)
+        res["int4_linears"] = quantize_model_cuda(target)
+        if cuda:
+            torch.cuda.empty_cache()
     max_b, max_nodes = max(batches), max(t.nodes for t in trees)
     # every tree runs on the same requests, one after the other: room for all of their rounds
     # (each tree x drafting mode runs warm + timed rounds of up to steps + 1 tokens, plus the drafting-alone

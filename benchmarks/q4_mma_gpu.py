@@ -34,7 +34,9 @@ SHAPES = {"qkv": (6144, 4096, False), "o": (4096, 4096, False), "gate/up": (1228
           "head": (151936, 4096, False)}  # (added in session 32; its 2-16-row entries name this kernel since
                                           # session 33)
 ROWS = (2, 4, 8, 16, 20, 32)  # (more than 16: the other kernels take them as 16-row calls)
-MMA = [(4, 4), (8, 4)]  # (warps, depth) tried
+MMA = [(w, 4, lane, staged) for staged in (False, True) for lane in (True, False) for w in (4, 8)]
+# (warps, depth, lane-ordered scales, activations staged through shared memory) tried: the lane-ordered scales
+# (session 33) won everywhere but down at 2-4 rows (q4_mma_loads_h200.json); staging not measured yet
 STEPS = ((1, 1), (1, 5), (4, 5), (1, 16), (2, 16))
 
 
@@ -70,13 +72,15 @@ def products(bw: float, l2: int) -> dict:
 
             row = dict(rows=m, n=n, k=k, glu=glu, floor_us=floor_us, table=table,
                        table_us=bench_graph(run_table) * 1e3 / copies, mma={})
-            for w, d in MMA:
-                if k % (128 * w):
+            for w, d, lane, staged in MMA:
+                if k % (128 * w) or (staged and not q4_mma.staged_fits(w, -(-m // 8), glu)):
                     continue
-                cfg = dict(kernel="m", block_n=16, block_k=k, use_dot=True, num_warps=w, num_stages=d)
+                cfg = dict(kernel="m", block_n=16, block_k=k, use_dot=True, num_warps=w, num_stages=d,
+                           lane_scales=lane, x_staged=staged)
                 got = q4_product(x, one.qw32, one.scale, one.zero, glu, cfg, mats[0].lane_scales).float()
                 err = ((got - ref).abs().max() / ref.abs().max()).item()
-                row["mma"][f"{w}x{d}"] = dict(us=bench_graph(run(cfg)) * 1e3 / copies, rel_err=err, cfg=cfg)
+                name_ = f"{w}x{d}{'' if lane else ' unpacked'}{' staged' if staged else ''}"
+                row["mma"][name_] = dict(us=bench_graph(run(cfg)) * 1e3 / copies, rel_err=err, cfg=cfg)
             best = min(row["mma"].values(), key=lambda r: r["us"])
             row["best_mma"], row["speedup"] = best, row["table_us"] / best["us"]
             out[config_key(m, n, k, glu)] = row

@@ -15,6 +15,9 @@ load). Variants of the kernel's source, same grid and configuration, launched wi
   * ``packed + x fragments`` (exact) also the activations stored as each MMA operand wants them (a 16-byte load
                           per lane is 512 contiguous bytes across the warp): what a producer writing that layout,
                           or staging through shared memory, could give;
+  * ``packed + x staged`` (exact) the kernel's XST option: the activations of the warp's superblock loaded whole
+                          (256 contiguous bytes per token), put in fragment order through shared memory, read back
+                          per lane (session 33, not yet measured; direct loads where it does not fit 48 KB);
   * ``x one token``       (wrong values; packed) every lane reads token 0's activations: activation loads as
                           cheap as at 1 row;
   * ``weights in L2``     (wrong values; packed) every block reads the first tile's weights: no HBM traffic, the
@@ -48,24 +51,26 @@ SHAPES = {"qkv": (6144, 4096, False), "gate/up": (12288, 4096, True), "down": (4
 ROWS = (2, 4, 8, 16)
 
 _X_ROW = "x + (long)tok * (K_ / 8) + gi * 4 + i"
-_EDITS = {  # variant part -> (old, new) on the formatted source (old must occur exactly once)
-    "xfrag": (_X_ROW, "x + (((long)(s0 + s) * 4 + i) * (8 * NT) + tok) * 4 + t"),
-    "x0": (_X_ROW, "x + gi * 4 + i"),
-    "l2": ("(long)(n0 + g + 8 * h + (r ? glu_off : 0)) * G_", "(long)(g + 8 * h + (r ? glu_off : 0)) * G_"),
+_EDITS = {  # variant part -> [(old, new)] on the formatted source (each old must occur exactly once)
+    "xfrag": [(_X_ROW, "x + (((long)(s0 + s) * 4 + i) * (8 * NT) + tok) * 4 + t")],
+    "x0": [(_X_ROW, "x + gi * 4 + i")],
+    "l2": [("(long)(n0 + g + 8 * h + (r ? glu_off : 0)) * G_", "(long)(g + 8 * h + (r ? glu_off : 0)) * G_")],
 }
-_PARTS = {"scales [N, K/32]": (False, ()), "packed scales": (True, ()), "packed + x fragments": (True, ("xfrag",)),
-          "x one token": (True, ("x0",)), "weights in L2": (True, ("l2",))}
+_PARTS = {  # variant -> (lane-ordered scales, activations staged (the kernel's XST), edits)
+    "scales [N, K/32]": (False, False, ()), "packed scales": (True, False, ()),
+    "packed + x fragments": (True, False, ("xfrag",)), "packed + x staged": (True, True, ()),
+    "x one token": (True, False, ("x0",)), "weights in L2": (True, False, ("l2",))}
 VARIANTS = tuple(_PARTS)
-EXACT = ("packed scales", "packed + x fragments")
+EXACT = ("packed scales", "packed + x fragments", "packed + x staged")
 
 
 def variant_source(k: int, warps: int, depth: int, tiles: int, glu: bool, variant: str) -> str:
-    packed, parts = _PARTS[variant]
-    src = q4_mma.source(k, warps, depth, tiles, glu, True, packed)
+    packed, staged, parts = _PARTS[variant]
+    src = q4_mma.source(k, warps, depth, tiles, glu, True, packed, staged and q4_mma.staged_fits(warps, tiles, glu))
     for part in parts:
-        old, new = _EDITS[part]
-        assert src.count(old) == 1, (variant, old)
-        src = src.replace(old, new)
+        for old, new in _EDITS[part]:
+            assert src.count(old) == 1, (variant, old)
+            src = src.replace(old, new)
     return src
 
 

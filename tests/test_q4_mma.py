@@ -30,12 +30,15 @@ def test_source_compiles_without_spills():
     if nvcc is None:
         pytest.skip("no nvcc here")
     with tempfile.TemporaryDirectory() as d:
-        for k, w, depth, tiles, glu, pdl in ((4096, 8, 4, 1, 0, 1), (4096, 8, 4, 2, 1, 1), (12288, 8, 4, 2, 0, 1),
-                                             (1536, 4, 3, 2, 0, 0), (896, 1, 4, 1, 1, 1), (4864, 2, 4, 2, 1, 1),
-                                             (4096, 8, 4, 4, 1, 1), (12288, 8, 4, 4, 0, 1), (4096, 4, 4, 3, 1, 1)):
+        for k, w, depth, tiles, glu, pdl, xst in (
+                (4096, 8, 4, 1, 0, 1, 0), (4096, 8, 4, 2, 1, 1, 0), (12288, 8, 4, 2, 0, 1, 0),
+                (1536, 4, 3, 2, 0, 0, 0), (896, 1, 4, 1, 1, 1, 0), (4864, 2, 4, 2, 1, 1, 0), (4096, 8, 4, 4, 1, 1, 0),
+                (12288, 8, 4, 4, 0, 1, 0), (4096, 4, 4, 3, 1, 1, 0), (4096, 8, 4, 2, 1, 1, 1),
+                (12288, 8, 4, 2, 0, 1, 1), (4096, 4, 4, 2, 1, 1, 1), (896, 1, 4, 2, 1, 1, 1)):
+            assert not xst or q4_mma.staged_fits(w, tiles, bool(glu))
             src = os.path.join(d, "k.cu")
             with open(src, "w") as f:  # (the packed scales' variant where PDL is on: the one the engine runs)
-                f.write(q4_mma.source(k, w, depth, tiles, bool(glu), bool(pdl), bool(pdl)))
+                f.write(q4_mma.source(k, w, depth, tiles, bool(glu), bool(pdl), bool(pdl), bool(xst)))
             out = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", os.path.join(d, "k.cubin"), src,
                                   "-Xptxas", "-v"], capture_output=True, text=True, timeout=300)
             assert out.returncode == 0, out.stderr[-2000:]
@@ -72,9 +75,11 @@ def test_activations_are_read_after_the_wait_in_the_machine_code():
     """Both NVRTC int4 kernels (this one and kernels/q4_cuda.py, plain and with the add + RMSNorm prologue), in the
     configurations the H200 table uses, with PDL; the old read-only load of the activations is caught."""
     from forerun.kernels import q4_cuda
-    sources = [q4_mma.source(k, w, d, nt, glu, True, packed) for k, w, d, nt, glu, packed in
-               ((4096, 8, 4, 1, False, True), (4096, 4, 4, 1, True, True), (12288, 8, 4, 1, False, True),
-                (4096, 4, 4, 2, True, False), (4096, 8, 4, 4, True, True))]
+    sources = [q4_mma.source(k, w, d, nt, glu, True, packed, xst) for k, w, d, nt, glu, packed, xst in
+               ((4096, 8, 4, 1, False, True, False), (4096, 4, 4, 1, True, True, False),
+                (12288, 8, 4, 1, False, True, False), (4096, 4, 4, 2, True, False, False),
+                (4096, 8, 4, 4, True, True, False), (4096, 8, 4, 2, True, True, True),
+                (12288, 8, 4, 1, False, True, True))]
     sources += [q4_cuda.source(4096, 2, 16, 2, False, True, False), q4_cuda.source(4096, 1, 16, 2, True, True, False),
                 q4_cuda.source(12288, 1, 16, 4, False, True, False), q4_cuda.source(4096, 2, 16, 2, False, True, True)]
     for src in sources:
@@ -208,7 +213,16 @@ def test_lane_scales_go_to_the_tensor_core_kernel_only_and_count_as_memory(monke
     quant_cuda.q4_product(x, None, None, None, False, dict(cfg, kernel="m"), "lane scales")
     quant_cuda.q4_product(x, None, None, None, False, dict(cfg, kernel="c"), "lane scales")
     quant_cuda.q4_product(x, None, None, None, False, dict(cfg, kernel="m"))
-    assert calls == [("m", "lane scales"), ("c", None), ("m", None)]
+    quant_cuda.q4_product(x, None, None, None, False, dict(cfg, kernel="m", lane_scales=False), "lane scales")
+    assert calls == [("m", "lane scales"), ("c", None), ("m", None), ("m", None)]
+    # a tuned entry's choice reaches q4_product (the tuner tries both; entries without the key read them)
+    monkeypatch.setattr(quant_cuda, "_card", ["test card"])
+    monkeypatch.setitem(quant_cuda.NVRTC_KERNELS, "m", lambda: True)
+    quant_cuda.set_configs("test card", {quant_cuda.config_key(4, 64, 256, False): dict(cfg, kernel="m",
+                                                                                        lane_scales=False),
+                                         quant_cuda.config_key(8, 64, 256, False): dict(cfg, kernel="m")})
+    assert quant_cuda.tuned(4, 64, 256, False)["lane_scales"] is False
+    assert "lane_scales" not in quant_cuda.tuned(8, 64, 256, False)
     lin = quant_cuda.CudaQ4Linear.from_float(torch.randn(32, 256))
     assert lin.lane_scales is None
     before = quant.weight_bytes(lin)
@@ -308,6 +322,15 @@ def test_save_configs_merges_entries_into_the_file(tmp_path, monkeypatch):
                                             "card B": {"k1": {}}, "card C": {"k9": {"kernel": "c"}}}
 
 
+def test_staged_activations_fit_or_fall_back():
+    """The staged activations (XST) run up to 2 tiles (16 rows; 4 tiles with SwiGLU spill) with their shared memory
+    within 48 KB; elsewhere q4m_linear loads directly (the tuned 16-row entry also serves 17-32 rows)."""
+    assert q4_mma.staged_fits(8, 2, True) and q4_mma.staged_fits(4, 2, True) and q4_mma.staged_fits(1, 1, False)
+    assert not q4_mma.staged_fits(4, 3, False) and not q4_mma.staged_fits(16, 2, False)
+    assert "#define XST 1" in q4_mma.source(4096, 8, 4, 2, True, True, True, True)
+    assert "#define XST 0" in q4_mma.source(4096, 8, 4, 2, True, True, True)
+
+
 def test_fits_and_default_warps():
     assert q4_mma.fits(5, 4096, 4096) and q4_mma.fits(32, 16, 128) and not q4_mma.fits(33, 4096, 4096)
     assert not q4_mma.fits(4, 4100, 4096) and not q4_mma.fits(4, 4096, 4000)
@@ -341,6 +364,9 @@ def test_mma_kernel_on_gpu(monkeypatch):
                     packed = q4_mma.q4m_linear(x, lin.qw32, lin.scale, lin.zero, depth=depth, pdl=pdl,
                                                packed=lin.lane_scales)
                     assert torch.equal(packed, got), (n, k, rows, "packed")
+                    staged = q4_mma.q4m_linear(x, lin.qw32, lin.scale, lin.zero, depth=depth, pdl=pdl,
+                                               packed=lin.lane_scales, staged=True)  # (direct loads past 48 KB)
+                    assert torch.equal(staged, got), (n, k, rows, "staged")
                 got = q4_mma.q4m_linear(x, lin.qw32, lin.scale, lin.zero, glu=True, warps=warps, depth=depth, pdl=pdl)
                 assert ((got.float() - glu).abs().max() / glu.abs().max()).item() < 2e-2, (n, k, rows, warps, "glu")
                 if warps is None:

@@ -53,6 +53,7 @@ _SRC = r"""
 #define GLU {GLU}
 #define PDL {PDL}
 #define SZP {SZP}
+#define XST {XST}
 #define G_ (K_ / 32)
 #define SPW (K_ / 128 / WARPS)
 #define NR (GLU ? 2 : 1)
@@ -97,6 +98,9 @@ q4m_gemm(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
     // SZ (SZP): the scales and offsets again, packed per (16-row tile, superblock) in lane order (packed_scales)
 #if WARPS > 1
     __shared__ float red[WARPS - 1][4 * NT * NR][32];
+#endif
+#if XST
+    __shared__ uint4 xst[WARPS][4 * (32 * NT + 1)];  // a warp's staged activations of one superblock (see below)
 #endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -192,6 +196,26 @@ q4m_gemm(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
         // read-only (.nc, __ldg) load here was moved above griddepcontrol.wait by ptxas -- reading x before it was
         // written (found in session 31); __ldcg (L2 only) was safe too, but 1.2-1.6x slower at 4-16 rows
         uint4 xv[NT][4];
+#if XST
+        // staged (XST): the warp loads the superblock's activations whole (16 lanes per token, 256 contiguous bytes)
+        // and puts them in fragment order in shared memory (plane i, token, group t; planes padded by 16 bytes
+        // against bank conflicts), then each lane reads its pieces back: the direct loads below touch 2 cache
+        // lines per token and load (16 bytes at a 64-byte stride), which bound the kernel at 8-16 rows
+        __syncwarp();  // (the previous superblock's reads are done)
+        #pragma unroll
+        for (int e0 = 0; e0 < 8 * NT * 16; e0 += 32) {{
+            const int e = e0 + lane, tk = e >> 4, p = e & 15;  // piece p = 4 t' + i' of token tk
+            const uint4 v = tk < T ? __ldca(x + (long)tk * (K_ / 8) + (long)(s0 + s) * 16 + p)
+                                   : make_uint4(0u, 0u, 0u, 0u);
+            xst[warp][(p & 3) * (32 * NT + 1) + tk * 4 + (p >> 2)] = v;
+        }}
+        __syncwarp();
+        #pragma unroll
+        for (int nt = 0; nt < NT; nt++) {{
+            #pragma unroll
+            for (int i = 0; i < 4; i++) xv[nt][i] = xst[warp][i * (32 * NT + 1) + (g + 8 * nt) * 4 + t];
+        }}
+#else
         #pragma unroll
         for (int nt = 0; nt < NT; nt++) {{
             const int tok = g + 8 * nt;
@@ -199,6 +223,7 @@ q4m_gemm(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
             for (int i = 0; i < 4; i++)
                 xv[nt][i] = tok < T ? __ldca(x + (long)tok * (K_ / 8) + gi * 4 + i) : make_uint4(0u, 0u, 0u, 0u);
         }}
+#endif
         #pragma unroll
         for (int u = 0; u < 8; u++) {{  // MMA u: pairs 2u and 2u + 1 = word u / 2, pairs j and j + 1
             const int i = u >> 1, j = 2 * (u & 1);
@@ -280,8 +305,18 @@ def available(t: torch.Tensor | None = None) -> bool:
     return os.environ.get("FORERUN_Q4_MMA", "1") != "0" and nvrtc.available(t)
 
 
-def source(k: int, warps: int, depth: int, tiles: int, glu: bool, pdl: bool, packed: bool = False) -> str:
-    return _SRC.format(K=k, WARPS=warps, DEPTH=depth, NT=tiles, GLU=int(glu), PDL=int(pdl), SZP=int(packed))
+def source(k: int, warps: int, depth: int, tiles: int, glu: bool, pdl: bool, packed: bool = False,
+           staged: bool = False) -> str:
+    return _SRC.format(K=k, WARPS=warps, DEPTH=depth, NT=tiles, GLU=int(glu), PDL=int(pdl), SZP=int(packed),
+                       XST=int(staged))
+
+
+def staged_fits(warps: int, tiles: int, glu: bool) -> bool:
+    """Whether the staged activations (XST) can run: up to 2 tiles (16 rows; at 4 tiles with SwiGLU the kernel
+    spills registers), and with the warps' partial sums within the 48 KB of static shared memory."""
+    stage = warps * 4 * (32 * tiles + 1) * 16
+    red = (warps - 1) * 4 * tiles * (2 if glu else 1) * 32 * 4
+    return tiles <= 2 and stage + red <= 48 * 1024
 
 
 def packed_scales(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor | None:
@@ -305,11 +340,13 @@ def _kernel_on(device: int, *config):
 
 def q4m_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, glu: bool = False,
                warps: int | None = None, depth: int | None = None, pdl: bool | None = None,
-               packed: torch.Tensor | None = None) -> torch.Tensor:
+               packed: torch.Tensor | None = None, staged: bool = False) -> torch.Tensor:
     """y = x @ W^T for 1..32 bf16 rows x [M, K] and W in quant_gemm's int4 word layout (glu: W holds gate rows then
     up rows, y = silu(x @ gate^T) * (x @ up^T)); bf16 [M, N] (or N / 2). warps: per block, splitting K; depth:
     superblocks of weights in flight per lane (at most K / 128 / warps); packed: `packed_scales(scale, zero)`, read
-    instead of scale and zero when given (the same values: the same result bit for bit, faster)."""
+    instead of scale and zero when given (the same values: the same result bit for bit, faster); staged: the
+    activations go through shared memory (XST above; the same result bit for bit) where that fits the 48 KB of
+    static shared memory (`staged_fits`), else they are loaded directly."""
     m, k = x.shape
     n = qw32.shape[0]
     n_out = n // 2 if glu else n
@@ -329,7 +366,9 @@ def q4m_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: t
                          f"{(n // 16, k // SUPER, 32, 2)}; got {packed.dtype} {tuple(packed.shape)}")
     y = torch.empty(m, n_out, dtype=x.dtype, device=x.device)
     with torch.cuda.device(x.device):
-        kern = _kernel_on(torch.cuda.current_device(), k, warps, depth, -(-m // 8), glu, pdl, packed is not None)
+        tiles = -(-m // 8)
+        kern = _kernel_on(torch.cuda.current_device(), k, warps, depth, tiles, glu, pdl, packed is not None,
+                          bool(staged) and staged_fits(warps, tiles, glu))
         nvrtc.launch(kern, n_out // 16, 32 * warps, 0,
                      [x, qw32, scale, zero, y, m, n_out, n_out, packed if packed is not None else ctypes.c_void_p(0)],
                      pdl)

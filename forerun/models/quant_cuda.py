@@ -46,11 +46,12 @@ def _q4c(x, qw32, scale, zero, glu, block_n, block_k, use_dot, num_warps, num_st
     return q4c_linear(x, qw32, scale, zero, glu=glu, rows=block_n, warps=num_warps, depth=num_stages)
 
 
-def _q4m(x, qw32, scale, zero, glu, block_n, block_k, use_dot, num_warps, num_stages, packed=None):
+def _q4m(x, qw32, scale, zero, glu, block_n, block_k, use_dot, num_warps, num_stages, packed=None, x_staged=False):
     """The tensor-core kernel of kernels/q4_mma.py (1-32 rows) under the same names: num_warps per block splitting
     K, num_stages superblocks of weights in flight per lane (block_n, block_k, use_dot unused); packed: its copy of
-    the scales and offsets (q4_mma.packed_scales), or None."""
-    return q4m_linear(x, qw32, scale, zero, glu=glu, warps=num_warps, depth=num_stages, packed=packed)
+    the scales and offsets (q4_mma.packed_scales), or None; x_staged: activations through shared memory."""
+    return q4m_linear(x, qw32, scale, zero, glu=glu, warps=num_warps, depth=num_stages, packed=packed,
+                      staged=x_staged)
 
 
 KERNELS = {"w": q4w_linear, "w2": q4w2_linear, "v": q4v_linear,  # v: 1-2 bf16 rows, packed f16 (decode)
@@ -118,7 +119,11 @@ def tuned(m: int, n: int, k: int, glu: bool, bits: int = 4) -> dict:
             NVRTC_KERNELS[got["kernel"]]() and (got["kernel"] != "m" or q4m_fits(m, n, k))):
         got = table.get("triton_" + key)  # (the Triton winner kept beside the entry found)
     if got:
-        return {key: got[key] for key in ("kernel", "block_n", "block_k", "use_dot", "num_warps", "num_stages")}
+        cfg = {key: got[key] for key in ("kernel", "block_n", "block_k", "use_dot", "num_warps", "num_stages")}
+        for opt in ("lane_scales", "x_staged"):  # the tensor-core kernel's options, where the entry has them
+            if got["kernel"] == "m" and opt in got:  # (the tuner tries both ways; absent: lane scales read, direct
+                cfg[opt] = got[opt]  # activation loads)
+        return cfg
     if bits == 4 and m >= 2 and q4m_fits(m, n, k) and NVRTC_KERNELS["m"]():  # an untuned shape (a draft model's):
         # the tensor-core kernel beat every tuned Triton entry at 2-16 rows on the 8B shapes (q4_mma_h200.json)
         return dict(kernel="m", block_n=16, block_k=k, use_dot=True, num_warps=q4m_default_warps(k), num_stages=4)
@@ -127,14 +132,17 @@ def tuned(m: int, n: int, k: int, glu: bool, bits: int = 4) -> dict:
 
 def q4_product(x: torch.Tensor, qw32, scale, zero, glu: bool, cfg: dict, packed=None) -> torch.Tensor:
     """x @ W^T through the kernel cfg names; packed: the tensor-core kernel's copy of the scales and offsets
-    (CudaQ4Linear.lane_scales), used by that kernel only."""
+    (CudaQ4Linear.lane_scales), used by that kernel only, unless its entry says ``lane_scales: false``; an entry's
+    ``x_staged: true`` stages that kernel's activations through shared memory (q4_mma.q4m_linear)."""
     cfg = dict(cfg)
     k = x.shape[-1]
     while k % cfg["block_k"]:  # K steps must divide K (and stay powers of two): 896 -> 128, 1536 -> 512
         cfg["block_k"] //= 2
     kernel = cfg.pop("kernel")
-    if kernel == "m" and packed is not None:
+    if cfg.pop("lane_scales", True) and kernel == "m" and packed is not None:
         cfg["packed"] = packed
+    if cfg.pop("x_staged", False) and kernel == "m":
+        cfg["x_staged"] = True
     return KERNELS[kernel](x, qw32, scale, zero, glu=glu, **cfg)
 
 

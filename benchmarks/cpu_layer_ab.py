@@ -28,6 +28,7 @@ def main() -> int:
     torch.set_num_threads(a.threads)
     from forerun.config import CacheConfig
     from forerun.kernels import cpu_layer
+    from forerun.models.cpu_ops import CpuLayerOps
     from forerun.models.ops import LayerOps
     from forerun.models.registry import load_model
     from forerun.runtime.runner import Chunk, ModelRunner
@@ -38,7 +39,7 @@ def main() -> int:
     runner = ModelRunner(model, CacheConfig(block_size=16, num_blocks=64), "cpu", torch.float32)
     prefix = tok.encode("def quicksort(items):\n    \"\"\"Sort a list.\"\"\"\n" * 12)[:150]
     runner.kv.add_sequence(0)
-    c_attn, c_ops, torch_ops = cpu_layer.attention_rows, cpu_layer.CpuLayerOps(), LayerOps()
+    c_attn, c_ops, torch_ops = cpu_layer.attention_rows, CpuLayerOps(), LayerOps()
 
     def use(c: bool) -> None:
         model.ops = c_ops if c else torch_ops

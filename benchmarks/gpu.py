@@ -38,7 +38,7 @@ from forerun.runtime.runner import Chunk, ModelRunner  # noqa: E402
 try:  # the measurements need triton; re-plotting a JSON (--plot) does not
     from forerun.attention.triton_backend import TritonPagedAttention
     from forerun.kernels.chain_sample import chain_sample
-    from forerun.kernels.layer_ops import FusedLayerOps
+    from forerun.models.fused_ops import FusedLayerOps
     from forerun.kernels.skinny_gemm import skinny_linear
 except ImportError:
     TritonPagedAttention = chain_sample = FusedLayerOps = skinny_linear = None

@@ -14,6 +14,7 @@ from forerun.config import CacheConfig
 from forerun.engine.llm import LLM
 from forerun.kernels import cpu_layer
 from forerun.kvcache.pool import KVPool
+from forerun.models.cpu_ops import CpuLayerOps
 from forerun.models.layers import RMSNorm, RotaryEmbedding
 from forerun.models.loader import load_checkpoint
 from forerun.models.ops import LayerOps
@@ -69,7 +70,7 @@ def test_c_attention_equals_torch_rows_and_sdpa(threads, window, monkeypatch):
 
 def test_add_rmsnorm_equals_torch_and_is_row_invariant(threads):
     torch.manual_seed(0)
-    ops, ref = cpu_layer.CpuLayerOps(), LayerOps()
+    ops, ref = CpuLayerOps(), LayerOps()
     x, r = torch.randn(17, 1536), torch.randn(17, 1536)
     norm = RMSNorm(1536, 1e-6)
     norm.weight.data = torch.rand(1536) + 0.5
@@ -100,7 +101,7 @@ def test_qkv_rope_store_equals_torch(threads, qk_norm):
     if qk_norm:  # Qwen3's per-head Q / K norms
         norms[0].weight.data, norms[1].weight.data = torch.rand(d) + 0.5, torch.rand(d) + 0.5
     with torch.inference_mode():
-        q = cpu_layer.CpuLayerOps().qkv_to_cache(qkv, pos, rope, *norms, 1, SimpleNamespace(slot_mapping=slots),
+        q = CpuLayerOps().qkv_to_cache(qkv, pos, rope, *norms, 1, SimpleNamespace(slot_mapping=slots),
                                                  pools[0], hq, hkv, d)
         q0 = LayerOps().qkv_to_cache(qkv, pos, rope, *norms, 1, SimpleNamespace(slot_mapping=slots), pools[1],
                                      hq, hkv, d)
@@ -108,7 +109,7 @@ def test_qkv_rope_store_equals_torch(threads, qk_norm):
         for a, b in ((pools[0].k, pools[1].k), (pools[0].v, pools[1].v)):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
         assert pools[0].k[1].abs().sum() > 0 and pools[0].k[0].abs().sum() == 0  # layer 1 written, layer 0 not
-        q3 = cpu_layer.CpuLayerOps().qkv_to_cache(qkv[3:4].clone(), pos[3:4].clone(), rope, *norms, 1,
+        q3 = CpuLayerOps().qkv_to_cache(qkv[3:4].clone(), pos[3:4].clone(), rope, *norms, 1,
                                                   SimpleNamespace(slot_mapping=slots[3:4].clone()), pools[0],
                                                   hq, hkv, d)
         assert torch.equal(q3[0], q[3])  # a row alone: the same bits
@@ -118,4 +119,4 @@ def test_cpu_float32_runner_uses_the_c_layer_ops(tmp_path):
     hf = hf_model("qwen2", hidden_size=128, intermediate_size=256, vocab_size=300)
     model = build_model(load_checkpoint(save(hf, tmp_path / "m")), "cpu", torch.float32, progress=False)
     llm = LLM.from_model(model, tiny_tokenizer(300), device="cpu")
-    assert type(llm.runner.model.ops) is cpu_layer.CpuLayerOps
+    assert type(llm.runner.model.ops) is CpuLayerOps

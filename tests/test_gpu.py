@@ -20,7 +20,7 @@ from forerun.runtime.cuda_graph import GraphRunner, compile_elementwise  # noqa:
 from forerun.runtime.runner import Chunk, ModelRunner  # noqa: E402
 from forerun.kernels.chain_sample import chain_sample  # noqa: E402
 from forerun.kernels.fused_norm import add_rmsnorm  # noqa: E402
-from forerun.kernels.layer_ops import FusedLayerOps  # noqa: E402
+from forerun.models.fused_ops import FusedLayerOps  # noqa: E402
 from forerun.kernels.skinny_gemm import GemmConfig, skinny_linear  # noqa: E402
 from forerun.models.llama import LlamaForCausalLM  # noqa: E402
 

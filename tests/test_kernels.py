@@ -15,7 +15,7 @@ if not CUDA:  # must precede the first import of triton, and stays set: the inte
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 from forerun.kernels.fused_norm import add_rmsnorm, qk_norm_rope_store  # noqa: E402
-from forerun.kernels.layer_ops import FusedLayerOps  # noqa: E402
+from forerun.models.fused_ops import FusedLayerOps  # noqa: E402
 from forerun.kernels.skinny_gemm import GemmConfig, default_config, skinny_linear  # noqa: E402
 from forerun.attention.metadata import AttnMetadata  # noqa: E402
 from forerun.config import CacheConfig, ModelConfig  # noqa: E402

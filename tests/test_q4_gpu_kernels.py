@@ -454,7 +454,7 @@ def test_int4_model_forward_with_norms_fused_into_the_products():
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     import gpu as G
     from forerun.kernels import q4_cuda
-    from forerun.kernels.layer_ops import FusedLayerOps
+    from forerun.models.fused_ops import FusedLayerOps
     from forerun.models.ops import LayerOps
     from forerun.models.quant_cuda import quantize_model_cuda
     from forerun.runtime.runner import Chunk

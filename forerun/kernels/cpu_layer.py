@@ -3,9 +3,10 @@ add + RMSNorm, and Q/K norm + RoPE + the cache write, each one C call instead of
 
 Why: at batch 1 an int4 decode step of Qwen2.5-Coder-1.5B on 2 cores spent ~30 % of its time outside the matrix
 products (attention 100-180 us, RoPE + cache write 70-100 us, the two add + RMSNorm 60-80 us per layer; measured
-in docs/quantization.md). `CpuLayerOps` (the CPU's `LayerOps`, set by the runner on float32 CPU models) and
-`attention_rows` (called by the reference attention's CPU path) use them where `available()`; otherwise, and
-for other dtypes, the torch code runs as before. Every output row is computed alone in an order fixed by that
+in docs/quantization.md). `forerun.models.cpu_ops.CpuLayerOps` (the CPU's `LayerOps`, set by the runner on float32
+CPU models, through `add_rmsnorm_rows` and `qkv_rope_store`) and `attention_rows` (called by the reference
+attention's CPU path) use them where `available()`; otherwise, and for other dtypes, the torch code runs as
+before. Every output row is computed alone in an order fixed by that
 row, so a row's result does not depend on the rows beside it (batch invariance, tests/test_batch_invariance.py).
 """
 from __future__ import annotations
@@ -15,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from ..models.ops import LayerOps
 from .cbuild import AVX512_FLAGS, lazy_library
 
 
@@ -58,34 +58,32 @@ def attention_rows(qs: torch.Tensor, kf: torch.Tensor, vf: torch.Tensor, keys: t
     return out
 
 
-class CpuLayerOps(LayerOps):
-    """LayerOps on float32 CPU tensors through cpu_layer.c (add + RMSNorm; Q/K norm + RoPE + cache write); the
-    matrix products stay the layers' own (oneDNN / the int4 kernel). Anything else falls back to LayerOps."""
+def add_rmsnorm_rows(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rmsnorm(x + residual) * weight, x + residual) for float32 rows x [T, H] (residual None: s = x) in one C call;
+    None where the C code cannot take them (not float32 / contiguous / CPU, or the library did not build)."""
+    if not (_load() is not None and x.dim() == 2 and _ok(x, weight) and (residual is None or _ok(residual))):
+        return None
+    t, h = x.shape
+    s = torch.empty_like(x) if residual is not None else x
+    y = torch.empty_like(x)
+    _load().add_rmsnorm(_ptr(x), _ptr(residual), _ptr(weight), eps, _ptr(s), _ptr(y), t, h)
+    return y, s
 
-    def add_rmsnorm(self, x, residual, norm):
-        if not (_load() is not None and x.dim() == 2 and _ok(x, norm.weight)
-                and (residual is None or _ok(residual))):
-            return super().add_rmsnorm(x, residual, norm)
-        t, h = x.shape
-        s = torch.empty_like(x) if residual is not None else x
-        y = torch.empty_like(x)
-        _load().add_rmsnorm(_ptr(x), _ptr(residual), _ptr(norm.weight), norm.eps, _ptr(s), _ptr(y), t, h)
-        return y, s
 
-    def qkv_to_cache(self, qkv, positions, rope, q_norm, k_norm, layer, meta, kv, num_heads, num_kv_heads, head_dim):
-        kc, vc = kv.k[layer], kv.v[layer]
-        if not (_load() is not None and head_dim % 2 == 0 and head_dim <= 1024 and qkv.dim() == 2
-                and _ok(qkv, rope.cos, rope.sin, kc, vc) and positions.dtype == torch.int64
-                and meta.slot_mapping.dtype == torch.int64 and positions.is_contiguous()
-                and meta.slot_mapping.is_contiguous() and positions.device.type == "cpu"
-                and (q_norm is None or (_ok(q_norm.weight, k_norm.weight) and q_norm.eps == k_norm.eps))):
-            return super().qkv_to_cache(qkv, positions, rope, q_norm, k_norm, layer, meta, kv, num_heads,
-                                        num_kv_heads, head_dim)
-        t = qkv.shape[0]
-        q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype)
-        _load().qkv_rope_store(_ptr(qkv), _ptr(positions), _ptr(rope.cos), _ptr(rope.sin),
-                            _ptr(None if q_norm is None else q_norm.weight),
-                            _ptr(None if k_norm is None else k_norm.weight),
-                            q_norm.eps if q_norm is not None else 0.0, _ptr(meta.slot_mapping), _ptr(kc), _ptr(vc),
-                            _ptr(q), t, num_heads, num_kv_heads, head_dim)
-        return q
+def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, slots: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int,
+                   head_dim: int) -> torch.Tensor | None:
+    """Q/K norm (weights None: none) + RoPE of the fused qkv rows [T, (Hq + 2 Hkv) D], the keys and values written
+    at `slots` of the layer's caches; returns q [T, Hq, D]. None where the C code cannot take them."""
+    if not (_load() is not None and head_dim % 2 == 0 and head_dim <= 1024 and qkv.dim() == 2
+            and _ok(qkv, cos, sin, k_cache, v_cache) and positions.dtype == torch.int64
+            and slots.dtype == torch.int64 and positions.is_contiguous() and slots.is_contiguous()
+            and positions.device.type == "cpu" and (q_weight is None or _ok(q_weight, k_weight))):
+        return None
+    t = qkv.shape[0]
+    q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype)
+    _load().qkv_rope_store(_ptr(qkv), _ptr(positions), _ptr(cos), _ptr(sin), _ptr(q_weight), _ptr(k_weight), eps,
+                           _ptr(slots), _ptr(k_cache), _ptr(v_cache), _ptr(q), t, num_heads, num_kv_heads, head_dim)
+    return q

@@ -1,7 +1,7 @@
 """The layer-kernel extension point: the few operations a decoder layer is made of, behind one interface.
 
 `LayerOps` is the plain torch implementation (any device, any batch): it is the reference, and it is what the
-CPU and prefill run. `forerun.kernels.layer_ops.FusedLayerOps` overrides it on CUDA with Triton kernels that
+CPU and prefill run. `forerun.models.fused_ops.FusedLayerOps` overrides it on CUDA with Triton kernels that
 fuse each operation into one launch (and, for decode-sized batches, skinny matrix products). A model holds one
 `LayerOps` in `model.ops`, as it holds one attention backend in `model.backend`.
 """

@@ -554,13 +554,13 @@ class GraphRunner:
 def enable_cuda_graphs(runner: ModelRunner, max_q_len: int, batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64),
                        fused: bool = True, max_seqs: int | None = None) -> None:
     """Install Triton paged attention + CUDA-graph replay of uniform decode/verify steps (captured on first use).
-    fused: Triton layer kernels (forerun.kernels.layer_ops); otherwise the torch ops, with the norm /
+    fused: the layer kernels (forerun.models.fused_ops.FusedLayerOps); otherwise the torch ops, with the norm /
     rotary / MLP modules torch.compiled (the baseline the fused kernels are measured against)."""
     from ..attention.triton_backend import TritonPagedAttention
 
     runner.model.backend = TritonPagedAttention()
     if fused:
-        from ..kernels.layer_ops import FusedLayerOps
+        from ..models.fused_ops import FusedLayerOps
 
         # quantized products (CudaQ4Linear, CudaQ8Linear) fetch weights before waiting on the norm before them: the
         # norm waits too

@@ -75,7 +75,8 @@ class ModelRunner:
         self.buffers = StepBuffers(max_batch_tokens, max_seqs, max_blocks, self.device)
         self.graphs = None  # a cuda_graph.GraphRunner over this runner, when CUDA graphs are on
         if self.device.type == "cpu" and dtype == torch.float32 and type(getattr(model, "ops", None)) is LayerOps:
-            from ..kernels.cpu_layer import CpuLayerOps, available
+            from ..kernels.cpu_layer import available
+            from ..models.cpu_ops import CpuLayerOps
 
             if available():  # norms, RoPE and the cache write in C (kernels/cpu_layer.c); attention too
                 model.ops = CpuLayerOps()

@@ -1,4 +1,7 @@
-"""FusedLayerOps: forerun.models.ops.LayerOps on CUDA with Triton kernels.
+"""FusedLayerOps: forerun.models.ops.LayerOps on CUDA with the kernels of forerun/kernels (Triton, CUDA C++).
+
+(It lives with the models, not the kernels, so that kernels import nothing above them: the kernels are functions
+on tensors, this class wires them into a model's layers.)
 
 Per decoder layer this makes 8 launches plus attention (add+RMSNorm, qkv product, Q/K norm + RoPE + cache
 write, attention, o_proj, add+RMSNorm, gate/up product with SwiGLU, down product) where the torch path makes
@@ -13,10 +16,10 @@ import os
 import torch
 from torch import nn
 
-from ..models.ops import LayerOps
-from ..models.vocab_subset import SubsetHead
-from .fused_norm import add_rmsnorm, qk_norm_rope_store
-from .skinny_gemm import MAX_ROWS, GemmConfig, config_key, default_config, load_configs, skinny_linear
+from ..kernels.fused_norm import add_rmsnorm, qk_norm_rope_store
+from ..kernels.skinny_gemm import MAX_ROWS, GemmConfig, config_key, default_config, load_configs, skinny_linear
+from .ops import LayerOps
+from .vocab_subset import SubsetHead
 
 
 class FusedLayerOps(LayerOps):

@@ -101,8 +101,8 @@ def test_qkv_rope_store_equals_torch(threads, qk_norm):
     if qk_norm:  # Qwen3's per-head Q / K norms
         norms[0].weight.data, norms[1].weight.data = torch.rand(d) + 0.5, torch.rand(d) + 0.5
     with torch.inference_mode():
-        q = CpuLayerOps().qkv_to_cache(qkv, pos, rope, *norms, 1, SimpleNamespace(slot_mapping=slots),
-                                                 pools[0], hq, hkv, d)
+        q = CpuLayerOps().qkv_to_cache(qkv, pos, rope, *norms, 1, SimpleNamespace(slot_mapping=slots), pools[0],
+                                       hq, hkv, d)
         q0 = LayerOps().qkv_to_cache(qkv, pos, rope, *norms, 1, SimpleNamespace(slot_mapping=slots), pools[1],
                                      hq, hkv, d)
         torch.testing.assert_close(q, q0, rtol=1e-6, atol=1e-6)
@@ -110,9 +110,31 @@ def test_qkv_rope_store_equals_torch(threads, qk_norm):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
         assert pools[0].k[1].abs().sum() > 0 and pools[0].k[0].abs().sum() == 0  # layer 1 written, layer 0 not
         q3 = CpuLayerOps().qkv_to_cache(qkv[3:4].clone(), pos[3:4].clone(), rope, *norms, 1,
-                                                  SimpleNamespace(slot_mapping=slots[3:4].clone()), pools[0],
-                                                  hq, hkv, d)
+                                        SimpleNamespace(slot_mapping=slots[3:4].clone()), pools[0], hq, hkv, d)
         assert torch.equal(q3[0], q[3])  # a row alone: the same bits
+
+
+def test_what_the_c_code_cannot_take_falls_back_to_torch():
+    """The kernel functions say None for what they cannot take (here bfloat16 rows, Q / K norms of different eps), and
+    CpuLayerOps then runs LayerOps' torch code: the same result as LayerOps, not an error."""
+    torch.manual_seed(1)
+    x = torch.randn(3, 64).bfloat16()
+    norm = RMSNorm(64, 1e-6).bfloat16()
+    assert cpu_layer.add_rmsnorm_rows(x, None, norm.weight, norm.eps) is None
+    with torch.inference_mode():
+        y, s = CpuLayerOps().add_rmsnorm(x, x, norm)
+        y0, s0 = LayerOps().add_rmsnorm(x, x, norm)
+        assert torch.equal(y, y0) and torch.equal(s, s0)
+        hq, hkv, d = 2, 1, 32
+        cfg = SimpleNamespace(num_layers=1, num_kv_heads=hkv, head_dim=d, sliding_window=None)
+        pools = [KVPool(cfg, CacheConfig(block_size=4, num_blocks=4), torch.float32, "cpu") for _ in range(2)]
+        rope = RotaryEmbedding(d, 10000.0, None, 64)
+        qkv, pos, meta = torch.randn(2, (hq + 2 * hkv) * d), torch.tensor([0, 1]), SimpleNamespace(
+            slot_mapping=torch.tensor([0, 1]))
+        norms = (RMSNorm(d, 1e-6), RMSNorm(d, 1e-5))  # different eps: the C code takes one
+        q = CpuLayerOps().qkv_to_cache(qkv, pos, rope, *norms, 0, meta, pools[0], hq, hkv, d)
+        q0 = LayerOps().qkv_to_cache(qkv, pos, rope, *norms, 0, meta, pools[1], hq, hkv, d)
+        assert torch.equal(q, q0) and torch.equal(pools[0].k, pools[1].k)
 
 
 def test_cpu_float32_runner_uses_the_c_layer_ops(tmp_path):

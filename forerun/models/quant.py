@@ -296,8 +296,7 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
     seen, quant, other = set(), 0, 0
     for m in model.modules():
         if hasattr(m, "qw32") or hasattr(m, "qw8"):  # CudaQ4Linear / CudaQ8Linear (quant_cuda.py): their buffers
-            packed = getattr(m, "lane_scales", None)  # (the tensor-core kernel's copy of the scales: held,
-            # not streamed)
+            packed = getattr(m, "lane_scales", None)  # (a kernel's copy of the scales: held, not streamed)
             quant += m.weight_bytes + (0 if packed is None else packed.numel() * packed.element_size())
             seen.update(t.data_ptr() for t in (getattr(m, "qw32", None), getattr(m, "qw8", None), m.scale,
                                                getattr(m, "zero", None), packed) if t is not None)

@@ -139,10 +139,9 @@ def q4_product(x: torch.Tensor, qw32, scale, zero, glu: bool, cfg: dict, packed=
     while k % cfg["block_k"]:  # K steps must divide K (and stay powers of two): 896 -> 128, 1536 -> 512
         cfg["block_k"] //= 2
     kernel = cfg.pop("kernel")
-    if cfg.pop("lane_scales", True) and kernel == "m" and packed is not None:
-        cfg["packed"] = packed
-    if cfg.pop("x_staged", False) and kernel == "m":
-        cfg["x_staged"] = True
+    lane_scales, x_staged = cfg.pop("lane_scales", True), cfg.pop("x_staged", False)
+    if kernel == "m":
+        cfg.update(packed=packed if lane_scales else None, x_staged=x_staged)
     return KERNELS[kernel](x, qw32, scale, zero, glu=glu, **cfg)
 
 

@@ -277,6 +277,64 @@ def test_cuda_c_kernel_source_compiles_for_every_shape_it_takes():
             assert "0 bytes spill stores" in out.stderr, (k, r, w, depth, out.stderr[-500:])
 
 
+def test_cuda_dequant_source_compiles_without_spills():
+    """q4_cuda's wide-product dequantization pass (the bf16 matrix cuBLAS multiplies for more than CHUNKED_ROWS
+    rows) compiles with nvcc for every words-per-thread setting the benchmark tries, no local memory."""
+    import shutil
+    import tempfile
+
+    from forerun.kernels import q4_cuda
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc here")
+    with tempfile.TemporaryDirectory() as d:
+        for vec in (1, 2, 4):
+            src = os.path.join(d, "d.cu")
+            with open(src, "w") as f:
+                f.write(q4_cuda._DEQUANT_SRC.format(VEC=vec))
+            out = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", os.path.join(d, "d.cubin"), src,
+                                  "-Xptxas", "-v"], capture_output=True, text=True, timeout=300)
+            assert out.returncode == 0, out.stderr[-2000:]
+            assert "0 bytes spill stores" in out.stderr, (vec, out.stderr[-500:])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (run on the GPU machine)")
+def test_cuda_dequant_equals_the_groups_exactly_on_gpu(monkeypatch):
+    """q4c_dequant gives every weight as code * scale + zero of its own group in float32, rounded once to bf16, bit
+    for bit as Triton's pass: word counts that leave a partial step of the grid-stride loop, one group per row, a
+    swapped half-word fails; CudaQ4Linear.dequantized() takes it, or Triton's with FORERUN_Q4_DEQUANT=triton."""
+    from forerun.kernels.q4_cuda import available, q4c_dequant
+    from forerun.kernels.quant_gemm import dequantize_int4_w32
+    if not available():
+        pytest.skip("no NVRTC here")
+    torch.manual_seed(0)
+    for n, k in ((3, 32), (37, 96), (256, 4096), (1000, 1536)):
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8, device="cuda")
+        s = (torch.rand(n, k // 32, device="cuda") + 0.5).to(torch.bfloat16)
+        z = torch.randn(n, k // 32, device="cuda").to(torch.bfloat16)
+        want = (q.float().reshape(n, -1, 32) * s.float()[..., None] + z.float()[..., None]).reshape(n, k)
+        want = want.to(torch.bfloat16)
+        qw = pack_int4_w32(q)
+        for vec in (1, 2, 4):
+            assert torch.equal(q4c_dequant(qw, s, z, vec=vec), want), (n, k, vec)
+        assert torch.equal(dequantize_int4_w32(qw, s, z, torch.bfloat16), want), (n, k)
+    swapped = pack_int4_w32(q.reshape(n, -1, 2).flip(-1).reshape(n, k))
+    assert not torch.equal(q4c_dequant(swapped, s, z), want)
+    with pytest.raises(ValueError, match="q4c_dequant"):
+        q4c_dequant(qw, s.float(), z)
+    from forerun.models import quant_cuda
+    calls = []
+    real = quant_cuda.q4c_dequant
+    monkeypatch.setattr(quant_cuda, "q4c_dequant", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    lin = CudaQ4Linear.from_float(torch.randn(64, 256, device="cuda", dtype=torch.bfloat16))
+    x = torch.randn(lin.CHUNKED_ROWS + 1, 256, device="cuda", dtype=torch.bfloat16)
+    y = lin(x)
+    assert calls and torch.equal(y, x @ lin.dequantized().t())
+    monkeypatch.setenv("FORERUN_Q4_DEQUANT", "triton")
+    calls.clear()
+    assert torch.equal(lin(x), y) and not calls
+
+
 def test_cuda_c_kernel_falls_back_to_triton_configs_where_it_cannot_run(monkeypatch):
     """A tuned table whose 1-row entry is the CUDA kernel ("c") gives the Triton winner kept beside it (or the
     default) on a machine where the kernel cannot compile or is switched off (FORERUN_Q4_CUDA=0)."""

@@ -357,3 +357,76 @@ def _launch(x, norm, qw32, scale, zero, glu, rows, warps, depth, pdl) -> tuple[t
         nvrtc.launch(kern, (n_out + per_block - 1) // per_block, 32 * warps, smem_bytes(k, norm is not None),
                      [x, qw32, scale, zero, y, n_out, n_out] + extra, pdl)
     return y, s
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The word layout's weights as a bf16 matrix, for products of more rows than the kernels take (prefill, wide
+# verification at a batch): cuBLAS multiplies the result. Triton's one-pass kernel (quant_gemm.dequantize_int4_w32)
+# serves where this cannot run. Each thread turns words of 8 codes into 8 bf16 (a 4-byte load, a 16-byte store),
+# `VEC` words in a row per step of its grid-stride loop; w = code * scale + zero in float32 (multiply, then add:
+# no contraction into an fma, as torch computes the reference), rounded once.
+_DEQUANT_SRC = r"""
+#define VEC {VEC}
+__device__ __forceinline__ float bf2f(unsigned short h) {{ return __uint_as_float(((unsigned int)h) << 16); }}
+
+__device__ __forceinline__ unsigned int pair(unsigned int w, int shift, float s, float z) {{
+    const float lo = __fadd_rn(__fmul_rn((float)((w >> shift) & 15u), s), z);
+    const float hi = __fadd_rn(__fmul_rn((float)((w >> (shift + 16)) & 15u), s), z);
+    unsigned int r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}}
+
+extern "C" __global__ void __launch_bounds__(256)
+q4c_dequant(const unsigned int* __restrict__ qw, const unsigned short* __restrict__ S,
+            const unsigned short* __restrict__ Z, uint4* __restrict__ y, long long words)
+{{
+    const long long stride = (long long)gridDim.x * blockDim.x * VEC;
+    for (long long i0 = ((long long)blockIdx.x * blockDim.x + threadIdx.x) * VEC; i0 < words; i0 += stride) {{
+        unsigned int w[VEC];
+        #pragma unroll
+        for (int v = 0; v < VEC; v++) w[v] = i0 + v < words ? __ldg(qw + i0 + v) : 0u;
+        #pragma unroll
+        for (int v = 0; v < VEC; v++) {{
+            const long long i = i0 + v;
+            if (i < words) {{
+                const long long g = i >> 2;  // 4 words (32 codes) per group, rows of whole groups
+                const float s = bf2f(__ldg(S + g)), z = bf2f(__ldg(Z + g));
+                uint4 o;  // code c of a word: nibble c / 2 of its low (c even) or high (c odd) half
+                o.x = pair(w[v], 0, s, z);
+                o.y = pair(w[v], 4, s, z);
+                o.z = pair(w[v], 8, s, z);
+                o.w = pair(w[v], 12, s, z);
+                y[i] = o;
+            }}
+        }}
+    }}
+}}
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _dequant_kernel_on(device: int, vec: int):
+    return nvrtc.kernel(_DEQUANT_SRC.format(VEC=vec), "q4c_dequant")
+
+
+def q4c_dequant(qw32: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, vec: int = 1,
+                blocks_per_sm: int = 8) -> torch.Tensor:
+    """The word layout's weights [N, K] in bf16 (code * scale + zero, rounded once; equal to
+    `quant_gemm.dequantize_int4_w32`'s), one memory-bound pass; bf16 scales and offsets, contiguous buffers.
+    On the H200 (8B shapes, benchmarks/q4_wide_gpu.py) one word per thread (vec=1) reads and writes at 76-87 % of
+    copy bandwidth, 2 and 4 at 45 % and 30 %; Triton's pass at 8 %."""
+    n, kw = qw32.shape
+    if scale.dtype != torch.bfloat16 or zero.dtype != torch.bfloat16 or scale.shape != (n, kw // 4) \
+            or zero.shape != scale.shape or not (qw32.is_contiguous() and scale.is_contiguous()
+                                                 and zero.is_contiguous()):
+        raise ValueError(f"q4c_dequant: contiguous qw32 [N, K/8] and bf16 scale / zero [N, K/32]; got qw32 "
+                         f"{tuple(qw32.shape)}, scale {tuple(scale.shape)} {scale.dtype}, zero {zero.dtype}")
+    y = torch.empty(n, kw * 8, dtype=torch.bfloat16, device=qw32.device)
+    words = n * kw
+    with torch.cuda.device(qw32.device):
+        kern = _dequant_kernel_on(torch.cuda.current_device(), vec)
+        sms = torch.cuda.get_device_properties(qw32.device).multi_processor_count
+        grid = max(1, min(sms * blocks_per_sm, -(-words // (256 * vec))))
+        nvrtc.launch(kern, grid, 256, 0, [qw32, scale, zero, y, ctypes.c_longlong(words)], False)
+    return y

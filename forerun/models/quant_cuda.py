@@ -9,7 +9,8 @@ kernels/q4_cuda.py, 2-16 rows of the layers' products the tensor-core kernel of 
 with NVRTC (the head's 2-16-row entries are still Triton's, not yet measured against it); the Triton kernels where
 NVRTC cannot run; a shape the table lacks takes the tensor-core kernel from 2 rows). Up to
 `CudaQ4Linear.CHUNKED_ROWS` rows run as 16-row calls (32-row calls on the tensor-core kernel); larger ones
-(prefill) dequantize the matrix to bf16 in one pass (`dequantize_int4_w32`) and use cuBLAS. A fused gate/up
+(prefill, wide verification at a batch) dequantize the matrix to bf16 in one pass (`q4_cuda.q4c_dequant` where
+NVRTC runs, else Triton's `dequantize_int4_w32`, 10x slower) and use cuBLAS. A fused gate/up
 matrix also offers `glu(x)`: the SwiGLU in the kernel's epilogue, as FusedLayerOps does for bf16.
 
 `CudaQ8Linear` holds a matrix as 8-bit codes with one scale per 32 weights (GGUF Q8_0: 8.5 bits per weight with
@@ -25,6 +26,7 @@ its int4 form, quantized with min/max per group of 32 (the GGUF Q4_1 recipe), or
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -33,7 +35,7 @@ from torch import nn
 from ..kernels.quant_gemm import (GROUP, MAX_ROWS, Q8_MAX_ROWS, dequantize_int4_w32, dequantize_int8_w32,
                                   pack_int4_w32, pack_int8_w32, q4r_linear, q4t_linear, q4v_linear, q4w2_linear,
                                   q4w_linear, q8v_linear, unpack_int8_w32)
-from ..kernels.q4_cuda import available as q4c_available, q4c_linear, q4c_norm_linear
+from ..kernels.q4_cuda import available as q4c_available, q4c_dequant, q4c_linear, q4c_norm_linear
 from ..kernels.q4_mma import MAX_ROWS as Q4M_MAX_ROWS, SUPER as Q4M_SUPER, available as q4m_available, \
     default_warps as q4m_default_warps, fits as q4m_fits, packed_scales as q4m_packed_scales, q4m_linear
 from .quant import quantize_groups_int4
@@ -213,9 +215,12 @@ class CudaQ4Linear(CudaQuantLinear):
         return sum(t.numel() * t.element_size() for t in (self.qw32, self.scale, self.zero))
 
     def dequantized(self) -> torch.Tensor:  # [N, K] in self.dtype (products of more than CHUNKED_ROWS rows)
-        if self.qw32.is_cuda:  # the one-pass kernel (tests run it under the interpreter directly)
-            return dequantize_int4_w32(self.qw32, self.scale, self.zero, self.dtype)
-        return self.dequantized_reference()
+        if not self.qw32.is_cuda:
+            return self.dequantized_reference()
+        if self.dtype == torch.bfloat16 and os.environ.get("FORERUN_Q4_DEQUANT", "cuda") != "triton" \
+                and q4c_available(self.qw32):  # the CUDA C++ pass (same values; benchmarks/q4_wide_gpu.py)
+            return q4c_dequant(self.qw32, self.scale, self.zero)
+        return dequantize_int4_w32(self.qw32, self.scale, self.zero, self.dtype)  # (Triton's one pass)
 
     def dequantized_reference(self) -> torch.Tensor:  # [N, K] in self.dtype, torch ops (rounded twice)
         v = self.qw32

@@ -9,7 +9,8 @@ timed in CUDA graphs over enough weight copies that nothing comes from L2:
   * ``dequant CUDA vN + cuBLAS``: `q4_cuda.q4c_dequant` (N words per thread and step), then cuBLAS;
   * ``dequant Triton`` / ``dequant CUDA vN`` alone, against their floor (int4 bytes read + bf16 bytes written over
     the copy bandwidth);
-  * ``32-row kernel calls``: the tensor-core kernel (kernels/q4_mma.py) over the rows 32 at a time.
+  * ``32-row kernel calls``: the tensor-core kernel (kernels/q4_mma.py) over the rows 32 at a time;
+  * the int8 layout of the same matrix (CudaQ8Linear): Triton's and the CUDA dequantization pass.
 
 Then whole forward steps of the random 8B-shape int4 model (batch x tokens: 4 x 16 = 64 rows, 8 x 16, 16 x 16,
 32 x 16) with each wide path, beside bf16. Prints tables, writes JSON (+ PNG).
@@ -30,9 +31,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gpu as G  # noqa: E402
 from skinny_gemm import bench_graph  # noqa: E402
-from forerun.kernels.q4_cuda import q4c_dequant  # noqa: E402
-from forerun.kernels.quant_gemm import dequantize_int4_w32, unpack_int4_w32  # noqa: E402
-from forerun.models.quant_cuda import CudaQ4Linear, q4_product, tuned  # noqa: E402
+from forerun.kernels.q4_cuda import q4c_dequant, q8c_dequant  # noqa: E402
+from forerun.kernels.quant_gemm import dequantize_int4_w32, dequantize_int8_w32, unpack_int4_w32, unpack_int8_w32  # noqa: E402,E501
+from forerun.models.quant_cuda import CudaQ4Linear, CudaQ8Linear, q4_product, tuned  # noqa: E402
 from forerun.runtime.cuda_graph import GraphRunner  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096, False), "o": (4096, 4096, False), "gate/up": (12288, 4096, True),
@@ -81,6 +82,20 @@ def products(bw: float, l2: int, rows) -> dict:
                 lambda v=v: [q4c_dequant(c.qw32, c.scale, c.zero, vec=v) for c in mats]) * 1e3 / copies
         G.log(f"{name:8s} dequant: floor {row0['dequant_floor_us']:.1f} us | " + " | ".join(
             f"{key} {us:.1f}" for key, us in row0["dequant"].items()) + f" | exact {exact}")
+        # the int8 layout (CudaQ8Linear: GGUF Q8_0 / Q6_K heads of Q4_K_M files) of the same matrix, its two passes
+        q8 = CudaQ8Linear.from_float(ref_w)
+        m8 = [q8] + [SimpleNamespace(qw8=q8.qw8.clone(), scale=q8.scale.clone()) for _ in range(copies - 1)]
+        want8 = (unpack_int8_w32(q8.qw8).float().reshape(rows_w, -1, 32) * q8.scale.float()[..., None]).reshape(
+            rows_w, k).to(torch.bfloat16)
+        row0["int8"] = dict(bytes=q8.weight_bytes, floor_us=(q8.weight_bytes + bf16_bytes) / bw * 1e6, exact=dict(
+            triton=torch.equal(dequantize_int8_w32(q8.qw8, q8.scale, torch.bfloat16), want8),
+            cuda=torch.equal(q8c_dequant(q8.qw8, q8.scale), want8)))
+        row0["int8"]["Triton"] = bench_graph(
+            lambda: [dequantize_int8_w32(c.qw8, c.scale, torch.bfloat16) for c in m8]) * 1e3 / copies
+        row0["int8"]["CUDA"] = bench_graph(lambda: [q8c_dequant(c.qw8, c.scale) for c in m8]) * 1e3 / copies
+        G.log(f"{name:8s} int8 dequant: floor {row0['int8']['floor_us']:.1f} us | Triton {row0['int8']['Triton']:.1f} "
+              f"| CUDA {row0['int8']['CUDA']:.1f} | exact {row0['int8']['exact']}")
+        q8 = m8 = want8 = None
         best_vec = min(VECS, key=lambda v: row0["dequant"][f"CUDA v{v}"])
         row0["best_vec"], row0["rows"] = best_vec, {}
         for m in rows:
@@ -158,6 +173,13 @@ def report(res: dict) -> None:
         d = r["dequant"]
         print(f"| {name} | {r['dequant_floor_us']:.1f} | {d['Triton']:.1f} ({r['dequant_floor_us'] / d['Triton']:.0%}) | "
               + " | ".join(f"{d[f'CUDA v{v}']:.1f} ({r['dequant_floor_us'] / d[f'CUDA v{v}']:.0%})" for v in VECS) + " |")
+    if any("int8" in r for r in res["products"].values()):
+        print("\n| product (int8 layout) | dequant floor us | Triton us | CUDA us |\n| --- | --- | --- | --- |")
+        for name, r in res["products"].items():
+            e = r.get("int8")
+            if e:
+                print(f"| {name} | {e['floor_us']:.1f} | {e['Triton']:.1f} ({e['floor_us'] / e['Triton']:.0%}) | "
+                      f"{e['CUDA']:.1f} ({e['floor_us'] / e['CUDA']:.0%}) |")
     labels = sorted({key for r in res["products"].values() for t in r["rows"].values() for key in t}, key=str)
     print("\n| product | rows | " + " | ".join(labels) + " |")
     print("| --- | --- | " + " | ".join("---" for _ in labels) + " |")

@@ -278,8 +278,9 @@ def test_cuda_c_kernel_source_compiles_for_every_shape_it_takes():
 
 
 def test_cuda_dequant_source_compiles_without_spills():
-    """q4_cuda's wide-product dequantization pass (the bf16 matrix cuBLAS multiplies for more than CHUNKED_ROWS
-    rows) compiles with nvcc for every words-per-thread setting the benchmark tries, no local memory."""
+    """q4_cuda's wide-product dequantization passes (the bf16 matrix cuBLAS multiplies for more than CHUNKED_ROWS
+    rows) compile with nvcc: int4 for every words-per-thread setting the benchmark tries, int8 for each scale type;
+    no local memory."""
     import shutil
     import tempfile
 
@@ -288,14 +289,15 @@ def test_cuda_dequant_source_compiles_without_spills():
     if nvcc is None:
         pytest.skip("no nvcc here")
     with tempfile.TemporaryDirectory() as d:
-        for vec in (1, 2, 4):
+        for src_text in [q4_cuda._DEQUANT_SRC.format(VEC=v) for v in (1, 2, 4)] + [
+                q4_cuda._DEQUANT8_SRC.format(SCALE=kind) for kind in (0, 1, 2)]:
             src = os.path.join(d, "d.cu")
             with open(src, "w") as f:
-                f.write(q4_cuda._DEQUANT_SRC.format(VEC=vec))
+                f.write(src_text)
             out = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", os.path.join(d, "d.cubin"), src,
                                   "-Xptxas", "-v"], capture_output=True, text=True, timeout=300)
             assert out.returncode == 0, out.stderr[-2000:]
-            assert "0 bytes spill stores" in out.stderr, (vec, out.stderr[-500:])
+            assert "0 bytes spill stores" in out.stderr, out.stderr[-500:]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (run on the GPU machine)")
@@ -327,6 +329,42 @@ def test_cuda_dequant_equals_the_groups_exactly_on_gpu(monkeypatch):
     real = quant_cuda.q4c_dequant
     monkeypatch.setattr(quant_cuda, "q4c_dequant", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     lin = CudaQ4Linear.from_float(torch.randn(64, 256, device="cuda", dtype=torch.bfloat16))
+    x = torch.randn(lin.CHUNKED_ROWS + 1, 256, device="cuda", dtype=torch.bfloat16)
+    y = lin(x)
+    assert calls and torch.equal(y, x @ lin.dequantized().t())
+    monkeypatch.setenv("FORERUN_Q4_DEQUANT", "triton")
+    calls.clear()
+    assert torch.equal(lin(x), y) and not calls
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (run on the GPU machine)")
+def test_cuda_int8_dequant_equals_the_groups_exactly_on_gpu(monkeypatch):
+    """q8c_dequant gives (u - 128) * scale of each weight's own group in float32, rounded once to bf16, bit for bit
+    as Triton's pass, for bf16 / f16 / f32 scales; a swapped byte pair fails; CudaQ8Linear.dequantized() takes it
+    (Triton's with FORERUN_Q4_DEQUANT=triton)."""
+    from forerun.kernels.q4_cuda import available, q8c_dequant
+    from forerun.kernels.quant_gemm import dequantize_int8_w32, pack_int8_w32
+    from forerun.models.quant_cuda import CudaQ8Linear
+    if not available():
+        pytest.skip("no NVRTC here")
+    torch.manual_seed(0)
+    for n, k in ((3, 32), (37, 96), (1000, 1536)):
+        q = torch.randint(-128, 128, (n, k), dtype=torch.int16, device="cuda").to(torch.int8)
+        for dt in (torch.bfloat16, torch.float16, torch.float32):
+            s = (torch.rand(n, k // 32, device="cuda") * 0.01 + 1e-3).to(dt)
+            want = (q.float().reshape(n, -1, 32) * s.float()[..., None]).reshape(n, k).to(torch.bfloat16)
+            qw = pack_int8_w32(q)
+            assert torch.equal(q8c_dequant(qw, s), want), (n, k, dt)
+            assert torch.equal(dequantize_int8_w32(qw, s, torch.bfloat16), want), (n, k, dt)
+    swapped = pack_int8_w32(q.reshape(n, -1, 2).flip(-1).reshape(n, k))
+    assert not torch.equal(q8c_dequant(swapped, s), want)
+    with pytest.raises(ValueError, match="q8c_dequant"):
+        q8c_dequant(qw, s.to(torch.float64))
+    from forerun.models import quant_cuda
+    calls = []
+    real = quant_cuda.q8c_dequant
+    monkeypatch.setattr(quant_cuda, "q8c_dequant", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    lin = CudaQ8Linear.from_float(torch.randn(64, 256, device="cuda", dtype=torch.bfloat16))
     x = torch.randn(lin.CHUNKED_ROWS + 1, 256, device="cuda", dtype=torch.bfloat16)
     y = lin(x)
     assert calls and torch.equal(y, x @ lin.dequantized().t())

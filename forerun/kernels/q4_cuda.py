@@ -430,3 +430,69 @@ def q4c_dequant(qw32: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, vec
         grid = max(1, min(sms * blocks_per_sm, -(-words // (256 * vec))))
         nvrtc.launch(kern, grid, 256, 0, [qw32, scale, zero, y, ctypes.c_longlong(words)], False)
     return y
+
+
+# The int8 word layout (quant_gemm.pack_int8_w32: int32 words of 4 codes biased by +128, one scale per 32 codes) as
+# a bf16 matrix, the same way: two words (8 codes) per thread and step, w = (u - 128) * scale in float32, rounded
+# once (as quant_gemm.dequantize_int8_w32). SCALE: the scales' type, 0 bf16, 1 f16, 2 f32.
+_DEQUANT8_SRC = r"""
+#define SCALE {SCALE}
+#if SCALE == 2
+typedef float scale_t;
+__device__ __forceinline__ float sf(scale_t v) {{ return v; }}
+#elif SCALE == 1
+typedef unsigned short scale_t;
+__device__ __forceinline__ float sf(scale_t v) {{ float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v)); return f; }}
+#else
+typedef unsigned short scale_t;
+__device__ __forceinline__ float sf(scale_t v) {{ return __uint_as_float(((unsigned int)v) << 16); }}
+#endif
+
+__device__ __forceinline__ unsigned int pair8(unsigned int w, int byte, float s) {{
+    const float lo = __fmul_rn((float)((w >> (8 * byte)) & 255u) - 128.0f, s);
+    const float hi = __fmul_rn((float)((w >> (8 * byte + 8)) & 255u) - 128.0f, s);
+    unsigned int r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}}
+
+extern "C" __global__ void __launch_bounds__(256)
+q8c_dequant(const uint2* __restrict__ qw, const scale_t* __restrict__ S, uint4* __restrict__ y, long long pairs)
+{{
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < pairs; i += stride) {{
+        const uint2 w = __ldg(qw + i);   // codes 8i .. 8i + 7
+        const float s = sf(S[i >> 2]);   // 4 word pairs (32 codes) per group, rows of whole groups
+        uint4 o;
+        o.x = pair8(w.x, 0, s);
+        o.y = pair8(w.x, 2, s);
+        o.z = pair8(w.y, 0, s);
+        o.w = pair8(w.y, 2, s);
+        y[i] = o;
+    }}
+}}
+"""
+_SCALE_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+@functools.lru_cache(maxsize=None)
+def _dequant8_kernel_on(device: int, scale_kind: int):
+    return nvrtc.kernel(_DEQUANT8_SRC.format(SCALE=scale_kind), "q8c_dequant")
+
+
+def q8c_dequant(qw8: torch.Tensor, scale: torch.Tensor, blocks_per_sm: int = 8) -> torch.Tensor:
+    """The int8 word layout's weights [N, K] in bf16 ((u - 128) * scale, rounded once; equal to
+    `quant_gemm.dequantize_int8_w32`'s), one memory-bound pass; scales bf16, f16 or f32, contiguous buffers."""
+    n, kw = qw8.shape
+    if scale.dtype not in _SCALE_KINDS or scale.shape != (n, kw // 8) or qw8.dtype != torch.int32 \
+            or not (qw8.is_contiguous() and scale.is_contiguous()):
+        raise ValueError(f"q8c_dequant: contiguous int32 qw8 [N, K/4] and scale [N, K/32] (bf16 / f16 / f32); got "
+                         f"qw8 {tuple(qw8.shape)} {qw8.dtype}, scale {tuple(scale.shape)} {scale.dtype}")
+    y = torch.empty(n, kw * 4, dtype=torch.bfloat16, device=qw8.device)
+    pairs = n * kw // 2
+    with torch.cuda.device(qw8.device):
+        kern = _dequant8_kernel_on(torch.cuda.current_device(), _SCALE_KINDS[scale.dtype])
+        sms = torch.cuda.get_device_properties(qw8.device).multi_processor_count
+        grid = max(1, min(sms * blocks_per_sm, -(-pairs // 256)))
+        nvrtc.launch(kern, grid, 256, 0, [qw8, scale, y, ctypes.c_longlong(pairs)], False)
+    return y

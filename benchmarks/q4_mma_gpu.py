@@ -86,21 +86,23 @@ def products(bw: float, l2: int) -> dict:
             out[config_key(m, n, k, glu)] = row
             G.log(f"{name:8s} m={m:2d}: table {table['kernel']} {row['table_us']:7.1f} us, mma {best['us']:7.1f} us "
                   f"({row['speedup']:.2f}x; floor {floor_us:.1f} us, err {best['rel_err']:.1e})")
-        del mats, one
+        mats = one = None  # (freed before the next shape)
         torch.cuda.empty_cache()
     return out
 
 
-def steps(model, label: str, res: dict, ctx0: int = 512) -> None:
-    side = G.make_side(model, max(b for b, _ in STEPS), ctx0 + 32)
-    for b, q in STEPS:
+def steps(model, label: str, res: dict, ctx0: int = 512, shapes=STEPS, inner: int = 20, outer: int = 5) -> None:
+    """Forward steps (batch x tokens in shapes) replayed from CUDA graphs, ms into res["BxT"][label]."""
+    side = G.make_side(model, max(b for b, _ in shapes), ctx0 + 32)
+    for b, q in shapes:
         ids = torch.zeros(b, q, dtype=torch.int64, device=G.DEV)
         ctx = torch.full((b,), ctx0, dtype=torch.int64, device=G.DEV)
         side.graphs = GraphRunner(side.runner, batch_sizes=[b], max_q_len=q)
-        ms = G.bench_ms(lambda: side.graphs.run_uniform(ids, ctx, q), inner=20, outer=5)
+        ms = G.bench_ms(lambda: side.graphs.run_uniform(ids, ctx, q), inner=inner, outer=outer)
         res.setdefault(f"{b}x{q}", {})[label] = ms
-        G.log(f"{label:12s} {b:2d} x {q:2d}: {ms:.3f} ms")
+        G.log(f"{label:24s} {b:2d} x {q:2d}: {ms:.3f} ms")
         del side.graphs
+        torch.cuda.empty_cache()
 
 
 def main() -> int:

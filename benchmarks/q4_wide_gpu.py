@@ -34,7 +34,7 @@ from skinny_gemm import bench_graph  # noqa: E402
 from forerun.kernels.q4_cuda import q4c_dequant, q8c_dequant  # noqa: E402
 from forerun.kernels.quant_gemm import dequantize_int4_w32, dequantize_int8_w32, unpack_int4_w32, unpack_int8_w32  # noqa: E402,E501
 from forerun.models.quant_cuda import CudaQ4Linear, CudaQ8Linear, q4_product, tuned  # noqa: E402
-from forerun.runtime.cuda_graph import GraphRunner  # noqa: E402
+from q4_mma_gpu import steps  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096, False), "o": (4096, 4096, False), "gate/up": (12288, 4096, True),
           "down": (4096, 12288, False), "head": (151936, 4096, False)}  # outputs (per half with SwiGLU), K, SwiGLU
@@ -119,19 +119,6 @@ def products(bw: float, l2: int, rows) -> dict:
     return out
 
 
-def steps(model, label: str, res: dict, ctx0: int = 512) -> None:
-    side = G.make_side(model, max(b for b, _ in STEPS), ctx0 + 32)
-    for b, q in STEPS:
-        ids = torch.zeros(b, q, dtype=torch.int64, device=G.DEV)
-        ctx = torch.full((b,), ctx0, dtype=torch.int64, device=G.DEV)
-        side.graphs = GraphRunner(side.runner, batch_sizes=[b], max_q_len=q)
-        ms = G.bench_ms(lambda: side.graphs.run_uniform(ids, ctx, q), inner=5, outer=3)
-        res.setdefault(f"{b}x{q}", {})[label] = ms
-        G.log(f"{label:24s} {b:2d} x {q:2d}: {ms:.3f} ms")
-        del side.graphs
-        torch.cuda.empty_cache()
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/q4_wide.json")
@@ -147,7 +134,7 @@ def main() -> int:
     if not args.no_steps:
         model = G.build_model(G.QWEN3_8B, args.layers, seed=1)
         model.ops = G.FusedLayerOps()
-        steps(model, "bf16", res["steps"])
+        steps(model, "bf16", res["steps"], shapes=STEPS, inner=5, outer=3)
         quantize_as_engine(model)
         for label, env, chunked in (("int4, dequant Triton", "triton", None), ("int4, dequant CUDA", "cuda", None),
                                     ("int4, 32-row kernel calls", "cuda", 1 << 20)):
@@ -155,7 +142,7 @@ def main() -> int:
             saved = CudaQ4Linear.CHUNKED_ROWS
             if chunked:
                 CudaQ4Linear.CHUNKED_ROWS = chunked
-            steps(model, label, res["steps"])
+            steps(model, label, res["steps"], shapes=STEPS, inner=5, outer=3)
             CudaQ4Linear.CHUNKED_ROWS = saved
         os.environ.pop("FORERUN_Q4_DEQUANT", None)
     report(res)

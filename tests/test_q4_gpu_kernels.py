@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from forerun.kernels.quant_gemm import (dequantize_int4, pack_int4_w32, quantize_int4, repack_int4_w32, unpack_int4,
+from forerun.kernels.quant_gemm import (pack_int4_w32, quantize_int4, repack_int4_w32, unpack_int4,
                                         unpack_int4_w32, x_pairs_f16)
 from forerun.models.quant import quantize_groups_int4
 from forerun.models.quant_cuda import CudaQ4Linear
@@ -277,6 +277,22 @@ def test_cuda_c_kernel_source_compiles_for_every_shape_it_takes():
             assert "0 bytes spill stores" in out.stderr, (k, r, w, depth, out.stderr[-500:])
 
 
+def _wide_products_take_the_cuda_pass(cls, name: str, monkeypatch) -> None:
+    """A product of CHUNKED_ROWS + 1 rows through cls dequantizes with quant_cuda.<name> (the CUDA pass) and
+    equals cuBLAS on that matrix; with FORERUN_Q4_DEQUANT=triton the Triton pass gives the same result."""
+    from forerun.models import quant_cuda
+    calls = []
+    real = getattr(quant_cuda, name)
+    monkeypatch.setattr(quant_cuda, name, lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    lin = cls.from_float(torch.randn(64, 256, device="cuda", dtype=torch.bfloat16))
+    x = torch.randn(lin.CHUNKED_ROWS + 1, 256, device="cuda", dtype=torch.bfloat16)
+    y = lin(x)
+    assert calls and torch.equal(y, x @ lin.dequantized().t())
+    monkeypatch.setenv("FORERUN_Q4_DEQUANT", "triton")
+    calls.clear()
+    assert torch.equal(lin(x), y) and not calls
+
+
 def test_cuda_dequant_source_compiles_without_spills():
     """q4_cuda's wide-product dequantization passes (the bf16 matrix cuBLAS multiplies for more than CHUNKED_ROWS
     rows) compile with nvcc: int4 for every words-per-thread setting the benchmark tries, int8 for each scale type;
@@ -324,17 +340,7 @@ def test_cuda_dequant_equals_the_groups_exactly_on_gpu(monkeypatch):
     assert not torch.equal(q4c_dequant(swapped, s, z), want)
     with pytest.raises(ValueError, match="q4c_dequant"):
         q4c_dequant(qw, s.float(), z)
-    from forerun.models import quant_cuda
-    calls = []
-    real = quant_cuda.q4c_dequant
-    monkeypatch.setattr(quant_cuda, "q4c_dequant", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    lin = CudaQ4Linear.from_float(torch.randn(64, 256, device="cuda", dtype=torch.bfloat16))
-    x = torch.randn(lin.CHUNKED_ROWS + 1, 256, device="cuda", dtype=torch.bfloat16)
-    y = lin(x)
-    assert calls and torch.equal(y, x @ lin.dequantized().t())
-    monkeypatch.setenv("FORERUN_Q4_DEQUANT", "triton")
-    calls.clear()
-    assert torch.equal(lin(x), y) and not calls
+    _wide_products_take_the_cuda_pass(CudaQ4Linear, "q4c_dequant", monkeypatch)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (run on the GPU machine)")
@@ -360,17 +366,7 @@ def test_cuda_int8_dequant_equals_the_groups_exactly_on_gpu(monkeypatch):
     assert not torch.equal(q8c_dequant(swapped, s), want)
     with pytest.raises(ValueError, match="q8c_dequant"):
         q8c_dequant(qw, s.to(torch.float64))
-    from forerun.models import quant_cuda
-    calls = []
-    real = quant_cuda.q8c_dequant
-    monkeypatch.setattr(quant_cuda, "q8c_dequant", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    lin = CudaQ8Linear.from_float(torch.randn(64, 256, device="cuda", dtype=torch.bfloat16))
-    x = torch.randn(lin.CHUNKED_ROWS + 1, 256, device="cuda", dtype=torch.bfloat16)
-    y = lin(x)
-    assert calls and torch.equal(y, x @ lin.dequantized().t())
-    monkeypatch.setenv("FORERUN_Q4_DEQUANT", "triton")
-    calls.clear()
-    assert torch.equal(lin(x), y) and not calls
+    _wide_products_take_the_cuda_pass(CudaQ8Linear, "q8c_dequant", monkeypatch)
 
 
 def test_cuda_c_kernel_falls_back_to_triton_configs_where_it_cannot_run(monkeypatch):

@@ -310,10 +310,29 @@ def test_cuda_dequant_source_compiles_without_spills():
             src = os.path.join(d, "d.cu")
             with open(src, "w") as f:
                 f.write(src_text)
-            out = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", os.path.join(d, "d.cubin"), src,
-                                  "-Xptxas", "-v"], capture_output=True, text=True, timeout=300)
-            assert out.returncode == 0, out.stderr[-2000:]
-            assert "0 bytes spill stores" in out.stderr, out.stderr[-500:]
+            for arch in ("sm_80", "sm_90"):  # (Ampere / Ada run them too: q4_cuda.dequant_available)
+                out = subprocess.run([nvcc, f"-arch={arch}", "-cubin", "-o", os.path.join(d, "d.cubin"), src,
+                                      "-Xptxas", "-v"], capture_output=True, text=True, timeout=300)
+                assert out.returncode == 0, out.stderr[-2000:]
+                assert "0 bytes spill stores" in out.stderr, out.stderr[-500:]
+
+
+def test_dequant_passes_run_from_ampere_the_product_kernels_from_hopper(monkeypatch):
+    """nvrtc.available gates by compute capability: the product kernels (griddepcontrol) need 9, the
+    dequantization passes 8; an sm_86 card gets the passes and not the products, an sm_90 card both, sm_75
+    neither (a card that is not CUDA, none)."""
+    from forerun.kernels import nvrtc, q4_cuda
+    monkeypatch.setattr(nvrtc, "_state", {})
+    monkeypatch.setattr(nvrtc, "kernel", lambda source, name: object())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_compile_kernel", lambda *a: None, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for major, products, passes in ((7, False, False), (8, False, True), (9, True, True), (10, True, True)):
+        nvrtc._state.pop("majors", None)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None, m=major: (m, 6))
+        assert (q4_cuda.available(), q4_cuda.dequant_available()) == (products, passes), major
+    monkeypatch.setenv("FORERUN_Q4_CUDA", "0")
+    assert not q4_cuda.dequant_available()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (run on the GPU machine)")
@@ -321,7 +340,7 @@ def test_cuda_dequant_equals_the_groups_exactly_on_gpu(monkeypatch):
     """q4c_dequant gives every weight as code * scale + zero of its own group in float32, rounded once to bf16, bit
     for bit as Triton's pass: word counts that leave a partial step of the grid-stride loop, one group per row, a
     swapped half-word fails; CudaQ4Linear.dequantized() takes it, or Triton's with FORERUN_Q4_DEQUANT=triton."""
-    from forerun.kernels.q4_cuda import available, q4c_dequant
+    from forerun.kernels.q4_cuda import dequant_available as available, q4c_dequant
     from forerun.kernels.quant_gemm import dequantize_int4_w32
     if not available():
         pytest.skip("no NVRTC here")
@@ -348,7 +367,7 @@ def test_cuda_int8_dequant_equals_the_groups_exactly_on_gpu(monkeypatch):
     """q8c_dequant gives (u - 128) * scale of each weight's own group in float32, rounded once to bf16, bit for bit
     as Triton's pass, for bf16 / f16 / f32 scales; a swapped byte pair fails; CudaQ8Linear.dequantized() takes it
     (Triton's with FORERUN_Q4_DEQUANT=triton)."""
-    from forerun.kernels.q4_cuda import available, q8c_dequant
+    from forerun.kernels.q4_cuda import dequant_available as available, q8c_dequant
     from forerun.kernels.quant_gemm import dequantize_int8_w32, pack_int8_w32
     from forerun.models.quant_cuda import CudaQ8Linear
     if not available():

@@ -18,18 +18,24 @@ _kernels: dict[tuple, object] = {}
 _state: dict[str, object] = {}
 
 
-def available(t: torch.Tensor | None = None) -> bool:
-    """Whether NVRTC kernels can run on t's device (or the current one): CUDA, compute capability >= 9 (the
-    kernels use Hopper's griddepcontrol), torch's `_compile_kernel`, and a first compilation that worked."""
+def available(t: torch.Tensor | None = None, min_major: int = 9) -> bool:
+    """Whether NVRTC kernels can run on t's device (or the current one): CUDA, compute capability >= min_major
+    (9 by default: the product and attention kernels use Hopper's griddepcontrol; the dequantization passes of
+    kernels/q4_cuda.py need 8, for bf16 conversions), torch's `_compile_kernel`, and a first compilation that
+    worked."""
     if not torch.cuda.is_available() or (t is not None and not t.is_cuda) or not hasattr(torch.cuda, "_compile_kernel"):
         return False
     if "ok" not in _state:
         try:
-            _state["ok"] = torch.cuda.get_device_capability()[0] >= 9 and kernel(
-                'extern "C" __global__ void forerun_probe(int* p) { if (p) *p = 1; }', "forerun_probe") is not None
+            _state["ok"] = kernel('extern "C" __global__ void forerun_probe(int* p) { if (p) *p = 1; }',
+                                  "forerun_probe") is not None
         except Exception as e:  # no NVRTC library, an old driver: the Triton kernels serve
             _state["ok"], _state["why"] = False, f"{type(e).__name__}: {e}"
-    return bool(_state["ok"])
+    index = t.device.index if t is not None and t.device.index is not None else torch.cuda.current_device()
+    majors = _state.setdefault("majors", {})
+    if index not in majors:
+        majors[index] = torch.cuda.get_device_capability(index)[0]
+    return bool(_state["ok"]) and majors[index] >= min_major
 
 
 def why_not() -> str:

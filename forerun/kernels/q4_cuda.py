@@ -279,6 +279,12 @@ def available(t: torch.Tensor | None = None) -> bool:
     return os.environ.get("FORERUN_Q4_CUDA", "1") != "0" and nvrtc.available(t)
 
 
+def dequant_available(t: torch.Tensor | None = None) -> bool:
+    """Whether `q4c_dequant` / `q8c_dequant` can run: as `available`, from compute capability 8 (they use no
+    Hopper instruction: Ampere / Ada cards get them too)."""
+    return os.environ.get("FORERUN_Q4_CUDA", "1") != "0" and nvrtc.available(t, min_major=8)
+
+
 def smem_bytes(k: int, norm: bool = False) -> int:
     g = k // GROUP
     if norm:  # the pairs, the group sums (padded to 16 bytes), the words of x + res, a float per warp

@@ -35,7 +35,8 @@ from torch import nn
 from ..kernels.quant_gemm import (GROUP, MAX_ROWS, Q8_MAX_ROWS, dequantize_int4_w32, dequantize_int8_w32,
                                   pack_int4_w32, pack_int8_w32, q4r_linear, q4t_linear, q4v_linear, q4w2_linear,
                                   q4w_linear, q8v_linear, unpack_int8_w32)
-from ..kernels.q4_cuda import available as q4c_available, q4c_dequant, q4c_linear, q4c_norm_linear, q8c_dequant
+from ..kernels.q4_cuda import available as q4c_available, dequant_available, q4c_dequant, q4c_linear, \
+    q4c_norm_linear, q8c_dequant
 from ..kernels.q4_mma import MAX_ROWS as Q4M_MAX_ROWS, SUPER as Q4M_SUPER, available as q4m_available, \
     default_warps as q4m_default_warps, fits as q4m_fits, packed_scales as q4m_packed_scales, q4m_linear
 from .quant import quantize_groups_int4
@@ -218,7 +219,7 @@ class CudaQ4Linear(CudaQuantLinear):
         if not self.qw32.is_cuda:
             return self.dequantized_reference()
         if self.dtype == torch.bfloat16 and os.environ.get("FORERUN_Q4_DEQUANT", "cuda") != "triton" \
-                and q4c_available(self.qw32):  # the CUDA C++ pass (same values; benchmarks/q4_wide_gpu.py)
+                and dequant_available(self.qw32):  # the CUDA C++ pass (same values; benchmarks/q4_wide_gpu.py)
             return q4c_dequant(self.qw32, self.scale, self.zero)
         return dequantize_int4_w32(self.qw32, self.scale, self.zero, self.dtype)  # (Triton's one pass)
 
@@ -309,7 +310,7 @@ class CudaQ8Linear(CudaQuantLinear):
 
     def dequantized(self) -> torch.Tensor:  # [N, K] in self.dtype, rounded once
         if self.qw8.is_cuda and self.dtype == torch.bfloat16 and os.environ.get("FORERUN_Q4_DEQUANT", "cuda") \
-                != "triton" and q4c_available(self.qw8):  # the CUDA C++ pass (same values), as CudaQ4Linear's
+                != "triton" and dequant_available(self.qw8):  # the CUDA C++ pass (same values), as CudaQ4Linear's
             return q8c_dequant(self.qw8, self.scale)
         return dequantize_int8_w32(self.qw8, self.scale, self.dtype)
 

@@ -412,6 +412,11 @@ q4c_dequant(const unsigned int* __restrict__ qw, const unsigned short* __restric
 
 
 @functools.lru_cache(maxsize=None)
+def _sms(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
 def _dequant_kernel_on(device: int, vec: int):
     return nvrtc.kernel(_DEQUANT_SRC.format(VEC=vec), "q4c_dequant")
 
@@ -432,8 +437,7 @@ def q4c_dequant(qw32: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, vec
     words = n * kw
     with torch.cuda.device(qw32.device):
         kern = _dequant_kernel_on(torch.cuda.current_device(), vec)
-        sms = torch.cuda.get_device_properties(qw32.device).multi_processor_count
-        grid = max(1, min(sms * blocks_per_sm, -(-words // (256 * vec))))
+        grid = max(1, min(_sms(torch.cuda.current_device()) * blocks_per_sm, -(-words // (256 * vec))))
         nvrtc.launch(kern, grid, 256, 0, [qw32, scale, zero, y, ctypes.c_longlong(words)], False)
     return y
 
@@ -498,7 +502,6 @@ def q8c_dequant(qw8: torch.Tensor, scale: torch.Tensor, blocks_per_sm: int = 8) 
     pairs = n * kw // 2
     with torch.cuda.device(qw8.device):
         kern = _dequant8_kernel_on(torch.cuda.current_device(), _SCALE_KINDS[scale.dtype])
-        sms = torch.cuda.get_device_properties(qw8.device).multi_processor_count
-        grid = max(1, min(sms * blocks_per_sm, -(-pairs // 256)))
+        grid = max(1, min(_sms(torch.cuda.current_device()) * blocks_per_sm, -(-pairs // 256)))
         nvrtc.launch(kern, grid, 256, 0, [qw8, scale, y, ctypes.c_longlong(pairs)], False)
     return y

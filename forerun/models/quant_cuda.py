@@ -167,6 +167,13 @@ class CudaQuantLinear(nn.Module):
             and self.dtype == torch.bfloat16 and x.stride(-1) == 1 and x.stride(0) % 2 == 0 \
             and self.in_features % self.K_MULTIPLE == 0
 
+    def _cuda_pass(self, codes: torch.Tensor) -> bool:
+        """Whether dequantized() takes the CUDA C++ pass of kernels/q4_cuda.py (the same values as Triton's, ~8x
+        its speed on the H200: benchmarks/q4_wide_gpu.py): bf16 weights on a device it runs on, unless
+        FORERUN_Q4_DEQUANT=triton."""
+        return codes.is_cuda and self.dtype == torch.bfloat16 and dequant_available(codes) \
+            and os.environ.get("FORERUN_Q4_DEQUANT", "cuda") != "triton"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
@@ -218,8 +225,7 @@ class CudaQ4Linear(CudaQuantLinear):
     def dequantized(self) -> torch.Tensor:  # [N, K] in self.dtype (products of more than CHUNKED_ROWS rows)
         if not self.qw32.is_cuda:
             return self.dequantized_reference()
-        if self.dtype == torch.bfloat16 and os.environ.get("FORERUN_Q4_DEQUANT", "cuda") != "triton" \
-                and dequant_available(self.qw32):  # the CUDA C++ pass (same values; benchmarks/q4_wide_gpu.py)
+        if self._cuda_pass(self.qw32):
             return q4c_dequant(self.qw32, self.scale, self.zero)
         return dequantize_int4_w32(self.qw32, self.scale, self.zero, self.dtype)  # (Triton's one pass)
 
@@ -309,8 +315,7 @@ class CudaQ8Linear(CudaQuantLinear):
         return unpack_int8_w32(self.qw8)
 
     def dequantized(self) -> torch.Tensor:  # [N, K] in self.dtype, rounded once
-        if self.qw8.is_cuda and self.dtype == torch.bfloat16 and os.environ.get("FORERUN_Q4_DEQUANT", "cuda") \
-                != "triton" and dequant_available(self.qw8):  # the CUDA C++ pass (same values), as CudaQ4Linear's
+        if self._cuda_pass(self.qw8):
             return q8c_dequant(self.qw8, self.scale)
         return dequantize_int8_w32(self.qw8, self.scale, self.dtype)
 

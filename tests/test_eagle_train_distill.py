@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 
+import pytest
 import torch
 
 from forerun.eagle import data as D
@@ -73,9 +74,12 @@ def test_generate_distilled_is_greedy_resumable_and_extracts(tmp_path, monkeypat
     assert [s["tokens"].tolist() for s in seqs] == [r["prompt_ids"] + r["answer_ids"] for r in rows2]
 
 
-def test_train_eagle_distill_cli_with_extra_data(tmp_path, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_train_eagle_distill_cli_with_extra_data(tmp_path, monkeypatch, device):
     """End to end on a tiny HF folder: generation, features, an extra feature folder (its train split joins,
-    its held-out split is evaluated under 'extra'), a checkpoint and the summary."""
+    its held-out split is evaluated under 'extra'), a checkpoint and the summary; on the CPU and, where there is
+    one, on a GPU (`--device cuda`: bf16 training by default)."""
     from forerun.eagle import train as T
 
     monkeypatch.setattr(D, "distill_prompts", _fake_prompts)
@@ -88,7 +92,7 @@ def test_train_eagle_distill_cli_with_extra_data(tmp_path, monkeypatch):
     monkeypatch.setattr(loader, "_dir_tokenizer", lambda d: _tok())  # the word-level one (AutoTokenizer: qwen2's)
     common = ["--target", str(model_dir), "--seq-len", "48", "--draft-vocab", "64", "--intermediate", "64",
               "--ttt", "2", "--accum", "1", "--eval-every", "2", "--eval-k", "2", "--save-every", "2", "--quiet",
-              "--quantize", "none", "--device", "cpu"]
+              "--quantize", "none", "--device", device]
     # an extra folder made by the distill recipe too (a tiny model has no use for the mix corpus)
     extra = tmp_path / "extra"
     assert T.main(common + ["--out", str(tmp_path / "h0"), "--data", str(extra), "--corpus", "distill",

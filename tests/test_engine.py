@@ -155,3 +155,17 @@ def test_blocks_come_back_after_an_abandoned_stream_or_an_error():
     with pytest.raises(ValueError, match="request"):
         bad.generate([[5, 6, 7], [8, 9]], SamplingParams(temperature=0.7, max_tokens=3))
     assert bad.runner.kv.num_free_blocks == free
+
+
+def test_from_model_runs_in_the_models_own_dtype():
+    """LLM.from_model without a dtype takes the built model's (a float32 model on a GPU ran against a bf16 cache
+    before: `forerun train-eagle --device cuda --corpus distill` failed in its first generation)."""
+    from forerun.engine.llm import LLM
+    from tiny import model_from_hf
+
+    model = model_from_hf(hf_model("llama")).to(torch.bfloat16)
+    llm = LLM.from_model(model, tiny_tokenizer(), device="cpu")
+    assert llm.engine.dtype == torch.bfloat16 and llm.runner.dtype == torch.bfloat16
+    out = llm.generate([[5, 9, 13]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+    assert LLM.from_model(model_from_hf(hf_model("llama")), tiny_tokenizer(), device="cpu").engine.dtype == torch.float32

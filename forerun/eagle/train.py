@@ -41,6 +41,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -237,7 +238,7 @@ def heldout_acceptance(head: EagleHead, teacher: Teacher, seqs: list[dict], k: i
         dev = head.device
         if "_argmax" not in seq:
             seq["_argmax"] = teacher.argmax(seq["feats"][teacher.last].to(dev))  # [n] the target's choice after p
-        tgt = seq["_argmax"]
+        tgt = seq["_argmax"].to(dev)  # cached by an earlier evaluation, maybe on another device
         toks = seq["tokens"].to(dev)
         draft = torch.stack([head.draft_to_target[head.logits(o).argmax(-1)] for o in outs])  # [k, n-1]
         starts = n - k - 2
@@ -343,8 +344,10 @@ def train(head: EagleHead, teacher: Teacher, train_seqs: list[dict], held: list[
     warm = max(1, min(50, span // 10))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda i: min(1.0, (i + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(i / span, 1.0)))))
-    for _ in range(step0 - origin):
-        sched.step()
+    with warnings.catch_warnings():  # a resumed run's schedule catches up before any optimizer step (on purpose)
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+        for _ in range(step0 - origin):
+            sched.step()
     gen = torch.Generator().manual_seed(1234 + step0)
     order = torch.randperm(len(train_seqs), generator=gen).tolist()
     pos = (step0 * accum) % len(order)

@@ -180,6 +180,8 @@ class Engine:
         self.overlap_spec, self.mixed_prefill = overlap_spec, mixed_prefill
         EngineConfig(max_num_seqs, max_model_len, max_num_batched_tokens)  # validated: a bad value is named here
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dtype is None and _loaded is not None:  # an already built model: its own activations' dtype
+            dtype = _loaded[0].model.embed_tokens.weight.dtype
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.spec = spec or SpecConfig()
         self.model_name = model or "<in-memory>"

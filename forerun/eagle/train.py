@@ -19,7 +19,10 @@
 3. Loss: cross-entropy against the target's next-token distribution (lm_head(norm(last layer)) restricted
    to the draft vocabulary), over `--ttt` unrolled training-time-test steps (EAGLE-3: step s feeds the head's
    own step s-1 outputs and attends to the committed rows plus its own chain, weights 0.8^s), plus, for
-   EAGLE-1, a smooth-L1 regression of the next feature.
+   EAGLE-1, a smooth-L1 regression of the next feature. --precision auto trains in bfloat16 autocast
+   (float32 master weights and optimizer, the teacher's distribution in float32) where bfloat16 products are
+   fast: a GPU with bf16, a CPU with AMX or AVX-512 BF16 (~2x the float32 step on this 2-core CPU, 6x on an
+   H200); float32 elsewhere.
 4. Every --eval-every steps: held-out acceptance, estimated teacher-forced on held-out files: per start,
    chains of k drafts are compared with the target's argmax; `acc_len` = 1 + mean accepted drafts over the
    starts where the held-out text follows the target's greedy choice along the chain (so that teacher
@@ -28,9 +31,6 @@
    text that follows the target's greedy choice (a round starts where the last one's accepted drafts and
    bonus token ended, so the easy positions a round accepts are not scored again). It runs below `acc_len`
    (docs/eagle.md, session 35: 1.52 against 1.88 on the bench prompts' own greedy answers).
-Precision (--precision): `auto` trains in bfloat16 autocast (float32 master weights and optimizer, the
-   teacher's distribution in float32) where bfloat16 products are fast: a GPU with bf16, a CPU with AMX or
-   AVX-512 BF16 (~2.2x the float32 step on this 2-core CPU); float32 elsewhere.
 5. Checkpoints in the published EAGLE-3 (SpecForge) / EAGLE-1 layouts under OUT (config.json +
    model.safetensors), plus OUT/train_state.pt to resume (--resume).
 """
@@ -275,6 +275,7 @@ def _rounds_on_greedy_stretches(draft: torch.Tensor, toks: torch.Tensor, tgt: to
     A round rooted at committed position m drafts x_{m+1..m+k} from rows m-1 .. m+k-2, accepts the drafts that
     equal tgt[m..] in order, and commits them plus the bonus token. Returns (rounds, tokens committed)."""
     on = (toks[1:] == tgt[:-1]).tolist()  # on[p]: x_{p+1} is the greedy choice after p
+    draft, tgt, width = draft.tolist(), tgt.tolist(), draft.shape[1]
     rounds = emitted = 0
     p, n = 0, len(on)
     while p < n:
@@ -288,7 +289,7 @@ def _rounds_on_greedy_stretches(draft: torch.Tensor, toks: torch.Tensor, tgt: to
             m = max(p, 1)
             while m < v:
                 a = 0
-                while a < k and m - 1 + a < draft.shape[1] and m + a < v and int(draft[a, m - 1 + a]) == int(tgt[m + a]):
+                while a < k and m - 1 + a < width and m + a < v and draft[a][m - 1 + a] == tgt[m + a]:
                     a += 1
                 step = min(a + 1, v - m)
                 rounds += 1

@@ -70,7 +70,7 @@ def test_int8_linear_matches_float_and_is_batch_invariant():
     assert torch.equal(lin(x[7:8]), y[7:8])
 
 
-@pytest.mark.skipif(not Q4Linear.fits(64, 128), reason="needs gcc and AVX512-VNNI (forerun/kernels/cpu_q4.c)")
+@pytest.mark.skipif(not Q4Linear.fits(64, 128), reason="needs gcc and AVX512-VNNI or AVX2 (forerun/kernels/cpu_q4.c)")
 @pytest.mark.parametrize("n,k", [(272, 640), (270, 1536), (33, 96), (260, 8960)])
 def test_q4_vnni_linear_matches_dequantized_matmul_and_is_batch_invariant(n, k):
     """The C int4 x int8 kernel: exact int4 codes with fp16 group scale / offset, int8 activations per 32 values.
@@ -103,6 +103,80 @@ def test_q4_vnni_linear_matches_dequantized_matmul_and_is_batch_invariant(n, k):
         torch.set_num_threads(old)
     chunks = (k // 32 + 15) // 16
     assert lin.weight_bytes == -(-n // 4) * (256 * chunks + 64 * (k // 32))  # ~4.5 bits + the fp16 header
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+@pytest.mark.parametrize("n,k", [(36, 640), (8, 96), (12, 288)])
+def test_q4_kernel_builds_compute_the_exact_group_dot_products(isa, n, k):
+    """Each ISA build of cpu_q4.c this CPU runs (AVX512-VNNI; AVX2 with maddubs + madd) gives, per output, the sum
+    over groups of scale * xs * dot + offset * isum with the integer dot products exact: checked against float64
+    to 1e-5 of the sum of the terms' sizes (one wrong group, nibble or half would be ~1e-2). K = 640 / 288 leave a
+    chunk of 4 / 9 groups (the masked loads; 9 > 8 reaches the AVX2 build's second half), K = 96 a chunk of 3.
+    Codes 0 and 15 and activations at +-127 are forced in: the AVX2 build's int16 sums are at their largest."""
+    from pathlib import Path
+
+    from forerun.kernels import cbuild, cpu_q4
+
+    lib = cbuild.library_for(Path(cpu_q4.__file__).with_name("cpu_q4.c"), isa, [], cpu_q4._declare)
+    if lib is None:
+        pytest.skip(f"this CPU cannot run the {isa} build (or there is no gcc)")
+    g = torch.Generator().manual_seed(n * k)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    q[0] = 15  # all-15 codes against all-127 activations: the largest int16 partial sums
+    q[1] = 0
+    s = torch.rand(n, k // 32, generator=g).add_(0.1).half().float()
+    o = -torch.rand(n, k // 32, generator=g).half().float()
+    x = torch.randn(5, k, generator=g)
+    x[0] = 1.0  # every code +127
+    x[1] = -1.0
+    packed = cpu_q4.pack_weights(q, s, o)
+    xq, xs, isum = cpu_q4.quantize_activations(x)
+    y = torch.empty(5, n)
+    lib.q4_gemm(packed.data_ptr(), n, k, xq.data_ptr(), xs.data_ptr(), isum.data_ptr(), 5, y.data_ptr(), 1)
+    codes = xq.view(5, -1, 8, 16, 4).transpose(2, 3).reshape(5, -1, 32)[:, : k // 32].double()  # [M, G, 32]
+    dots = torch.einsum("mgc,ngc->mng", codes, q.view(n, k // 32, 32).double())  # exact integers
+    xs_, is_ = xs[:, : k // 32].double(), isum[:, : k // 32].double()
+    terms = dots * s.double()[None] * xs_[:, None] + o.double()[None] * is_[:, None]  # [M, N, G]
+    want, size = terms.sum(-1), terms.abs().sum(-1)
+    assert ((y.double() - want).abs() <= 1e-5 * size + 1e-6).all(), (y.double() - want).abs().max()
+
+
+def test_int8_activations_take_7_bits_without_vnni(monkeypatch):
+    """oneDNN's u8 x s8 product saturates without VNNI (vpmaddubsw): Int8Linear then quantizes activations to
+    -63..63 (zero point 64). Checked by faking the CPU flags; the product stays right either way on this CPU."""
+    from forerun.kernels import cbuild
+    from forerun.models import quant
+
+    for flags, want in (({"avx2"}, (63, 64)), ({"avx2", "avx512_vnni"}, (127, 128)), ({"avx_vnni"}, (127, 128))):
+        monkeypatch.setattr(cbuild, "cpu_ok", lambda feats, flags=flags: all(f in flags for f in feats))
+        assert quant.int8_activation_range() == want
+        lin = Int8Linear.from_float(torch.randn(64, 128))
+        assert (lin.act_max, lin.act_zero) == want
+    monkeypatch.undo()
+    torch.manual_seed(1)
+    w, x = torch.randn(64, 256), torch.randn(8, 256)
+    lin = Int8Linear.from_float(w)
+    if (lin.act_max, lin.act_zero) == (63, 64):  # this CPU has no VNNI: the 8-bit range would be wrong here
+        lin8 = Int8Linear.from_float(w)
+        lin8.act_max, lin8.act_zero = 127, 128
+        assert ((lin8(x) - x @ w.t()).abs().max() / (x @ w.t()).abs().max()).item() > 5e-2
+    assert ((lin(x) - x @ w.t()).abs().max() / (x @ w.t()).abs().max()).item() < 2e-2
+
+
+def test_cpu_isa_override(monkeypatch):
+    from forerun.kernels import cbuild
+
+    monkeypatch.setenv("FORERUN_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="FORERUN_CPU_ISA must be one of avx512, avx2"):
+        cbuild.isa()
+    monkeypatch.setattr(cbuild, "cpu_ok", lambda feats: "avx512f" not in feats)
+    monkeypatch.setenv("FORERUN_CPU_ISA", "avx512")
+    with pytest.raises(ValueError, match="this CPU lacks"):
+        cbuild.isa()
+    monkeypatch.delenv("FORERUN_CPU_ISA")
+    assert cbuild.isa() == "avx2"
+    monkeypatch.setattr(cbuild, "cpu_ok", lambda feats: False)
+    assert cbuild.isa() is None
 
 
 def test_parse_quantize():

@@ -1,9 +1,12 @@
 """Build a C source file of forerun/kernels into a shared library with the system compiler, once, cached by the
 hash of its source and flags under ~/.cache/forerun/kernels (FORERUN_CACHE), and load it with ctypes.
 
-Used by the CPU kernels (cpu_q4.c: int4 products; cpu_layer.c: attention, norms, RoPE). Returns None where they
-cannot run: no gcc, a CPU without the instruction sets the flags ask for, FORERUN_NO_CPU_KERNELS set, or a failed
-compile; callers then keep their torch path.
+Used by the CPU kernels (cpu_q4.c: int4 products; cpu_layer.c: attention, norms, RoPE). Each source has two
+builds, picked by what the CPU has (`isa()`): "avx512" (AVX-512 F/BW/VL + VNNI: Intel since Cascade Lake, AMD since
+Zen 4) and "avx2" (AVX2 + FMA + F16C: nearly every x86-64 CPU since 2013, AMD Zen 1-3 among them); the sources hold
+both paths behind `#ifdef __AVX512VNNI__`. FORERUN_CPU_ISA=avx2 takes the AVX2 build on an AVX-512 CPU (tests,
+comparisons). Returns None where no build can run: no gcc, a CPU with neither set, FORERUN_NO_CPU_KERNELS set, or
+a failed compile; callers then keep their torch path.
 """
 from __future__ import annotations
 
@@ -17,12 +20,16 @@ from pathlib import Path
 
 # -fopenmp: the .so needs libgomp.so.1, which resolves to the copy torch already loaded (same soname), so the
 # kernels' threads are torch's OpenMP threads and torch.set_num_threads applies to both.
-AVX512_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-fopenmp",
-                "-shared", "-fPIC"]
-CPU_FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")
+_COMMON = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+# ISA -> (compiler flags, /proc/cpuinfo features it needs), best first
+ISAS = {
+    "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"],
+               ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")),
+    "avx2": (["-mavx2", "-mf16c", "-mfma"], ("avx2", "f16c", "fma")),
+}
 
 
-def cpu_ok(features=CPU_FEATURES) -> bool:
+def cpu_ok(features) -> bool:
     try:
         flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
     except (OSError, StopIteration):
@@ -30,24 +37,45 @@ def cpu_ok(features=CPU_FEATURES) -> bool:
     return all(f in flags for f in features)
 
 
-def lazy_library(src: Path, flags: list[str], declare) -> "callable":
-    """A loader for one C library: the first call builds / loads it and runs declare(lib) (its ctypes signatures);
-    every call returns the library, or None where it cannot run."""
+def isa() -> str | None:
+    """The instruction set the C kernels are built for on this CPU ("avx512", "avx2"), or None where neither runs.
+    FORERUN_CPU_ISA names one (it must be supported; an unknown or unsupported name is an error)."""
+    want = os.environ.get("FORERUN_CPU_ISA")
+    if want:
+        if want not in ISAS:
+            raise ValueError(f"FORERUN_CPU_ISA must be one of {', '.join(ISAS)}, got {want!r}")
+        if not cpu_ok(ISAS[want][1]):
+            raise ValueError(f"FORERUN_CPU_ISA={want}: this CPU lacks {', '.join(ISAS[want][1])}")
+        return want
+    return next((name for name, (_, feats) in ISAS.items() if cpu_ok(feats)), None)
+
+
+def lazy_library(src: Path, extra_flags: list[str], declare) -> "callable":
+    """A loader for one C library, built for `isa()` with `extra_flags`: the first call builds / loads it and runs
+    declare(lib) (its ctypes signatures); every call returns the library, or None where it cannot run."""
     state: list = []
 
     def load() -> ctypes.CDLL | None:
         if not state:
-            lib = load_c_library(src, flags)
-            if lib is not None:
-                declare(lib)
-            state.append(lib)
+            target = None if os.environ.get("FORERUN_NO_CPU_KERNELS") else isa()
+            state.append(None if target is None else library_for(src, target, extra_flags, declare))
         return state[0]
 
     return load
 
 
+def library_for(src: Path, name: str, extra_flags: list[str], declare) -> ctypes.CDLL | None:
+    """The library of `src` built for the ISA `name` (tests compare the builds a CPU can run), or None."""
+    if not cpu_ok(ISAS[name][1]):
+        return None
+    lib = load_c_library(src, [*_COMMON, *ISAS[name][0], *extra_flags])
+    if lib is not None:
+        declare(lib)
+    return lib
+
+
 def load_c_library(src: Path, flags: list[str]) -> ctypes.CDLL | None:
-    if os.environ.get("FORERUN_NO_CPU_KERNELS") or not cpu_ok() or shutil.which("gcc") is None:
+    if shutil.which("gcc") is None:
         return None
     code = src.read_bytes()
     tag = hashlib.sha256(code + " ".join(flags).encode()).hexdigest()[:16]

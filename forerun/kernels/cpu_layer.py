@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .cbuild import AVX512_FLAGS, lazy_library
+from .cbuild import lazy_library
 
 
 def _declare(lib) -> None:
@@ -29,7 +29,7 @@ def _declare(lib) -> None:
 
 
 # -ffp-contract=off: a * b + c rounded twice, as torch's separate ops round it
-_load = lazy_library(Path(__file__).with_name("cpu_layer.c"), [*AVX512_FLAGS, "-ffp-contract=off"], _declare)
+_load = lazy_library(Path(__file__).with_name("cpu_layer.c"), ["-ffp-contract=off"], _declare)
 
 
 def available() -> bool:

@@ -1,5 +1,5 @@
-// int4 (group 32, fp16 scale + offset) weights x int8 activations (one scale per 32 values), AVX512-VNNI.
-// See cpu_q4.py.
+// int4 (group 32, fp16 scale + offset) weights x int8 activations (one scale per 32 values), AVX512-VNNI, or AVX2
+// on CPUs without it (the #else branches below; same layout, same integer dot products). See cpu_q4.py.
 //
 // Weights [N, K], K a multiple of 32, stored in row groups of 4 output rows (N padded to a multiple of 4 with zero
 // rows), so that one pass reads one sequential stream and computes 4 outputs per activation row. A row's groups
@@ -18,6 +18,7 @@
 // of operations is the same whatever M and however the row groups are split over threads: a row's result does not
 // depend on the other rows (batch invariance).
 #include <immintrin.h>
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
@@ -32,6 +33,7 @@ static int64_t chunks_of(int64_t k) { return (k / 32 + 15) / 16; }
 // bytes of one row group of 4 rows: a 256-byte header per chunk and 16 bytes per group and row
 int64_t q4_group_bytes(int64_t k) { return chunks_of(k) * 256 + (k / 32) * 64; }
 
+#ifdef __AVX512VNNI__
 // [a0 .. a3] -> (sum of a0's lanes, .., sum of a3's lanes), in a fixed order
 INLINE __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
@@ -89,6 +91,69 @@ INLINE void group_rows(const uint8_t *g, int64_t k, const int8_t *xq, const floa
     for (int i = 0; i < mb; i++) _mm_storeu_ps(out + 4 * i, reduce4(acc[0][i], acc[1][i], acc[2][i], acc[3][i]));
 }
 
+#else  // AVX2 + FMA + F16C (AMD Zen 1-3, Intel Haswell .. Ice Lake client): the same layout, 8 groups per vector
+//
+// A chunk's 16 groups are two halves of 8 (32-bit lane l of half h: group 8 h + l). VNNI's u8 x s8 dot product of
+// 4 bytes per lane is maddubs (u8 x s8 pairs -> int16) then madd with ones (int16 pairs -> int32). A pair sum is at
+// most 2 * 15 * 127 = 3810 in size, so the 8 products of a half (4 loads x low / high nibbles) add up in int16 (at
+// most 30480 < 2^15) before the one widening madd: the int32 dot products are exactly VNNI's. Rows of the group
+// are taken one at a time (r outer), so one row's mb accumulators and its codes fit the 16 ymm registers; the
+// group's bytes (<= 23 KB at K = 8960) stay in L1/L2 between rows. Per output the order of the float operations is
+// fixed by the output alone (batch invariance); it differs from the AVX-512 build's (another reduction tree).
+
+INLINE float hsum8(__m256 a) {  // fixed order
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// one row group (4 weight rows) x mb activation rows -> out[i * 4 + r]
+INLINE void group_rows(const uint8_t *g, int64_t k, const int8_t *xq, const float *xs, const float *isum,
+                       const int mb, float *out) {
+    const int64_t groups = k / 32, chunks = chunks_of(k), astride = chunks * 512, sstride = chunks * 16;
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int r = 0; r < 4; r++) {
+        __m256 acc[4];
+        for (int i = 0; i < mb; i++) acc[i] = _mm256_setzero_ps();
+        const uint8_t *p = g;
+        for (int64_t c = 0; c < chunks; c++) {
+            const int ng = (int)(groups - 16 * c < 16 ? groups - 16 * c : 16);
+            const uint16_t *hdr = (const uint16_t *)p;
+            const uint8_t *cp = p + 256;
+            if (r == 0)
+                for (int l = 0; l < 256 + 64 * ng; l += 64) _mm_prefetch((const char *)(p + PFD + l), _MM_HINT_T0);
+            for (int h = 0; h < 2 && 8 * h < ng; h++) {
+                const __m256i mk = _mm256_cmpgt_epi32(_mm256_set1_epi32(ng - 8 * h), lane);
+                const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hdr + 16 * r + 8 * h)));
+                const __m256 ow = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hdr + 64 + 16 * r + 8 * h)));
+                __m256i lo[4], hi[4];
+                for (int j = 0; j < 4; j++) {
+                    const __m256i v = _mm256_maskload_epi32((const int *)(cp + (r * 4 + j) * 4 * ng + 32 * h), mk);
+                    lo[j] = _mm256_and_si256(v, low);
+                    hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                }
+                for (int i = 0; i < mb; i++) {
+                    const int8_t *xa = xq + i * astride + c * 512 + 32 * h;
+                    __m256i s16 = _mm256_maddubs_epi16(lo[0], _mm256_loadu_si256((const __m256i *)xa));
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[0], _mm256_loadu_si256((const __m256i *)(xa + 64))));
+                    for (int j = 1; j < 4; j++) {
+                        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[j], _mm256_loadu_si256((const __m256i *)(xa + 128 * j))));
+                        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[j], _mm256_loadu_si256((const __m256i *)(xa + 128 * j + 64))));
+                    }
+                    const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));  // lane l: group 16 c + 8 h + l
+                    const int64_t so = i * sstride + 16 * c + 8 * h;
+                    acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(sw, _mm256_loadu_ps(xs + so)), acc[i]);
+                    acc[i] = _mm256_fmadd_ps(ow, _mm256_loadu_ps(isum + so), acc[i]);
+                }
+            }
+            p = cp + 64 * ng;
+        }
+        for (int i = 0; i < mb; i++) out[4 * i + r] = hsum8(acc[i]);
+    }
+}
+#endif
+
 #define MB 4  // activation rows per pass over a row group (the group's bytes stay in L1/L2 between passes)
 
 static void run_groups(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq, const float *xs, const float *isum,
@@ -134,6 +199,7 @@ void q4_gemm(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq, const flo
 // x [M, K] float32 -> xq [M, chunks * 512] int8 (kernel order), xs [M, chunks * 16], isum [M, chunks * 16] (see
 // top). Same arithmetic as cpu_q4.quantize_activations: scale = max(amax, 1e-30) / 127, code =
 // round-half-even(x / scale), isum = (float)(sum of codes) * scale.
+#ifdef __AVX512VNNI__
 void q4_quant_act(const float *x, int64_t m, int64_t k, int8_t *xq, float *xs, float *isum) {
     const int64_t groups = k / 32, chunks = chunks_of(k), sstride = chunks * 16, astride = chunks * 512;
     for (int64_t i = 0; i < m; i++) {
@@ -163,3 +229,32 @@ void q4_quant_act(const float *x, int64_t m, int64_t k, int8_t *xq, float *xs, f
         }
     }
 }
+#else
+void q4_quant_act(const float *x, int64_t m, int64_t k, int8_t *xq, float *xs, float *isum) {
+    const int64_t groups = k / 32, chunks = chunks_of(k), sstride = chunks * 16, astride = chunks * 512;
+    for (int64_t i = 0; i < m; i++) {
+        const float *xr = x + i * k;
+        int8_t *qr = xq + i * astride;
+        float *sr = xs + i * sstride, *ir = isum + i * sstride;
+        for (int64_t gi = groups; gi < sstride; gi++) {
+            sr[gi] = ir[gi] = 0.0f;
+            for (int p = 0; p < 8; p++) memset(qr + (gi / 16) * 512 + p * 64 + (gi % 16) * 4, 0, 4);
+        }
+        for (int64_t gi = 0; gi < groups; gi++) {
+            const float *xg = xr + gi * 32;
+            float amax = 0.0f;
+            for (int e = 0; e < 32; e++) amax = fmaxf(amax, fabsf(xg[e]));
+            const float s = (amax > 1e-30f ? amax : 1e-30f) / 127.0f;
+            int8_t *dst = qr + (gi / 16) * 512 + (gi % 16) * 4;
+            int32_t sum = 0;
+            for (int e = 0; e < 32; e++) {
+                const int32_t q = (int32_t)nearbyintf(xg[e] / s);  // round half to even (the default rounding mode)
+                dst[(e / 4) * 64 + e % 4] = (int8_t)q;
+                sum += q;
+            }
+            sr[gi] = s;
+            ir[gi] = (float)sum * s;
+        }
+    }
+}
+#endif

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .cbuild import AVX512_FLAGS, lazy_library
+from .cbuild import lazy_library
 
 
 def _declare(lib) -> None:
@@ -31,7 +31,7 @@ def _declare(lib) -> None:
     lib.q4_group_bytes.restype = i64
 
 
-_load = lazy_library(Path(__file__).with_name("cpu_q4.c"), AVX512_FLAGS, _declare)
+_load = lazy_library(Path(__file__).with_name("cpu_q4.c"), [], _declare)
 
 
 def available() -> bool:

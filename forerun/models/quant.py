@@ -4,17 +4,18 @@ Why: decode on the CPU is bound by the bytes of weights streamed per token. The 
 GGUF to 4 bytes per weight (the 1.5B target: ~6 GB per token); these layouts stream 1 byte (int8) or ~0.56-0.63
 bytes (int4) per weight. Measured in docs/quantization.md:
 
-* ``int4`` (default for GGUF files where forerun's C kernel runs: gcc, AVX512-VNNI/BW, F16C): group-wise (32)
-  asymmetric 4-bit weights. GGUF Q4_K / Q4_1 / Q4_0 blocks map onto it exactly (a Q4_K sub-block of 32 weights
-  is ``d*sc * q - dmin*m``, q in 0..15). ``Q4Linear`` multiplies them with forerun/kernels/cpu_q4.c: fp16 group
-  scale and offset, 4-row groups read as one stream, int8 activations with one scale per 32 values (llama.cpp's
-  recipe), VNNI dot products, batch-invariant (each output's operations do not depend on the other rows), at
-  memory speed for 1-4 rows. GGUF matrices with no 4-bit part: see ``INT4_OTHERS`` (default: the 5/6-bit layer
+* ``int4`` (default for GGUF files where forerun's C kernel runs: gcc and AVX512-VNNI/BW or AVX2, F16C):
+  group-wise (32) asymmetric 4-bit weights. GGUF Q4_K / Q4_1 / Q4_0 blocks map onto it exactly (a Q4_K sub-block
+  of 32 weights is ``d*sc * q - dmin*m``, q in 0..15). ``Q4Linear`` multiplies them with forerun/kernels/cpu_q4.c:
+  fp16 group scale and offset, 4-row groups read as one stream, int8 activations with one scale per 32 values
+  (llama.cpp's recipe), VNNI dot products (AVX2: maddubs + madd, the same integers), batch-invariant (each
+  output's operations do not depend on the other rows), at memory speed for 1-4 rows. GGUF matrices with no 4-bit part: see ``INT4_OTHERS`` (default: the 5/6-bit layer
   matrices are re-quantized to int4, the output head and 8-bit matrices are int8). Without the C kernel:
   ``Int4Linear``, torch's ``_weight_int4pack_mm_for_cpu`` with bf16 scales and activations, compute-bound (its
   cost grows ~linearly with the rows) and not batch-invariant.
 * ``int8`` (default for GGUF files without the C kernel): per-output-channel symmetric int8 weights, activations
-  quantized per row to int8 at run time (W8A8), multiplied by oneDNN's u8 x s8 -> s32 kernel (AVX512-VNNI / AMX).
+  quantized per row to int8 at run time (W8A8; 7 bits on CPUs without VNNI, see ``int8_activation_range``),
+  multiplied by oneDNN's u8 x s8 -> s32 kernel (AVX512-VNNI / AMX; AVX2).
   The integer accumulation is exact and the one float multiply per output does not depend on how many rows are
   in the batch, so a row's result is bit-identical whether it is computed alone (plain decode) or among k + 1
   verify rows (tests/test_quant.py). Lossy versus the GGUF's own dequantization: weights are re-quantized per
@@ -76,7 +77,7 @@ def _requantize_to_int4(part) -> bool:
 
 def parse_quantize(value: str | None, fmt: str, device: torch.device | str = "cpu") -> str:
     """Resolve a user's ``quantize`` choice for a checkpoint of format ``fmt`` ("gguf" | "safetensors").
-    None / "auto": GGUF files stay quantized: int4 where forerun's C kernel runs (gcc, AVX512-VNNI; GGUF 4-bit
+    None / "auto": GGUF files stay quantized: int4 where forerun's C kernel runs (gcc, AVX512-VNNI or AVX2; GGUF 4-bit
     blocks kept exactly, see Q4Linear), else int8; on CUDA int4 (CudaQ4Linear, with CudaQ8Linear for the 8-bit
     matrices, models/gguf_cuda.py);
     safetensors checkpoints load as stored ("none")."""
@@ -122,8 +123,22 @@ def quantize_rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def int8_activation_range() -> tuple[int, int]:
+    """(largest code, zero point) of Int8Linear's unsigned activations. oneDNN's u8 x s8 kernel is exact on CPUs
+    with VNNI (AVX512-VNNI, AVX-VNNI, AMX): codes -127..127 stored as u8 with zero point 128. Without VNNI (AVX2
+    only: AMD Zen 1-3, Intel before Cascade Lake) it multiplies with vpmaddubsw, which saturates a pair of u8 x s8
+    products at 2^15: 2 * 255 * 127 overflows and the products come out wrong by ~15 % (measured on an AMD EPYC
+    Zen 3, tests/test_quant.py). There the activations take 7 bits, -63..63 with zero point 64, so a pair is at
+    most 2 * 127 * 127 < 2^15 (what PyTorch's fbgemm calls reduce_range)."""
+    from ..kernels.cbuild import cpu_ok
+
+    vnni = any(cpu_ok((f,)) for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
+    return (127, 128) if vnni else (63, 64)
+
+
 class Int8Linear(nn.Module):
-    """y = x W^T + b with W as per-row int8 (oneDNN-packed) and x quantized per row at run time."""
+    """y = x W^T + b with W as per-row int8 (oneDNN-packed) and x quantized per row at run time (8 bits, or 7
+    where the CPU has no VNNI: see int8_activation_range)."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         # q: [N, K] int8, scale: [N] float32, bias: [N]
@@ -133,6 +148,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("w_scale", scale.float().contiguous(), persistent=False)
         self.register_buffer("w_zero", torch.zeros(self.out_features, dtype=torch.int32), persistent=False)
         self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.act_max, self.act_zero = int8_activation_range()
 
     @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
@@ -146,16 +162,16 @@ class Int8Linear(nn.Module):
     def dequantized(self) -> torch.Tensor:  # [N, K] float32 (tests)
         eye = torch.eye(self.in_features)
         q = torch.ops.onednn.qlinear_pointwise(
-            (eye * 127 + 128).to(torch.uint8), 1.0, 128, self.packed, self.w_scale, self.w_zero, None, 1.0, 0,
-            torch.float32, "none", [], "")  # [K, N] = 127 * W^T
-        return (q / 127.0).t().contiguous()
+            (eye * self.act_max + self.act_zero).to(torch.uint8), 1.0, self.act_zero, self.packed, self.w_scale,
+            self.w_zero, None, 1.0, 0, torch.float32, "none", [], "")  # [K, N] = act_max * W^T
+        return (q / float(self.act_max)).t().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         flat = x.reshape(-1, self.in_features).float()
-        s = flat.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30).div_(127.0)  # [R, 1] per-row scale
-        xq = torch.round(flat / s).add_(128).to(torch.uint8)  # symmetric int8 stored as u8 with zero point 128
-        y = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 128, self.packed, self.w_scale, self.w_zero, None, 1.0, 0,
-                                               torch.float32, "none", [], "")  # [R, N] = sum(q_x q_w) * w_scale
+        s = flat.abs().amax(dim=1, keepdim=True).clamp_min_(1e-30).div_(float(self.act_max))  # [R, 1] per-row scale
+        xq = torch.round(flat / s).add_(self.act_zero).to(torch.uint8)  # symmetric codes stored as u8 + zero point
+        y = torch.ops.onednn.qlinear_pointwise(xq, 1.0, self.act_zero, self.packed, self.w_scale, self.w_zero, None,
+                                               1.0, 0, torch.float32, "none", [], "")  # [R, N] = sum(q_x q_w) * w_scale
         y = y.mul_(s)
         if self.bias is not None:
             y = y.add_(self.bias)
@@ -216,7 +232,7 @@ class Int4Linear(nn.Module):
 class Q4Linear(nn.Module):
     """y = x W^T + b with W as group-wise (32) int4 codes, fp16 scale and offset (GGUF Q4_K / Q4_1 / Q4_0 exactly,
     up to the fp16 rounding of the group scale and offset), x quantized to int8 per 32 values at run time, multiplied
-    by forerun/kernels/cpu_q4.c (AVX512-VNNI). 5 bits per weight; batch-invariant (each output computed alone)."""
+    by forerun/kernels/cpu_q4.c (AVX512-VNNI, or AVX2). 5 bits per weight; batch-invariant (each output computed alone)."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bias: torch.Tensor | None = None
                  ) -> None:

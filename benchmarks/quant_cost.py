@@ -1,6 +1,8 @@
 """Verify-cost curve of the quantized CPU path: one forward of q = 1..16 new tokens (after a 64-token prefix)
 for the target loaded as fp32 ("none"), int8 (W8A8, oneDNN VNNI) and int4 (group-32, Q4Linear: forerun/kernels/cpu_q4.c), plus
-weight bytes and peak RSS at load. Each layout runs in its own subprocess so its peak RSS is its own.
+weight bytes and peak RSS at load. Each layout runs in its own subprocess so its peak RSS is its own. A layout may
+name a variant after a colon: `int4:torch` (FORERUN_NO_CPU_KERNELS: torch's int4 kernel and ops, what a CPU without
+the C kernels gets), `int4:avx2` (FORERUN_CPU_ISA=avx2: the AVX2 build on an AVX-512 CPU).
 
 Why: speculative decoding only pays if verifying k + 1 tokens costs little more than decoding one
 (issue 12). Writes benchmarks/results/quant_cost_cpu.json and .png.
@@ -32,7 +34,10 @@ def measure(model_name: str, layout: str, threads: int, qmax: int, repeats: int)
     from forerun.models.registry import load_model
     from forerun.runtime.runner import Chunk, ModelRunner
 
+    from forerun.kernels import cbuild, cpu_q4
+
     torch.set_num_threads(threads)
+    name, layout = layout, layout.partition(":")[0]
     t0 = time.perf_counter()
     model, tok, _ = load_model(model_name, quantize=layout, progress=False)
     load_s = time.perf_counter() - t0
@@ -53,7 +58,8 @@ def measure(model_name: str, layout: str, threads: int, qmax: int, repeats: int)
             ms[q] = round(statistics.median(times[1:]) * 1e3, 2)
             print(f"[{layout}] q={q}: {ms[q]} ms", file=sys.stderr, flush=True)
     wb = weight_bytes(model)
-    return {"layout": layout, "load_s": round(load_s, 1), "peak_rss_bytes": peak_rss, **wb, "ms_by_q": ms,
+    isa = cbuild.isa() if cpu_q4.available() else "none (torch)"
+    return {"layout": name, "c_kernels_isa": isa, "load_s": round(load_s, 1), "peak_rss_bytes": peak_rss, **wb, "ms_by_q": ms,
             "ratio_q_over_q1": {q: round(v / ms[1], 3) for q, v in ms.items()}}
 
 
@@ -99,16 +105,22 @@ def main() -> int:
     for layout in a.layouts.split(","):
         cmd = [sys.executable, __file__, "--one", layout, "--model", a.model, "--threads", str(a.threads),
                "--qmax", str(a.qmax), "--repeats", str(a.repeats)]
-        out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+        variant = {"torch": {"FORERUN_NO_CPU_KERNELS": "1"}, "avx2": {"FORERUN_CPU_ISA": "avx2"}, "": {}}
+        env = {**os.environ, "PYTHONPATH": os.getcwd(), **variant[layout.partition(":")[2]]}
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if out.returncode:
             print(out.stderr[-3000:], file=sys.stderr)
             raise SystemExit(f"layout {layout} failed")
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         r = rows[-1]
-        print(f"{layout:5s} weights {r['total_bytes'] / 2**30:.2f} GiB, peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB, "
+        print(f"{layout:10s} weights {r['total_bytes'] / 2**30:.2f} GiB, peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB, "
               f"q=1 {r['ms_by_q']['1']} ms, q=5 {r['ms_by_q'].get('5')} ms, q=16 {r['ms_by_q'].get(str(a.qmax))} ms",
               flush=True)
+    import platform
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "model": a.model, "threads": a.threads,
+            "cpu": cpu, "machine": platform.machine(),
             "prefix_tokens": 64, "repeats": a.repeats, "loadavg_1m_at_end": os.getloadavg()[0]}
     data = {"meta": meta, "results": rows}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,8 @@
 """`forerun bench`: plain vs speculative decoding on the CPU with real GGUF models, and transformers'
 assisted generation on the same weights as the peer, in one run. Writes JSON and a PNG plot.
 
-``--quantize`` picks how forerun holds the GGUF weights (auto: kept quantized as int4, or int8 without the
-AVX512-VNNI kernel; none: widened to
+``--quantize`` picks how forerun holds the GGUF weights (auto: kept quantized as int4, or int8 where the
+C kernel cannot run (no gcc, no AVX2); none: widened to
 fp32). ``--llamacpp`` adds llama.cpp peer rows (plain ``llama-completion`` and ``llama-speculative`` with the
 same draft, prompts, chat template, threads and token budget), measured in the same run; the binaries come
 from ``python benchmarks/llamacpp.py build`` (a benchmark-only build, never a runtime dependency).
@@ -456,7 +456,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
-                    help="forerun weights: auto = GGUF kept quantized (int4; int8 without AVX512-VNNI); none = widened to fp32")
+                    help="forerun weights: auto = GGUF kept quantized (int4; int8 without gcc / AVX2); none = widened to fp32")
     ap.add_argument("--llamacpp", action="store_true", help="add llama.cpp plain and speculative peer rows")
     ap.add_argument("--llamacpp-draft-max", type=int, default=4, help="llama-speculative --spec-draft-n-max")
     ap.add_argument("--eagle-head", default=DEFAULT_EAGLE_HEAD,

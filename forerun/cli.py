@@ -235,7 +235,7 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--quantize", default="none", choices=["none", "int8", "int4", "auto"],
                    help="keep weights quantized (CPU int8: VNNI; int4: GGUF Q4 blocks exactly; CUDA: int4 / int8 weight-only "
                         "kernels (Triton, CUDA C++ on Hopper), bf16 activations); auto = int4 for GGUF (CPU: int8 "
-                        "without gcc / AVX512-VNNI)")
+                        "without gcc or AVX2)")
     g.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show Python tracebacks on errors")
 
     m = sub.add_parser("models", help="pull, list or verify the known real models")

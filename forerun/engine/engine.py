@@ -158,7 +158,7 @@ class Engine:
                  draft_cache: CacheConfig | None = None, quantize: str = "none",
                  join_wait: tuple[float, int] | None = None, _loaded=None) -> None:
         """quantize: weights of models loaded by name / path: "none" (float), "int8" / "int4" (kept quantized,
-        CPU; GGUF Q4 blocks exactly as int4), "auto" (GGUF files: int4 with forerun's AVX512-VNNI kernel, else int8).
+        CPU; GGUF Q4 blocks exactly as int4), "auto" (GGUF files: int4 with forerun's C kernel, AVX512-VNNI or AVX2, else int8).
         See docs/quantization.md. overlap_spec: overlapped speculative rounds (engine/overlap_spec.py; greedy
         requests, a separate draft model, CUDA graphs; on by default since the eighth session's H200 run:
         1.41-1.77x plain at 1-4 requests against 1.17-1.54x without it, `benchmarks/online.py --overlap-spec`).

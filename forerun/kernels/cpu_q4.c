@@ -129,7 +129,8 @@ INLINE void group_rows(const uint8_t *g, int64_t k, const int8_t *xq, const floa
                 const __m256 ow = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hdr + 64 + 16 * r + 8 * h)));
                 __m256i lo[4], hi[4];
                 for (int j = 0; j < 4; j++) {
-                    const __m256i v = _mm256_maskload_epi32((const int *)(cp + (r * 4 + j) * 4 * ng + 32 * h), mk);
+                    const int *src = (const int *)(cp + (r * 4 + j) * 4 * ng + 32 * h);
+                    const __m256i v = ng == 16 ? _mm256_loadu_si256((const __m256i *)src) : _mm256_maskload_epi32(src, mk);
                     lo[j] = _mm256_and_si256(v, low);
                     hi[j] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
                 }

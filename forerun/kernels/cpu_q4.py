@@ -1,4 +1,4 @@
-"""CPU int4 x int8 GEMM (AVX512-VNNI), built from cpu_q4.c with the system C compiler on first use.
+"""CPU int4 x int8 GEMM (AVX512-VNNI, or AVX2), built from cpu_q4.c with the system C compiler on first use.
 
 Why: CPU decode is bound by the bytes of weights streamed per token. torch has no fast x86 kernel for 4-bit
 weights (``_weight_int4pack_mm_for_cpu`` is compute-bound, see docs/quantization.md). This kernel streams GGUF Q4
@@ -9,7 +9,9 @@ activations in C and splits the rows over torch's OpenMP threads: ~memory speed 
 docs/quantization.md). Every output's operations are the same whatever the number of rows and the thread split,
 so a row's result is bit-identical alone or in a verify batch (tests/test_batch_invariance.py).
 
-`available()` is False (and the int8 layout is used instead) without gcc, AVX512-VNNI/BW, or F16C.
+Two builds (forerun/kernels/cbuild.py): AVX512-VNNI/BW, and AVX2 + FMA + F16C for CPUs without it (AMD Zen 1-3;
+the same integer dot products with maddubs + madd, docs/quantization.md). `available()` is False (and the int8
+layout is used instead) without gcc or either instruction set.
 """
 from __future__ import annotations
 

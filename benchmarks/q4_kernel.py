@@ -19,14 +19,17 @@ SHAPES = {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "dow
 
 
 def build(layout: str, layers: int):
-    from forerun.models.quant import Int8Linear, Q4Linear, quantize_groups_int4
+    """layout: q4 (forerun's C kernel, this CPU's build), int8 (oneDNN W8A8), int4torch (torch's
+    _weight_int4pack_mm_for_cpu: what `--quantize int4` runs without the C kernel)."""
+    from forerun.models.quant import Int4Linear, Int8Linear, Q4Linear, quantize_groups_int4
 
     torch.manual_seed(0)
+    make = {"int8": Int8Linear.from_float, "q4": lambda w: Q4Linear(*quantize_groups_int4(w)),
+            "int4torch": lambda w: Int4Linear(*quantize_groups_int4(w))}[layout]
     mods = []
     for _ in range(layers):
         for name, (n, k) in SHAPES.items():
-            w = torch.randn(n, k) * 0.02
-            mods.append((name, Int8Linear.from_float(w) if layout == "int8" else Q4Linear(*quantize_groups_int4(w))))
+            mods.append((name, make(torch.randn(n, k) * 0.02)))
     return mods
 
 
@@ -61,8 +64,12 @@ def main() -> int:
                 print(json.dumps(row), flush=True)
     if a.out:
         import os
+        from forerun.kernels import cbuild
+
+        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
         with open(a.out, "w") as f:
-            json.dump({"layers": a.layers, "loadavg": os.getloadavg(), "results": res}, f, indent=1)
+            json.dump({"layers": a.layers, "loadavg": os.getloadavg(), "cpu": cpu, "c_kernels_isa": cbuild.isa(),
+                       "results": res}, f, indent=1)
     return 0
 
 

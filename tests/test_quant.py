@@ -239,7 +239,11 @@ def test_gguf_q4_weights_load_exactly_as_int4(tmp_path):
     got = attn.qkv_proj.dequantized()
     scale = want.abs().amax()
     assert ((got - want).abs().max() / scale).item() < 2e-2  # bf16 scales (2^-9 relative) times |q - 8| <= 8
-    assert isinstance(model.lm_head, Int8Linear)  # Q8_0 has no 4-bit part: kept at 8 bits
+    from forerun.models import quant as quant_mod
+
+    # Q8_0 has no 4-bit part: kept at 8 bits, except on a CPU without VNNI (int4 there, see INT4_OTHERS)
+    head_type = Int8Linear if quant_mod.int4_others_policy() == "layers" else (Q4Linear, Int4Linear)
+    assert isinstance(model.lm_head, head_type)
     ids = list(range(3, 30))
     ref = _logits(_load(path), ids)
     assert _kl(_logits(model, ids), ref) < 0.05
@@ -358,20 +362,26 @@ def test_a_draft_model_loads_its_8_bit_matrices_and_head_as_int4(monkeypatch):
 
     head = SimpleNamespace(type_name="Q8_0", where="tensor output.weight")
     q6 = SimpleNamespace(type_name="Q6_K", where="tensor blk.0.ffn_down.weight")
-    assert quant.INT4_OTHERS == "layers"
+    assert quant.INT4_OTHERS == "auto"
+    monkeypatch.setattr(quant, "int8_activation_range", lambda: (127, 128))  # a CPU with VNNI
+    assert quant.int4_others_policy() == quant.int4_others_policy(cpu=False) == "layers"
     assert not quant._requantize_to_int4(head) and quant._requantize_to_int4(q6)
     with quant.int4_others("int4"):
         assert quant._requantize_to_int4(head)
     with quant.int4_others("int8"):
         assert not quant._requantize_to_int4(q6)
-    assert quant.INT4_OTHERS == "layers"
+    assert quant.INT4_OTHERS == "auto"
     with pytest.raises(RuntimeError), quant.int4_others("int4"):
         raise RuntimeError("a failed load")
-    assert quant.INT4_OTHERS == "layers"
-    with pytest.raises(ValueError, match="must be one of layers, int8, int4"):
+    assert quant.INT4_OTHERS == "auto"
+    with pytest.raises(ValueError, match="must be one of auto, layers, int8, int4"):
         with quant.int4_others("int2"):
             pass
     seen = []
     monkeypatch.setattr(engine_mod, "load_model", lambda *a, **kw: seen.append(quant.INT4_OTHERS) or ("m", "t", "c"))
     assert engine_mod.load_draft_model("draft.gguf", "cpu", torch.float32, quantize="auto") == ("m", "t", "c")
-    assert seen == [quant.DRAFT_INT4_OTHERS] == ["int4"] and quant.INT4_OTHERS == "layers"
+    assert seen == [quant.DRAFT_INT4_OTHERS] == ["int4"] and quant.INT4_OTHERS == "auto"
+    # without VNNI (oneDNN's int8 product slow) a CPU load holds the head int4 too; a CUDA load keeps "layers"
+    monkeypatch.setattr(quant, "int8_activation_range", lambda: (63, 64))
+    assert quant.int4_others_policy() == "int4" and quant._requantize_to_int4(head)
+    assert quant.int4_others_policy(cpu=False) == "layers" and not quant._requantize_to_int4(head, cpu=False)

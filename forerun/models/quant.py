@@ -38,16 +38,18 @@ from torch import nn
 QUANTIZE_CHOICES = ("none", "int8", "int4")
 GROUP = 32  # int4 group size (a Q4_K sub-block, a Q4_0 / Q4_1 block)
 # int4 layout: how GGUF matrices with no 4-bit part are held (docs/quantization.md, measured on the 1.5B target):
-#   "layers" (default): 5/6-bit ones (Q5_0, Q5_1, Q5_K, Q6_K: a Q4_K_M's half of ffn_down) re-quantized to int4 from
+#   "auto" (default): "layers", except on a CPU without VNNI (AVX2 only), where oneDNN's int8 product is slow (the
+#            1.5B's int8 head took 46 ms a token on an AMD Zen 3, 7 ms in int4): "int4" there
+#   "layers": 5/6-bit ones (Q5_0, Q5_1, Q5_K, Q6_K: a Q4_K_M's half of ffn_down) re-quantized to int4 from
 #            their exact dequantized values (Q4Linear), except the output head; 8-bit ones and the head: int8
 #   "int8":  all of them per-row int8 (oneDNN)
 #   "int4":  all of them re-quantized to int4, the head too
 # (environment variable FORERUN_INT4_OTHERS, for benchmarks such as `forerun bench`)
-INT4_OTHERS = os.environ.get("FORERUN_INT4_OTHERS", "layers")
+INT4_OTHERS = os.environ.get("FORERUN_INT4_OTHERS", "auto")
 # a separate draft model only proposes: its 8-bit GGUF matrices and its head are held as int4 too (faster draft
 # steps; measured in docs/quantization.md). FORERUN_DRAFT_INT4_OTHERS=layers keeps the target's policy for drafts.
 DRAFT_INT4_OTHERS = os.environ.get("FORERUN_DRAFT_INT4_OTHERS", "int4")
-_POLICIES = ("layers", "int8", "int4")
+_POLICIES = ("auto", "layers", "int8", "int4")
 
 
 @contextlib.contextmanager
@@ -66,11 +68,19 @@ _REQUANT_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
 _HEAD_TENSORS = ("tensor output.weight", "tensor token_embd.weight")  # GGUF names (loader: GGUFQuantized.where)
 
 
-def _requantize_to_int4(part) -> bool:
+def int4_others_policy(cpu: bool = True) -> str:
+    """INT4_OTHERS with "auto" resolved for a CPU load (cpu=True) or a CUDA one."""
+    if INT4_OTHERS != "auto":
+        return INT4_OTHERS
+    return "int4" if cpu and int8_activation_range()[0] != 127 else "layers"
+
+
+def _requantize_to_int4(part, cpu: bool = True) -> bool:
     """Whether the int4 layout re-quantizes this GGUF matrix with no 4-bit part to int4 (see INT4_OTHERS)."""
-    if INT4_OTHERS == "int4":
+    policy = int4_others_policy(cpu)
+    if policy == "int4":
         return True
-    if INT4_OTHERS != "layers" or isinstance(part, torch.Tensor):
+    if policy != "layers" or isinstance(part, torch.Tensor):
         return False
     return getattr(part, "type_name", "") in _REQUANT_TYPES and not str(getattr(part, "where", "")).endswith(_HEAD_TENSORS)
 

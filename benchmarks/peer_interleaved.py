@@ -24,6 +24,13 @@ from pathlib import Path
 import torch
 
 
+def _cpu_name() -> str:
+    try:
+        return next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        return "?"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
@@ -49,6 +56,7 @@ def main() -> int:
     from forerun.config import SpecConfig
     from forerun.engine.engine import draft_dtype
     from forerun.engine.llm import LLM
+    from forerun.kernels import cbuild
     from forerun.models import quant
     from forerun.models.registry import load_model
     from forerun.sampling_params import SamplingParams
@@ -101,7 +109,8 @@ def main() -> int:
         r["vs_llamacpp_plain"] = round(r["tok_per_s"] / base["llama.cpp plain"], 3)
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "model": a.model, "draft": a.draft,
             "threads": a.threads, "prompts": len(prompts), "max_tokens": a.max_tokens, "quantize": a.quantize,
-            "layout": layout, "int4_others": quant.INT4_OTHERS, "draft_int4_others": quant.DRAFT_INT4_OTHERS,
+            "layout": layout, "int4_others": quant.INT4_OTHERS, "int4_others_resolved": quant.int4_others_policy(),
+            "draft_int4_others": quant.DRAFT_INT4_OTHERS, "cpu": _cpu_name(), "c_kernels_isa": cbuild.isa(),
             "k": a.k, "eagle": a.eagle, "llamacpp": bench.llamacpp_bin_dir().as_posix(),
             "spec_identical_to_plain": f"{identical}/{len(prompts)}",
             "loadavg_start": [round(x, 2) for x in load_start], "loadavg_end": [round(x, 2) for x in os.getloadavg()],

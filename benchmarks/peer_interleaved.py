@@ -109,7 +109,7 @@ def main() -> int:
         r["vs_llamacpp_plain"] = round(r["tok_per_s"] / base["llama.cpp plain"], 3)
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "model": a.model, "draft": a.draft,
             "threads": a.threads, "prompts": len(prompts), "max_tokens": a.max_tokens, "quantize": a.quantize,
-            "layout": layout, "int4_others": quant.INT4_OTHERS, "int4_others_resolved": quant.int4_others_policy(),
+            "layout": layout, "int4_others": quant.INT4_OTHERS, "int8_kernel": type(quant.int8_linear(torch.zeros(64, 64))).__name__,
             "draft_int4_others": quant.DRAFT_INT4_OTHERS, "cpu": _cpu_name(), "c_kernels_isa": cbuild.isa(),
             "k": a.k, "eagle": a.eagle, "llamacpp": bench.llamacpp_bin_dir().as_posix(),
             "spec_identical_to_plain": f"{identical}/{len(prompts)}",

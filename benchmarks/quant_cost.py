@@ -2,8 +2,8 @@
 for the target loaded as fp32 ("none"), int8 (W8A8, oneDNN VNNI) and int4 (group-32, Q4Linear: forerun/kernels/cpu_q4.c), plus
 weight bytes and peak RSS at load. Each layout runs in its own subprocess so its peak RSS is its own. A layout may
 name a variant after a colon: `int4:torch` (FORERUN_NO_CPU_KERNELS: torch's int4 kernel and ops, what a CPU without
-the C kernels gets), `int4:avx2` (FORERUN_CPU_ISA=avx2: the AVX2 build on an AVX-512 CPU), `int4:layers`
-(FORERUN_INT4_OTHERS=layers: the head int8 even on a CPU without VNNI).
+the C kernels gets), `int4:avx2` (FORERUN_CPU_ISA=avx2: the AVX2 build on an AVX-512 CPU), `int4:int4head`
+(FORERUN_INT4_OTHERS=int4: the head int4 too).
 
 Why: speculative decoding only pays if verifying k + 1 tokens costs little more than decoding one
 (issue 12). Writes benchmarks/results/quant_cost_cpu.json and .png.
@@ -107,7 +107,7 @@ def main() -> int:
         cmd = [sys.executable, __file__, "--one", layout, "--model", a.model, "--threads", str(a.threads),
                "--qmax", str(a.qmax), "--repeats", str(a.repeats)]
         variant = {"torch": {"FORERUN_NO_CPU_KERNELS": "1"}, "avx2": {"FORERUN_CPU_ISA": "avx2"},
-                   "layers": {"FORERUN_INT4_OTHERS": "layers"}, "": {}}
+                   "int4head": {"FORERUN_INT4_OTHERS": "int4"}, "": {}}
         env = {**os.environ, "PYTHONPATH": os.getcwd(), **variant[layout.partition(":")[2]]}
         out = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if out.returncode:

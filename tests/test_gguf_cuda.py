@@ -218,7 +218,7 @@ def test_q6_k_head_requantized_to_int8_within_half_a_step():
     n, k = 24, 512
     data = _quantize_q6k(rng.standard_normal((n, k)).astype(np.float32))
     ref = torch.from_numpy(dequantize(data, QT.Q6_K).reshape(n, k).copy())
-    # the head: not re-quantized to int4 by default on CUDA (INT4_OTHERS="auto" = "layers" there)
+    # the head: not re-quantized to int4 by default (INT4_OTHERS="layers")
     part = GGUFQuantized(data, "Q6_K", (n, k), None, "tensor output.weight")
     lin = make_cuda_linear([part], None, "cpu", torch.float32)
     assert isinstance(lin, CudaQ8Linear) and lin.scale.dtype == torch.float32

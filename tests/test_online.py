@@ -486,13 +486,13 @@ def test_prompt_longer_than_the_step_budget_is_prefilled_in_chunks(target):
 
 def test_quantize_reaches_the_loaded_model(tmp_path):
     """LLM(..., quantize='int8') on a checkpoint directory keeps the linears quantized (forerun/models/quant.py)."""
-    from forerun.models.quant import Int8Linear
+    from forerun.models.quant import Int8Linear, Q8Linear
 
     hf = hf_model("qwen2")
     hf.save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)
     llm = LLM(str(tmp_path), quantize="int8", device="cpu", cache=CacheConfig(block_size=4, num_blocks=256))
-    assert any(isinstance(m, Int8Linear) for m in llm.model.modules())
+    assert any(isinstance(m, (Int8Linear, Q8Linear)) for m in llm.model.modules())  # Q8Linear: no VNNI here
     out = llm.generate([PROMPTS[0]], GREEDY)[0]
     assert len(out.token_ids) == GREEDY.max_tokens
     # speculation on the quantized path gives plain decoding's tokens, token for token (the same kernels both ways)

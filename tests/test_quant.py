@@ -163,6 +163,66 @@ def test_int8_activations_take_7_bits_without_vnni(monkeypatch):
     assert ((lin(x) - x @ w.t()).abs().max() / (x @ w.t()).abs().max()).item() < 2e-2
 
 
+@pytest.mark.skipif(not Q4Linear.fits(64, 128), reason="needs gcc and AVX512-VNNI or AVX2 (forerun/kernels/cpu_q4.c)")
+def test_q8_linear_is_int8_per_32_exactly_on_the_int4_kernel():
+    """Q8Linear (8-bit weights per 32 as two nibble planes of the int4 kernel): its output is, group by group,
+    s * xs * dot(q, xq) + bias with the integer dot products exact (checked against float64), it dequantizes to
+    q * s, and a row's result is the same alone or among others. Codes +-127 and a partial last chunk (K = 288)
+    are in; swapping the planes' scales (h: s, l: 16 s) fails it."""
+    from forerun.kernels import cpu_q4
+    from forerun.models.quant import Q8Linear
+
+    g = torch.Generator().manual_seed(3)
+    n, k = 40, 288
+    q = torch.randint(-127, 128, (n, k), generator=g).to(torch.int8)
+    q[0], q[1] = 127, -127
+    s = torch.rand(n, k // 32, generator=g).add_(0.01).mul_(0.05).half().float()
+    b = torch.randn(n, generator=g)
+    lin = Q8Linear(q, s, b)
+    want_w = (q.float().view(n, -1, 32) * s[..., None]).view(n, k)
+    assert ((lin.dequantized() - want_w).abs() <= 1e-6 * want_w.abs().amax()).all()
+    x = torch.randn(9, k, generator=g)
+    x[0] = 1.0
+    y = lin(x)
+    xq, xs, _ = cpu_q4.quantize_activations(x)
+    codes = xq.view(9, -1, 8, 16, 4).transpose(2, 3).reshape(9, -1, 32)[:, : k // 32].double()
+    dots = torch.einsum("mgc,ngc->mng", codes, q.view(n, -1, 32).double())
+    terms = dots * s.double()[None] * xs[:, None, : k // 32].double()
+    want = terms.sum(-1) + b.double()
+    assert ((y.double() - want).abs() <= 1e-5 * (terms.abs().sum(-1) + b.double().abs()) + 1e-6).all()
+    for r in range(1, 9):
+        assert torch.equal(lin(x[r:r + 1]), y[r:r + 1]) and torch.equal(lin(x[:r]), y[:r])
+    bad = Q8Linear(q, s, b)
+    u = q.to(torch.int16) + 128
+    planes = torch.cat([(u >> 4).to(torch.uint8), (u & 15).to(torch.uint8)], 1)
+    bad.planes = Q4Linear(planes, torch.cat([s, 16 * s], 1), torch.cat([-128 * s, 0 * s], 1), b)
+    assert not ((bad(x).double() - want).abs() <= 1e-3 * want.abs().amax()).all()
+
+
+def test_int8_linear_picks_the_int4_kernel_without_vnni(monkeypatch):
+    """The int4 layout's 8-bit matrices (and the int8 layout) go to Q8Linear on a CPU without VNNI, where oneDNN's
+    int8 product is slow, and stay Int8Linear (oneDNN) with VNNI; the draft-vocabulary subset of a Q8Linear head
+    keeps its rows' codes and scales exactly."""
+    from forerun.models import quant
+    from forerun.models.vocab_subset import _rows
+
+    w = torch.randn(64, 128)
+    monkeypatch.setattr(quant, "int8_activation_range", lambda: (127, 128))
+    assert isinstance(quant.int8_linear(w), Int8Linear)
+    monkeypatch.setattr(quant, "int8_activation_range", lambda: (63, 64))
+    if not Q4Linear.fits(64, 256):
+        assert isinstance(quant.int8_linear(w), Int8Linear)  # no C kernel: oneDNN it is
+        return
+    head = quant.int8_linear(w)
+    assert isinstance(head, quant.Q8Linear)
+    assert isinstance(quant.make_quantized_linear([w], None, "int8"), quant.Q8Linear)
+    ids = torch.tensor([3, 0, 63, 17])
+    sub = _rows(head, ids)
+    assert isinstance(sub, quant.Q8Linear) and torch.equal(sub.dequantized(), head.dequantized()[ids])
+    x = torch.randn(2, 128)
+    assert torch.equal(sub(x), head(x)[:, ids])
+
+
 def test_cpu_isa_override(monkeypatch):
     from forerun.kernels import cbuild
 
@@ -241,8 +301,8 @@ def test_gguf_q4_weights_load_exactly_as_int4(tmp_path):
     assert ((got - want).abs().max() / scale).item() < 2e-2  # bf16 scales (2^-9 relative) times |q - 8| <= 8
     from forerun.models import quant as quant_mod
 
-    # Q8_0 has no 4-bit part: kept at 8 bits, except on a CPU without VNNI (int4 there, see INT4_OTHERS)
-    head_type = Int8Linear if quant_mod.int4_others_policy() == "layers" else (Q4Linear, Int4Linear)
+    # Q8_0 has no 4-bit part: kept at 8 bits (per row in oneDNN; per 32 on the int4 kernel without VNNI)
+    head_type = Int8Linear if quant_mod.int8_activation_range()[0] == 127 else quant_mod.Q8Linear
     assert isinstance(model.lm_head, head_type)
     ids = list(range(3, 30))
     ref = _logits(_load(path), ids)
@@ -362,26 +422,20 @@ def test_a_draft_model_loads_its_8_bit_matrices_and_head_as_int4(monkeypatch):
 
     head = SimpleNamespace(type_name="Q8_0", where="tensor output.weight")
     q6 = SimpleNamespace(type_name="Q6_K", where="tensor blk.0.ffn_down.weight")
-    assert quant.INT4_OTHERS == "auto"
-    monkeypatch.setattr(quant, "int8_activation_range", lambda: (127, 128))  # a CPU with VNNI
-    assert quant.int4_others_policy() == quant.int4_others_policy(cpu=False) == "layers"
+    assert quant.INT4_OTHERS == "layers"
     assert not quant._requantize_to_int4(head) and quant._requantize_to_int4(q6)
     with quant.int4_others("int4"):
         assert quant._requantize_to_int4(head)
     with quant.int4_others("int8"):
         assert not quant._requantize_to_int4(q6)
-    assert quant.INT4_OTHERS == "auto"
+    assert quant.INT4_OTHERS == "layers"
     with pytest.raises(RuntimeError), quant.int4_others("int4"):
         raise RuntimeError("a failed load")
-    assert quant.INT4_OTHERS == "auto"
-    with pytest.raises(ValueError, match="must be one of auto, layers, int8, int4"):
+    assert quant.INT4_OTHERS == "layers"
+    with pytest.raises(ValueError, match="must be one of layers, int8, int4"):
         with quant.int4_others("int2"):
             pass
     seen = []
     monkeypatch.setattr(engine_mod, "load_model", lambda *a, **kw: seen.append(quant.INT4_OTHERS) or ("m", "t", "c"))
     assert engine_mod.load_draft_model("draft.gguf", "cpu", torch.float32, quantize="auto") == ("m", "t", "c")
-    assert seen == [quant.DRAFT_INT4_OTHERS] == ["int4"] and quant.INT4_OTHERS == "auto"
-    # without VNNI (oneDNN's int8 product slow) a CPU load holds the head int4 too; a CUDA load keeps "layers"
-    monkeypatch.setattr(quant, "int8_activation_range", lambda: (63, 64))
-    assert quant.int4_others_policy() == "int4" and quant._requantize_to_int4(head)
-    assert quant.int4_others_policy(cpu=False) == "layers" and not quant._requantize_to_int4(head, cpu=False)
+    assert seen == [quant.DRAFT_INT4_OTHERS] == ["int4"] and quant.INT4_OTHERS == "layers"

@@ -99,7 +99,7 @@ def int4_groups(parts: list, device: torch.device | str) -> tuple[torch.Tensor, 
         return None
     exact = [_exact_int4(p) for p in parts]
     from_gguf = any(not isinstance(p, torch.Tensor) for p in parts)
-    if not (any(e is not None for e in exact) or not from_gguf or all(_requantize_to_int4(p, cpu=False) for p in parts)):
+    if not (any(e is not None for e in exact) or not from_gguf or all(_requantize_to_int4(p) for p in parts)):
         return None
     groups = []
     for e, p in zip(exact, parts):

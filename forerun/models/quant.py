@@ -38,18 +38,16 @@ from torch import nn
 QUANTIZE_CHOICES = ("none", "int8", "int4")
 GROUP = 32  # int4 group size (a Q4_K sub-block, a Q4_0 / Q4_1 block)
 # int4 layout: how GGUF matrices with no 4-bit part are held (docs/quantization.md, measured on the 1.5B target):
-#   "auto" (default): "layers", except on a CPU without VNNI (AVX2 only), where oneDNN's int8 product is slow (the
-#            1.5B's int8 head took 46 ms a token on an AMD Zen 3, 7 ms in int4): "int4" there
-#   "layers": 5/6-bit ones (Q5_0, Q5_1, Q5_K, Q6_K: a Q4_K_M's half of ffn_down) re-quantized to int4 from
+#   "layers" (default): 5/6-bit ones (Q5_0, Q5_1, Q5_K, Q6_K: a Q4_K_M's half of ffn_down) re-quantized to int4 from
 #            their exact dequantized values (Q4Linear), except the output head; 8-bit ones and the head: int8
-#   "int8":  all of them per-row int8 (oneDNN)
+#   "int8":  all of them int8 (oneDNN per row; Q8Linear per 32 on a CPU without VNNI, see int8_linear)
 #   "int4":  all of them re-quantized to int4, the head too
 # (environment variable FORERUN_INT4_OTHERS, for benchmarks such as `forerun bench`)
-INT4_OTHERS = os.environ.get("FORERUN_INT4_OTHERS", "auto")
+INT4_OTHERS = os.environ.get("FORERUN_INT4_OTHERS", "layers")
 # a separate draft model only proposes: its 8-bit GGUF matrices and its head are held as int4 too (faster draft
 # steps; measured in docs/quantization.md). FORERUN_DRAFT_INT4_OTHERS=layers keeps the target's policy for drafts.
 DRAFT_INT4_OTHERS = os.environ.get("FORERUN_DRAFT_INT4_OTHERS", "int4")
-_POLICIES = ("auto", "layers", "int8", "int4")
+_POLICIES = ("layers", "int8", "int4")
 
 
 @contextlib.contextmanager
@@ -68,19 +66,11 @@ _REQUANT_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
 _HEAD_TENSORS = ("tensor output.weight", "tensor token_embd.weight")  # GGUF names (loader: GGUFQuantized.where)
 
 
-def int4_others_policy(cpu: bool = True) -> str:
-    """INT4_OTHERS with "auto" resolved for a CPU load (cpu=True) or a CUDA one."""
-    if INT4_OTHERS != "auto":
-        return INT4_OTHERS
-    return "int4" if cpu and int8_activation_range()[0] != 127 else "layers"
-
-
-def _requantize_to_int4(part, cpu: bool = True) -> bool:
+def _requantize_to_int4(part) -> bool:
     """Whether the int4 layout re-quantizes this GGUF matrix with no 4-bit part to int4 (see INT4_OTHERS)."""
-    policy = int4_others_policy(cpu)
-    if policy == "int4":
+    if INT4_OTHERS == "int4":
         return True
-    if policy != "layers" or isinstance(part, torch.Tensor):
+    if INT4_OTHERS != "layers" or isinstance(part, torch.Tensor):
         return False
     return getattr(part, "type_name", "") in _REQUANT_TYPES and not str(getattr(part, "where", "")).endswith(_HEAD_TENSORS)
 
@@ -280,6 +270,60 @@ class Q4Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
+class Q8Linear(nn.Module):
+    """y = x W^T + b with W as int8 per 32 weights (w = q * s, q in -127..127, fp16 s: GGUF Q8_0's layout),
+    multiplied by forerun's int4 kernel (cpu_q4.c) as two nibble planes over a doubled K: q + 128 = 16 h + l
+    (h, l in 0..15), and group by group s * (16 x.h + x.l - 128 sum(x)) = s * x.q, exactly in the kernel's
+    integers (the h plane's groups carry scale 16 s and offset -128 s, the l plane's scale s and offset 0).
+
+    Why: on CPUs without VNNI, oneDNN's int8 product is slow (the 1.5B's head: 46 ms a token on an AMD Zen 3)
+    while the int4 kernel streams; this keeps 8-bit weights (finer than Int8Linear's per-row scales) at 10 bits
+    per weight, batch-invariant like Q4Linear. The activations are quantized twice per call (both halves of [x, x])."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        # q: [N, K] int8 (-127..127), scale: [N, K/32] (fp16-representable), bias: [N] or None
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        u = q.to(torch.int16) + 128  # 1..255
+        s = scale.float()
+        zero = torch.zeros_like(s)
+        planes = torch.cat([(u >> 4).to(torch.uint8), (u & 15).to(torch.uint8)], dim=1)  # [N, 2K]
+        self.planes = Q4Linear(planes, torch.cat([16 * s, s], 1), torch.cat([-128 * s, zero], 1), bias)
+        self.scale = scale.half()  # [N, K/32] (a plain attribute: exact row subsets, vocab_subset.py)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> "Q8Linear":
+        """Symmetric int8 per 32 weights from exact values (scale rounded to fp16 first, codes from it)."""
+        n, k = w.shape
+        q = torch.empty(n, k, dtype=torch.int8)
+        scale = torch.empty(n, k // GROUP)
+        for i in range(0, n, 8192):  # row chunks: no full-size float temporaries for a 150k-row head
+            g = w[i:i + 8192].float().view(-1, k // GROUP, GROUP)
+            s = (g.abs().amax(-1) / 127.0).clamp_min_(1e-7).half().float()
+            q[i:i + 8192] = torch.round(g / s[..., None]).clamp_(-127, 127).view(-1, k).to(torch.int8)
+            scale[i:i + 8192] = s
+        return cls(q, scale, bias)
+
+    @staticmethod
+    def fits(n: int, k: int) -> bool:
+        return Q4Linear.fits(n, 2 * k)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.planes.bias
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.planes.weight_bytes
+
+    def dequantized(self) -> torch.Tensor:  # [N, K] float32 (tests)
+        w = self.planes.dequantized()
+        return w[:, : self.in_features] + w[:, self.in_features:]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        return self.planes(torch.cat([x, x], dim=-1))
+
+
 # ====================================================================== GGUF blocks -> int4 groups
 
 
@@ -381,5 +425,15 @@ def make_quantized_linear(parts: list, bias: torch.Tensor | None, layout: str) -
         # a GGUF matrix with no 4-bit part (Q6_K, Q8_0, ...): int8 keeps more of its precision
     if layout in ("int4", "int8"):
         w = torch.cat([_as_float(p) for p in parts]) if len(parts) > 1 else _as_float(parts[0])
-        return Int8Linear.from_float(w, bias)
+        return int8_linear(w, bias)
     raise ValueError(f"unknown quantized layout {layout!r}")
+
+
+def int8_linear(w: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Module:
+    """An 8-bit linear for this CPU: oneDNN's W8A8 (Int8Linear) where it has VNNI; without VNNI, where oneDNN's
+    product is 3-6x slower (docs/quantization.md, AMD Zen 3) and forerun's int4 kernel runs, int8 per 32 weights
+    on that kernel (Q8Linear)."""
+    n, k = w.shape
+    if int8_activation_range()[0] != 127 and k % GROUP == 0 and Q8Linear.fits(n, k):
+        return Q8Linear.from_float(w, bias)
+    return Int8Linear.from_float(w, bias)

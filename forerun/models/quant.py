@@ -19,7 +19,8 @@ bytes (int4) per weight. Measured in docs/quantization.md:
   The integer accumulation is exact and the one float multiply per output does not depend on how many rows are
   in the batch, so a row's result is bit-identical whether it is computed alone (plain decode) or among k + 1
   verify rows (tests/test_quant.py). Lossy versus the GGUF's own dequantization: weights are re-quantized per
-  row (from the exact dequantized values), activations per row.
+  row (from the exact dequantized values), activations per row. On CPUs without VNNI, where oneDNN's product is
+  slow, 8-bit linears are ``Q8Linear`` instead: int8 per 32 weights run by the int4 C kernel (``int8_linear``).
 
 The rest of the CPU forward is batch-invariant too (row-wise reference attention, tests/test_batch_invariance.py),
 so greedy speculative output equals plain output exactly on both layouts.

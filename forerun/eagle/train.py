@@ -464,7 +464,7 @@ def training_summary(out: Path, data_dir: Path, a, n_train: int, n_held: int, fe
     if prev and not sessions:  # written before sessions were recorded: keep what it said as the first one
         sessions.append({k: prev[k] for k in ("train_seconds", "total_seconds", "steps", "acc_len") if k in prev})
     sessions.append({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "steps": [step0, res["step"]],
-                     "precision": getattr(a, "precision_used", a.precision),
+                     "precision": getattr(a, "precision_used", getattr(a, "precision", None)),
                      "feature_seconds": round(feat_s, 1), "wall_seconds": round(wall_s, 1),
                      "acc_len": round(res["acc_len"], 3)})
     stats = [D.split_stats(data_dir, sp) for sp in ("train", "heldout")]

@@ -11,6 +11,7 @@ a failed compile; callers then keep their torch path.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -29,12 +30,18 @@ ISAS = {
 }
 
 
-def cpu_ok(features) -> bool:
+@functools.lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags, read once (every 8-bit linear built at load asks, quant.int8_activation_range)."""
     try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+        return frozenset(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
     except (OSError, StopIteration):
-        return False
-    return all(f in flags for f in features)
+        return frozenset()
+
+
+def cpu_ok(features) -> bool:
+    flags = _cpu_flags()
+    return bool(flags) and all(f in flags for f in features)
 
 
 def isa() -> str | None:

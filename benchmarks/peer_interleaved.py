@@ -54,7 +54,7 @@ def main() -> int:
     from forerun import bench
     from forerun.bench_prompts import CODE_PROMPTS
     from forerun.config import SpecConfig
-    from forerun.engine.engine import draft_dtype
+    from forerun.engine.engine import draft_dtype, load_draft_model
     from forerun.engine.llm import LLM
     from forerun.kernels import cbuild
     from forerun.models import quant
@@ -65,7 +65,9 @@ def main() -> int:
     prompts = list(CODE_PROMPTS[: a.num_prompts])
     target = load_model(a.model, quantize=a.quantize, progress=False)
     ddt = draft_dtype(SpecConfig(), torch.device("cpu"), torch.float32)
-    draft = load_model(a.draft, dtype=ddt, quantize=a.quantize, progress=False)
+    # as the engine loads a --draft model (its 8-bit GGUF matrices int4 too, quant.DRAFT_INT4_OTHERS); runs before
+    # 2026-12-04 loaded it as a target (load_model), with a 2x slower 8-bit head
+    draft = load_draft_model(a.draft, "cpu", ddt, quantize=a.quantize)
     layout = getattr(target[0], "quantization", a.quantize)
     plain = LLM.from_model(target[0], target[1], device="cpu")
     spec = replace(SpecConfig.from_flags(a.draft, a.k, 0.0, "auto"), draft_model=(draft[0], draft[1]))

@@ -23,7 +23,7 @@ from test_batch_invariance import _meta, threads  # noqa: F401  (the 1 / 2 threa
 from test_loader import save
 from tiny import hf_model, tiny_tokenizer
 
-pytestmark = pytest.mark.skipif(not cpu_layer.available(), reason="needs gcc and AVX-512 (the C kernels)")
+pytestmark = pytest.mark.skipif(not cpu_layer.available(), reason="needs gcc and AVX2 or AVX-512 (the C kernels)")
 
 
 def _torch_rows(monkeypatch):
@@ -142,3 +142,63 @@ def test_cpu_float32_runner_uses_the_c_layer_ops(tmp_path):
     model = build_model(load_checkpoint(save(hf, tmp_path / "m")), "cpu", torch.float32, progress=False)
     llm = LLM.from_model(model, tiny_tokenizer(300), device="cpu")
     assert type(llm.runner.model.ops) is CpuLayerOps
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+def test_flat_decoder_layers_are_bit_identical_to_the_module_path(tmp_path, arch, threads, monkeypatch):
+    """CpuLayerOps.decoder_layers (the int4 layout's layers as flat C calls) against the modules it replaces, on a tiny
+    int4 model (Qwen2: Q/K/V bias; Qwen3: Q/K norms; Llama) with one layer's o-projection 8-bit (Q8Linear) and one
+    down-projection left float (nn.Linear: the module's own call): prefill, a decode row, a 4-row tree verify
+    beside another sequence's rows, early exit and hidden states, all bit for bit; and it is the path taken."""
+    from forerun.kernels import cpu_q4
+    from forerun.models import quant
+    from forerun.runtime.runner import Chunk
+
+    if not cpu_q4.available():
+        pytest.skip("needs the int4 kernel")
+    hf = hf_model(arch, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=300, num_hidden_layers=3)
+    model = build_model(load_checkpoint(save(hf, tmp_path / "m")), "cpu", torch.float32, progress=False,
+                        quantize="int4")
+    layers = model.model.layers
+    assert type(layers[0].self_attn.qkv_proj) is quant.Q4Linear
+    layers[1].self_attn.o_proj = quant.Q8Linear.from_float(layers[1].self_attn.o_proj.dequantized())
+    down = torch.nn.Linear(256, 128, bias=False)
+    down.weight.data.copy_(layers[2].mlp.down_proj.dequantized())
+    layers[2].mlp.down_proj = down
+    runner = LLM.from_model(model, tiny_tokenizer(300), device="cpu").runner
+    assert type(model.ops) is CpuLayerOps
+    g = torch.Generator().manual_seed(0)
+    prefix, other = torch.randint(2, 300, (23,), generator=g).tolist(), torch.randint(2, 300, (9,), generator=g).tolist()
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+
+    def run(base):  # the same steps on sequences base, base + 1; every logits row and hidden state
+        runner.kv.add_sequence(base)
+        runner.kv.add_sequence(base + 1)
+        got = []
+        for chunks, kw in [([Chunk(base, prefix, logits="all")], {}),
+                           ([Chunk(base, [7], logits="all")], {"hidden_layers": (0, 2)}),
+                           ([Chunk(base + 1, other, logits="all"), Chunk(base, [5, 9, 11, 13], logits="all",
+                                                                          tree_mask=tree)], {}),
+                           ([Chunk(base, [17], logits="all")], {"num_layers": 2, "hidden_layers": (1,)})]:
+            out, _ = runner.forward(chunks, **kw)
+            got += [out.logits, *out.hidden_states.values()]
+        return got
+
+    calls = []
+    flat = CpuLayerOps.decoder_layers
+
+    def counted(self, *a, **k):
+        r = flat(self, *a, **k)
+        calls.append(r is not None)
+        return r
+
+    with torch.inference_mode():
+        monkeypatch.setattr(CpuLayerOps, "decoder_layers", counted)
+        fast = run(10)
+        assert calls == [True] * 4
+        monkeypatch.setattr(CpuLayerOps, "decoder_layers", lambda self, *a, **k: None)
+        slow = run(20)
+    assert len(fast) == len(slow) == 7
+    for i, (a, b) in enumerate(zip(fast, slow)):
+        assert torch.equal(a, b), (i, (a - b).abs().max().item())

@@ -122,10 +122,14 @@ class LlamaForCausalLM(nn.Module):
         wanted = set(hidden_layers)
         h, res = self.model.embed_tokens(input_ids), None  # [T, hidden]
         hidden: dict[int, torch.Tensor] = {}
-        for i in range(n):
-            h, res = self.model.layers[i](h, res, positions, self.rope, meta, kv, self.backend, self.ops)
-            if i in wanted:
-                hidden[i] = h + res
+        flat = self.ops.decoder_layers(self, h, positions, meta, kv, n, wanted)  # (the CPU int4 layout: C calls)
+        if flat is not None:
+            h, res, hidden = flat
+        else:
+            for i in range(n):
+                h, res = self.model.layers[i](h, res, positions, self.rope, meta, kv, self.backend, self.ops)
+                if i in wanted:
+                    hidden[i] = h + res
         if logits_indices is not None:
             if logits_indices.numel() == 0:  # no logits wanted (a prefill chunk): skip the norm and the head
                 return ForwardOutput(torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=h.device), hidden)

@@ -43,6 +43,12 @@ class LayerOps:
         h, s = self.add_rmsnorm(x, residual, norm)
         return self.mlp(h, mlp), s
 
+    def decoder_layers(self, model, h: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata, kv: KVPool, n: int,
+                       wanted: set[int]) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]] | None:
+        """The first n decoder layers of `model` in one go: (h, residual, {layer in wanted: its output}), or None
+        to have the model run its layers one module at a time with these ops (the default)."""
+        return None
+
     def qkv_to_cache(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                      q_norm: RMSNorm | None, k_norm: RMSNorm | None, layer: int, meta: AttnMetadata, kv: KVPool,
                      num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:

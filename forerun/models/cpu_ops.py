@@ -4,11 +4,12 @@ add + RMSNorm and Q/K norm + RoPE + the cache write each in one C call; the matr
 (oneDNN / the int4 kernel). Anything the C code cannot take falls back to LayerOps (the torch reference). The
 runner sets it on float32 CPU models where `kernels.cpu_layer.available()`.
 
-`decoder_layers` runs a whole stack of layers whose matrices are all int4-kernel linears (Q4Linear / Q8Linear, the
-CPU int4 layout) as a flat sequence of C calls: the same kernels, with the same inputs, in the same order as the
-module path (so bit-identical to it, tested), without its Python: module calls, per-call checks, and the attention
-plan rebuilt per layer. Measured on 2 Zen 3 cores at one token: ~0.4 ms a layer of host work, 15 of the 1.5B's 72 ms
-and 10 of the 0.5B draft's 27 ms (docs/quantization.md).
+`decoder_layers` runs a whole stack of layers as a flat sequence of calls: the C functions the module path would
+reach (int4-kernel products for Q4Linear / Q8Linear, the norms, RoPE + cache write, the row attention), with the
+same inputs, in the same order, and the module path's own call for any step they would not take (so bit-identical
+to it, tested), without its Python: module calls, per-call checks, the attention plan looked up per layer. That
+host work was ~0.5 ms a layer on 2 Zen 3 cores at one token: 15 of the 1.5B's 72 ms and 10 of the 0.5B draft's
+27 ms (docs/quantization.md).
 """
 from __future__ import annotations
 
@@ -54,8 +55,11 @@ class CpuLayerOps(LayerOps):
         t = h.shape[0]
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         rope, backend = model.rope, model.backend
-        c_rope = d % 2 == 0 and d <= 1024 and rope.cos.dtype == torch.float32 and rope.cos.is_contiguous()
-        c_attn = type(backend) is ReferenceBackend
+        f32 = [rope.cos, rope.sin, kv.k[0], kv.v[0]]  # (the pool's layers are allocated alike)
+        c_cache = all(x.dtype == torch.float32 and x.is_contiguous() for x in f32)
+        c_rope = c_cache and d % 2 == 0 and d <= 1024 and all(x.dtype == torch.int64 and x.is_contiguous()
+                                                               for x in (positions, meta.slot_mapping))
+        c_attn = c_cache and type(backend) is ReferenceBackend
         if c_attn:  # the attention rows' key lists: one plan for every layer (the module path looks it up per layer)
             keys, off, lens, maxlen = _flat_plan(_row_plan(meta, kv.k[0].shape[1], cfg.sliding_window), t)
 

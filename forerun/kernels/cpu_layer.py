@@ -36,8 +36,8 @@ def available() -> bool:
     return _load() is not None
 
 
-def _ptr(t: torch.Tensor | None):
-    return None if t is None else ctypes.c_void_p(t.data_ptr())
+def _ptr(t: torch.Tensor | None) -> int | None:  # (a plain int: ctypes converts it for the c_void_p argtypes)
+    return None if t is None else t.data_ptr()
 
 
 def _ok(*ts) -> bool:

@@ -129,13 +129,13 @@ def quantize_activations_c(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     return xq, xs, isum
 
 
-def q4_matmul(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+def q4_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, threads: int | None = None) -> torch.Tensor:
     """x [M, K] float -> [M, N] float32 = x W^T with W = codes * scale + offset per 32 (packed by pack_weights),
-    x as int8 per 32. The output rows are split over torch's threads (OpenMP, in the C kernel)."""
+    x as int8 per 32. The output rows are split over `threads` (default torch's; OpenMP, in the C kernel)."""
     lib = _load()
     m, k = x.shape
     xq, xs, isum = quantize_activations_c(x)
     y = torch.empty(m, n, dtype=torch.float32)
     lib.q4_gemm(packed.data_ptr(), n, k, xq.data_ptr(), xs.data_ptr(), isum.data_ptr(), m, y.data_ptr(),
-                torch.get_num_threads())
+                threads or torch.get_num_threads())
     return y

@@ -4,12 +4,10 @@ add + RMSNorm and Q/K norm + RoPE + the cache write each in one C call; the matr
 (oneDNN / the int4 kernel). Anything the C code cannot take falls back to LayerOps (the torch reference). The
 runner sets it on float32 CPU models where `kernels.cpu_layer.available()`.
 
-`decoder_layers` runs a whole stack of layers as a flat sequence of calls: the C functions the module path would
-reach (int4-kernel products for Q4Linear / Q8Linear, the norms, RoPE + cache write, the row attention), with the
-same inputs, in the same order, and the module path's own call for any step they would not take (so bit-identical
-to it, tested), without its Python: module calls, per-call checks, the attention plan looked up per layer. That
-host work was ~0.5 ms a layer on 2 Zen 3 cores at one token: 15 of the 1.5B's 72 ms and 10 of the 0.5B draft's
-27 ms (docs/quantization.md).
+`decoder_layers` runs a whole stack of layers without the modules: the calls the module path ends in, with the same
+inputs, in the same order (so bit-identical to it, tested), without its module calls and reshapes and with the
+attention's key plan looked up once per forward instead of per layer. That host work was ~0.5 ms a layer on 2 Zen 3
+cores at one token: 15 of the 1.5B's 72 ms and 10 of the 0.5B draft's 27 ms (docs/quantization.md).
 """
 from __future__ import annotations
 
@@ -39,81 +37,42 @@ class CpuLayerOps(LayerOps):
         return q
 
     def decoder_layers(self, model, h, positions, meta, kv, n: int, wanted: set[int]):
-        """The first n layers of `model` (a LlamaForCausalLM) as a flat run of C calls where the module path would
-        call the same C code (int4-kernel linears, the C norms, RoPE and row attention), the module path's own
-        call for any other step; None where the C libraries are not there."""
+        """The first n layers of `model` (a LlamaForCausalLM) without the modules: the same calls the module path
+        ends in (this class's norms and RoPE, the int4 kernel's products, the C row attention with one key plan
+        for the forward), in the same order; None where the C libraries are not there."""
         from ..attention.base import ReferenceBackend
         from ..attention.reference import _flat_plan, _row_plan
         from ..kernels import cpu_q4
         from .quant import Q4Linear, Q8Linear
 
-        if not (cpu_q4.available() and cpu_layer.available()) or h.dtype != torch.float32 or not h.is_contiguous():
+        if not (cpu_q4.available() and cpu_layer.available()):
             return None
         cfg = model.config
-        q4, lay = cpu_q4._load(), cpu_layer._load()
         threads = torch.get_num_threads()
         t = h.shape[0]
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         rope, backend = model.rope, model.backend
-        f32 = [rope.cos, rope.sin, kv.k[0], kv.v[0]]  # (the pool's layers are allocated alike)
-        c_cache = all(x.dtype == torch.float32 and x.is_contiguous() for x in f32)
-        c_rope = c_cache and d % 2 == 0 and d <= 1024 and all(x.dtype == torch.int64 and x.is_contiguous()
-                                                               for x in (positions, meta.slot_mapping))
-        c_attn = c_cache and type(backend) is ReferenceBackend
-        if c_attn:  # the attention rows' key lists: one plan for every layer (the module path looks it up per layer)
-            keys, off, lens, maxlen = _flat_plan(_row_plan(meta, kv.k[0].shape[1], cfg.sliding_window), t)
+        if type(backend) is ReferenceBackend:  # its CPU rows (paged_attention_rowwise), the plan looked up once
+            plan = _flat_plan(_row_plan(meta, kv.k[0].shape[1], cfg.sliding_window), t)
 
-        def linear(x, mod):  # Q4Linear.forward / Q8Linear.forward without the module call; else the module
-            if type(mod) is Q8Linear:
-                x, mod = torch.cat([x, x], dim=-1), mod.planes
-            if type(mod) is not Q4Linear:
-                return self.linear(x, mod)
-            nout, k = mod.out_features, mod.in_features
-            m, chunks = x.shape[0], (k // 32 + 15) // 16
-            xq = torch.empty(m, chunks * 512, dtype=torch.int8)
-            xs, isum = torch.empty(m, chunks * 16), torch.empty(m, chunks * 16)
-            q4.q4_quant_act(x.data_ptr(), m, k, xq.data_ptr(), xs.data_ptr(), isum.data_ptr())
-            y = torch.empty(m, nout)
-            q4.q4_gemm(mod.packed.data_ptr(), nout, k, xq.data_ptr(), xs.data_ptr(), isum.data_ptr(), m, y.data_ptr(),
-                       threads)
-            return y if mod.bias is None else y.add_(mod.bias)
-
-        def add_rmsnorm(x, r, norm):  # CpuLayerOps.add_rmsnorm
-            w = norm.weight
-            if w.dtype != torch.float32 or not w.is_contiguous():
-                return self.add_rmsnorm(x, r, norm)
-            s = torch.empty_like(x) if r is not None else x
-            y = torch.empty_like(x)
-            lay.add_rmsnorm(x.data_ptr(), None if r is None else r.data_ptr(), w.data_ptr(), norm.eps, s.data_ptr(),
-                            y.data_ptr(), t, x.shape[1])
-            return y, s
+        def linear(x, mod):  # the product without the module call and its reshapes
+            return mod.rows(x, threads) if type(mod) in (Q4Linear, Q8Linear) else self.linear(x, mod)
 
         hidden, res = {}, None
         for i in range(n):
             layer = model.model.layers[i]
             att, mlp = layer.self_attn, layer.mlp
-            x, res = add_rmsnorm(h, res, layer.input_layernorm)
-            qkv = linear(x, att.qkv_proj)
+            x, res = self.add_rmsnorm(h, res, layer.input_layernorm)
             qn, kn = (att.q_norm, att.k_norm) if cfg.qk_norm else (None, None)
-            if c_rope and qkv.is_contiguous() and (qn is None or (qn.eps == kn.eps and qn.weight.dtype == torch.float32
-                                                                   and kn.weight.dtype == torch.float32)):
-                q = torch.empty(t, hq, d)
-                lay.qkv_rope_store(qkv.data_ptr(), positions.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr(),
-                                   None if qn is None else qn.weight.data_ptr(),
-                                   None if kn is None else kn.weight.data_ptr(), 0.0 if qn is None else qn.eps,
-                                   meta.slot_mapping.data_ptr(), kv.k[i].data_ptr(), kv.v[i].data_ptr(), q.data_ptr(),
-                                   t, hq, hkv, d)
-            else:
-                q = self.qkv_to_cache(qkv, positions, rope, qn, kn, i, meta, kv, hq, hkv, d)
-            if c_attn:  # paged_attention_rowwise's C path
-                qs = q * att.scale
-                out = torch.empty_like(qs)
-                lay.attn_rows(qs.data_ptr(), kv.k[i].data_ptr(), kv.v[i].data_ptr(), keys.data_ptr(), off.data_ptr(),
-                              lens.data_ptr(), out.data_ptr(), t, hq, hkv, d, max(maxlen, 1))
-            else:
+            q = self.qkv_to_cache(linear(x, att.qkv_proj), positions, rope, qn, kn, i, meta, kv, hq, hkv, d)
+            out = None
+            if type(backend) is ReferenceBackend and q.dtype == torch.float32:
+                kf, vf = kv.k[i].view(-1, hkv, d), kv.v[i].view(-1, hkv, d)
+                out = cpu_layer.attention_rows(q * att.scale, kf, vf, *plan)
+            if out is None:
                 out = backend.forward(q, kv.k[i], kv.v[i], meta, att.scale, window=cfg.sliding_window)
             h = linear(out.reshape(t, -1), att.o_proj)
-            x, res = add_rmsnorm(h, res, layer.post_attention_layernorm)
+            x, res = self.add_rmsnorm(h, res, layer.post_attention_layernorm)
             gate, up = linear(x, mlp.gate_up_proj).chunk(2, dim=-1)  # SwiGLU.activation
             h = linear(F.silu(gate) * up, mlp.down_proj)
             if i in wanted:

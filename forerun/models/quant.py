@@ -263,12 +263,14 @@ class Q4Linear(nn.Module):
         return (q.view(n, k // 32, 32).float() * s.float()[..., None] + o.float()[..., None]).reshape(n, k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        return self.rows(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def rows(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:  # [M, K] -> [M, N] float32
+        """The product of 2-D rows (forward's work without its reshapes; CpuLayerOps.decoder_layers calls it)."""
         from ..kernels.cpu_q4 import q4_matmul
 
-        y = q4_matmul(x.reshape(-1, self.in_features), self.packed, self.out_features)
-        if self.bias is not None:
-            y = y.add_(self.bias)
-        return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        y = q4_matmul(x, self.packed, self.out_features, threads)
+        return y if self.bias is None else y.add_(self.bias)
 
 
 class Q8Linear(nn.Module):
@@ -323,6 +325,9 @@ class Q8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         return self.planes(torch.cat([x, x], dim=-1))
+
+    def rows(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:  # [M, K] -> [M, N] float32
+        return self.planes.rows(torch.cat([x, x], dim=-1), threads)
 
 
 # ====================================================================== GGUF blocks -> int4 groups

@@ -170,7 +170,6 @@ def test_q8_linear_is_int8_per_32_exactly_on_the_int4_kernel():
     q * s, and a row's result is the same alone or among others. Codes +-127 and a partial last chunk (K = 288)
     are in; swapping the planes' scales (h: s, l: 16 s) fails it."""
     from forerun.kernels import cpu_q4
-    from forerun.models.quant import Q8Linear
 
     g = torch.Generator().manual_seed(3)
     n, k = 40, 288

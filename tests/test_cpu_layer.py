@@ -145,11 +145,14 @@ def test_cpu_float32_runner_uses_the_c_layer_ops(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
-def test_flat_decoder_layers_are_bit_identical_to_the_module_path(tmp_path, arch, threads, monkeypatch):
-    """CpuLayerOps.decoder_layers (the int4 layout's layers as flat C calls) against the modules it replaces, on a tiny
-    int4 model (Qwen2: Q/K/V bias; Qwen3: Q/K norms; Llama) with one layer's o-projection 8-bit (Q8Linear) and one
-    down-projection left float (nn.Linear: the module's own call): prefill, a decode row, a 4-row tree verify
-    beside another sequence's rows, early exit and hidden states, all bit for bit; and it is the path taken."""
+@pytest.mark.parametrize("kind", ["mixed", "int4"])
+def test_flat_decoder_layers_are_bit_identical_to_the_module_path(tmp_path, arch, kind, threads, monkeypatch):
+    """CpuLayerOps.decoder_layers (the int4 layout's layers as C calls) against the modules it replaces, on a tiny
+    int4 model (Qwen2: Q/K/V bias; Qwen3: Q/K norms; Llama): prefill, a decode row, a 4-row tree verify beside
+    another sequence's rows, early exit and hidden states, all bit for bit; and it is the path taken. "int4": every
+    layer goes to the C stack (cpu_layer.decoder_stack, split after each wanted layer); "mixed": layer 1's
+    o-projection 8-bit (Q8Linear: in the stack too) and layer 2's down-projection left float (nn.Linear: the
+    module's own call), so layer 2 runs call by call from Python. The Python calls alone (no stack) match too."""
     from forerun.kernels import cpu_q4
     from forerun.models import quant
     from forerun.runtime.runner import Chunk
@@ -162,10 +165,11 @@ def test_flat_decoder_layers_are_bit_identical_to_the_module_path(tmp_path, arch
                         quantize="int4")
     layers = model.model.layers
     assert type(layers[0].self_attn.qkv_proj) is quant.Q4Linear
-    layers[1].self_attn.o_proj = quant.Q8Linear.from_float(layers[1].self_attn.o_proj.dequantized())
-    down = torch.nn.Linear(256, 128, bias=False)
-    down.weight.data.copy_(layers[2].mlp.down_proj.dequantized())
-    layers[2].mlp.down_proj = down
+    if kind == "mixed":
+        layers[1].self_attn.o_proj = quant.Q8Linear.from_float(layers[1].self_attn.o_proj.dequantized())
+        down = torch.nn.Linear(256, 128, bias=False)
+        down.weight.data.copy_(layers[2].mlp.down_proj.dequantized())
+        layers[2].mlp.down_proj = down
     runner = LLM.from_model(model, tiny_tokenizer(300), device="cpu").runner
     assert type(model.ops) is CpuLayerOps
     g = torch.Generator().manual_seed(0)
@@ -185,20 +189,93 @@ def test_flat_decoder_layers_are_bit_identical_to_the_module_path(tmp_path, arch
             got += [out.logits, *out.hidden_states.values()]
         return got
 
-    calls = []
-    flat = CpuLayerOps.decoder_layers
+    calls, stacks = [], []
+    flat, stack = CpuLayerOps.decoder_layers, cpu_layer.decoder_stack
 
     def counted(self, *a, **k):
         r = flat(self, *a, **k)
         calls.append(r is not None)
         return r
 
+    def counted_stack(table, *a, **k):
+        stacks.append(table.shape[0])
+        return stack(table, *a, **k)
+
     with torch.inference_mode():
         monkeypatch.setattr(CpuLayerOps, "decoder_layers", counted)
+        monkeypatch.setattr(cpu_layer, "decoder_stack", counted_stack)
         fast = run(10)
         assert calls == [True] * 4
+        # layers per stack call: int4 [3], [1, 2] (hidden after layers 0 and 2), [3], [2] (early exit after layer 1);
+        # mixed: layers 0-1, then layer 2 from Python
+        assert stacks == ([3, 1, 2, 3, 2] if kind == "int4" else [2, 1, 1, 2, 2])
+        monkeypatch.setattr(CpuLayerOps, "_stack_ok", staticmethod(lambda *a: False))
+        python = run(30)
+        assert len(stacks) == 5  # no stack call with it refused
         monkeypatch.setattr(CpuLayerOps, "decoder_layers", lambda self, *a, **k: None)
         slow = run(20)
-    assert len(fast) == len(slow) == 7
-    for i, (a, b) in enumerate(zip(fast, slow)):
+    assert len(fast) == len(slow) == len(python) == 7
+    for i, (a, b, c) in enumerate(zip(fast, slow, python)):
+        assert torch.equal(c, b), (i, (c - b).abs().max().item())
         assert torch.equal(a, b), (i, (a - b).abs().max().item())
+
+
+def test_c_silu_mul_matches_torch_and_is_batch_invariant(threads):
+    """silu(gate) * up in C (its own vectorized exp) within a few float32 ulps of torch's, over large and small
+    gates and an intermediate size that is not a multiple of 8 (the tail vector); a row's bits alone == in a batch."""
+    g = torch.Generator().manual_seed(3)
+    for inter in (8960, 27):
+        gu = torch.randn(5, 2 * inter, generator=g) * torch.tensor([0.1, 1.0, 4.0, 30.0, 200.0])[:, None]
+        got = cpu_layer.silu_mul_rows(gu)
+        gate, up = gu.chunk(2, dim=-1)
+        ref = (gate.double() * torch.sigmoid(gate.double()) * up.double())
+        normal = ref.abs() > 1e-30  # (below: results that underflow; checked in absolute terms)
+        err = ((got.double() - ref).abs() / ref.abs())[normal]
+        assert err.max().item() < 4e-7, err.max().item()  # a few ulps (2^-23 = 1.2e-7); torch's: ~1.5e-7
+        torch_err = (((torch.nn.functional.silu(gate) * up).double() - ref).abs() / ref.abs())[normal].max().item()
+        assert err.max().item() < 4 * max(torch_err, 1.2e-7)
+        assert (got.double() - ref).abs()[~normal].max().item() < 1e-30
+        for r in range(5):
+            assert torch.equal(cpu_layer.silu_mul_rows(gu[r:r + 1].clone())[0], got[r])
+    assert cpu_layer.silu_mul_rows(torch.tensor([[-1e4, 1e4, 2.0, 3.0]]))[0].tolist() == [0.0, 3e4]  # exp overflows
+
+
+def test_stack_table_follows_swapped_modules(tmp_path, monkeypatch):
+    """CpuLayerOps keeps the C stack's table of addresses between forwards; a layer module swapped after the first
+    forward (here a down-projection with other weights, then a float one the stack cannot take) is seen: the
+    logits match the module path's with the new module, and differ from the old ones."""
+    from forerun.kernels import cpu_q4
+    from forerun.models import quant
+    from forerun.runtime.runner import Chunk
+
+    if not cpu_q4.available():
+        pytest.skip("needs the int4 kernel")
+    hf = hf_model("qwen2", hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=300, num_hidden_layers=2)
+    model = build_model(load_checkpoint(save(hf, tmp_path / "m")), "cpu", torch.float32, progress=False,
+                        quantize="int4")
+    runner = LLM.from_model(model, tiny_tokenizer(300), device="cpu").runner
+    prompt = list(range(5, 25))
+
+    def logits(seq):
+        runner.kv.add_sequence(seq)
+        out, _ = runner.forward([Chunk(seq, prompt, logits="all")])
+        return out.logits
+
+    def module_path(seq):
+        with monkeypatch.context() as m:
+            m.setattr(CpuLayerOps, "decoder_layers", lambda self, *a, **k: None)
+            return logits(seq)
+
+    with torch.inference_mode():
+        before = logits(1)
+        assert torch.equal(before, module_path(2))
+        w = model.model.layers[1].mlp.down_proj.dequantized()
+        model.model.layers[1].mlp.down_proj = quant.make_quantized_linear([2 * w], None, "int4")
+        swapped = logits(3)
+        assert not torch.equal(swapped, before) and torch.equal(swapped, module_path(4))
+        dense = torch.nn.Linear(256, 128, bias=False)
+        dense.weight.data.copy_(-w)
+        model.model.layers[1].mlp.down_proj = dense
+        dense_out = logits(5)
+        assert not torch.equal(dense_out, swapped) and torch.equal(dense_out, module_path(6))

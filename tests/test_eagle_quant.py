@@ -14,13 +14,12 @@ from forerun.models.eagle_head import load_eagle_head, save_eagle_head
 from forerun.models import quant
 from forerun.models.quant import Int8Linear, Q4Linear, Q8Linear, weight_bytes
 
-# the 8-bit linear this CPU gets: oneDNN's Int8Linear with VNNI, Q8Linear (on the int4 kernel) without
+# the 8-bit linear this CPU gets: oneDNN's Int8Linear with VNNI, Q8Linear (cpu_q4.c's int8 layout) without
 INT8_KIND = type(quant.int8_linear(torch.zeros(64, 64)))
 
 
 def _linear_kinds(mod) -> set:
-    planes = {id(m.planes) for m in mod.modules() if isinstance(m, Q8Linear)}  # a Q8Linear's inner Q4Linear
-    return {type(m) for m in mod.modules() if isinstance(m, (Q4Linear, Int8Linear, Q8Linear)) and id(m) not in planes}
+    return {type(m) for m in mod.modules() if isinstance(m, (Q4Linear, Int8Linear, Q8Linear))}
 from forerun.models.registry import build_model
 from forerun.models.loader import load_checkpoint
 from forerun.sampling_params import SamplingParams

@@ -164,38 +164,64 @@ def test_int8_activations_take_7_bits_without_vnni(monkeypatch):
 
 
 @pytest.mark.skipif(not Q4Linear.fits(64, 128), reason="needs gcc and AVX512-VNNI or AVX2 (forerun/kernels/cpu_q4.c)")
-def test_q8_linear_is_int8_per_32_exactly_on_the_int4_kernel():
-    """Q8Linear (8-bit weights per 32 as two nibble planes of the int4 kernel): its output is, group by group,
-    s * xs * dot(q, xq) + bias with the integer dot products exact (checked against float64), it dequantizes to
-    q * s, and a row's result is the same alone or among others. Codes +-127 and a partial last chunk (K = 288)
-    are in; swapping the planes' scales (h: s, l: 16 s) fails it."""
+@pytest.mark.parametrize("n,k", [(40, 288), (13, 1536)])
+def test_q8_linear_is_int8_per_32_exactly(n, k):
+    """Q8Linear (cpu_q4.c's int8 layout, q8_gemm): its output is, group by group, s * xs * dot(q, xq) + bias with the
+    integer dot products exact (checked against float64 to 1e-5 of the terms' sizes), it dequantizes to q * s and
+    gives its codes back, and a row's result is the same alone or among others (1-2 and 3-8 row passes). Codes
+    -128 / +127 against activations at +-127 (the sign trick's largest pairs), a partial last chunk (K = 288: 9
+    groups) and N not a multiple of 4 are in; a header with two groups' scales swapped fails it."""
     from forerun.kernels import cpu_q4
 
     g = torch.Generator().manual_seed(3)
-    n, k = 40, 288
-    q = torch.randint(-127, 128, (n, k), generator=g).to(torch.int8)
-    q[0], q[1] = 127, -127
+    q = torch.randint(-128, 128, (n, k), generator=g).to(torch.int8)
+    q[0], q[1] = 127, -128
     s = torch.rand(n, k // 32, generator=g).add_(0.01).mul_(0.05).half().float()
     b = torch.randn(n, generator=g)
     lin = Q8Linear(q, s, b)
-    want_w = (q.float().view(n, -1, 32) * s[..., None]).view(n, k)
-    assert ((lin.dequantized() - want_w).abs() <= 1e-6 * want_w.abs().amax()).all()
-    x = torch.randn(9, k, generator=g)
-    x[0] = 1.0
+    assert lin.weight_bytes == -(-n // 4) * (-(-k // 512) * 128 + (k // 32) * 128)  # 8.5 bits a weight
+    codes, scales = lin.codes()
+    assert torch.equal(codes, q) and torch.equal(scales.float(), s)
+    assert torch.equal(lin.dequantized(), (q.float().view(n, -1, 32) * s[..., None]).view(n, k))
+    x = torch.randn(11, k, generator=g)
+    x[0], x[1] = 1.0, -1.0
     y = lin(x)
     xq, xs, _ = cpu_q4.quantize_activations(x)
-    codes = xq.view(9, -1, 8, 16, 4).transpose(2, 3).reshape(9, -1, 32)[:, : k // 32].double()
-    dots = torch.einsum("mgc,ngc->mng", codes, q.view(n, -1, 32).double())
+    acodes = xq.view(11, -1, 8, 16, 4).transpose(2, 3).reshape(11, -1, 32)[:, : k // 32].double()
+    dots = torch.einsum("mgc,ngc->mng", acodes, q.view(n, -1, 32).double())
     terms = dots * s.double()[None] * xs[:, None, : k // 32].double()
     want = terms.sum(-1) + b.double()
     assert ((y.double() - want).abs() <= 1e-5 * (terms.abs().sum(-1) + b.double().abs()) + 1e-6).all()
-    for r in range(1, 9):
+    for r in range(1, 11):
         assert torch.equal(lin(x[r:r + 1]), y[r:r + 1]) and torch.equal(lin(x[:r]), y[:r])
+    s_bad = s.clone()
+    s_bad[:, [0, 1]] = s[:, [1, 0]]
     bad = Q8Linear(q, s, b)
-    u = q.to(torch.int16) + 128
-    planes = torch.cat([(u >> 4).to(torch.uint8), (u & 15).to(torch.uint8)], 1)
-    bad.planes = Q4Linear(planes, torch.cat([s, 16 * s], 1), torch.cat([-128 * s, 0 * s], 1), b)
+    bad.packed = cpu_q4.pack_q8(q, s_bad)
     assert not ((bad(x).double() - want).abs() <= 1e-3 * want.abs().amax()).all()
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+def test_q8_kernel_builds_give_the_same_bits(isa):
+    """q8_gemm's AVX-512 build (dpbusd) and AVX2 build (maddubs + madd) make the same int32 dot products and the
+    same float operations after them: the same bits, each equal to the build this CPU runs."""
+    from pathlib import Path
+
+    from forerun.kernels import cbuild, cpu_q4
+
+    lib = cbuild.library_for(Path(cpu_q4.__file__).with_name("cpu_q4.c"), isa, [], cpu_q4._declare)
+    if lib is None or not cpu_q4.available():
+        pytest.skip(f"this CPU cannot run the {isa} build (or there is no gcc)")
+    g = torch.Generator().manual_seed(5)
+    n, k = 21, 800
+    q = torch.randint(-128, 128, (n, k), generator=g).to(torch.int8)
+    s = torch.rand(n, k // 32, generator=g).add_(0.01).half().float()
+    packed = cpu_q4.pack_q8(q, s)
+    x = torch.randn(6, k, generator=g)
+    xq, xs, _ = cpu_q4.quantize_activations(x)
+    y = torch.empty(6, n)
+    lib.q8_gemm(packed.data_ptr(), n, k, xq.data_ptr(), xs.data_ptr(), 6, y.data_ptr(), 1)
+    assert torch.equal(y, cpu_q4.q8_matmul(x, packed, n, 1))
 
 
 def test_int8_linear_picks_the_int4_kernel_without_vnni(monkeypatch):

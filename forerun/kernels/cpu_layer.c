@@ -140,3 +140,121 @@ void qkv_rope_store(const float *qkv, const int64_t *pos, const float *cos_t, co
         memcpy(vc + slots[r] * hkv * d, row + (hq + hkv) * d, sizeof(float) * (size_t)(hkv * d));
     }
 }
+
+/* exp of 8 floats (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial, 2^n from the exponent
+ * bits; ~1 ulp); x is clamped to [-87.3, 88.7] so that 2^n stays a normal float, and above 88.7 gives +inf. */
+static inline __m256 exp8(__m256 x0) {
+    const __m256 x = _mm256_min_ps(_mm256_max_ps(x0, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_blendv_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), _mm256_set1_ps(INFINITY),
+                            _mm256_cmp_ps(x0, _mm256_set1_ps(88.7f), _CMP_GT_OQ));
+}
+
+/* gu [T, 2 I] (gate, then up) -> out [T, I] = silu(gate) * up = gate / (1 + exp(-gate)) * up. Every value goes
+ * through the same 8-lane code (a row's tail through a zero-padded vector), so it depends on its inputs alone. */
+static void silu_mul_row(const float *g, const float *u, float *o, int64_t inter) {
+    const __m256 one = _mm256_set1_ps(1.f);
+    int64_t e = 0;
+    for (; e + 8 <= inter; e += 8) {
+        const __m256 x = _mm256_loadu_ps(g + e);
+        const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+        _mm256_storeu_ps(o + e, _mm256_mul_ps(s, _mm256_loadu_ps(u + e)));
+    }
+    if (e < inter) {
+        float gb[8] = {0}, ub[8] = {0}, ob[8];
+        memcpy(gb, g + e, sizeof(float) * (size_t)(inter - e));
+        memcpy(ub, u + e, sizeof(float) * (size_t)(inter - e));
+        const __m256 x = _mm256_loadu_ps(gb);
+        const __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+        _mm256_storeu_ps(ob, _mm256_mul_ps(s, _mm256_loadu_ps(ub)));
+        memcpy(o + e, ob, sizeof(float) * (size_t)(inter - e));
+    }
+}
+
+void silu_mul(const float *gu, float *out, int64_t t, int64_t inter) {
+#pragma omp parallel for schedule(static) if (t > 1)
+    for (int64_t r = 0; r < t; r++)
+        silu_mul_row(gu + r * 2 * inter, gu + r * 2 * inter + inter, out + r * inter, inter);
+}
+
+/* ---- a stack of decoder layers in one call (cpu_ops.CpuLayerOps.decoder_layers) ----
+ * The int4 / int8 products are cpu_q4.c's, reached through the function pointers the caller passes (the two libraries
+ * are built apart, with their own flags). Per layer, the same calls in the same order as the Python flat path
+ * (and so the module path): add + RMSNorm, qkv product (+ bias), Q/K norm + RoPE + cache write, q * scale, row
+ * attention, o product, add + RMSNorm, gate/up product, silu * up, down product. */
+typedef void (*q4_quant_fn)(const float *, int64_t, int64_t, int8_t *, float *, float *);
+typedef void (*q4_gemm_fn)(const uint8_t *, int64_t, int64_t, const int8_t *, const float *, const float *, int64_t,
+                           float *, int);
+typedef void (*q8_gemm_fn)(const uint8_t *, int64_t, int64_t, const int8_t *, const float *, int64_t, float *, int);
+
+/* L_INT8: bit b set = product b (qkv, o, gate_up, down) is int8 (Q8Linear: q8_gemm), else int4 (q4_gemm) */
+enum { L_LN1, L_QKV, L_QKV_B, L_QN, L_KN, L_O, L_O_B, L_LN2, L_GU, L_GU_B, L_DOWN, L_DOWN_B, L_KC, L_VC, L_INT8,
+       L_FIELDS };
+
+typedef struct {
+    q4_quant_fn quant;
+    q4_gemm_fn gemm;
+    q8_gemm_fn gemm8;
+    int threads;
+    int8_t *xq;
+    float *xs, *isum;
+} linear_ctx;
+
+/* y [m, n] = x [m, k] W^T (+ bias): q4_matmul's / q8_matmul's steps (quantize the rows, the product, then the
+ * bias added) */
+static void q4_linear(const linear_ctx *c, int64_t w, int64_t bias, int int8, const float *x, int64_t m, int64_t k,
+                      int64_t n, float *y) {
+    c->quant(x, m, k, c->xq, c->xs, c->isum);
+    if (int8)
+        c->gemm8((const uint8_t *)(intptr_t)w, n, k, c->xq, c->xs, m, y, c->threads);
+    else
+        c->gemm((const uint8_t *)(intptr_t)w, n, k, c->xq, c->xs, c->isum, m, y, c->threads);
+    if (bias) {
+        const float *b = (const float *)(intptr_t)bias;
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t j = 0; j < n; j++)
+                y[r * n + j] += b[j];
+    }
+}
+
+/* tab [nl, L_FIELDS] (addresses; 0 = none), eps [nl, 3] (input norm, post-attention norm, Q/K norm).
+ * h [T, H]: the input, replaced by the last layer's output; res [T, H]: the residual stream (read when has_res,
+ * written always). Scratch: x [T, max(H, Hq D)], qkv [T, (Hq + 2 Hkv) D], q and att [T, Hq D], gu [T, 2 I],
+ * act [T, I], and the activation codes of cpu_q4's q4_quant_act for T rows of the widest input (xq, xs, isum). */
+void decoder_stack(const int64_t *tab, const float *eps, int64_t nl, float *h, float *res, int has_res, int64_t t,
+                   int64_t hid, int64_t hq, int64_t hkv, int64_t d, int64_t inter, const int64_t *pos,
+                   const float *cos_t, const float *sin_t, const int64_t *slots, const int64_t *keys,
+                   const int64_t *off, const int64_t *len, int64_t maxlen, float scale, void *quant, void *gemm,
+                   void *gemm8, int threads, float *x, float *qkv, float *q, float *att, float *gu, float *act,
+                   int8_t *xq, float *xs, float *isum) {
+    const linear_ctx c = {(q4_quant_fn)quant, (q4_gemm_fn)gemm, (q8_gemm_fn)gemm8, threads, xq, xs, isum};
+    const int64_t width = (hq + 2 * hkv) * d, qd = hq * d;
+    for (int64_t i = 0; i < nl; i++) {
+        const int64_t *L = tab + i * L_FIELDS;
+        const float *e = eps + i * 3;
+        add_rmsnorm(h, (i == 0 && !has_res) ? NULL : res, (const float *)(intptr_t)L[L_LN1], e[0], res, x, t, hid);
+        q4_linear(&c, L[L_QKV], L[L_QKV_B], L[L_INT8] & 1, x, t, hid, width, qkv);
+        float *kc = (float *)(intptr_t)L[L_KC], *vc = (float *)(intptr_t)L[L_VC];
+        qkv_rope_store(qkv, pos, cos_t, sin_t, (const float *)(intptr_t)L[L_QN], (const float *)(intptr_t)L[L_KN],
+                       e[2], slots, kc, vc, q, t, hq, hkv, d);
+        for (int64_t j = 0; j < t * qd; j++)
+            q[j] *= scale;
+        attn_rows(q, kc, vc, keys, off, len, att, t, hq, hkv, d, maxlen);
+        q4_linear(&c, L[L_O], L[L_O_B], L[L_INT8] & 2, att, t, qd, hid, h);
+        add_rmsnorm(h, res, (const float *)(intptr_t)L[L_LN2], e[1], res, x, t, hid);
+        q4_linear(&c, L[L_GU], L[L_GU_B], L[L_INT8] & 4, x, t, hid, 2 * inter, gu);
+        silu_mul(gu, act, t, inter);
+        q4_linear(&c, L[L_DOWN], L[L_DOWN_B], L[L_INT8] & 8, act, t, inter, hid, h);
+    }
+}

@@ -1,5 +1,6 @@
 """CPU layer kernels besides the matrix products (cpu_layer.c, float32): paged attention one query row at a time,
-add + RMSNorm, and Q/K norm + RoPE + the cache write, each one C call instead of ~5-15 small torch ops.
+add + RMSNorm, Q/K norm + RoPE + the cache write, and silu(gate) * up, each one C call instead of ~2-15 small torch
+ops; and `decoder_stack`, a run of whole decoder layers (those kernels and cpu_q4's int4 products) in one call.
 
 Why: at batch 1 an int4 decode step of Qwen2.5-Coder-1.5B on 2 cores spent ~30 % of its time outside the matrix
 products (attention 100-180 us, RoPE + cache write 70-100 us, the two add + RMSNorm 60-80 us per layer; measured
@@ -24,7 +25,10 @@ def _declare(lib) -> None:
     lib.attn_rows.argtypes = [p, p, p, p, p, p, p, i64, i64, i64, i64, i64]
     lib.add_rmsnorm.argtypes = [p, p, p, f32, p, p, i64, i64]
     lib.qkv_rope_store.argtypes = [p, p, p, p, p, p, f32, p, p, p, p, i64, i64, i64, i64]
-    for f in (lib.attn_rows, lib.add_rmsnorm, lib.qkv_rope_store):
+    lib.silu_mul.argtypes = [p, p, i64, i64]
+    lib.decoder_stack.argtypes = [p, p, i64, p, p, ctypes.c_int, i64, i64, i64, i64, i64, i64, p, p, p, p, p, p, p,
+                                  i64, f32, p, p, p, ctypes.c_int, p, p, p, p, p, p, p, p, p]
+    for f in (lib.attn_rows, lib.add_rmsnorm, lib.qkv_rope_store, lib.silu_mul, lib.decoder_stack):
         f.restype = None
 
 
@@ -87,3 +91,50 @@ def qkv_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     _load().qkv_rope_store(_ptr(qkv), _ptr(positions), _ptr(cos), _ptr(sin), _ptr(q_weight), _ptr(k_weight), eps,
                            _ptr(slots), _ptr(k_cache), _ptr(v_cache), _ptr(q), t, num_heads, num_kv_heads, head_dim)
     return q
+
+
+def silu_mul_rows(gu: torch.Tensor) -> torch.Tensor | None:
+    """gu [T, 2 I] float32 (gate, then up) -> silu(gate) * up [T, I] in one C call (its own exp, ~1 ulp from torch's
+    silu); None where the C code cannot take it."""
+    if _load() is None or gu.dim() != 2 or gu.shape[1] % 2 or not _ok(gu):
+        return None
+    t, inter = gu.shape[0], gu.shape[1] // 2
+    out = torch.empty(t, inter, dtype=gu.dtype)
+    _load().silu_mul(_ptr(gu), _ptr(out), t, inter)
+    return out
+
+
+# the columns of decoder_stack's layer table (cpu_layer.c's L_* order): addresses, 0 for none
+STACK_FIELDS = ("ln1", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "ln2", "gate_up", "gate_up_bias", "down",
+                "down_bias", "k_cache", "v_cache", "int8")  # int8: bits 1, 2, 4, 8 = qkv, o, gate_up, down are Q8Linear
+
+
+def decoder_stack(table: torch.Tensor, eps: torch.Tensor, h: torch.Tensor, res: torch.Tensor | None,
+                  dims: tuple[int, int, int, int, int], positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  slots: torch.Tensor, plan: tuple, scale: float, act_scratch: tuple[int, int],
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """len(table) decoder layers in one C call: table [L, len(STACK_FIELDS)] int64 addresses (the products in
+    cpu_q4's int4 or int8 layout), eps [L, 3] float32 (input norm, post-attention norm, Q/K norm); h [T, H] (not
+    modified) and the residual (None before the first layer); dims (H, Hq, Hkv, D, I); plan the row attention's
+    (keys, off, lens, maxlen); act_scratch (bytes, floats) per row of cpu_q4's activation codes for the widest
+    input. Returns (h, residual) after the last layer. The caller checks what the C calls need
+    (cpu_ops.CpuLayerOps._stack_ok and _in_c)."""
+    from . import cpu_q4
+
+    q4 = cpu_q4._load()
+    hid, hq, hkv, d, inter = dims
+    t = h.shape[0]
+    out = h.clone()
+    r = torch.empty_like(h) if res is None else res.clone()
+    keys, off, lens, maxlen = plan
+    f = lambda *shape: torch.empty(*shape, dtype=torch.float32)  # noqa: E731
+    x, qkv, gu, act = f(t, hid), f(t, (hq + 2 * hkv) * d), f(t, 2 * inter), f(t, inter)
+    q, att = f(t, hq * d), f(t, hq * d)
+    xq, xs, isum = torch.empty(t, act_scratch[0], dtype=torch.int8), f(t, act_scratch[1]), f(t, act_scratch[1])
+    fn = lambda name: ctypes.cast(getattr(q4, name), ctypes.c_void_p).value  # noqa: E731
+    _load().decoder_stack(_ptr(table), _ptr(eps), table.shape[0], _ptr(out), _ptr(r), int(res is not None), t, hid, hq,
+                          hkv, d, inter, _ptr(positions), _ptr(cos), _ptr(sin), _ptr(slots), _ptr(keys), _ptr(off),
+                          _ptr(lens), max(maxlen, 1), scale, fn("q4_quant_act"), fn("q4_gemm"), fn("q8_gemm"),
+                          torch.get_num_threads(),
+                          _ptr(x), _ptr(qkv), _ptr(q), _ptr(att), _ptr(gu), _ptr(act), _ptr(xq), _ptr(xs), _ptr(isum))
+    return out, r

@@ -39,6 +39,12 @@ static int64_t chunks_of(int64_t k) { return (k / 32 + 15) / 16; }
 // bytes of one row group of 4 rows: a 256-byte header per chunk and 16 bytes per group and row
 int64_t q4_group_bytes(int64_t k) { return chunks_of(k) * 256 + (k / 32) * 64; }
 
+INLINE float hsum8(__m256 a) {  // fixed order
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
 #ifdef __AVX512VNNI__
 // [a0 .. a3] -> (sum of a0's lanes, .., sum of a3's lanes), in a fixed order
 INLINE __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
@@ -107,12 +113,6 @@ INLINE void group_rows(const uint8_t *g, int64_t k, const int8_t *xq, const floa
 // int16 sums and float accumulators fit the 16 ymm registers; the group's bytes (<= 23 KB at K = 8960) stay in
 // L1/L2 between rows. Per output the order of the float operations is
 // fixed by the output alone (batch invariance); it differs from the AVX-512 build's (another reduction tree).
-
-INLINE float hsum8(__m256 a) {  // fixed order
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 // 1-2 activation rows: chunk by chunk with the 4 rows inside (the group's bytes read in order, as the AVX-512 build
 // does), 4 x mb accumulators. Per output the same float operations in the same order as group_rows below, so a
@@ -268,6 +268,151 @@ void q4_gemm(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq, const flo
         const int64_t per = (groups + nt - 1) / nt;
         const int64_t g0 = t * per, g1 = g0 + per < groups ? g0 + per : groups;
         if (g0 < g1) run_groups(w, n, k, xq, xs, isum, m, y, g0, g1);
+    }
+}
+
+// ---- int8 weights (Q8Linear): w = q * scale per group of 32, q in -128..127, fp16 scale; 8.5 bits a weight ----
+// Row groups of 4 rows as above; per chunk of ng <= 16 groups (ng_h = 8, or fewer in the last chunk's halves):
+//   uint16 scale[4][16]                                   fp16 (zero past ng)
+//   int8   codes[4 rows][halves h][8 pieces p][ng_h][4]    weights 4 p .. 4 p + 3 of group 8 h + l
+// so that a code vector (its first ng_h lanes loaded, the rest zero) lines up with the activations' piece vector
+// (q4_quant_act's layout, the same codes) and 32-bit lane l of a dot product is group l's. u8 x s8 pairs by the
+// sign trick: maddubs(|q|, x * sign(q)) = q * x pairwise, at most 2 * 128 * 127 = 32512 (no int16 saturation); then
+// madd with ones (AVX2) or one dpbusd
+// (AVX-512 VNNI): the same int32 dot products either way, and the same float operations after (fixed order, the
+// same bits from both builds). y[m, n] = sum_g scale[n, g] * xs[m, g] * dot_g(q, xq).
+int64_t q8_group_bytes(int64_t k) { return chunks_of(k) * 128 + (k / 32) * 128; }
+
+// the 32 code bytes of (row r, half h, piece pc) in a chunk of ng groups (cp: its codes), zero past ng_h groups
+INLINE __m256i q8_codes(const uint8_t *cp, int ng, int r, int h, int pc) {
+    const int ngh = ng - 8 * h < 8 ? ng - 8 * h : 8;
+    const int *src = (const int *)(cp + r * 32 * ng + h * 256 + pc * 4 * ngh);
+    if (ngh == 8) return _mm256_loadu_si256((const __m256i *)src);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_epi32(src, _mm256_cmpgt_epi32(_mm256_set1_epi32(ngh), lanes));
+}
+
+INLINE __m256i dot_s8(__m256i acc, __m256i aw, __m256i w, __m256i x) {
+    const __m256i sx = _mm256_sign_epi8(x, w);
+#ifdef __AVX512VNNI__
+    return _mm256_dpbusd_epi32(acc, aw, sx);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1)));
+#endif
+}
+
+// one row group (4 weight rows) x mb (<= 8) activation rows -> out[i * 4 + r]
+INLINE void q8_group_rows(const uint8_t *g, int64_t k, const int8_t *xq, const float *xs, const int mb, float *out) {
+    const int64_t groups = k / 32, chunks = chunks_of(k), astride = chunks * 512, sstride = chunks * 16;
+    for (int r = 0; r < 4; r++) {
+        __m256 acc[8];
+        for (int i = 0; i < mb; i++) acc[i] = _mm256_setzero_ps();
+        const uint8_t *p = g;
+        for (int64_t c = 0; c < chunks; c++) {
+            const uint16_t *hdr = (const uint16_t *)p;
+            const uint8_t *cp = p + 128;
+            const int ng = (int)(groups - 16 * c < 16 ? groups - 16 * c : 16);
+            if (r == 0)
+                for (int l = 0; l < 128 + 128 * ng; l += 64) _mm_prefetch((const char *)(p + PFD + l), _MM_HINT_T0);
+            for (int h = 0; h < 2 && 16 * c + 8 * h < groups; h++) {
+                __m256i s32[8];
+                for (int i = 0; i < mb; i++) s32[i] = _mm256_setzero_si256();
+                for (int pc = 0; pc < 8; pc++) {
+                    const __m256i w = q8_codes(cp, ng, r, h, pc);
+                    const __m256i aw = _mm256_abs_epi8(w);
+                    for (int i = 0; i < mb; i++)
+                        s32[i] = dot_s8(s32[i], aw, w,
+                                        _mm256_loadu_si256((const __m256i *)(xq + i * astride + c * 512 + 64 * pc + 32 * h)));
+                }
+                const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hdr + 16 * r + 8 * h)));
+                for (int i = 0; i < mb; i++)
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[i]),
+                                             _mm256_mul_ps(sw, _mm256_loadu_ps(xs + i * sstride + 16 * c + 8 * h)), acc[i]);
+            }
+            p = cp + 128 * ng;
+        }
+        for (int i = 0; i < mb; i++) out[4 * i + r] = hsum8(acc[i]);
+    }
+}
+
+// 1-2 activation rows: chunk by chunk with the 4 rows inside (the row group's bytes read in order), 4 x mb
+// accumulators; per output the same operations in the same order as q8_group_rows
+INLINE void q8_group_rows_few(const uint8_t *g, int64_t k, const int8_t *xq, const float *xs, const int mb,
+                              float *out) {
+    const int64_t groups = k / 32, chunks = chunks_of(k), astride = chunks * 512, sstride = chunks * 16;
+    __m256 acc[4][2];
+    for (int r = 0; r < 4; r++)
+        for (int i = 0; i < mb; i++) acc[r][i] = _mm256_setzero_ps();
+    const uint8_t *p = g;
+    for (int64_t c = 0; c < chunks; c++) {
+        const uint16_t *hdr = (const uint16_t *)p;
+        const uint8_t *cp = p + 128;
+        const int ng = (int)(groups - 16 * c < 16 ? groups - 16 * c : 16);
+        for (int l = 0; l < 128 + 128 * ng; l += 64) _mm_prefetch((const char *)(p + PFD + l), _MM_HINT_T0);
+        for (int h = 0; h < 2 && 16 * c + 8 * h < groups; h++) {
+            __m256 xsv[2];
+            for (int i = 0; i < mb; i++) xsv[i] = _mm256_loadu_ps(xs + i * sstride + 16 * c + 8 * h);
+            for (int r = 0; r < 4; r++) {
+                __m256i s32[2];
+                for (int i = 0; i < mb; i++) s32[i] = _mm256_setzero_si256();
+                for (int pc = 0; pc < 8; pc++) {
+                    const __m256i w = q8_codes(cp, ng, r, h, pc);
+                    const __m256i aw = _mm256_abs_epi8(w);
+                    for (int i = 0; i < mb; i++)
+                        s32[i] = dot_s8(s32[i], aw, w,
+                                        _mm256_loadu_si256((const __m256i *)(xq + i * astride + c * 512 + 64 * pc + 32 * h)));
+                }
+                const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hdr + 16 * r + 8 * h)));
+                for (int i = 0; i < mb; i++)
+                    acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[i]), _mm256_mul_ps(sw, xsv[i]), acc[r][i]);
+            }
+        }
+        p = cp + 128 * ng;
+    }
+    for (int r = 0; r < 4; r++)
+        for (int i = 0; i < mb; i++) out[4 * i + r] = hsum8(acc[r][i]);
+}
+
+static void q8_run_groups(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq, const float *xs, int64_t m,
+                          float *y, int64_t g0, int64_t g1) {
+    const int64_t gbytes = q8_group_bytes(k), astride = chunks_of(k) * 512, sstride = chunks_of(k) * 16;
+    float out[4 * 8];
+    for (int64_t gi = g0; gi < g1; gi++) {
+        const uint8_t *g = w + gi * gbytes;
+        for (int64_t m0 = 0; m0 < m; m0 += 8) {
+            const int mb = (int)(m - m0 < 8 ? m - m0 : 8);
+            const int8_t *xb = xq + m0 * astride;
+            const float *sb = xs + m0 * sstride;
+            switch (mb) {  // constant row counts: the accumulators stay in registers
+                case 1: q8_group_rows_few(g, k, xb, sb, 1, out); break;
+                case 2: q8_group_rows_few(g, k, xb, sb, 2, out); break;
+                case 3: q8_group_rows(g, k, xb, sb, 3, out); break;
+                case 4: q8_group_rows(g, k, xb, sb, 4, out); break;
+                case 5: q8_group_rows(g, k, xb, sb, 5, out); break;
+                case 6: q8_group_rows(g, k, xb, sb, 6, out); break;
+                case 7: q8_group_rows(g, k, xb, sb, 7, out); break;
+                default: q8_group_rows(g, k, xb, sb, 8, out); break;
+            }
+            for (int i = 0; i < mb; i++)
+                for (int r = 0; r < 4 && 4 * gi + r < n; r++) y[(m0 + i) * n + 4 * gi + r] = out[4 * i + r];
+        }
+    }
+}
+
+// y [M, N] = x W^T for the int8 layout (activations from q4_quant_act; its isum is not needed), threads as q4_gemm
+void q8_gemm(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq, const float *xs, int64_t m, float *y,
+             int threads) {
+    const int64_t groups = (n + 3) / 4;
+    if (threads <= 1 || groups < 64) {
+        q8_run_groups(w, n, k, xq, xs, m, y, 0, groups);
+        return;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t per = (groups + nt - 1) / nt;
+        const int64_t g0 = t * per, g1 = g0 + per < groups ? g0 + per : groups;
+        if (g0 < g1) q8_run_groups(w, n, k, xq, xs, m, y, g0, g1);
     }
 }
 

@@ -31,6 +31,10 @@ def _declare(lib) -> None:
     lib.q4_quant_act.restype = None
     lib.q4_group_bytes.argtypes = [i64]
     lib.q4_group_bytes.restype = i64
+    lib.q8_gemm.argtypes = [p, i64, i64, p, p, i64, p, ctypes.c_int]
+    lib.q8_gemm.restype = None
+    lib.q8_group_bytes.argtypes = [i64]
+    lib.q8_group_bytes.restype = i64
 
 
 _load = lazy_library(Path(__file__).with_name("cpu_q4.c"), [], _declare)
@@ -117,14 +121,20 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return xq, xs, isum
 
 
+def act_scratch(k: int) -> tuple[int, int]:
+    """Per activation row of K values: (int8 codes, floats in each of xs / isum) that q4_quant_act writes."""
+    return _chunks(k) * 512, _chunks(k) * 16
+
+
 def quantize_activations_c(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """quantize_activations in C (one call instead of ~10 torch ops per linear; bit-identical, tested)."""
     lib = _load()
     x = x.float().contiguous()
     m, k = x.shape
-    xq = torch.empty(m, _chunks(k) * 512, dtype=torch.int8)
-    xs = torch.empty(m, _chunks(k) * 16)
-    isum = torch.empty(m, _chunks(k) * 16)
+    nb, nf = act_scratch(k)
+    xq = torch.empty(m, nb, dtype=torch.int8)
+    xs = torch.empty(m, nf)
+    isum = torch.empty(m, nf)
     lib.q4_quant_act(x.data_ptr(), m, k, xq.data_ptr(), xs.data_ptr(), isum.data_ptr())
     return xq, xs, isum
 
@@ -137,5 +147,72 @@ def q4_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, threads: int | None
     xq, xs, isum = quantize_activations_c(x)
     y = torch.empty(m, n, dtype=torch.float32)
     lib.q4_gemm(packed.data_ptr(), n, k, xq.data_ptr(), xs.data_ptr(), isum.data_ptr(), m, y.data_ptr(),
+                threads or torch.get_num_threads())
+    return y
+
+
+# ---------------------------------------------------------------- int8 weights per 32 (Q8Linear's layout)
+
+
+def q8_group_bytes(k: int) -> int:
+    """Bytes of one row group (4 output rows) of the int8 layout: per chunk of <= 16 groups a 128-byte header of
+    fp16 scales [4 rows][16 groups], then 4 x 32 code bytes per group: 8.5 bits a weight."""
+    return _chunks(k) * 128 + (k // 32) * 128
+
+
+def pack_q8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q [N, K] int8 (K % 32 == 0), scale [N, K/32] (fp16-representable) -> packed [ceil(N/4), q8_group_bytes(K)]
+    uint8 (cpu_q4.c): row groups of 4 rows (N padded with zero rows); per chunk of ng <= 16 groups the fp16 scales
+    [4 rows][16 groups] (zero past ng), then per row, per half h (groups 8 h ..), per piece p, per group l of the
+    half: weights 4 p .. 4 p + 3 of group 8 h + l."""
+    n, k = q.shape
+    groups, chunks = k // 32, _chunks(k)
+    n4 = (n + ROWS - 1) // ROWS * ROWS
+    codes = torch.zeros(n4, groups, 32, dtype=torch.int8)
+    codes[:n] = q.view(n, groups, 32)
+    sc = torch.zeros(n4, chunks * 16, dtype=torch.float16)
+    sc[:n, :groups] = scale.half()
+    sc = sc.view(n4 // ROWS, ROWS, chunks, 16)
+    parts = []
+    for c in range(chunks):
+        parts.append(sc[:, :, c].contiguous().view(torch.uint8).view(n4 // ROWS, 128))
+        ng = min(16, groups - 16 * c)
+        rows = []
+        for h in range(0, ng, 8):
+            ngh = min(8, ng - h)
+            blk = codes[:, 16 * c + h:16 * c + h + ngh].view(n4 // ROWS, ROWS, ngh, 8, 4).transpose(2, 3)  # [G,r,p,l,t]
+            rows.append(blk.reshape(n4 // ROWS, ROWS, 32 * ngh))
+        parts.append(torch.cat(rows, 2).view(torch.uint8).reshape(n4 // ROWS, ROWS * 32 * ng))
+    return torch.cat(parts, 1).contiguous()
+
+
+def unpack_q8(packed: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """pack_q8's inverse: (q [N, K] int8, scale [N, K/32] fp16)."""
+    groups, chunks = k // 32, _chunks(k)
+    g4 = packed.shape[0]
+    q, sc, pos = torch.empty(g4, ROWS, groups, 32, dtype=torch.int8), [], 0
+    for c in range(chunks):
+        sc.append(packed[:, pos:pos + 128].contiguous().view(torch.float16).view(g4, ROWS, 16))
+        ng = min(16, groups - 16 * c)
+        body = packed[:, pos + 128:pos + 128 + 128 * ng].contiguous().view(torch.int8).view(g4, ROWS, 32 * ng)
+        off = 0
+        for h in range(0, ng, 8):
+            ngh = min(8, ng - h)
+            blk = body[:, :, off:off + 32 * ngh].view(g4, ROWS, 8, ngh, 4).transpose(2, 3)  # [G, r, l, p, t]
+            q[:, :, 16 * c + h:16 * c + h + ngh] = blk.reshape(g4, ROWS, ngh, 32)
+            off += 32 * ngh
+        pos += 128 + 128 * ng
+    scale = torch.cat(sc, 2).view(g4 * ROWS, chunks * 16)[:n, :groups]
+    return q.view(g4 * ROWS, k)[:n], scale
+
+
+def q8_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, threads: int | None = None) -> torch.Tensor:
+    """x [M, K] float -> [M, N] float32 = x W^T with W = q * scale per 32 (packed by pack_q8), x as int8 per 32
+    (the int4 product's activations)."""
+    lib = _load()
+    m, k = x.shape
+    xq, xs, _ = quantize_activations_c(x)
+    y = torch.empty(m, n, dtype=torch.float32)
+    lib.q8_gemm(packed.data_ptr(), n, k, xq.data_ptr(), xs.data_ptr(), m, y.data_ptr(),
                 threads or torch.get_num_threads())
     return y

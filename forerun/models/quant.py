@@ -274,25 +274,23 @@ class Q4Linear(nn.Module):
 
 
 class Q8Linear(nn.Module):
-    """y = x W^T + b with W as int8 per 32 weights (w = q * s, q in -127..127, fp16 s: GGUF Q8_0's layout),
-    multiplied by forerun's int4 kernel (cpu_q4.c) as two nibble planes over a doubled K: q + 128 = 16 h + l
-    (h, l in 0..15), and group by group s * (16 x.h + x.l - 128 sum(x)) = s * x.q, exactly in the kernel's
-    integers (the h plane's groups carry scale 16 s and offset -128 s, the l plane's scale s and offset 0).
+    """y = x W^T + b with W as int8 per 32 weights (w = q * s, q in -128..127, fp16 s: GGUF Q8_0's layout),
+    multiplied by cpu_q4.c's int8 kernel (`q8_gemm`: the int4 product's int8 activations, u8 x s8 pairs by the
+    sign trick, exact int32 dot products per group, then s * xs per group in float). 8.5 bits per weight,
+    batch-invariant like Q4Linear, the same bits from the AVX2 and AVX-512 builds.
 
-    Why: on CPUs without VNNI, oneDNN's int8 product is slow (the 1.5B's head: 46 ms a token on an AMD Zen 3)
-    while the int4 kernel streams; this keeps 8-bit weights (finer than Int8Linear's per-row scales) at 10 bits
-    per weight, batch-invariant like Q4Linear. The activations are quantized twice per call (both halves of [x, x])."""
+    Why: on CPUs without VNNI, oneDNN's int8 product is slow (the 1.5B's head: 46 ms a token on an AMD Zen 3).
+    Until session 38 this class ran the int4 kernel on two nibble planes over a doubled K (10 bits per weight,
+    twice the multiply work): the 1.5B's 8-bit head cost ~25 % of a 5-row verify (docs/quantization.md)."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        # q: [N, K] int8 (-127..127), scale: [N, K/32] (fp16-representable), bias: [N] or None
+        # q: [N, K] int8, scale: [N, K/32] (fp16-representable), bias: [N] or None
+        from ..kernels import cpu_q4
+
         super().__init__()
         self.out_features, self.in_features = q.shape
-        u = q.to(torch.int16) + 128  # 1..255
-        s = scale.float()
-        zero = torch.zeros_like(s)
-        planes = torch.cat([(u >> 4).to(torch.uint8), (u & 15).to(torch.uint8)], dim=1)  # [N, 2K]
-        self.planes = Q4Linear(planes, torch.cat([16 * s, s], 1), torch.cat([-128 * s, zero], 1), bias)
-        self.scale = scale.half()  # [N, K/32] (a plain attribute: exact row subsets, vocab_subset.py)
+        self.packed = cpu_q4.pack_q8(q.to(torch.int8), scale)  # a plain attribute, as Q4Linear's
+        self.bias = None if bias is None else bias.detach().float().contiguous()
 
     @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> "Q8Linear":
@@ -309,25 +307,30 @@ class Q8Linear(nn.Module):
 
     @staticmethod
     def fits(n: int, k: int) -> bool:
-        return Q4Linear.fits(n, 2 * k)
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.planes.bias
+        return Q4Linear.fits(n, k)
 
     @property
     def weight_bytes(self) -> int:
-        return self.planes.weight_bytes
+        return self.packed.numel()
+
+    def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [N, K] int8, scale [N, K/32] fp16) as stored (exact row subsets: vocab_subset.py)."""
+        from ..kernels.cpu_q4 import unpack_q8
+
+        return unpack_q8(self.packed, self.out_features, self.in_features)
 
     def dequantized(self) -> torch.Tensor:  # [N, K] float32 (tests)
-        w = self.planes.dequantized()
-        return w[:, : self.in_features] + w[:, self.in_features:]
+        q, s = self.codes()
+        return (q.float().view(self.out_features, -1, GROUP) * s.float()[..., None]).view(q.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        return self.planes(torch.cat([x, x], dim=-1))
+        return self.rows(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def rows(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:  # [M, K] -> [M, N] float32
-        return self.planes.rows(torch.cat([x, x], dim=-1), threads)
+        from ..kernels.cpu_q4 import q8_matmul
+
+        y = q8_matmul(x, self.packed, self.out_features, threads)
+        return y if self.bias is None else y.add_(self.bias)
 
 
 # ====================================================================== GGUF blocks -> int4 groups
@@ -376,7 +379,7 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
             quant += m.weight_bytes + (0 if packed is None else packed.numel() * packed.element_size())
             seen.update(t.data_ptr() for t in (getattr(m, "qw32", None), getattr(m, "qw8", None), m.scale,
                                                getattr(m, "zero", None), packed) if t is not None)
-        elif isinstance(m, (Int8Linear, Int4Linear, Q4Linear)):
+        elif isinstance(m, (Int8Linear, Int4Linear, Q4Linear, Q8Linear)):
             quant += m.weight_bytes
             for t in (m.bias,):
                 if t is not None:
@@ -388,7 +391,8 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
         other += t.numel() * t.element_size()
     for m in model.modules():  # oneDNN-packed fp32/bf16 weights (PackedLinear) are not parameters
         packed = getattr(m, "packed", None)
-        if packed is not None and not isinstance(m, (Int8Linear, Int4Linear, Q4Linear)) and hasattr(packed, "numel"):
+        if packed is not None and not isinstance(m, (Int8Linear, Int4Linear, Q4Linear, Q8Linear)) \
+                and hasattr(packed, "numel"):
             other += packed.numel() * packed.element_size()
     return {"quantized_linear_bytes": quant, "other_bytes": other, "total_bytes": quant + other}
 

@@ -54,9 +54,8 @@ def _rows(head: nn.Module, ids: torch.Tensor) -> nn.Module:
         codes = torch.round(w.float() / scale[:, None]).clamp_(-127, 127).to(torch.int8)
         return quant.Int8Linear(codes, scale, bias)
     if isinstance(head, quant.Q8Linear):  # the rows' own codes and scales (exact)
-        scale = head.scale[ids].float()
-        codes = torch.round(w.float().view(len(ids), -1, quant.GROUP) / scale[..., None]).clamp_(-127, 127)
-        return quant.Q8Linear(codes.view(len(ids), -1).to(torch.int8), scale, bias)
+        codes, scale = head.codes()
+        return quant.Q8Linear(codes[ids], scale[ids].float(), bias)
     if isinstance(head, (quant.Q4Linear, quant.Int4Linear)):
         return quant.make_quantized_linear([w.float()], bias, "int4")
     from .quant_cuda import CudaQ4Linear, CudaQ8Linear

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
 
 import numpy as np
@@ -500,6 +501,29 @@ def test_a_probe_does_not_record_the_drafters_catch_up_as_a_draft_step(virtual_s
     assert out.token_ids == tiny_llm(target).generate([PROMPTS[0]], sp)[0].token_ids
 
 
+def test_choose_k_tries_k1_where_its_cost_is_a_guess_that_loses_narrowly():
+    """choose_k: forwards of 1 and 5 tokens timed (40 / 86 ms, a 13 ms draft step), the line between them prices 2
+    tokens at 51.5 ms and k = 1 at a = 0.55 loses to plain by ~4 %: k = 1 is tried (the round times 2 tokens). Timed
+    at 45 ms (what they cost on the Zen 3), k = 1 wins on the model; timed at 60 ms, plain. Far below plain
+    (a = 0.1), no try."""
+    cost = CostModel()
+    for tokens, sec in ((1, 0.040), (5, 0.086)):
+        cost.record_target(tokens, sec)
+    cost.record_draft_step(0.013)
+    assert not cost.timed(2) and cost.timed(5)
+    est = AcceptanceEstimate(prior=0.55, prior_weight=1e9)
+    rate = [est.expected_tokens(k) / cost.round_seconds(k + 1, k, 1) for k in (0, 1)]
+    assert 0.95 < rate[1] / rate[0] < 1.0  # plain wins on paper
+    assert choose_k(est, 4, 1, cost) == 1
+    assert choose_k(AcceptanceEstimate(prior=0.1, prior_weight=1e9), 4, 1, cost) == 0
+    cost.record_target(2, 0.045)
+    assert choose_k(est, 4, 1, cost) == 1
+    cost.target_obs.clear()
+    for tokens, sec in ((1, 0.040), (2, 0.060), (5, 0.086)):
+        cost.record_target(tokens, sec)
+    assert choose_k(est, 4, 1, cost) == 0
+
+
 def test_a_catch_up_is_paid_for_only_where_drafting_repays_it():
     """KPolicy.catch_up_pays: drafting for a request whose draft cache lacks `lag` tokens (its prompt, or a plain
     stretch) must save more over its remaining tokens than the draft's read of them costs (its measured seconds
@@ -544,6 +568,14 @@ def test_a_catch_up_is_paid_for_only_where_drafting_repays_it():
     pol.realized.clear()
     for _ in range(KPolicy.REALIZED_MIN):
         pol.record_realized(2, 4, 0.050)
+    assert pol.catch_up_pays(7, 100, 32, 2, k=2)
+    # a round that carried a prompt's prefill (0.7 s for 1 token a request, plain's equivalent 0.66 s) prices
+    # nothing here: the raw rate (15 tokens in 1.05 s: 70 ms a token) is not drafting's cost per token (session 38)
+    pol.realized.clear()
+    pol.record_realized(2, 2, 0.7, plain=(2, 0.66))
+    for _ in range(KPolicy.REALIZED_MIN - 1):
+        pol.record_realized(2, 4, 0.050)
+    assert pol.realized_rate(2) < 1 / 0.040 < pol.realized_rate(2, pure=True) == pytest.approx(40.0)
     assert pol.catch_up_pays(7, 100, 32, 2, k=2)
     # a probe (optimistic: a typical draft's acceptance, 0.6) is weighed against the plain rounds timed too: k = 1
     # at 37.5 ms a token against the model's 40 ms plain step repays a 100-token read over 100 tokens, not
@@ -598,6 +630,31 @@ def test_the_cpu_path_prices_the_drafts_prompt_reads():
             assert timed_plain and set(timed_plain) <= {1, 2, 3} and sum(map(len, timed_plain.values())) >= 20
         else:  # (prompts longer than the 8-token budget are read in chunks, the draft reading along)
             assert len(chunks) >= 3, chunks
+
+
+def test_the_cpu_path_leaves_the_drafts_priced_reads_out_of_the_realized_rounds():
+    """Engine, CPU path: the draft's reads longer than a round leaves behind (a prompt), which catch_up_pays priced
+    before they ran, are left out of the wall time each speculative round records for the veto
+    (KPolicy.record_realized): counted there, one prompt read in the first rounds of every request realized less
+    than plain and turned drafting off (session 38). Reads made slow here (0.3 s): no recorded round holds one."""
+    target = hf_model("llama")
+    llm = tiny_llm(target, spec=draft_spec(hf_model("llama", seed=3, num_hidden_layers=1), adaptive=True, k_max=3))
+    eng, reads, recorded = llm.engine, [], []
+    forward, record = eng.drafter.runner.forward, eng.k_policy.record_realized
+
+    def slow_reads(chunks, **kw):
+        if sum(len(c.token_ids) for c in chunks) > eng.spec.max_draft_tokens + 2:
+            reads.append(chunks)
+            time.sleep(0.3)
+        return forward(chunks, **kw)
+
+    eng.drafter.runner.forward = slow_reads
+    eng.k_policy.record_realized = lambda n, tokens, seconds, plain=None: (recorded.append(seconds),
+                                                                           record(n, tokens, seconds, plain))
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for p in (PROMPTS[2], PROMPTS[0]):
+        assert llm.generate([p], sp)[0].token_ids == tiny_llm(target).generate([p], sp)[0].token_ids
+    assert reads and recorded and max(recorded) < 0.25, (len(reads), recorded)
 
 
 def test_the_cpu_path_prices_a_prompts_read_at_the_batch_it_will_decode_in():

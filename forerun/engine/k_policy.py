@@ -146,6 +146,10 @@ class CostModel:
     def record_target(self, tokens: int, seconds: float) -> None:
         self.target_obs.append((tokens, seconds))
 
+    def timed(self, tokens: int) -> bool:
+        """Whether a recent target forward processed exactly this many tokens (else target_time interpolates)."""
+        return any(x == tokens for x, _ in self.target_obs)
+
     def record_draft_step(self, seconds: float, batch: int | None = None) -> None:
         """One draft step's seconds; batch: the requests it drafted for (None: unknown, kept in the pooled record
         only)."""
@@ -239,18 +243,29 @@ class CostModel:
             + self.round_overhead()
 
 
+# choose_k: where plain decoding wins by less than this factor against k = 1 while a forward of 2 tokens a request
+# was never timed (its cost interpolated), k = 1 is tried: the round times it. Measured on the Zen 3 pair (session
+# 38): the first rounds timed forwards of 1 and 5 tokens, the line between them priced 2 tokens at 50 ms where they
+# cost 45 (1.08x one token), so k = 1 lost by 2 % on paper and adaptive k decoded plainly from the third round of the
+# first request on (6 prompts: 18.8 tok/s against 21.3 for a fixed k = 1)
+EXPLORE_MARGIN = 0.9
+
+
 def choose_k(acceptance: "float | AcceptanceEstimate", k_max: int, batch_size: int, cost: CostModel) -> int:
     """The k in 0..k_max with the most expected tokens per second, the round being shared by batch_size
     requests that each verify k + 1 tokens (so extra verify tokens get dearer as the batch grows).
-    acceptance: one rate for every position (seed 003's model) or per-position estimates."""
+    acceptance: one rate for every position (seed 003's model) or per-position estimates. k = 1 instead of 0 where
+    its round's cost is a guess and the guess loses narrowly (EXPLORE_MARGIN)."""
     expected = acceptance.expected_tokens_upto(k_max) if isinstance(acceptance, AcceptanceEstimate) else \
         [expected_tokens_per_round(acceptance, k) for k in range(k_max + 1)]
-    best_k, best = 0, 0.0
+    best_k, best, rates = 0, 0.0, []
     for k in range(k_max + 1):
         seconds = cost.round_seconds(batch_size * (k + 1), k, batch_size)
-        rate = expected[k] / seconds
-        if rate > best * 1.0001:
-            best_k, best = k, rate
+        rates.append(expected[k] / seconds)
+        if rates[-1] > best * 1.0001:
+            best_k, best = k, rates[-1]
+    if best_k == 0 and k_max >= 1 and not cost.timed(2 * batch_size) and rates[1] >= EXPLORE_MARGIN * best:
+        return 1
     return best_k
 
 
@@ -394,10 +409,14 @@ class KPolicy:
         cut = self.OUTLIER * _median([o[1] for o in obs])
         return [o for o in obs if o[1] <= cut]
 
-    def realized_rate(self, requests: int) -> float | None:
+    def realized_rate(self, requests: int, pure: bool = False) -> float | None:
         """Tokens per second per request that speculative rounds realized at this batch size (None: too few
-        rounds since the last probe). Rounds over OUTLIER x the median are left out."""
+        rounds since the last probe). Rounds over OUTLIER x the median are left out. pure: only the rounds that
+        carried no prompt's prefill (None without one), a rate to set against plain's seconds per token; with them
+        the rate is only comparable to `plain_rate`, which prices each such round by its own plain equivalent."""
         kept = self._kept(requests)
+        if kept is not None and pure:
+            kept = [o for o in kept if o[2] is None] or None
         if kept is None:
             return None
         return sum(o[0] for o in kept) / sum(o[1] for o in kept)
@@ -509,7 +528,10 @@ class KPolicy:
         # draft once the wait ran out and drafted one or two rounds before the veto fired again: ~0.2 s a read, 3-6 %
         # of a run at 2 requests on this CPU, eighteenth session. A trial starts from a probe or when the memory
         # lapses)
-        rate = None if optimistic else self.realized_rate(n) or self._vetoed(n)
+        # (the pure rate: one 0.7 s round with a 47-token prefill in the window made drafting's tokens look 56 ms
+        # each against plain's 41 at the next request's start, and adaptive k read no prompt for the rest of a
+        # 20-prompt run; session 38)
+        rate = None if optimistic else self.realized_rate(n, pure=True) or self._vetoed(n)
         if rate is not None:
             t_draft = max(t_draft, 1.0 / rate)
         return remaining * (t_plain - t_draft) > lag * per_token
@@ -565,7 +587,7 @@ class KPolicy:
                 # start a losing trial of REALIZED_MIN rounds every PROBE_EVERY rounds
                 wait = min(2 * held[1], self.BATCH_PROBE_MAX) if held is not None else self.PROBE_EVERY
                 self._held[b] = [wait, wait]
-                self._vetoed_rate[b] = (self.realized_rate(n), self._ks_calls)
+                self._vetoed_rate[b] = (self.realized_rate(n, pure=True), self._ks_calls)
                 self.realized.pop(b, None)  # (the next trial is measured from scratch)
                 self.vetoes += 1
                 return [0] * n

@@ -1,13 +1,15 @@
 """CpuLayerOps: forerun.models.ops.LayerOps on float32 CPU tensors through the C layer kernels (kernels/cpu_layer.py).
 
-add + RMSNorm and Q/K norm + RoPE + the cache write each in one C call; the matrix products stay the layers' own
-(oneDNN / the int4 kernel). Anything the C code cannot take falls back to LayerOps (the torch reference). The
-runner sets it on float32 CPU models where `kernels.cpu_layer.available()`.
+add + RMSNorm, Q/K norm + RoPE + the cache write and silu * up each in one C call; the matrix products stay the
+layers' own (oneDNN / the int4 and int8 kernels). Anything the C code cannot take falls back to LayerOps (the torch
+reference). The runner sets it on float32 CPU models where `kernels.cpu_layer.available()`.
 
 `decoder_layers` runs a whole stack of layers without the modules: the calls the module path ends in, with the same
 inputs, in the same order (so bit-identical to it, tested), without its module calls and reshapes and with the
 attention's key plan looked up once per forward instead of per layer. That host work was ~0.5 ms a layer on 2 Zen 3
-cores at one token: 15 of the 1.5B's 72 ms and 10 of the 0.5B draft's 27 ms (docs/quantization.md).
+cores at one token: 15 of the 1.5B's 72 ms and 10 of the 0.5B draft's 27 ms. Runs of layers whose products are all
+cpu_q4.c's go to C in one call (`cpu_layer.decoder_stack`, session 38: the remaining ~100 us a layer of Python
+between the C calls; docs/quantization.md).
 """
 from __future__ import annotations
 

@@ -301,7 +301,25 @@ INLINE __m256i dot_s8(__m256i acc, __m256i aw, __m256i w, __m256i x) {
 #endif
 }
 
-// one row group (4 weight rows) x mb (<= 8) activation rows -> out[i * 4 + r]
+// row r of a row group, half h of a chunk (its codes cp, ng groups, scales hdr), against mb activation rows (xc: the
+// chunk's codes of row 0, xsc: its scales): acc[i] += the 8 groups' int32 dot products * scale * xs, lane by lane
+INLINE void q8_half(const uint8_t *cp, const uint16_t *hdr, int ng, int r, int h, const int8_t *xc, int64_t astride,
+                    const float *xsc, int64_t sstride, const int mb, __m256 *acc) {
+    __m256i s32[8];
+    for (int i = 0; i < mb; i++) s32[i] = _mm256_setzero_si256();
+    for (int pc = 0; pc < 8; pc++) {
+        const __m256i w = q8_codes(cp, ng, r, h, pc);
+        const __m256i aw = _mm256_abs_epi8(w);
+        for (int i = 0; i < mb; i++)
+            s32[i] = dot_s8(s32[i], aw, w, _mm256_loadu_si256((const __m256i *)(xc + i * astride + 64 * pc + 32 * h)));
+    }
+    const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hdr + 16 * r + 8 * h)));
+    for (int i = 0; i < mb; i++)
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[i]), _mm256_mul_ps(sw, _mm256_loadu_ps(xsc + i * sstride + 8 * h)),
+                                 acc[i]);
+}
+
+// one row group (4 weight rows) x mb (<= 8) activation rows -> out[i * 4 + r]: row by row, all chunks
 INLINE void q8_group_rows(const uint8_t *g, int64_t k, const int8_t *xq, const float *xs, const int mb, float *out) {
     const int64_t groups = k / 32, chunks = chunks_of(k), astride = chunks * 512, sstride = chunks * 16;
     for (int r = 0; r < 4; r++) {
@@ -309,27 +327,12 @@ INLINE void q8_group_rows(const uint8_t *g, int64_t k, const int8_t *xq, const f
         for (int i = 0; i < mb; i++) acc[i] = _mm256_setzero_ps();
         const uint8_t *p = g;
         for (int64_t c = 0; c < chunks; c++) {
-            const uint16_t *hdr = (const uint16_t *)p;
-            const uint8_t *cp = p + 128;
             const int ng = (int)(groups - 16 * c < 16 ? groups - 16 * c : 16);
             if (r == 0)
                 for (int l = 0; l < 128 + 128 * ng; l += 64) _mm_prefetch((const char *)(p + PFD + l), _MM_HINT_T0);
-            for (int h = 0; h < 2 && 16 * c + 8 * h < groups; h++) {
-                __m256i s32[8];
-                for (int i = 0; i < mb; i++) s32[i] = _mm256_setzero_si256();
-                for (int pc = 0; pc < 8; pc++) {
-                    const __m256i w = q8_codes(cp, ng, r, h, pc);
-                    const __m256i aw = _mm256_abs_epi8(w);
-                    for (int i = 0; i < mb; i++)
-                        s32[i] = dot_s8(s32[i], aw, w,
-                                        _mm256_loadu_si256((const __m256i *)(xq + i * astride + c * 512 + 64 * pc + 32 * h)));
-                }
-                const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hdr + 16 * r + 8 * h)));
-                for (int i = 0; i < mb; i++)
-                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[i]),
-                                             _mm256_mul_ps(sw, _mm256_loadu_ps(xs + i * sstride + 16 * c + 8 * h)), acc[i]);
-            }
-            p = cp + 128 * ng;
+            for (int h = 0; 8 * h < ng; h++)
+                q8_half(p + 128, (const uint16_t *)p, ng, r, h, xq + c * 512, astride, xs + 16 * c, sstride, mb, acc);
+            p += 128 + 128 * ng;
         }
         for (int i = 0; i < mb; i++) out[4 * i + r] = hsum8(acc[i]);
     }
@@ -345,29 +348,12 @@ INLINE void q8_group_rows_few(const uint8_t *g, int64_t k, const int8_t *xq, con
         for (int i = 0; i < mb; i++) acc[r][i] = _mm256_setzero_ps();
     const uint8_t *p = g;
     for (int64_t c = 0; c < chunks; c++) {
-        const uint16_t *hdr = (const uint16_t *)p;
-        const uint8_t *cp = p + 128;
         const int ng = (int)(groups - 16 * c < 16 ? groups - 16 * c : 16);
         for (int l = 0; l < 128 + 128 * ng; l += 64) _mm_prefetch((const char *)(p + PFD + l), _MM_HINT_T0);
-        for (int h = 0; h < 2 && 16 * c + 8 * h < groups; h++) {
-            __m256 xsv[2];
-            for (int i = 0; i < mb; i++) xsv[i] = _mm256_loadu_ps(xs + i * sstride + 16 * c + 8 * h);
-            for (int r = 0; r < 4; r++) {
-                __m256i s32[2];
-                for (int i = 0; i < mb; i++) s32[i] = _mm256_setzero_si256();
-                for (int pc = 0; pc < 8; pc++) {
-                    const __m256i w = q8_codes(cp, ng, r, h, pc);
-                    const __m256i aw = _mm256_abs_epi8(w);
-                    for (int i = 0; i < mb; i++)
-                        s32[i] = dot_s8(s32[i], aw, w,
-                                        _mm256_loadu_si256((const __m256i *)(xq + i * astride + c * 512 + 64 * pc + 32 * h)));
-                }
-                const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hdr + 16 * r + 8 * h)));
-                for (int i = 0; i < mb; i++)
-                    acc[r][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[i]), _mm256_mul_ps(sw, xsv[i]), acc[r][i]);
-            }
-        }
-        p = cp + 128 * ng;
+        for (int h = 0; 8 * h < ng; h++)
+            for (int r = 0; r < 4; r++)
+                q8_half(p + 128, (const uint16_t *)p, ng, r, h, xq + c * 512, astride, xs + 16 * c, sstride, mb, acc[r]);
+        p += 128 + 128 * ng;
     }
     for (int r = 0; r < 4; r++)
         for (int i = 0; i < mb; i++) out[4 * i + r] = hsum8(acc[r][i]);

@@ -8,7 +8,12 @@ llama.cpp plain row measured 39.7 and 82.6 tok/s in two runs 10 minutes apart, 3
 Interleaving makes the ratios meaningful. Writes JSON (per-prompt times too).
 
     python benchmarks/peer_interleaved.py [--threads 2] [--num-prompts 20] [--k 4] [--also-k auto]
-        [--eagle ~/.cache/forerun/eagle/qwen1.5b --eagle-k 2,auto] [--out ...]
+        [--eagle ~/.cache/forerun/eagle/qwen1.5b --eagle-k 2,auto] [--prefix-caching] [--out ...]
+
+--prefix-caching adds rows where both engines keep what they computed of earlier prompts: forerun with
+`enable_prefix_caching` (target and draft caches), llama.cpp plain with `--prompt-cache` (its speculative tool has
+none). Both caches are filled by one untimed prompt (bench.PROMPT_CACHE_WARMUP), so every measured prompt finds the
+chat template's system prefix in them (24 of ~46 tokens on the bench prompts).
 """
 from __future__ import annotations
 
@@ -44,6 +49,9 @@ def main() -> int:
     ap.add_argument("--eagle-k", default="2,auto", help="comma list of k for the --eagle rows")
     ap.add_argument("--quantize", default="auto")
     ap.add_argument("--llamacpp-draft-max", type=int, default=4)
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="also rows with prefix caching: forerun plain and each draft k (enable_prefix_caching) and "
+                         "llama.cpp plain (--prompt-cache), both caches filled by one untimed warm-up prompt")
     ap.add_argument("--out", default="benchmarks/results/cpu_quant_llamacpp_interleaved.json")
     ap.add_argument("--replot", metavar="JSON", help="only draw the PNG of an earlier run's JSON")
     a = ap.parse_args()
@@ -79,13 +87,30 @@ def main() -> int:
     for k in [x for x in a.eagle_k.split(",") if x] if a.eagle else []:
         s2 = SpecConfig.from_flags(f"eagle:{os.path.expanduser(a.eagle)}", k, 0.0, "auto")
         more.append((f"forerun EAGLE k={k}", LLM.from_model(target[0], target[1], spec=s2, device="cpu")))
+    if a.prefix_caching:  # the same models again, with prefix caching (warmed up below on another prompt)
+        cached = [("forerun plain, prefix cache", LLM.from_model(target[0], target[1], device="cpu",
+                                                                 enable_prefix_caching=True))]
+        for k in [a.k, *[x for x in a.also_k.split(",") if x]]:
+            s2 = replace(SpecConfig.from_flags(a.draft, k, 0.0, "auto"), draft_model=(draft[0], draft[1]))
+            cached.append((f"forerun draft k={k}, prefix cache", LLM.from_model(target[0], target[1], spec=s2,
+                                                                                 device="cpu", enable_prefix_caching=True)))
+        for _, llm in cached:  # what llama.cpp's prompt cache file is written from (bench.run_llamacpp)
+            llm.generate([bench.PROMPT_CACHE_WARMUP], SamplingParams(temperature=0, max_tokens=4), chat=True)
+        more += cached
+    cache_file = None
+    if a.prefix_caching:
+        import tempfile
+
+        cache_file = os.path.join(tempfile.mkdtemp(prefix="forerun_llamacpp_"), "prompt_cache.bin")
     sp = SamplingParams(temperature=0, max_tokens=a.max_tokens)
-    for llm in (plain, spec_llm, *[m for _, m in more]):
+    for llm in (plain, spec_llm, *[m for n, m in more if "prefix cache" not in n]):
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), chat=True)  # warm-up
     bargs = argparse.Namespace(model=a.model, draft=a.draft, threads=a.threads, max_tokens=a.max_tokens,
                                llamacpp_draft_max=a.llamacpp_draft_max)
-    names = ["forerun plain", f"forerun draft k={a.k}", *[n for n, _ in more], "llama.cpp plain", "llama.cpp speculative"]
+    names = ["forerun plain", f"forerun draft k={a.k}", *[n for n, _ in more], "llama.cpp plain",
+             *(["llama.cpp plain, prompt cache"] if a.prefix_caching else []), "llama.cpp speculative"]
     per = {n: [] for n in names}  # (tokens, seconds) per prompt
+    cached_at = {n: [] for n in names}  # forerun rows: prompt tokens found in the prefix cache, per prompt
     identical, drafted, accepted = 0, 0, 0
     for i, p in enumerate(prompts):
         outs = {}
@@ -93,10 +118,11 @@ def main() -> int:
             t = time.perf_counter()
             o = llm.generate([p], sp, chat=True)[0]
             per[n].append((len(o.token_ids), time.perf_counter() - t))
+            cached_at[n].append(o.stats.cached_tokens)
             outs[n] = o
         identical += all(outs[names[0]].token_ids == o.token_ids for n, o in outs.items() if n != names[0])
         text = target[1].decode(outs[names[0]].token_ids, skip_special_tokens=True)
-        for row in bench.run_llamacpp(bargs, [p], [text]):
+        for row in bench.run_llamacpp(bargs, [p], [text], prompt_cache=cache_file):
             per[row["config"]].append((row["tokens"], row["seconds"]))
         print(f"[{i + 1}/{len(prompts)}] " + ", ".join(f"{n} {per[n][-1][0] / per[n][-1][1]:.1f}" for n in names),
               file=sys.stderr, flush=True)
@@ -105,6 +131,8 @@ def main() -> int:
         tok, sec = sum(x for x, _ in per[n]), sum(y for _, y in per[n])
         rows.append({"config": n, "tokens": tok, "seconds": round(sec, 2), "tok_per_s": round(tok / sec, 3),
                      "per_prompt_tok_per_s": [round(x / y, 2) for x, y in per[n]]})
+        if any(cached_at[n]):
+            rows[-1]["cached_prompt_tokens"] = cached_at[n]
     base = {r["config"]: r["tok_per_s"] for r in rows}
     for r in rows:
         r["vs_forerun_plain"] = round(r["tok_per_s"] / base[names[0]], 3)
@@ -114,7 +142,7 @@ def main() -> int:
             "layout": layout, "int4_others": quant.INT4_OTHERS, "int8_kernel": type(quant.int8_linear(torch.zeros(64, 64))).__name__,
             "draft_int4_others": quant.DRAFT_INT4_OTHERS, "cpu": _cpu_name(), "c_kernels_isa": cbuild.isa(),
             "k": a.k, "eagle": a.eagle, "llamacpp": bench.llamacpp_bin_dir().as_posix(),
-            "spec_identical_to_plain": f"{identical}/{len(prompts)}",
+            "spec_identical_to_plain": f"{identical}/{len(prompts)}", "prefix_caching": a.prefix_caching,
             "loadavg_start": [round(x, 2) for x in load_start], "loadavg_end": [round(x, 2) for x in os.getloadavg()],
             "order": "per prompt: " + ", ".join(names)}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -218,10 +218,17 @@ def _ms(pattern: str, text: str) -> float:
     return float(m.group(1))
 
 
-def run_llamacpp(args, prompts, plain_text) -> list[dict]:
+PROMPT_CACHE_WARMUP = "Say hello."  # the prompt that fills a prompt cache before the measured ones (not measured)
+
+
+def run_llamacpp(args, prompts, plain_text, prompt_cache: str | None = None) -> list[dict]:
     """llama.cpp plain (llama-completion) and speculative (llama-speculative, same draft GGUF) on the same
     chat-templated prompts, greedy, same threads and max tokens. Time = prompt processing + decoding as
-    llama.cpp reports it (model loading excluded, as forerun's rows exclude it)."""
+    llama.cpp reports it (model loading excluded, as forerun's rows exclude it).
+    prompt_cache: a file path: also "llama.cpp plain, prompt cache" (llama-completion --prompt-cache: the prompt
+    tokens that match the file's are not processed again; the file is written once, by a first untimed run on
+    PROMPT_CACHE_WARMUP, so every measured prompt finds the chat template's system prefix there, as forerun's
+    prefix-caching rows do after the same warm-up prompt)."""
     import subprocess
     import tempfile
 
@@ -238,6 +245,16 @@ def run_llamacpp(args, prompts, plain_text) -> list[dict]:
                                     "--simple-io", "--no-warmup", *common]),
                ("llama.cpp speculative", [str(bdir / "llama-speculative"), "-m", target, "-md", draft, "-td", threads,
                                           "-tbd", threads, "--spec-draft-n-max", str(args.llamacpp_draft_max), *common])]
+    if prompt_cache is not None:
+        cached = [*configs[0][1], "--prompt-cache", prompt_cache]
+        if not Path(prompt_cache).exists():  # written by this first run (llama-completion keeps it after)
+            text = tok.apply_chat_template([{"role": "user", "content": PROMPT_CACHE_WARMUP}], add_generation_prompt=True,
+                                           tokenize=False)
+            with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+                f.write(text)
+            subprocess.run([*cached, "-f", f.name], capture_output=True, text=True, timeout=900, check=True)
+            Path(f.name).unlink()
+        configs.insert(1, ("llama.cpp plain, prompt cache", cached))
     rows = []
     for label, cmd in configs:
         tokens, seconds, drafted, accepted, same = 0, 0.0, 0, 0, 0

@@ -42,6 +42,7 @@ class Request:
     arrival: float = 0.0  # time.monotonic() at add_request
     sent_tokens: int = 0  # output tokens already reported in a delta
     sent_text: int = 0  # characters of `text` already reported in a delta
+    prompt_shared: int = 0  # prefix caching: its prompt's blocks were lent to the cache, 1: target pool, 2: draft's
 
     @property
     def all_tokens(self) -> list[int]:

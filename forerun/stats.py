@@ -30,6 +30,7 @@ class RequestStats:
     # first rejected token on, never verified (not in drafted / drafted_nodes). Tree: nodes whose token or an
     # ancestor's the grammar rejects; they stay in the verified tree (in drafted_nodes) with p = 0, never accepted.
     grammar_rejected: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (vLLM's num_cached_tokens; 0 with it off)
 
     def record(self, num_drafted: int, num_accepted: int, num_emitted: int, drafted_nodes: int | None = None) -> None:
         """One round of this request. num_drafted: draft positions (chain k, tree depth); num_accepted: drafts
@@ -58,6 +59,7 @@ class RequestStats:
         self.accepted += other.accepted
         self.emitted += other.emitted
         self.grammar_rejected += other.grammar_rejected
+        self.cached_tokens += other.cached_tokens
         for i in range(len(other.drafted_at)):
             if i >= len(self.drafted_at):
                 self.drafted_at.append(0)
@@ -93,6 +95,7 @@ class RequestStats:
         return {
             "rounds": self.rounds, "drafted": self.drafted, "drafted_nodes": self.drafted_nodes,
             "accepted": self.accepted, "emitted": self.emitted, "grammar_rejected": self.grammar_rejected,
+            "cached_tokens": self.cached_tokens,
             "acceptance_rate": round(self.acceptance_rate, 4),
             "position_acceptance_rate": round(self.position_acceptance_rate, 4),
             "mean_accepted_length": round(self.mean_accepted_length, 4),

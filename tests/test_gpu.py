@@ -623,6 +623,50 @@ def test_session_joins_and_leaves_on_cuda_graphs_equal_plain(in_session, mix):
         assert eng.drafter.kv.num_free_blocks == eng.drafter.kv.num_blocks - 1
 
 
+@pytest.mark.parametrize("overlap_spec", [True, False])
+def test_prefix_caching_on_cuda_graphs_equals_plain(overlap_spec):
+    """Prefix caching (kvcache/pool.py) under CUDA graphs, overlapped sessions and their joins: prompts that share
+    their starts (all begin 3, 4, 5, ...), arriving while others run and after others finished, read the cached
+    blocks (target and draft pools); outputs equal plain greedy without the cache, every block comes back."""
+    import sys, os
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from tiny import hf_model, sharpen, tiny_tokenizer
+
+    from forerun.config import SpecConfig
+    from forerun.engine.engine import Engine
+    from forerun.sampling_params import SamplingParams
+
+    build = model_factory(sharpen(hf_model("llama"), 3.0), torch.float32)
+    dbuild = model_factory(sharpen(hf_model("llama", seed=1, num_hidden_layers=1), 3.0), torch.float32)
+    tok = tiny_tokenizer()
+    kw = dict(device="cuda", dtype=torch.float32, cache=CacheConfig(block_size=16, num_blocks=512))
+    prompts = [list(range(3, 3 + n)) for n in (40, 19, 77, 41, 40, 60)] + [[8, 8, 8], list(range(3, 40)) + [9]]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 9, 30, 14, 25, 7, 33, 12)]
+    arrivals = [0, 0, 3, 6, 9, 40, 60, 61]
+
+    def drive(eng):
+        out, step = {}, 0
+        while step <= max(arrivals) or eng.has_unfinished():
+            for i, at in enumerate(arrivals):
+                if at == step:
+                    eng.add_request(prompts[i], params[i], request_id=str(i))
+            for d in eng.step():
+                out.setdefault(d.request_id, []).extend(d.new_token_ids)
+            step += 1
+        return out
+
+    want = drive(Engine.from_model(build(), tok, **kw))
+    eng = Engine.from_model(build(), tok, spec=SpecConfig(method="draft", draft_model=(dbuild(), tok), k=3),
+                            check_invariants=True, overlap_spec=overlap_spec, enable_prefix_caching=True, **kw)
+    eng.warmup(max_batch=8)
+    got = drive(eng)
+    assert got == want
+    assert eng.runner.kv.prefix_hits > 0 and eng.drafter.kv.prefix_hits > 0
+    assert eng.runner.kv.num_free_blocks == eng.runner.kv.num_blocks - 1
+    assert eng.drafter.kv.num_free_blocks == eng.drafter.kv.num_blocks - 1
+
+
 # -- fused layer kernels in bf16 (the interpreter tests in test_kernels.py cover float32 / float16) ----------
 @pytest.mark.parametrize("m", [1, 2, 4, 16])
 @pytest.mark.parametrize("glu", [False, True])

@@ -33,8 +33,9 @@ class ModelDrafter(Drafter):
         self.shares_target_cache = shares_target_cache
 
     def _ensure(self, r: Request) -> None:
-        if not self.runner.kv.has(r.req_id):
-            self.runner.kv.add_sequence(r.req_id)
+        kv = self.runner.kv
+        if not kv.has(r.req_id):  # (prefix caching: the draft's own cached prefix; feeding starts after it)
+            kv.add_sequence(r.req_id, r.all_tokens if kv.prefix_caching and not self.shares_target_cache else None)
 
     @property
     def kv(self):
@@ -241,7 +242,7 @@ class ModelDrafter(Drafter):
 
     def release(self, request: Request) -> None:
         if not self.shares_target_cache:
-            self.runner.kv.free(request.req_id)
+            self.runner.kv.free(request.req_id, request.all_tokens[: request.num_tokens - 1])
 
     def cached_length(self, request: Request) -> int | None:
         kv = self.runner.kv

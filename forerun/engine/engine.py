@@ -67,6 +67,8 @@ class EngineStats:
     spec_num_accepted_tokens: int
     spec_accepted_per_pos: list[int]
     grammar_rejected: int = 0  # draft tokens / tree nodes cut by structured-output grammars (forerun/structured.py)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the target's prefix cache (vLLM's prefix_cache_queries)
+    prefix_cache_hits: int = 0  # ... of which found there
 
 
 def load_draft_model(path: str, device: torch.device | str, dtype: torch.dtype, max_positions: int | None = None,
@@ -156,7 +158,8 @@ class Engine:
                  check_invariants: bool = False, cuda_graphs: bool = True, overlap: bool = True,
                  overlap_spec: bool = True, mixed_prefill: bool = False,
                  draft_cache: CacheConfig | None = None, quantize: str = "none",
-                 join_wait: tuple[float, int] | None = None, _loaded=None) -> None:
+                 join_wait: tuple[float, int] | None = None, enable_prefix_caching: bool = False,
+                 _loaded=None) -> None:
         """quantize: weights of models loaded by name / path: "none" (float), "int8" / "int4" (kept quantized,
         CPU; GGUF Q4 blocks exactly as int4), "auto" (GGUF files: int4 with forerun's C kernel, AVX512-VNNI or AVX2, else int8).
         See docs/quantization.md. overlap_spec: overlapped speculative rounds (engine/overlap_spec.py; greedy
@@ -170,7 +173,13 @@ class Engine:
         against 1.46x at 2; within noise at 1 and 4 requests and with a useless draft). Prompts that do not
         qualify mix as before. join_wait=(ratio, steps): arrivals wait while a session runs until they number
         ratio x the running requests or the oldest has waited `steps` steps (JOIN_WAIT_RATIO / JOIN_WAIT_STEPS:
-        fewer, larger prefill rounds for up to `steps` steps more of TTFT; off by default)."""
+        fewer, larger prefill rounds for up to `steps` steps more of TTFT; off by default).
+        enable_prefix_caching: a prompt that starts like an earlier request's tokens reuses their keys and values
+        (target and draft model caches; kvcache/pool.py), as vLLM's automatic prefix caching does; off by default.
+        Not with EAGLE heads, which read the target's hidden states at every prompt position."""
+        if enable_prefix_caching and spec is not None and spec.method == "eagle":
+            raise ValueError("prefix caching does not work with EAGLE drafting yet: the head reads the target's hidden "
+                             "states at every prompt position (drop --enable-prefix-caching or the EAGLE head)")
         if join_wait is not None:
             ratio, steps = join_wait
             if not (ratio >= 0 and int(steps) == steps and steps >= 0):
@@ -206,6 +215,11 @@ class Engine:
         self.runner = ModelRunner(target, self.cache, self.device, self.dtype, max_seqs=max_num_seqs + 2,
                                   max_batch_tokens=budget)
         self.drafter = self._make_drafter()
+        self.prefix_caching = enable_prefix_caching
+        if enable_prefix_caching:
+            self.runner.kv.prefix_caching = True
+            if getattr(self.drafter, "kv", None) is not None:  # a separate draft model's own pool
+                self.drafter.kv.prefix_caching = True
         if cuda_graphs and self.device.type == "cuda":
             for runner in {id(r): r for r in (self.runner, getattr(self.drafter, "runner", None)) if r}.values():
                 enable_cuda_graphs(runner, max_q_len=self.spec.max_draft_tokens + 1, max_seqs=max_num_seqs)
@@ -484,7 +498,8 @@ class Engine:
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), kv.num_blocks - 1,
                            kv.num_free_blocks, self.scheduler.num_preemptions, self._spec_num_drafts,
                            t.drafted_nodes, t.accepted, list(t.accepted_at),
-                           self._grammars.num_rejected_drafts if getattr(self, "_grammars", None) is not None else 0)
+                           self._grammars.num_rejected_drafts if getattr(self, "_grammars", None) is not None else 0,
+                           kv.prefix_queries, kv.prefix_hits)
 
     # -- one step ---------------------------------------------------------------------------------------
     def step(self) -> list["RequestDelta"]:

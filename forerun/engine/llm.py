@@ -31,16 +31,19 @@ class LLM:
                  check_invariants: bool = False, cuda_graphs: bool = True, overlap: bool = True,
                  overlap_spec: bool = True, mixed_prefill: bool = False,
                  draft_cache: CacheConfig | None = None, quantize: str = "none",
-                 join_wait: tuple[float, int] | None = None, _loaded=None) -> None:
+                 join_wait: tuple[float, int] | None = None, enable_prefix_caching: bool = False,
+                 _loaded=None) -> None:
         """overlap: with CUDA graphs, run plain decoding steps overlapped with the host's commits (engine/overlap.py);
         overlap_spec: speculative rounds too (engine/overlap_spec.py; CUDA graphs, greedy, a separate draft model);
         mixed_prefill: True mixes new prompts into the running requests' rounds; False (default) reads them in rounds
-        of their own while the others run such sessions (Engine); join_wait=(ratio, steps): Engine's."""
+        of their own while the others run such sessions (Engine); join_wait=(ratio, steps): Engine's;
+        enable_prefix_caching: prompts reuse the keys and values of earlier requests' equal prefixes (Engine)."""
         self.engine = Engine(model, spec=spec, device=device, dtype=dtype, cache=cache, max_num_seqs=max_num_seqs,
                              max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens, seed=seed,
                              check_invariants=check_invariants, cuda_graphs=cuda_graphs, overlap=overlap,
                              overlap_spec=overlap_spec, mixed_prefill=mixed_prefill, draft_cache=draft_cache,
-                             quantize=quantize, join_wait=join_wait, _loaded=_loaded)
+                             quantize=quantize, join_wait=join_wait, enable_prefix_caching=enable_prefix_caching,
+                             _loaded=_loaded)
         self._lock = threading.RLock()
 
     @classmethod

@@ -33,6 +33,12 @@ class SchedulerOutput:
     failed: list[tuple[Request, str]] = field(default_factory=list)
 
 
+def committed_prefix(r: Request) -> list[int]:
+    """The tokens whose keys and values a request's caches hold for certain between rounds: all committed ones but
+    the newest (never fed), so nothing a rejected draft wrote (prefix caching registers only these)."""
+    return r.all_tokens[: r.num_tokens - 1]
+
+
 class Scheduler:
     def __init__(self, kv: KVPool, drafter: Drafter | None, max_num_seqs: int, max_num_batched_tokens: int,
                  tree: bool = False) -> None:
@@ -61,7 +67,7 @@ class Scheduler:
         self._free(r)
 
     def _free(self, r: Request) -> None:
-        self.kv.free(r.req_id)
+        self.kv.free(r.req_id, committed_prefix(r))  # (prefix caching: what later prompts may share)
         if self.drafter is not None:
             self.drafter.release(r)
 
@@ -69,6 +75,7 @@ class Scheduler:
         """Admit the head of the waiting queue without scheduling its prompt's read (the caller reads it: a prompt
         joining an overlapped session in the members' verify forward). Its blocks are reserved by that read."""
         r = self.waiting.popleft()
+        r.prompt_shared = 0
         self.kv.add_sequence(r.req_id)
         self.running.append(r)
         return r
@@ -91,6 +98,8 @@ class Scheduler:
         preempt=False: a step the pools cannot hold takes nothing instead of preempting (a session's members hold
         their blocks)."""
         out = SchedulerOutput()
+        if self.kv.prefix_caching:
+            self._share_read_prompts()
         while True:
             items = self._plan(k_for, prefill_only, exclude)
             need_t, need_d = self._blocks(items)
@@ -125,17 +134,25 @@ class Scheduler:
             r = self.waiting[0]
             if admit is not None and not admit(r):
                 break
-            missing = r.num_tokens
+            hit = taken = 0
+            if self.kv.prefix_caching:  # its cached prefix joins its table now (undone below if it does not fit)
+                free0 = self.kv.num_free_blocks
+                hit = self.kv.add_sequence(r.req_id, r.all_tokens)
+                taken = free0 - self.kv.num_free_blocks  # (cached blocks nobody held count as free until taken)
+            missing = r.num_tokens - hit
             feed = min(missing, left)
             final = feed == missing
             k = 0
             if final and self.drafter is not None and (feed == 1 or self.draft_prefill):
                 k = self._fit(k_for([r])[0], left - feed)
             extra = k  # (a tree's k: its nodes beyond the root, the rows it adds)
-            blocks = -(-(feed + extra) // self.kv.block_size)
+            held = len(self.kv.blocks(r.req_id)) if hit or taken else 0
+            blocks = taken + max(0, -(-(hit + feed + extra) // self.kv.block_size) - held)
             dkv = self.drafter.kv if self.drafter is not None else None
-            dblocks = -(-(feed + extra + 1) // dkv.block_size) if dkv is not None else 0
+            dblocks = -(-(hit + feed + extra + 1) // dkv.block_size) if dkv is not None else 0
             if blocks > free_t or dblocks > free_d:
+                if self.kv.prefix_caching:
+                    self.kv.free(r.req_id)
                 if not self.running and not items:  # nothing runs and it cannot start: it never will
                     self.waiting.popleft()
                     out.failed.append((r, f"request {r.external_id or r.req_id}: prompt of {missing} tokens needs "
@@ -144,7 +161,12 @@ class Scheduler:
                     continue
                 break
             self.waiting.popleft()
-            self.kv.add_sequence(r.req_id)
+            r.prompt_shared = 0  # (a preempted request lends its blocks again once it has read them again)
+            if self.kv.prefix_caching:
+                if r.num_preemptions == 0:
+                    r.stats.cached_tokens = min(hit, len(r.prompt_token_ids))
+            else:
+                self.kv.add_sequence(r.req_id)
             self.running.append(r)
             items.append(RoundItem(r, feed, final, k))
             left -= feed + k
@@ -152,6 +174,18 @@ class Scheduler:
             free_d -= dblocks
         out.items = items
         return out
+
+    def _share_read_prompts(self) -> None:
+        """Prefix caching: a running request whose prompt is read lends its prompt's blocks (all but the last token:
+        no rollback reaches them) to requests that arrive while it runs, in the target pool and the draft's."""
+        dkv = self.drafter.kv if self.drafter is not None else None
+        pools = ((1, self.kv),) if dkv is None else ((1, self.kv), (2, dkv))
+        for r in self.running:
+            n = len(r.prompt_token_ids) - 1
+            for bit, kv in pools:
+                if not r.prompt_shared & bit and kv.has(r.req_id) and kv.length(r.req_id) >= n:
+                    kv.share_prefix(r.req_id, r.prompt_token_ids[:n])
+                    r.prompt_shared |= bit
 
     def _plan(self, k_for, prefill_only: bool = False, exclude=frozenset()) -> list[RoundItem]:
         """Items for the running requests: decodes / verifies first, then prefill chunks, within the budget."""

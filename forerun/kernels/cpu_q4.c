@@ -24,6 +24,12 @@
 #include <string.h>
 
 #ifndef PFD
+#ifndef KB_CHUNKS
+#define KB_CHUNKS 2  // AVX2 group_rows: chunks of K per block (2 x 512 bytes of each activation row; measured below)
+#endif
+#ifndef KB_FROM
+#define KB_FROM 4  // ... for rows of more than this many chunks (K > 2048)
+#endif
 #define PFD 4096  // software prefetch distance in bytes (measured: 2-4 KB ahead streams best at 1 and 2 threads)
 #endif
 #define INLINE static inline __attribute__((always_inline))
@@ -170,50 +176,75 @@ INLINE void group_rows_few(const uint8_t *g, int64_t k, const int8_t *xq, const 
 // one row group (4 weight rows) x mb (<= 8) activation rows -> out[i * 4 + r]. Per weight row and 8 groups: each of
 // the 4 code loads is unpacked once and taken by all mb rows (their int16 sums in registers), then the mb float
 // updates (measured on the Zen 3: 15-25 % faster at 3-8 rows than unpacking all 8 code vectors first; 8 rows a pass
-// rather than 4 + 4 or 4 + 1 passes)
-INLINE void group_rows(const uint8_t *g, int64_t k, const int8_t *xq, const float *xs, const float *isum,
-                       const int mb, float *out) {
+// rather than 4 + 4 or 4 + 1 passes). K is taken in blocks of KB_CHUNKS chunks, all 4 weight rows per block, so the
+// activations' slice of a block (mb x KB_CHUNKS x 512 bytes) stays in L1 while the 4 rows read it: at K = 8960 the
+// whole rows (8 x 9 KB) did not fit and each weight row read them again from L2. The float operations per output
+// are the same, in the same order (the accumulators wait in `kept` between blocks): the same bits.
+// weight row r of a row group, chunks c0 .. c1 - 1 (c0 at byte offset c0 * 1280: every chunk before the last holds
+// 16 groups), into the mb accumulators
+INLINE void row_chunks(const uint8_t *g, int64_t k, const int8_t *xq, const float *xs, const float *isum,
+                       const int mb, const int r, const int64_t c0, const int64_t c1, __m256 *acc) {
     const int64_t groups = k / 32, chunks = chunks_of(k), astride = chunks * 512, sstride = chunks * 16;
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    for (int r = 0; r < 4; r++) {
-        __m256 acc[MB];
-        for (int i = 0; i < mb; i++) acc[i] = _mm256_setzero_ps();
-        const uint8_t *p = g;
-        for (int64_t c = 0; c < chunks; c++) {
-            const int ng = (int)(groups - 16 * c < 16 ? groups - 16 * c : 16);
-            const uint16_t *hdr = (const uint16_t *)p;
-            const uint8_t *cp = p + 256;
-            if (r == 0)
-                for (int l = 0; l < 256 + 64 * ng; l += 64) _mm_prefetch((const char *)(p + PFD + l), _MM_HINT_T0);
-            for (int h = 0; h < 2 && 8 * h < ng; h++) {
-                const __m256i mk = _mm256_cmpgt_epi32(_mm256_set1_epi32(ng - 8 * h), lane);
-                const int8_t *xa = xq + c * 512 + 32 * h;
-                __m256i s16[MB];
-                for (int j = 0; j < 4; j++) {
-                    const int *src = (const int *)(cp + (r * 4 + j) * 4 * ng + 32 * h);
-                    const __m256i v = ng - 8 * h >= 8 ? _mm256_loadu_si256((const __m256i *)src) : _mm256_maskload_epi32(src, mk);
-                    const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                    for (int i = 0; i < mb; i++) {
-                        const int8_t *xi = xa + i * astride + 128 * j;
-                        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xi)),
-                                                           _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xi + 64))));
-                        s16[i] = j == 0 ? t : _mm256_add_epi16(s16[i], t);
-                    }
-                }
-                const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hdr + 16 * r + 8 * h)));
-                const __m256 ow = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hdr + 64 + 16 * r + 8 * h)));
+    const uint8_t *p = g + c0 * (256 + 64 * 16);
+    for (int64_t c = c0; c < c1; c++) {
+        const int ng = (int)(groups - 16 * c < 16 ? groups - 16 * c : 16);
+        const uint16_t *hdr = (const uint16_t *)p;
+        const uint8_t *cp = p + 256;
+        if (r == 0)
+            for (int l = 0; l < 256 + 64 * ng; l += 64) _mm_prefetch((const char *)(p + PFD + l), _MM_HINT_T0);
+        for (int h = 0; h < 2 && 8 * h < ng; h++) {
+            const __m256i mk = _mm256_cmpgt_epi32(_mm256_set1_epi32(ng - 8 * h), lane);
+            const int8_t *xa = xq + c * 512 + 32 * h;
+            __m256i s16[MB];
+            for (int j = 0; j < 4; j++) {
+                const int *src = (const int *)(cp + (r * 4 + j) * 4 * ng + 32 * h);
+                const __m256i v = ng - 8 * h >= 8 ? _mm256_loadu_si256((const __m256i *)src) : _mm256_maskload_epi32(src, mk);
+                const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
                 for (int i = 0; i < mb; i++) {
-                    const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i], ones));  // lane l: group 16 c + 8 h + l
-                    const int64_t so = i * sstride + 16 * c + 8 * h;
-                    acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(sw, _mm256_loadu_ps(xs + so)), acc[i]);
-                    acc[i] = _mm256_fmadd_ps(ow, _mm256_loadu_ps(isum + so), acc[i]);
+                    const int8_t *xi = xa + i * astride + 128 * j;
+                    const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)xi)),
+                                                       _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(xi + 64))));
+                    s16[i] = j == 0 ? t : _mm256_add_epi16(s16[i], t);
                 }
             }
-            p = cp + 64 * ng;
+            const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hdr + 16 * r + 8 * h)));
+            const __m256 ow = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(hdr + 64 + 16 * r + 8 * h)));
+            for (int i = 0; i < mb; i++) {
+                const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[i], ones));  // lane l: group 16 c + 8 h + l
+                const int64_t so = i * sstride + 16 * c + 8 * h;
+                acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(sw, _mm256_loadu_ps(xs + so)), acc[i]);
+                acc[i] = _mm256_fmadd_ps(ow, _mm256_loadu_ps(isum + so), acc[i]);
+            }
         }
-        for (int i = 0; i < mb; i++) out[4 * i + r] = hsum8(acc[i]);
+        p = cp + 64 * ng;
     }
+}
+
+INLINE void group_rows(const uint8_t *g, int64_t k, const int8_t *xq, const float *xs, const float *isum,
+                       const int mb, float *out) {
+    const int64_t chunks = chunks_of(k);
+    __m256 acc[MB];
+    if (chunks <= KB_FROM) {  // short rows: one block, the accumulators never leave the registers
+        for (int r = 0; r < 4; r++) {
+            for (int i = 0; i < mb; i++) acc[i] = _mm256_setzero_ps();
+            row_chunks(g, k, xq, xs, isum, mb, r, 0, chunks, acc);
+            for (int i = 0; i < mb; i++) out[4 * i + r] = hsum8(acc[i]);
+        }
+        return;
+    }
+    __m256 kept[4][MB];  // the accumulators between blocks
+    for (int64_t c0 = 0; c0 < chunks; c0 += KB_CHUNKS) {
+        const int64_t c1 = c0 + KB_CHUNKS < chunks ? c0 + KB_CHUNKS : chunks;
+        for (int r = 0; r < 4; r++) {
+            for (int i = 0; i < mb; i++) acc[i] = c0 ? kept[r][i] : _mm256_setzero_ps();
+            row_chunks(g, k, xq, xs, isum, mb, r, c0, c1, acc);
+            for (int i = 0; i < mb; i++) kept[r][i] = acc[i];
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int i = 0; i < mb; i++) out[4 * i + r] = hsum8(kept[r][i]);
 }
 #endif
 

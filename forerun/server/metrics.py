@@ -52,6 +52,10 @@ class EngineCollector:
         yield gauge("forerun:kv_cache_usage_perc", "Fraction of target KV-cache blocks in use (0..1).",
                     used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
         yield counter("forerun:num_preemptions", "Cumulative preemptions.", s.num_preemptions)
+        yield counter("forerun:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      getattr(s, "prefix_cache_queries", 0))
+        yield counter("forerun:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      getattr(s, "prefix_cache_hits", 0))
         yield counter("forerun:spec_decode_num_drafts", "Speculative rounds that drafted at least one token.",
                       s.spec_num_drafts)
         yield counter("forerun:spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_num_draft_tokens)

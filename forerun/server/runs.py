@@ -169,10 +169,12 @@ class Run:
 
     # -- results -----------------------------------------------------------------------------------------
     def usage(self) -> dict:
-        """OpenAI usage (each prompt counted once, every choice's output) plus the speculation statistics of
+        """OpenAI usage (each prompt counted once, every choice's output; prompt_tokens_details.cached_tokens: its tokens
+        read from the prefix cache) plus the speculation statistics of
         all choices together (forerun/stats.py: drafted, accepted, acceptance_rate, mean_accepted_length, ...)."""
         prompt = sum(len(c.prompt_ids) for c in self.choices if c.index % self.n == 0)
         completion = sum(c.num_output_tokens for c in self.choices)
         spec = aggregate([c.stats for c in self.choices]).as_dict()
+        cached = sum(c.stats.cached_tokens for c in self.choices if c.index % self.n == 0)  # (--enable-prefix-caching)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "speculation": spec}
+                "prompt_tokens_details": {"cached_tokens": cached}, "speculation": spec}

@@ -1,0 +1,93 @@
+"""A/B of the CPU int4 kernel (forerun/kernels/cpu_q4.c) against its source at another git revision: the same packed
+weights (random, DRAM-sized: copies rotate so no cache holds them), the same activation rows, both builds called
+alternately in one process (ratios in one run on a noisy host), outputs compared bit for bit (the layout did not
+change, so they must be equal). Prints a table of ms per product and writes JSON.
+
+    python benchmarks/cpu_q4_ab.py --against HEAD~1 [--threads 2] [--rows 3,5,8,16,45]
+        [--shapes 1536x8960,17920x1536,896x4864,9728x896] [--out benchmarks/results/cpu_q4_ab.json]
+
+Default shapes: the Qwen2.5-Coder-1.5B down and gate/up products (N x K), the 0.5B draft's down and gate/up.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SRC = "forerun/kernels/cpu_q4.c"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--against", required=True, help="git revision whose cpu_q4.c is the baseline")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default="3,5,8,16,45")
+    ap.add_argument("--shapes", default="1536x8960,17920x1536,896x4864,9728x896")
+    ap.add_argument("--mb", type=float, default=100.0, help="weight megabytes per shape (copies rotate)")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "cpu_q4_ab.json"))
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    from forerun.kernels import cbuild, cpu_q4
+
+    if not cpu_q4.available():
+        print("cpu_q4_ab: the C kernel does not build here", file=sys.stderr)
+        return 2
+    try:
+        old_src = subprocess.run(["git", "show", f"{a.against}:{SRC}"], cwd=REPO, check=True, capture_output=True,
+                                 text=True).stdout
+    except subprocess.CalledProcessError as e:
+        print(f"cpu_q4_ab: git show {a.against}:{SRC} failed: {e.stderr.strip()}", file=sys.stderr)
+        return 2
+    tmp = Path(tempfile.mkdtemp(prefix="cpu_q4_ab_")) / "cpu_q4.c"
+    tmp.write_text(old_src)
+    libs = {"before": cbuild.library_for(tmp, cbuild.isa(), [], cpu_q4._declare), "now": cpu_q4._load()}
+    rows_list = [int(x) for x in a.rows.split(",")]
+    results = []
+    print(f"{'N x K':>12} {'rows':>5} {'before ms':>10} {'now ms':>8} {'now/before':>10}")
+    for shape in a.shapes.split(","):
+        n, k = (int(x) for x in shape.split("x"))
+        copies = max(2, int(a.mb * 1e6 // (n * k * 5 / 8)))
+        g = torch.Generator().manual_seed(0)
+        packs = []
+        for _ in range(copies):
+            q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+            s = (torch.rand(n, k // 32, generator=g) * 0.01).half()
+            packs.append(cpu_q4.pack_weights(q, s, -8 * s))
+        for m in rows_list:
+            xq, xs, isum = cpu_q4.quantize_activations_c(torch.randn(m, k, generator=g))
+            ys = {v: torch.empty(m, n) for v in libs}
+            times = {v: [] for v in libs}
+            for it in range(3 * copies):
+                pk = packs[it % copies]
+                for v, lib in libs.items():
+                    t = time.perf_counter()
+                    lib.q4_gemm(pk.data_ptr(), n, k, xq.data_ptr(), xs.data_ptr(), isum.data_ptr(), m, ys[v].data_ptr(),
+                                a.threads)
+                    times[v].append(time.perf_counter() - t)
+                if not torch.equal(ys["before"], ys["now"]):
+                    print(f"cpu_q4_ab: outputs differ at {shape}, {m} rows", file=sys.stderr)
+                    return 1
+            med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
+            results.append({"n": n, "k": k, "rows": m, "before_ms": round(med["before"], 4),
+                            "now_ms": round(med["now"], 4), "ratio": round(med["now"] / med["before"], 3)})
+            print(f"{shape:>12} {m:>5} {med['before']:>10.3f} {med['now']:>8.3f} {med['now'] / med['before']:>10.3f}",
+                  flush=True)
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "against": a.against,
+            "threads": a.threads, "isa": cbuild.isa(), "bit_identical": True}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

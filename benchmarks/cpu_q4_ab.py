@@ -1,6 +1,7 @@
 """A/B of the CPU int4 kernel (forerun/kernels/cpu_q4.c) against its source at another git revision: the same packed
 weights (random, DRAM-sized: copies rotate so no cache holds them), the same activation rows, both builds called
-alternately in one process (ratios in one run on a noisy host), outputs compared bit for bit (the layout did not
+alternately in one process, taking turns going first, each call on another copy than the call before (so neither
+build reads weights the other left in the L3), ratios in one run on a noisy host; outputs compared bit for bit (the layout did not
 change, so they must be equal). Prints a table of ms per product and writes JSON.
 
     python benchmarks/cpu_q4_ab.py --against HEAD~1 [--threads 2] [--rows 3,5,8,16,45]
@@ -30,7 +31,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--against", required=True, help="git revision whose cpu_q4.c is the baseline")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rows", default="3,5,8,16,45")
+    ap.add_argument("--rows", default="1,2,3,5,8,16,45")
     ap.add_argument("--shapes", default="1536x8960,17920x1536,896x4864,9728x896")
     ap.add_argument("--mb", type=float, default=100.0, help="weight megabytes per shape (copies rotate)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "cpu_q4_ab.json"))
@@ -55,7 +56,7 @@ def main() -> int:
     print(f"{'N x K':>12} {'rows':>5} {'before ms':>10} {'now ms':>8} {'now/before':>10}")
     for shape in a.shapes.split(","):
         n, k = (int(x) for x in shape.split("x"))
-        copies = max(2, int(a.mb * 1e6 // (n * k * 5 / 8)))
+        copies = max(5, int(a.mb * 1e6 // (n * k * 5 / 8)))  # (odd or >= 5: consecutive calls never share one)
         g = torch.Generator().manual_seed(0)
         packs = []
         for _ in range(copies):
@@ -65,17 +66,22 @@ def main() -> int:
         for m in rows_list:
             xq, xs, isum = cpu_q4.quantize_activations_c(torch.randn(m, k, generator=g))
             ys = {v: torch.empty(m, n) for v in libs}
+            for v, lib in libs.items():  # the same bits from both
+                lib.q4_gemm(packs[0].data_ptr(), n, k, xq.data_ptr(), xs.data_ptr(), isum.data_ptr(), m,
+                            ys[v].data_ptr(), a.threads)
+            if not torch.equal(ys["before"], ys["now"]):
+                print(f"cpu_q4_ab: outputs differ at {shape}, {m} rows", file=sys.stderr)
+                return 1
             times = {v: [] for v in libs}
-            for it in range(3 * copies):
-                pk = packs[it % copies]
-                for v, lib in libs.items():
+            names = list(libs)
+            for it in range(3 * copies):  # every call reads another copy than the call before (no L3 reuse), and
+                order = names if it % 2 == 0 else names[::-1]  # the builds take turns going first
+                for j, v in enumerate(order):
+                    pk = packs[(2 * it + j) % copies]
                     t = time.perf_counter()
-                    lib.q4_gemm(pk.data_ptr(), n, k, xq.data_ptr(), xs.data_ptr(), isum.data_ptr(), m, ys[v].data_ptr(),
-                                a.threads)
+                    libs[v].q4_gemm(pk.data_ptr(), n, k, xq.data_ptr(), xs.data_ptr(), isum.data_ptr(), m,
+                                    ys[v].data_ptr(), a.threads)
                     times[v].append(time.perf_counter() - t)
-                if not torch.equal(ys["before"], ys["now"]):
-                    print(f"cpu_q4_ab: outputs differ at {shape}, {m} rows", file=sys.stderr)
-                    return 1
             med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
             results.append({"n": n, "k": k, "rows": m, "before_ms": round(med["before"], 4),
                             "now_ms": round(med["now"], 4), "ratio": round(med["now"] / med["before"], 3)})

@@ -123,12 +123,16 @@ def run_forerun(args, prompts) -> tuple[list[dict], dict]:
             from dataclasses import replace
             spec = replace(spec, draft_model=(draft[0], draft[1]))
             draft[0].lm_head = full_head  # (a vocab= row replaces it in place; every row starts from the full head)
-        llm = LLM.from_model(target[0], target[1], spec=spec, device="cpu")
+        llm = LLM.from_model(target[0], target[1], spec=spec, device="cpu",
+                             enable_prefix_caching=getattr(args, "prefix_caching", False))
         if label.endswith(" budget"):  # the per-round tree budget from the engine's measured costs
             llm.engine.drafter.use_target_cost(llm.engine.k_policy.cost)
         elif tree:  # the fixed tree (the engine turns the budget on for every dynamic tree)
             llm.engine.drafter.budget = None
-        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), chat=True)  # warm-up
+        # warm-up (with prefix caching on another prompt than the measured ones: the cache then holds the chat
+        # template's system prefix for each, as llama.cpp's prompt-cache file does, run_llamacpp)
+        warm = [PROMPT_CACHE_WARMUP] if getattr(args, "prefix_caching", False) else prompts[:1]
+        llm.generate(warm, SamplingParams(temperature=0, max_tokens=4), chat=True)
         outs, seconds = [], 0.0
         for p in tqdm(prompts, desc=label, file=sys.stderr):
             t = time.perf_counter()
@@ -355,7 +359,8 @@ def _save(args, rows) -> None:
             "cpu_threads": torch.get_num_threads(), "torch": torch.__version__, "model": args.model,
             "draft": args.draft, "early_exit_layers": args.early_exit_layers, "prompts": args.num_prompts,
             "max_tokens": args.max_tokens, "quantize": args.quantize, "batch": 1, "temperature": 0,
-            "loadavg": [round(x, 2) for x in __import__("os").getloadavg()]}
+            "loadavg": [round(x, 2) for x in __import__("os").getloadavg()],
+            "prefix_caching": getattr(args, "prefix_caching", False)}
     if getattr(args, "llamacpp", False):
         meta["llamacpp_bin"] = str(llamacpp_bin_dir())
         meta["llamacpp_isa"] = llamacpp_build_config()[1]
@@ -429,6 +434,9 @@ def _check_bench(args, ap) -> None:
     for n in filter(None, args.draft_vocabs.split(",")):
         if not n.strip().isdigit() or int(n) < 1:
             raise UsageError(f"--draft-vocabs takes positive token counts, got {n!r}")
+    if args.prefix_caching and "eagle" in drafters:
+        raise UsageError("--prefix-caching does not work with the eagle rows (an EAGLE head reads the target's hidden "
+                         "states at every prompt position): drop eagle from --drafters")
     try:
         for k in [k for k in args.ks.split(",") if k] + [k for k in args.eagle_ks.split(",") if k]:
             SpecConfig.from_flags("ngram", k, None, None)  # (validates k)
@@ -476,6 +484,9 @@ def main(argv=None) -> int:
                     help="forerun weights: auto = GGUF kept quantized (int4; int8 without gcc / AVX2); none = widened to fp32")
     ap.add_argument("--llamacpp", action="store_true", help="add llama.cpp plain and speculative peer rows")
     ap.add_argument("--llamacpp-draft-max", type=int, default=4, help="llama-speculative --spec-draft-n-max")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="forerun rows with enable_prefix_caching, and (with --llamacpp) a llama.cpp plain row with its "
+                         "--prompt-cache; both caches hold the chat template's system prefix before the first prompt")
     ap.add_argument("--eagle-head", default=DEFAULT_EAGLE_HEAD,
                     help="EAGLE head folder for the eagle rows (forerun train-eagle output or a published head)")
     ap.add_argument("--eagle-ks", default="4,auto", help="EAGLE chain rows: comma list of k (or auto)")
@@ -496,7 +507,12 @@ def main(argv=None) -> int:
         llamacpp_bin_dir()  # fail before the long forerun part
     rows, info = run_forerun(args, prompts)
     if args.llamacpp:
-        rows += run_llamacpp(args, prompts, info["plain_text"])
+        cache_file = None
+        if args.prefix_caching:
+            import tempfile
+
+            cache_file = os.path.join(tempfile.mkdtemp(prefix="forerun_llamacpp_"), "prompt_cache.bin")
+        rows += run_llamacpp(args, prompts, info["plain_text"], prompt_cache=cache_file)
         _save(args, rows)
     if not args.no_transformers:
         rows += run_transformers(args, prompts, info["plain_ids"])

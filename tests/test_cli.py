@@ -99,6 +99,7 @@ USAGE = [
     (["bench", "--threads", "-1"], "--threads must be >= 0"),
     (["bench", "--drafters", "ngram", "--early-exit-layers", "3"], "--early-exit-layers do(es) nothing in this run"),
     (["bench", "--eagle-ks", "9"], "--eagle-ks do(es) nothing in this run"),
+    (["bench", "--drafters", "draft,eagle", "--prefix-caching"], "--prefix-caching does not work with the eagle rows"),
     (["bench", "--llamacpp-draft-max", "2"], "--llamacpp-draft-max do(es) nothing in this run"),
     (["bench", "--drafters", "ngram", "--draft-vocabs", "32768"], "--draft-vocabs do(es) nothing in this run"),
     (["bench", "--draft-vocabs", "0"], "--draft-vocabs takes positive token counts"),

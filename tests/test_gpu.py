@@ -568,6 +568,19 @@ def test_overlapped_speculative_rounds_on_cuda_graphs_equal_plain():
     assert llm.aggregate_stats(outs).position_acceptance_rate == 1.0  # the draft is the target
 
 
+def drive_arrivals(eng, prompts, params, arrivals) -> dict[str, list[int]]:
+    """Step `eng` to the end, adding request i (id str(i)) at step arrivals[i]; the tokens of each request."""
+    out, step = {}, 0
+    while step <= max(arrivals) or eng.has_unfinished():
+        for i, at in enumerate(arrivals):
+            if at == step:
+                eng.add_request(prompts[i], params[i], request_id=str(i))
+        for d in eng.step():
+            out.setdefault(d.request_id, []).extend(d.new_token_ids)
+        step += 1
+    return out
+
+
 @pytest.mark.parametrize("in_session,mix", [(True, True), (True, False), (False, False)])
 def test_session_joins_and_leaves_on_cuda_graphs_equal_plain(in_session, mix):
     """Arrivals joining a running overlapped speculative session and finished requests leaving it
@@ -594,15 +607,7 @@ def test_session_joins_and_leaves_on_cuda_graphs_equal_plain(in_session, mix):
     arrivals = [0, 0, 3, 6, 9, 12, 15, 16]
 
     def drive(eng):
-        out, step = {}, 0
-        while step <= max(arrivals) or eng.has_unfinished():
-            for i, at in enumerate(arrivals):
-                if at == step:
-                    eng.add_request(prompts[i], params[i], request_id=str(i))
-            for d in eng.step():
-                out.setdefault(d.request_id, []).extend(d.new_token_ids)
-            step += 1
-        return out
+        return drive_arrivals(eng, prompts, params, arrivals)
 
     want = drive(Engine.from_model(build(), tok, **kw))
     for name, draft in (("weak draft", dbuild), ("self-draft", build)):  # rollbacks every round / all accepted
@@ -646,15 +651,7 @@ def test_prefix_caching_on_cuda_graphs_equals_plain(overlap_spec):
     arrivals = [0, 0, 3, 6, 9, 40, 60, 61]
 
     def drive(eng):
-        out, step = {}, 0
-        while step <= max(arrivals) or eng.has_unfinished():
-            for i, at in enumerate(arrivals):
-                if at == step:
-                    eng.add_request(prompts[i], params[i], request_id=str(i))
-            for d in eng.step():
-                out.setdefault(d.request_id, []).extend(d.new_token_ids)
-            step += 1
-        return out
+        return drive_arrivals(eng, prompts, params, arrivals)
 
     want = drive(Engine.from_model(build(), tok, **kw))
     eng = Engine.from_model(build(), tok, spec=SpecConfig(method="draft", draft_model=(dbuild(), tok), k=3),

@@ -41,7 +41,6 @@ class SeqBlocks:
     dropped: int = 0  # sliding window: blocks[:dropped] were given back (their entries are the padding block 0)
     shared: int = 0  # prefix caching: blocks[:shared] are cached blocks this sequence holds (read-only)
     key: bytes = b""  # prefix caching: the chained key of blocks[:shared] (b"" for none)
-    cached_tokens: int = 0  # tokens found in the cache when the sequence was added (shared + copied)
 
 
 @dataclass
@@ -155,7 +154,7 @@ class KVPool:
             seq.blocks.append(b)
             key = nxt
         seq.shared, seq.key = len(seq.blocks), key
-        seq.length = seq.cached_tokens = len(seq.blocks) * bs
+        seq.length = len(seq.blocks) * bs
         # the next block: the cached block after `key` that starts with the most of the next tokens
         want = tokens[seq.length: min(seq.length + bs, limit)]
         best, n = None, 0
@@ -171,11 +170,7 @@ class KVPool:
         for cache in (self.k, self.v):  # [L, blocks, block_size, Hkv, D]
             cache[:, dst, :n] = cache[:, best, :n]
         seq.blocks.append(dst)
-        seq.length = seq.cached_tokens = seq.length + n
-
-    def cached_tokens(self, seq_id: int) -> int:
-        """Tokens the sequence found in the prefix cache when it was added."""
-        return self._seqs[seq_id].cached_tokens
+        seq.length += n
 
     def has(self, seq_id: int) -> bool:
         return seq_id in self._seqs

@@ -49,6 +49,12 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def committed_prefix(self) -> list[int]:
+        """The tokens whose keys and values the request's caches hold for certain between rounds: all committed ones
+        but the newest (never fed), so nothing a rejected draft wrote (prefix caching registers only these)."""
+        return self.all_tokens[: self.num_tokens - 1]
+
+    @property
     def last_token(self) -> int:
         """The newest committed token (all_tokens[-1] without building the list)."""
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]

@@ -18,8 +18,7 @@ BS = 4
 
 
 def pool(num_blocks: int = 32) -> KVPool:
-    p = KVPool(CFG, CacheConfig(block_size=BS, num_blocks=num_blocks), torch.float32, "cpu", prefix_caching=True)
-    return p
+    return KVPool(CFG, CacheConfig(block_size=BS, num_blocks=num_blocks), torch.float32, "cpu", prefix_caching=True)
 
 
 def run(p: KVPool, sid: int, tokens: list[int], computed: int | None = None) -> int:

@@ -242,7 +242,7 @@ class ModelDrafter(Drafter):
 
     def release(self, request: Request) -> None:
         if not self.shares_target_cache:
-            self.runner.kv.free(request.req_id, request.all_tokens[: request.num_tokens - 1])
+            self.runner.kv.free(request.req_id, request.committed_prefix)
 
     def cached_length(self, request: Request) -> int | None:
         kv = self.runner.kv

@@ -33,12 +33,6 @@ class SchedulerOutput:
     failed: list[tuple[Request, str]] = field(default_factory=list)
 
 
-def committed_prefix(r: Request) -> list[int]:
-    """The tokens whose keys and values a request's caches hold for certain between rounds: all committed ones but
-    the newest (never fed), so nothing a rejected draft wrote (prefix caching registers only these)."""
-    return r.all_tokens[: r.num_tokens - 1]
-
-
 class Scheduler:
     def __init__(self, kv: KVPool, drafter: Drafter | None, max_num_seqs: int, max_num_batched_tokens: int,
                  tree: bool = False) -> None:
@@ -67,7 +61,7 @@ class Scheduler:
         self._free(r)
 
     def _free(self, r: Request) -> None:
-        self.kv.free(r.req_id, committed_prefix(r))  # (prefix caching: what later prompts may share)
+        self.kv.free(r.req_id, r.committed_prefix)  # (prefix caching: what later prompts may share)
         if self.drafter is not None:
             self.drafter.release(r)
 

@@ -25,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .bench_prompts import CODE_PROMPTS
+from .paths import cache_dir
 from .usage import ArgumentParser, UsageError
 
 
@@ -196,7 +197,7 @@ def llamacpp_build_config(cpu_flags: set[str] | None = None) -> tuple[str, list[
 def llamacpp_dir() -> Path:
     import os
 
-    return Path(os.environ.get("FORERUN_LLAMACPP_DIR", Path.home() / ".cache" / "forerun" / "llamacpp"))
+    return Path(os.environ.get("FORERUN_LLAMACPP_DIR", cache_dir() / "llamacpp"))
 
 
 def llamacpp_built() -> Path | None:

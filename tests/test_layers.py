@@ -118,7 +118,8 @@ def test_no_import_cycles():
 def test_no_cycles_between_packages_and_kernels_at_the_bottom():
     """Inside the runtime layer too, packages import one way: no loop between forerun.models, forerun.kernels,
     forerun.attention, ... (the models wire the kernels in: FusedLayerOps and CpuLayerOps live in forerun/models),
-    and forerun.kernels (functions on tensors) imports no other forerun package."""
+    and forerun.kernels (functions on tensors) imports no other forerun package, only leaf modules (forerun.paths:
+    modules that import nothing of forerun)."""
     g = graph()
 
     def package(m: str) -> str:
@@ -128,7 +129,8 @@ def test_no_cycles_between_packages_and_kernels_at_the_bottom():
     for a, deps in g.items():
         pg.setdefault(package(a), set()).update(package(b) for b in deps if package(b) != package(a))
     assert cycles(pg) == []
-    assert pg["forerun.kernels"] == set(), pg["forerun.kernels"]
+    leaves = {m for m in pg["forerun.kernels"] if m in g and not g[m]}
+    assert pg["forerun.kernels"] - leaves == set(), pg["forerun.kernels"]
     assert "forerun.kernels" in pg["forerun.models"]  # (the graph is read: models do use the kernels)
 
 

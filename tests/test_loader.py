@@ -738,3 +738,132 @@ def test_draft_with_extra_padding_tokens_still_fits(tmp_path, monkeypatch):
     compat.check_draft_compatible(_Vocab(tokens[:250]), 256, str(path))
     with pytest.raises(ValueError, match="their tokenizers differ"):
         compat.check_draft_compatible(_Vocab(tokens[:249] + ["other"]), 256, str(path))
+
+
+# ====================================================================== load time: fast GGUF parse, tokenizer cache
+
+
+def _gguf_with_big_arrays(path: Path) -> list[str]:
+    tokens = _byte_level_tokens() + ["Ġt", "he", "Ġthe"] + [f"w{i}x" for i in range(5000)] + ["<|endoftext|>"]
+    write_gguf(path, "qwen2", tiny_model("qwen2", vocab_size=len(tokens), tie_word_embeddings=True),
+               extra_kv={"add_tokenizer_model": "gpt2", "add_token_list": tokens,
+                         "add_token_types": [1] * len(tokens), "add_token_scores": [float(i) for i in range(len(tokens))],
+                         "add_token_merges": ["Ġ t", "h e", "Ġt he"], "add_tokenizer_pre": "qwen2"})
+    return tokens
+
+
+def test_fast_gguf_reader_equals_gguf_reader(tmp_path):
+    """FastGGUFReader: the same fields (long arrays: only their counts, in lazy_arrays) and the same tensors as
+    gguf's GGUFReader. A wrong walk over a skipped string array shifts every later field and tensor."""
+    from forerun.models.gguf_reader import LAZY_ARRAY, FastGGUFReader
+
+    path = tmp_path / "big.gguf"
+    tokens = _gguf_with_big_arrays(path)
+    ref, fast = gguf.GGUFReader(str(path)), FastGGUFReader(str(path))
+    assert len(tokens) > LAZY_ARRAY
+    assert fast.lazy_arrays == {"tokenizer.ggml.tokens": len(tokens), "tokenizer.ggml.token_type": len(tokens),
+                                "tokenizer.ggml.scores": len(tokens)}
+    assert list(fast.fields) == [k for k in ref.fields if k not in fast.lazy_arrays]
+    for k, f in fast.fields.items():
+        assert f.types == ref.fields[k].types and f.offset == ref.fields[k].offset, k
+        got, want = f.contents(), ref.fields[k].contents()
+        assert (got == want) if not isinstance(want, np.ndarray) else np.array_equal(got, want), k
+    assert fast.fields["tokenizer.ggml.merges"].contents() == ["Ġ t", "h e", "Ġt he"]  # short: parsed
+    assert [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in fast.tensors] == \
+           [(t.name, t.tensor_type, t.shape.tolist(), t.data_offset) for t in ref.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(fast.tensors, ref.tensors))
+    assert type(fast.data) is np.ndarray  # a plain view of the map, not np.memmap
+    ckpt = load_checkpoint(path)
+    assert ckpt.config.vocab_size == len(tokens)
+    assert ckpt.tokenizer().encode(" the cat", add_special_tokens=False)[0] == tokens.index("Ġthe")
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # random fp16 scales: inf / nan (compared as equal)
+@pytest.mark.parametrize("qtype", [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q2_K, QT.Q3_K, QT.Q4_K,
+                                   QT.Q5_K, QT.Q6_K])
+def test_gguf_dequantize_in_row_chunks_equals_gguf(qtype):
+    """GGUFQuantized.dequantize (many rows a call, over threads) == gguf.quants.dequantize, bit for bit, on random
+    blocks (several chunks: 3000 rows)."""
+    from forerun.models.loader import GGUFQuantized
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(int(qtype))
+    raw = rng.integers(0, 256, size=(3000, 2 * size), dtype=np.uint8)
+    if qtype in (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0):  # finite fp16 scales (leading bytes of a block)
+        raw.reshape(3000, 2, size)[:, :, :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    want = dequantize(raw, qtype)
+    got = GGUFQuantized(raw, qtype.name, (3000, 2 * block)).dequantize().numpy()
+    assert got.shape == want.shape and np.array_equal(got, want, equal_nan=True)
+
+
+def test_gguf_tokenizer_cache(tmp_path, monkeypatch):
+    """A converted GGUF tokenizer is kept in <cache>/tokenizers and read back next time (no conversion), with the
+    same encoding and chat template; a changed file, a damaged entry or FORERUN_TOKENIZER_CACHE=0 convert again."""
+    import os
+
+    from forerun.models import loader
+
+    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(loader, "TOKENIZER_CACHE_MIN_SECONDS", 0.0)
+    conversions = []
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def spy(*a, **kw):
+        if kw.get("gguf_file"):
+            conversions.append(a)
+        assert kw.get("trust_remote_code") is False
+        return real(*a, **kw)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy)
+    path = tmp_path / "m.gguf"
+    tokens = _gguf_with_big_arrays(path)
+    text, msgs = " the cat ünï 你好", [{"role": "user", "content": "hi"}]
+    first = load_checkpoint(path).tokenizer()
+    entries = list((tmp_path / "cache" / "tokenizers").iterdir())
+    assert len(conversions) == 1 and len(entries) == 1 and (entries[0] / "tokenizer.json").exists()
+    second = load_checkpoint(path).tokenizer()
+    assert len(conversions) == 1  # read back, not converted
+    assert second.encode(text) == first.encode(text) and len(second) == len(first) == len(tokens)
+    assert second.get_vocab() == first.get_vocab() and second.eos_token_id == first.eos_token_id
+    assert second.apply_chat_template(msgs, tokenize=False) == first.apply_chat_template(msgs, tokenize=False)
+    assert second.name_or_path == str(path)
+    (entries[0] / "tokenizer.json").write_text("{not json")  # damaged: converted again and rewritten
+    assert load_checkpoint(path).tokenizer().encode(text) == first.encode(text) and len(conversions) == 2
+    assert load_checkpoint(path).tokenizer().encode(text) == first.encode(text) and len(conversions) == 2
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file changed: another entry
+    load_checkpoint(path).tokenizer()
+    assert len(conversions) == 3 and len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 2
+    monkeypatch.setattr(loader, "TOKENIZER_CACHE_ENTRIES", 1)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 2 * 10**9))
+    load_checkpoint(path).tokenizer()  # a third entry, the two older ones dropped
+    assert len(conversions) == 4 and len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 1
+    monkeypatch.setenv("FORERUN_TOKENIZER_CACHE", "0")
+    load_checkpoint(path).tokenizer()
+    load_checkpoint(path).tokenizer()
+    assert len(conversions) == 6
+
+
+@pytest.mark.slow
+def test_real_qwen_tokenizer_from_cache_equals_conversion(tmp_path, monkeypatch):
+    """The Qwen2.5-Coder tokenizer read back from forerun's cache behaves exactly as transformers' conversion of
+    the GGUF: vocabulary, added tokens, special ids, encodings (code, unicode, special tokens), decoding, chat
+    template."""
+    path = _cached("qwen2.5-coder-0.5b-instruct")
+    if path is None:
+        pytest.skip("qwen2.5-coder-0.5b-instruct not pulled")
+    monkeypatch.setenv("FORERUN_CACHE", str(tmp_path))
+    fresh = load_checkpoint(path).tokenizer()
+    assert len(list((tmp_path / "tokenizers").iterdir())) == 1
+    cached = load_checkpoint(path).tokenizer()
+    assert type(cached) is type(fresh)
+    assert cached.get_vocab() == fresh.get_vocab() and cached.added_tokens_decoder == fresh.added_tokens_decoder
+    assert cached.special_tokens_map == fresh.special_tokens_map and len(cached) == len(fresh)
+    texts = ["def f(x):\n    return x ** 2  # ünïcödé 你好 🙂\n\n\n", "<|im_start|>user\nhi<|im_end|>\n<|fim_prefix|>",
+             "   tabs\t\tand  spaces  ", "fn main() { println!(\"{}\", 1e-5); }", ""]
+    for t in texts:
+        assert cached.encode(t) == fresh.encode(t), t
+        assert cached.decode(fresh.encode(t)) == fresh.decode(fresh.encode(t)), t
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Write a prime check."}]
+    assert cached.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
+           fresh.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)

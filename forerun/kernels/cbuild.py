@@ -1,5 +1,5 @@
 """Build a C source file of forerun/kernels into a shared library with the system compiler, once, cached by the
-hash of its source and flags under ~/.cache/forerun/kernels (FORERUN_CACHE), and load it with ctypes.
+hash of its source and flags under <cache_dir()>/kernels (forerun/paths.py), and load it with ctypes.
 
 Used by the CPU kernels (cpu_q4.c: int4 products; cpu_layer.c: attention, norms, RoPE). Each source has two
 builds, picked by what the CPU has (`isa()`): "avx512" (AVX-512 F/BW/VL + VNNI: Intel since Cascade Lake, AMD since
@@ -18,6 +18,8 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+from ..paths import cache_dir
 
 # -fopenmp: the .so needs libgomp.so.1, which resolves to the copy torch already loaded (same soname), so the
 # kernels' threads are torch's OpenMP threads and torch.set_num_threads applies to both.
@@ -86,7 +88,7 @@ def load_c_library(src: Path, flags: list[str]) -> ctypes.CDLL | None:
         return None
     code = src.read_bytes()
     tag = hashlib.sha256(code + " ".join(flags).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("FORERUN_CACHE", Path.home() / ".cache" / "forerun")) / "kernels"
+    cache = cache_dir() / "kernels"
     so = cache / f"{src.stem}-{tag}.so"
     if not so.exists():
         cache.mkdir(parents=True, exist_ok=True)

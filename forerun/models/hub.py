@@ -39,6 +39,8 @@ from typing import Callable, Iterable, Sequence
 
 from tqdm.auto import tqdm
 
+from ..paths import cache_dir
+
 __all__ = [
     "ModelSource",
     "WheelPart",
@@ -185,15 +187,6 @@ def get_source(name: str, registry: Iterable[ModelSource] | None = None) -> Mode
         if m.name == name:
             return m
     raise UnknownModelError(name, known_models(registry))
-
-
-def cache_dir() -> Path:
-    """Root of forerun's cache: $FORERUN_CACHE, else $XDG_CACHE_HOME/forerun, else ~/.cache/forerun."""
-    if os.environ.get("FORERUN_CACHE"):
-        return Path(os.environ["FORERUN_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "forerun"
-    return Path.home() / ".cache" / "forerun"
 
 
 def _models_dir(root: str | Path | None) -> Path:

@@ -101,6 +101,36 @@ def _layer_sort_key(name: str) -> tuple:
     return (2, 0, name)
 
 
+def _dequantize_rows(data: np.ndarray, type_name: str) -> np.ndarray | None:
+    """gguf's own dequantization of a quantized 2-D tensor, ~256 KB of blocks per call and the calls spread over
+    torch's threads (numpy releases the GIL): gguf.quants.dequantize takes 16 rows a call, one thread, which spends
+    ~2 s on a 151k-row embedding. None for types gguf has no row class for (the caller falls back)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gguf import quants
+
+    cls = getattr(quants, type_name, None)
+    if cls is None or not hasattr(cls, "dequantize_rows") or type_name in ("F32", "F16", "BF16", "F64"):
+        return None
+    cls.init_grid()
+    rows = data.reshape(-1, data.shape[-1])
+    step = max(16, (1 << 18) // max(1, rows.shape[1]))
+    starts = range(0, rows.shape[0], step)
+    out = np.empty((rows.shape[0], quants.quant_shape_from_byte_shape(rows.shape, cls.qtype)[-1]), np.float32)
+
+    def one(i: int) -> None:
+        out[i:i + step] = cls.dequantize_rows(rows[i:i + step])
+
+    threads = min(torch.get_num_threads(), len(starts))
+    if threads <= 1:
+        for i in starts:
+            one(i)
+    else:
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(one, starts))
+    return out
+
+
 @dataclass(frozen=True)
 class GGUFQuantized:
     """A GGUF tensor still in its quantized blocks, for loaders that keep weights quantized
@@ -117,7 +147,9 @@ class GGUFQuantized:
         from gguf.quants import dequantize
 
         try:
-            w = dequantize(self.data, GGMLQuantizationType[self.type_name])
+            w = _dequantize_rows(self.data, self.type_name) if self.data.ndim == 2 else None
+            if w is None:
+                w = dequantize(self.data, GGMLQuantizationType[self.type_name])
         except NotImplementedError as e:
             raise ValueError(f"{self.where} has GGML type {self.type_name}, which gguf cannot dequantize: {e}") from e
         w = np.asarray(w, dtype=np.float32)
@@ -140,7 +172,7 @@ class Checkpoint:
     format: str = "safetensors"  # "safetensors" | "gguf"
     # safetensors: HF name -> (file, name in file); gguf: HF name -> index into reader.tensors
     _index: dict = field(default_factory=dict, repr=False, compare=False)
-    _reader: Any = field(default=None, repr=False, compare=False)  # gguf.GGUFReader (memory-mapped)
+    _reader: Any = field(default=None, repr=False, compare=False)  # FastGGUFReader (memory-mapped)
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     # ------------------------------------------------------------ tensors
@@ -224,9 +256,9 @@ def load_tokenizer(path: str | Path):
     if p.is_file() and (p.suffix.lower() == ".gguf" or _has_gguf_magic(p)):
         template = None
         try:
-            from gguf import GGUFReader
+            from .gguf_reader import FastGGUFReader
 
-            template = _gguf_value(GGUFReader(str(p)), "tokenizer.chat_template")
+            template = _gguf_value(FastGGUFReader(str(p)), "tokenizer.chat_template")
         except Exception:  # noqa: BLE001 - the tokenizer build below reports a bad file
             pass
         return _gguf_tokenizer(p, template)
@@ -247,14 +279,72 @@ def check_tokenizer_fits(tok, vocab_size: int, where: str = "") -> None:
         )
 
 
+TOKENIZER_CACHE_ENTRIES = 16  # converted GGUF tokenizers kept in <cache_dir()>/tokenizers, most recently used
+TOKENIZER_CACHE_MIN_SECONDS = 0.5  # ... those whose conversion took at least this long (real vocabularies)
+
+
+def _tokenizer_cache_entry(p: Path) -> Path | None:
+    """Where the converted tokenizer of GGUF file ``p`` is kept: <cache_dir()>/tokenizers/<key>, the key a hash of
+    the file's resolved path, size and mtime and of the transformers version that converted it (a changed file
+    or another converter gets a new entry). None when FORERUN_TOKENIZER_CACHE=0."""
+    if os.environ.get("FORERUN_TOKENIZER_CACHE", "1") == "0":
+        return None
+    import hashlib
+
+    import transformers
+
+    from ..paths import cache_dir
+
+    st = p.stat()
+    key = f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}|1"
+    return cache_dir() / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _save_tokenizer_entry(tok, entry: Path) -> None:
+    """Write a converted tokenizer to its cache entry (a folder renamed into place: readers never see half of
+    one), then keep only the TOKENIZER_CACHE_ENTRIES most recently used. A cache that cannot be written is
+    skipped: the tokenizer is built again next time."""
+    import shutil
+
+    tmp = entry.with_name(f"{entry.name}.tmp{os.getpid()}")
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tok.save_pretrained(str(tmp))
+        os.replace(tmp, entry)
+        entries = sorted((d for d in entry.parent.iterdir() if d.is_dir() and ".tmp" not in d.name),
+                         key=lambda d: d.stat().st_mtime, reverse=True)
+        for old in entries[TOKENIZER_CACHE_ENTRIES:]:
+            shutil.rmtree(old, ignore_errors=True)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _gguf_tokenizer(p: Path, chat_template: str | None):
-    """Tokenizer from the GGUF's own metadata. transformers' ``from_pretrained(dir, gguf_file=...)`` also
+    """Tokenizer from the GGUF's own metadata. transformers converts it (~15 s for a Qwen vocabulary of 151k
+    tokens and merges on the 2-core CPU); a conversion that took TOKENIZER_CACHE_MIN_SECONDS or more is saved in
+    forerun's cache (_tokenizer_cache_entry) and later loads read it back from there (~0.8 s; the same vocabulary, merges, special tokens and chat template:
+    tests/test_loader.py). transformers' ``from_pretrained(dir, gguf_file=...)`` also
     reads tokenizer.json / tokenizer_config.json from ``dir`` when present, so the file is loaded from a
     private temporary folder that holds nothing but a link to it."""
     import tempfile
 
     import transformers
 
+    import time
+
+    entry = _tokenizer_cache_entry(p)
+    if entry is not None and (entry / "tokenizer.json").exists():
+        try:
+            tok = transformers.AutoTokenizer.from_pretrained(str(entry), local_files_only=True,
+                                                             trust_remote_code=False)
+            os.utime(entry)  # most recently used
+            tok.name_or_path = str(p)
+            return tok
+        except Exception:  # noqa: BLE001 - a damaged entry: convert again below and overwrite it
+            import shutil
+
+            shutil.rmtree(entry, ignore_errors=True)
+    t0 = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="forerun-gguf-tok-") as tmp:
             link = Path(tmp) / "model.gguf"
@@ -273,6 +363,8 @@ def _gguf_tokenizer(p: Path, chat_template: str | None):
         pass
     if not getattr(tok, "chat_template", None) and chat_template:
         tok.chat_template = chat_template
+    if entry is not None and time.perf_counter() - t0 >= TOKENIZER_CACHE_MIN_SECONDS:
+        _save_tokenizer_entry(tok, entry)
     return tok
 
 
@@ -468,13 +560,21 @@ def _gguf_value(reader, key: str, default=None):
     return v
 
 
+def _gguf_array_len(reader, key: str) -> int | None:
+    """Element count of an array field, parsed or left lazy (FastGGUFReader skips long ones)."""
+    if key in reader.lazy_arrays:
+        return reader.lazy_arrays[key]
+    f = reader.fields.get(key)
+    return None if f is None else len(f.data)
+
+
 def _load_gguf(p: Path) -> Checkpoint:
     try:
-        from gguf import GGUFReader
+        from .gguf_reader import FastGGUFReader
     except ImportError as e:  # pragma: no cover
         raise ImportError("reading GGUF files needs the 'gguf' package (pip install gguf)") from e
     try:
-        reader = GGUFReader(str(p))
+        reader = FastGGUFReader(str(p))
         arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
         for t in reader.tensors:  # truncated files give short views of the mmap
             if t.data.nbytes != t.n_bytes:
@@ -519,7 +619,7 @@ def _load_gguf(p: Path) -> Checkpoint:
     emb = reader.tensors[by_name["token_embd.weight"]]
     vocab = int(emb.shape[1]) if len(emb.shape) > 1 else None
     if not vocab:
-        vocab = _gguf_value(reader, f"{arch}.vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+        vocab = _gguf_value(reader, f"{arch}.vocab_size") or _gguf_array_len(reader, "tokenizer.ggml.tokens")
     tied = "output.weight" not in by_name
     n_layers = int(need("block_count"))
 

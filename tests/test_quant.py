@@ -465,3 +465,37 @@ def test_a_draft_model_loads_its_8_bit_matrices_and_head_as_int4(monkeypatch):
     monkeypatch.setattr(engine_mod, "load_model", lambda *a, **kw: seen.append(quant.INT4_OTHERS) or ("m", "t", "c"))
     assert engine_mod.load_draft_model("draft.gguf", "cpu", torch.float32, quantize="auto") == ("m", "t", "c")
     assert seen == [quant.DRAFT_INT4_OTHERS] == ["int4"] and quant.INT4_OTHERS == "layers"
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("layout", ["int4", "int8"])
+def test_gguf_embedding_stays_in_its_blocks_with_the_same_rows_and_logits(tmp_path, tied, layout):
+    """The CPU layouts keep a quantized GGUF embedding in its blocks (GGUFEmbedding): every row it returns is the
+    fp32 table's row bit for bit, so the logits are those of the same quantized model with the fp32 table; the
+    fp32 table is never allocated, weight_bytes counts the blocks, ids out of range raise."""
+    from forerun.models.gguf_embedding import GGUFEmbedding
+
+    hf = tiny_model("qwen2", tie_word_embeddings=tied)
+    path = tmp_path / "e.gguf"
+    quant = {"token_embd.weight": QT.Q5_0}
+    for i in range(hf.config.num_hidden_layers):
+        for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+            quant[f"blk.{i}.{part}.weight"] = QT.Q4_1
+    expect = write_gguf(path, "qwen2", hf, quant=quant)
+    model = _load(path, layout)
+    emb = model.model.embed_tokens
+    assert isinstance(emb, GGUFEmbedding) and emb.type_name == "Q5_0"
+    assert "model.embed_tokens.weight" not in dict(model.named_parameters())
+    table = expect["model.embed_tokens.weight"]
+    ids = torch.arange(table.shape[0]).reshape(4, -1)
+    got = emb(ids)
+    assert got.dtype == torch.float32 and got.shape == (*ids.shape, table.shape[1])
+    assert torch.equal(got, table[ids]) and torch.equal(emb.weight, table)
+    assert emb(torch.zeros(0, dtype=torch.long)).shape == (0, table.shape[1])
+    with pytest.raises(IndexError):
+        emb(torch.tensor([table.shape[0]]))
+    assert weight_bytes(model)["other_bytes"] >= emb.quantized_bytes > 0
+    tok_ids = list(range(3, 40))
+    got_logits = _logits(model, tok_ids)
+    model.model.embed_tokens = torch.nn.Embedding.from_pretrained(table)  # the fp32 table, as before
+    assert torch.equal(got_logits, _logits(model, tok_ids))

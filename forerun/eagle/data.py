@@ -455,7 +455,7 @@ def extract(model, tok, out_dir: str | Path, layers: tuple[int, ...], split: str
         st["runs"] = list(base.get("runs", [])) + [{"tokens": now - stored0, "seconds": round(dt, 1),
                                                     "tok_per_s": round((now - stored0) / max(dt, 1e-9), 1)}]
         (d / "stats.json").write_text(json.dumps(st))
-    weight = model.model.embed_tokens.weight
+    weight = model.model.norm.weight  # (its device and dtype: the activations')
     runner = ModelRunner(model, CacheConfig(block_size=16, num_blocks=max_len // 16 + 4), weight.device,
                          weight.dtype, max_batch_tokens=max_len, max_seqs=1)
     recipe = distilled_samples(out_dir) if corpus == "distill" else CORPORA[corpus]

@@ -19,6 +19,7 @@ from ..config import CacheConfig, EngineConfig, SpecConfig
 from ..inputs import normalize_prompt
 from ..kvcache.sizing import default_cache_config, describe_pool
 from ..models.compat import check_draft_compatible
+from ..models.quant import weight_bytes
 from ..detokenizer import IncrementalDetokenizer
 from ..drafters.base import Drafter
 from ..drafters.model_drafter import DraftModelDrafter, EarlyExitDrafter
@@ -190,7 +191,7 @@ class Engine:
         EngineConfig(max_num_seqs, max_model_len, max_num_batched_tokens)  # validated: a bad value is named here
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None and _loaded is not None:  # an already built model: its own activations' dtype
-            dtype = _loaded[0].model.embed_tokens.weight.dtype
+            dtype = _loaded[0].model.norm.weight.dtype
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.spec = spec or SpecConfig()
         self.model_name = model or "<in-memory>"
@@ -204,7 +205,7 @@ class Engine:
             target.config, self.dtype, self.device, max_num_seqs=max_num_seqs, max_model_len=target.max_positions,
             draft=dmodel.config if dmodel is not None else None, draft_dtype=ddtype,
             max_draft_tokens=self.spec.max_draft_tokens,
-            weight_bytes=sum(p.numel() * p.element_size() for p in target.parameters()))
+            weight_bytes=weight_bytes(target)["total_bytes"])
         self.draft_cache = draft_cache or self.cache  # a separate draft model's own pool
         self.pool_description = describe_pool(self.cache, target.config, self.dtype,
                                               draft=dmodel.config if dmodel is not None else None,

@@ -389,8 +389,8 @@ def load_eagle_head(path: str | Path, target: LlamaForCausalLM, dtype: torch.dty
         raise ValueError(f"EAGLE lm_head has {cfg.draft_vocab_size} rows but no d2t map to the target's {tv} tokens")
     head = EagleHead(cfg, target)
     head.load_published(tensors)
-    dev = device or target.model.embed_tokens.weight.device
-    return head.to(device=dev, dtype=dtype or target.model.embed_tokens.weight.dtype).eval()
+    ref = target.model.norm.weight  # the activations' device and dtype (the embedding may be GGUF blocks)
+    return head.to(device=device or ref.device, dtype=dtype or ref.dtype).eval()
 
 
 def save_eagle_head(head: EagleHead, path: str | Path, extra_config: dict | None = None) -> Path:

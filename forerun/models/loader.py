@@ -109,17 +109,19 @@ def _dequantize_rows(data: np.ndarray, type_name: str) -> np.ndarray | None:
 
     from gguf import quants
 
-    cls = getattr(quants, type_name, None)
-    if cls is None or not hasattr(cls, "dequantize_rows") or type_name in ("F32", "F16", "BF16", "F64"):
+    from .gguf_embedding import row_dequantizer
+
+    dequantize_rows = row_dequantizer(type_name)
+    if dequantize_rows is None:
         return None
-    cls.init_grid()
+    qtype = getattr(quants, type_name).qtype
     rows = data.reshape(-1, data.shape[-1])
     step = max(16, (1 << 18) // max(1, rows.shape[1]))
     starts = range(0, rows.shape[0], step)
-    out = np.empty((rows.shape[0], quants.quant_shape_from_byte_shape(rows.shape, cls.qtype)[-1]), np.float32)
+    out = np.empty((rows.shape[0], quants.quant_shape_from_byte_shape(rows.shape, qtype)[-1]), np.float32)
 
     def one(i: int) -> None:
-        out[i:i + step] = cls.dequantize_rows(rows[i:i + step])
+        out[i:i + step] = dequantize_rows(rows[i:i + step])
 
     threads = min(torch.get_num_threads(), len(starts))
     if threads <= 1:

@@ -389,7 +389,8 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
             continue
         seen.add(t.data_ptr())
         other += t.numel() * t.element_size()
-    for m in model.modules():  # oneDNN-packed fp32/bf16 weights (PackedLinear) are not parameters
+    for m in model.modules():  # oneDNN-packed fp32/bf16 weights (PackedLinear) are not parameters; nor are a GGUF
+        other += getattr(m, "quantized_bytes", 0)  # embedding's blocks (GGUFEmbedding: mapped from the file)
         packed = getattr(m, "packed", None)
         if packed is not None and not isinstance(m, (Int8Linear, Int4Linear, Q4Linear, Q8Linear)) \
                 and hasattr(packed, "numel"):

@@ -7,6 +7,7 @@ from tqdm.auto import tqdm
 
 from ..config import SUPPORTED_ARCHITECTURES, ModelConfig
 from .cpu_linear import pack_linears
+from .gguf_embedding import GGUFEmbedding, row_dequantizer
 from .llama import LlamaForCausalLM
 from .loader import Checkpoint, GGUFQuantized, load_checkpoint
 from .quant import available, make_quantized_linear, parse_quantize
@@ -98,9 +99,11 @@ def build_quantized_model(ckpt: Checkpoint, device: torch.device | str, layout: 
                           max_positions: int | None = None, progress: bool = True, dtype: torch.dtype = torch.float32,
                           make_linear=None) -> LlamaForCausalLM:
     """Stream the checkpoint in with every linear layer built straight into its quantized module (quant.py),
-    so peak memory stays ~ the quantized model plus one fused fp32 matrix. Norms and the embedding stay fp32.
+    so peak memory stays ~ the quantized model plus one fused fp32 matrix. Norms stay fp32; on the CPU a GGUF's
+    quantized embedding stays in its blocks (GGUFEmbedding), other embeddings are fp32.
     ``make_linear(parts, bias, module_path)``: another layout's builder (gguf_cuda.py) with the rest as ``dtype``
     on ``device``; it may return None for a tied head to stay tied to the embedding."""
+    cpu = make_linear is None  # the CPU layouts (quant.py); their GGUF embedding stays in its blocks too
     if make_linear is None:
         if torch.device(device).type != "cpu":
             raise ValueError(f"quantize={layout!r} is implemented for the CPU and CUDA only (got device {device})")
@@ -152,6 +155,13 @@ def build_quantized_model(ckpt: Checkpoint, device: torch.device | str, layout: 
             pending[path][(i, kind)] = t
             if len(pending[path]) == len(parts[path]) * (2 if biases[path] else 1):
                 install(path)
+        elif name == "model.embed_tokens.weight" and cpu and isinstance(t, GGUFQuantized) \
+                and row_dequantizer(t.type_name) is not None:  # kept in its blocks (gguf_embedding.py)
+            model.model.embed_tokens = GGUFEmbedding(t)
+            del params[name]
+            if tied:  # the head is the (still quantized) embedding
+                pending["lm_head"][(0, "weight")] = t
+                install("lm_head")
         elif name in params:
             src = t.dequantize() if isinstance(t, GGUFQuantized) else t
             dst = params[name]

@@ -499,3 +499,33 @@ def test_gguf_embedding_stays_in_its_blocks_with_the_same_rows_and_logits(tmp_pa
     got_logits = _logits(model, tok_ids)
     model.model.embed_tokens = torch.nn.Embedding.from_pretrained(table)  # the fp32 table, as before
     assert torch.equal(got_logits, _logits(model, tok_ids))
+
+
+def test_requantizing_a_gguf_matrix_reads_it_by_row_chunks_with_the_same_result():
+    """A GGUF matrix re-quantized at load (the 8-bit head, 5/6-bit layer matrices) is read a chunk of rows at a
+    time (loader.DequantizedRows: no fp32 copy of a 151,936-row head): the same modules, bit for bit, as from the
+    whole dequantized matrix; chunked quantize_groups_int4 equals a one-pass reference. 9,000 rows: two chunks."""
+    from forerun.models import quant as quant_mod
+    from forerun.models.loader import DequantizedRows, GGUFQuantized
+
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((9000, 64)) * 0.05).astype(np.float32)
+    x = torch.randn(5, 64)
+    for qt in (QT.Q8_0, QT.Q5_0):
+        g = GGUFQuantized(quantize(w, qt), qt.name, w.shape)
+        full = g.dequantize()
+        rows = g.rows()
+        assert isinstance(rows, DequantizedRows) and rows.shape == full.shape
+        assert torch.equal(rows[8000:9000], full[8000:9000])
+        lazy = quant_mod.make_quantized_linear([g], None, "int8")
+        assert torch.equal(lazy(x), quant_mod.int8_linear(full)(x))
+        if quant_mod.Q4Linear.fits(9000, 64):
+            with quant_mod.int4_others("int4"):
+                lazy4 = quant_mod.make_quantized_linear([g], None, "int4")
+            assert torch.equal(lazy4(x), quant_mod.Q4Linear(*quant_mod.quantize_groups_int4(full), None)(x))
+    t = torch.from_numpy(w).reshape(9000, 2, 32)
+    lo, hi = t.amin(-1), t.amax(-1)
+    scale = ((hi - lo) / 15.0).clamp_min(1e-12)
+    q = torch.round((t - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8).reshape(9000, 64)
+    got = quant_mod.quantize_groups_int4(torch.from_numpy(w))
+    assert torch.equal(got[0], q) and torch.equal(got[1], scale) and torch.equal(got[2], lo)

@@ -144,6 +144,14 @@ class GGUFQuantized:
     unpermute_heads: int | None = None  # Llama-arch Q/K rows to un-permute with this many heads
     where: str = ""  # for error messages
 
+    def rows(self) -> "DequantizedRows | None":
+        """Row slices dequantized on demand (2-D tensors of a quantized type, rows not permuted), else None."""
+        from .gguf_embedding import row_dequantizer
+
+        if self.data.ndim != 2 or self.unpermute_heads or row_dequantizer(self.type_name) is None:
+            return None
+        return DequantizedRows(self)
+
     def dequantize(self) -> torch.Tensor:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
@@ -162,6 +170,19 @@ class GGUFQuantized:
         if not w.flags.writeable or not w.flags.c_contiguous:
             w = np.array(w, dtype=np.float32, order="C")  # own the memory (F32 is a view of the mmap)
         return torch.from_numpy(w)
+
+
+class DequantizedRows:
+    """``w[i:j]``: rows i..j-1 of a 2-D GGUF tensor in fp32, exactly as ``GGUFQuantized.dequantize()[i:j]``;
+    ``w.shape``. The int8 / int4 re-quantizers read a matrix a chunk of rows at a time through it."""
+
+    def __init__(self, g: GGUFQuantized) -> None:
+        self._g, self.shape = g, torch.Size(g.shape)
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise TypeError("DequantizedRows takes a slice of rows")
+        return torch.from_numpy(_dequantize_rows(self._g.data[rows], self._g.type_name))
 
 
 @dataclass(frozen=True)

@@ -186,10 +186,14 @@ def quantize_groups_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Ten
     """w: [N, K] float -> (q [N, K] uint8 0..15, scale [N, K/g], offset [N, K/g]) with
     w ~= q * scale + offset per group (asymmetric min/max, like GGUF Q4_1)."""
     n, k = w.shape
-    g = w.float().reshape(n, k // group, group)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15.0).clamp_min(1e-12)
-    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8).reshape(n, k)
+    q = torch.empty(n, k, dtype=torch.uint8)
+    scale, lo = torch.empty(n, k // group), torch.empty(n, k // group)
+    for i in range(0, n, 8192):  # row chunks: no full-size float temporaries for a 150k-row head (row-wise: the
+        g = w[i:i + 8192].float().reshape(-1, k // group, group)  # same values as one pass)
+        lo[i:i + 8192], hi = g.amin(-1), g.amax(-1)
+        scale[i:i + 8192] = ((hi - lo[i:i + 8192]) / 15.0).clamp_min(1e-12)
+        q[i:i + 8192] = torch.round((g - lo[i:i + 8192, :, None]) / scale[i:i + 8192, :, None]).clamp_(0, 15) \
+            .to(torch.uint8).reshape(-1, k)
     return q, scale, lo
 
 
@@ -405,6 +409,17 @@ def _as_float(t) -> torch.Tensor:
     return t.dequantize() if hasattr(t, "dequantize") and not isinstance(t, torch.Tensor) else t.float()
 
 
+def _float_rows(parts: list):
+    """The (possibly fused) matrix as something the re-quantizers slice by rows (w.shape, w[i:j]): one GGUF tensor
+    stays in its blocks and is dequantized a chunk of rows at a time (loader.DequantizedRows: a 151,936-row head
+    never exists in fp32 at once), anything else is concatenated in fp32."""
+    if len(parts) == 1 and not isinstance(parts[0], torch.Tensor) and hasattr(parts[0], "rows"):
+        rows = parts[0].rows()
+        if rows is not None:
+            return rows
+    return torch.cat([_as_float(p) for p in parts]) if len(parts) > 1 else _as_float(parts[0])
+
+
 def _exact_int4(t) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Exact int4 groups of a GGUF 4-bit tensor (rows un-permuted like its dequantization), else None."""
     if isinstance(t, torch.Tensor) or not hasattr(t, "type_name"):
@@ -430,13 +445,12 @@ def make_quantized_linear(parts: list, bias: torch.Tensor | None, layout: str) -
         wanted = (any(e is not None for e in exact) or not from_gguf
                   or (Q4Linear.fits(n, k) and all(_requantize_to_int4(p) for p in parts)))
         if k % GROUP == 0 and (n % 16 == 0 or Q4Linear.fits(n, k)) and wanted:
-            groups = [e if e is not None else quantize_groups_int4(_as_float(p)) for e, p in zip(exact, parts)]
+            groups = [e if e is not None else quantize_groups_int4(_float_rows([p])) for e, p in zip(exact, parts)]
             q, s, o = (torch.cat([g[i] for g in groups]) for i in range(3))
             return Q4Linear(q, s, o, bias) if Q4Linear.fits(n, k) else Int4Linear(q, s, o, bias)
         # a GGUF matrix with no 4-bit part (Q6_K, Q8_0, ...): int8 keeps more of its precision
     if layout in ("int4", "int8"):
-        w = torch.cat([_as_float(p) for p in parts]) if len(parts) > 1 else _as_float(parts[0])
-        return int8_linear(w, bias)
+        return int8_linear(_float_rows(parts), bias)
     raise ValueError(f"unknown quantized layout {layout!r}")
 
 

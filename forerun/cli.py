@@ -237,10 +237,10 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--progress", action="store_true")
     g.add_argument("--device", default=None)
     g.add_argument("--threads", type=int, default=0)
-    g.add_argument("--quantize", default="none", choices=["none", "int8", "int4", "auto"],
+    g.add_argument("--quantize", default="auto", choices=["none", "int8", "int4", "auto"],
                    help="keep weights quantized (CPU int8: VNNI; int4: GGUF Q4 blocks exactly; CUDA: int4 / int8 weight-only "
-                        "kernels (Triton, CUDA C++ on Hopper), bf16 activations); auto = int4 for GGUF (CPU: int8 "
-                        "without gcc or AVX2)")
+                        "kernels (Triton, CUDA C++ on Hopper), bf16 activations); auto (default) = int4 for GGUF (CPU: "
+                        "int8 without gcc or AVX2), safetensors as stored; none = GGUF dequantized to float")
     g.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show Python tracebacks on errors")
 
     m = sub.add_parser("models", help="pull, list or verify the known real models")

@@ -288,3 +288,31 @@ def test_llamacpp_build_config_avoids_amx():
     assert name == "build_noamx" and "-DGGML_NATIVE=OFF" in flags
     assert "-DGGML_AVX512=ON" in flags and "-DGGML_AVX512_VNNI=ON" in flags and "-DGGML_AVX512_BF16=OFF" in flags
     assert not any("AMX" in f for f in flags)
+
+
+# ---------------------------------------------------------------- a GGUF runs quantized by default
+
+
+@pytest.mark.parametrize("args, want", [([], "auto"), (["--dtype", "bfloat16"], "none"), (["--quantize", "int8"], "int8"),
+                                        (["--dtype", "float32", "--quantize", "int4"], "int4")])
+def test_serve_keeps_a_gguf_quantized_unless_a_float_dtype_is_asked(monkeypatch, args, want):
+    """`forerun serve M` loads a GGUF as `--quantize auto` (int4 kept quantized: the layout the benchmarks measure);
+    `--dtype bfloat16` alone asks for float weights (none); an explicit --quantize wins."""
+    from forerun.engine import engine as engine_mod
+    from forerun.server import cli as serve_cli
+
+    seen = {}
+
+    def fake_engine(*a, **kw):
+        seen.update(kw)
+        raise ValueError("stop before loading")
+
+    monkeypatch.setattr(engine_mod, "Engine", fake_engine)
+    monkeypatch.setattr(hub, "model_problem", lambda *a, **k: None)
+    assert serve_cli.main(["m.gguf", "--port", "0", *args]) != 0
+    assert seen["quantize"] == want
+
+
+def test_generate_keeps_a_gguf_quantized_by_default():
+    assert cli.build_parser().parse_args(["generate", "hi"]).quantize == "auto"
+    assert cli.build_parser().parse_args(["generate", "hi", "--quantize", "none"]).quantize == "none"

@@ -58,8 +58,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="target weights and activations (auto: float32 on the CPU, bfloat16 on CUDA)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    p.add_argument("--quantize", default="none", choices=["none", "int8", "int4", "auto"],
-                   help="keep weights quantized on the CPU (docs/quantization.md)")
+    p.add_argument("--quantize", default=None, choices=["none", "int8", "int4", "auto"],
+                   help="weights kept quantized (docs/quantization.md); default: auto (a GGUF stays quantized: int4) "
+                        "unless --dtype names a float type, then none")
     p.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own seed")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -147,7 +148,8 @@ def main(argv=None) -> int:
         dtype = None if a.dtype == "auto" else getattr(torch, a.dtype)
         engine = Engine(a.model, spec=spec, device=a.device, dtype=dtype, cache=cache, max_num_seqs=a.max_num_seqs,
                         max_model_len=a.max_model_len, max_num_batched_tokens=a.max_num_batched_tokens, seed=a.seed,
-                        quantize=a.quantize, enable_prefix_caching=a.enable_prefix_caching,
+                        quantize=a.quantize or ("auto" if a.dtype == "auto" else "none"),
+                        enable_prefix_caching=a.enable_prefix_caching,
                         join_wait=None if a.join_wait is None else (a.join_wait[0], int(a.join_wait[1])))
     except (ValueError, FileNotFoundError, KeyError, OSError) as e:
         print(f"forerun serve: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)

@@ -529,3 +529,28 @@ def test_requantizing_a_gguf_matrix_reads_it_by_row_chunks_with_the_same_result(
     q = torch.round((t - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8).reshape(9000, 64)
     got = quant_mod.quantize_groups_int4(torch.from_numpy(w))
     assert torch.equal(got[0], q) and torch.equal(got[1], scale) and torch.equal(got[2], lo)
+
+
+def test_llm_keeps_a_gguf_quantized_by_default(tmp_path):
+    """LLM / Engine load a GGUF by path in the quantized layout by default (quantize=None -> "auto"), as the CLI
+    does; a float dtype the CPU layout does not compute in (bfloat16) asks for float weights instead ("none")."""
+    from forerun.models.quant import Int8Linear, Q8Linear
+
+    from test_loader import _byte_level_tokens
+
+    tokens = _byte_level_tokens() + ["Ġt", "he", "Ġthe", "<|endoftext|>"]
+    hf = tiny_model("qwen2", tie_word_embeddings=False, vocab_size=len(tokens))
+    path = tmp_path / "d.gguf"
+    quant = {f"blk.{i}.{p}.weight": QT.Q4_1 for i in range(hf.config.num_hidden_layers)
+             for p in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+    write_gguf(path, "qwen2", hf, quant=quant,
+               extra_kv={"add_tokenizer_model": "gpt2", "add_token_list": tokens,
+                         "add_token_merges": ["Ġ t", "h e", "Ġt he"], "add_tokenizer_pre": "qwen2"})
+    quantized = (Q4Linear, Int4Linear, Int8Linear, Q8Linear)
+    llm = LLM(str(path), device="cpu")
+    assert llm.engine.quantize == "auto"
+    assert isinstance(llm.engine.model.model.layers[0].self_attn.o_proj, quantized)
+    bf16 = LLM(str(path), device="cpu", dtype=torch.bfloat16)
+    assert bf16.engine.quantize == "none"
+    assert not isinstance(bf16.engine.model.model.layers[0].self_attn.o_proj, quantized)
+    assert LLM(str(path), device="cpu", quantize="none").engine.quantize == "none"

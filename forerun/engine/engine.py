@@ -158,11 +158,13 @@ class Engine:
                  max_model_len: int | None = None, max_num_batched_tokens: int = 8192, seed: int = 0,
                  check_invariants: bool = False, cuda_graphs: bool = True, overlap: bool = True,
                  overlap_spec: bool = True, mixed_prefill: bool = False,
-                 draft_cache: CacheConfig | None = None, quantize: str = "none",
+                 draft_cache: CacheConfig | None = None, quantize: str | None = None,
                  join_wait: tuple[float, int] | None = None, enable_prefix_caching: bool = False,
                  _loaded=None) -> None:
         """quantize: weights of models loaded by name / path: "none" (float), "int8" / "int4" (kept quantized,
-        CPU; GGUF Q4 blocks exactly as int4), "auto" (GGUF files: int4 with forerun's C kernel, AVX512-VNNI or AVX2, else int8).
+        CPU; GGUF Q4 blocks exactly as int4), "auto" (GGUF files: int4 with forerun's C kernel, AVX512-VNNI or AVX2, else int8;
+        on CUDA int4; safetensors as stored). None (default): "auto", unless ``dtype`` names a float type the
+        quantized layout of the device does not compute in (CPU: float32, CUDA: bfloat16), then "none".
         See docs/quantization.md. overlap_spec: overlapped speculative rounds (engine/overlap_spec.py; greedy
         requests, a separate draft model, CUDA graphs; on by default since the eighth session's H200 run:
         1.41-1.77x plain at 1-4 requests against 1.17-1.54x without it, `benchmarks/online.py --overlap-spec`).
@@ -186,10 +188,13 @@ class Engine:
             if not (ratio >= 0 and int(steps) == steps and steps >= 0):
                 raise ValueError(f"join_wait must be (ratio >= 0, whole steps >= 0), got {join_wait!r}")
             self.JOIN_WAIT_RATIO, self.JOIN_WAIT_STEPS = float(ratio), int(steps)
-        self.quantize = quantize
         self.overlap_spec, self.mixed_prefill = overlap_spec, mixed_prefill
         EngineConfig(max_num_seqs, max_model_len, max_num_batched_tokens)  # validated: a bad value is named here
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if quantize is None:  # a GGUF stays quantized, unless a float dtype its layout does not compute in is asked
+            native = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+            quantize = "auto" if dtype in (None, native) else "none"
+        self.quantize = quantize
         if dtype is None and _loaded is not None:  # an already built model: its own activations' dtype
             dtype = _loaded[0].model.norm.weight.dtype
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)

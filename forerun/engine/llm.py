@@ -30,7 +30,7 @@ class LLM:
                  max_model_len: int | None = None, max_num_batched_tokens: int = 8192, seed: int = 0,
                  check_invariants: bool = False, cuda_graphs: bool = True, overlap: bool = True,
                  overlap_spec: bool = True, mixed_prefill: bool = False,
-                 draft_cache: CacheConfig | None = None, quantize: str = "none",
+                 draft_cache: CacheConfig | None = None, quantize: str | None = None,
                  join_wait: tuple[float, int] | None = None, enable_prefix_caching: bool = False,
                  _loaded=None) -> None:
         """overlap: with CUDA graphs, run plain decoding steps overlapped with the host's commits (engine/overlap.py);

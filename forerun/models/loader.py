@@ -32,6 +32,8 @@ import torch
 
 from forerun.config import SUPPORTED_ARCHITECTURES, ModelConfig
 
+from .gguf_embedding import FLOAT_TYPES
+
 __all__ = ["Checkpoint", "GGUFQuantized", "load_checkpoint", "load_tokenizer", "check_tokenizer_fits", "expected_tensor_names",
            "SUPPORTED_GGUF_ARCHITECTURES"]
 
@@ -241,7 +243,7 @@ class Checkpoint:
                 heads = self.config.num_heads if ".attn_q." in t.name else self.config.num_kv_heads
             shape = tuple(int(d) for d in reversed(t.shape))  # GGUF stores dims in ggml (ne) order
             g = GGUFQuantized(t.data, t.tensor_type.name, shape, heads, f"{self.source}: tensor {t.name}")
-            if keep_quantized and len(shape) == 2 and t.tensor_type.name not in ("F32", "F16", "BF16", "F64"):
+            if keep_quantized and len(shape) == 2 and t.tensor_type.name not in FLOAT_TYPES:
                 yield name, g
             else:
                 yield name, g.dequantize()

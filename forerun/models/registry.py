@@ -155,19 +155,18 @@ def build_quantized_model(ckpt: Checkpoint, device: torch.device | str, layout: 
             pending[path][(i, kind)] = t
             if len(pending[path]) == len(parts[path]) * (2 if biases[path] else 1):
                 install(path)
-        elif name == "model.embed_tokens.weight" and cpu and isinstance(t, GGUFQuantized) \
-                and row_dequantizer(t.type_name) is not None:  # kept in its blocks (gguf_embedding.py)
-            model.model.embed_tokens = GGUFEmbedding(t)
-            del params[name]
-            if tied:  # the head is the (still quantized) embedding
-                pending["lm_head"][(0, "weight")] = t
-                install("lm_head")
         elif name in params:
-            src = t.dequantize() if isinstance(t, GGUFQuantized) else t
-            dst = params[name]
-            if tuple(dst.shape) != tuple(src.shape):
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
-            dst.copy_(src)
+            if name == "model.embed_tokens.weight" and cpu and isinstance(t, GGUFQuantized) \
+                    and row_dequantizer(t.type_name) is not None:  # kept in its blocks (gguf_embedding.py)
+                model.model.embed_tokens = GGUFEmbedding(t)
+                del params[name]  # (the float table placeholder goes now)
+            else:
+                src = t.dequantize() if isinstance(t, GGUFQuantized) else t
+                dst = params[name]
+                if tuple(dst.shape) != tuple(src.shape):
+                    raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, "
+                                     f"expected {tuple(dst.shape)}")
+                dst.copy_(src)
             if tied and name == "model.embed_tokens.weight":  # the head is the (still quantized) embedding
                 pending["lm_head"][(0, "weight")] = t
                 install("lm_head")

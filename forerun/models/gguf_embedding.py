@@ -1,8 +1,8 @@
 """The token embedding of a GGUF kept in its quantized blocks, rows dequantized as they are looked up (CPU layouts).
 
 Why: the embedding is read a row per token, never streamed, yet the fp32 table is the largest tensor of a small
-model: Qwen2.5-Coder-1.5B's 151,936 x 1,536 table is 933 MB in fp32 against 191 MB of Q6_K blocks, the 0.5B's
-545 MB against 105 MB of Q5_0. `GGUFEmbedding` holds the blocks as a view of the memory-mapped file (the page
+model: Qwen2.5-Coder-1.5B's 151,936 x 1,536 table is 933 MB in fp32 against 125 MiB of Q4_K blocks, the 0.5B's
+545 MB against 89 MiB of Q5_0. `GGUFEmbedding` holds the blocks as a view of the memory-mapped file (the page
 cache holds them; only the rows prompts use are ever read) and dequantizes the looked-up rows with gguf's own row
 dequantization: each row is exactly the row the fp32 table held (tests/test_quant.py), so outputs do not change.
 llama.cpp keeps its embedding quantized the same way (`ggml_get_rows` on the quantized tensor).
@@ -54,7 +54,7 @@ class GGUFEmbedding(nn.Module):
         flat = ids.reshape(-1).cpu().numpy()
         if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
             raise IndexError(f"token id out of range for an embedding of {self.num_embeddings} rows")
-        out = self._rows(np.ascontiguousarray(self._blocks.data[flat])) if flat.size else \
+        out = self._rows(self._blocks.data[flat]) if flat.size else \
             np.zeros((0, self.embedding_dim), np.float32)
         return torch.from_numpy(out).reshape(*ids.shape, self.embedding_dim)
 

@@ -38,6 +38,7 @@ from torch import nn
 
 QUANTIZE_CHOICES = ("none", "int8", "int4")
 GROUP = 32  # int4 group size (a Q4_K sub-block, a Q4_0 / Q4_1 block)
+ROW_CHUNK = 8192  # rows re-quantized per pass: no full-size float temporaries for a 150k-row head (peak memory)
 # int4 layout: how GGUF matrices with no 4-bit part are held (docs/quantization.md, measured on the 1.5B target):
 #   "layers" (default): 5/6-bit ones (Q5_0, Q5_1, Q5_K, Q6_K: a Q4_K_M's half of ffn_down) re-quantized to int4 from
 #            their exact dequantized values (Q4Linear), except the output head; 8-bit ones and the head: int8
@@ -116,11 +117,11 @@ def quantize_rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n = w.shape[0]
     q = torch.empty(w.shape, dtype=torch.int8)
     scale = torch.empty(n, dtype=torch.float32)
-    for i in range(0, n, 8192):
-        c = w[i:i + 8192].float()
+    for i in range(0, n, ROW_CHUNK):
+        c = w[i:i + ROW_CHUNK].float()
         s = c.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # [rows]
-        q[i:i + 8192] = torch.round(c / s[:, None]).clamp_(-127, 127)
-        scale[i:i + 8192] = s
+        q[i:i + ROW_CHUNK] = torch.round(c / s[:, None]).clamp_(-127, 127)
+        scale[i:i + ROW_CHUNK] = s
     return q, scale
 
 
@@ -188,12 +189,12 @@ def quantize_groups_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Ten
     n, k = w.shape
     q = torch.empty(n, k, dtype=torch.uint8)
     scale, lo = torch.empty(n, k // group), torch.empty(n, k // group)
-    for i in range(0, n, 8192):  # row chunks: no full-size float temporaries for a 150k-row head (row-wise: the
-        g = w[i:i + 8192].float().reshape(-1, k // group, group)  # same values as one pass)
-        lo[i:i + 8192], hi = g.amin(-1), g.amax(-1)
-        scale[i:i + 8192] = ((hi - lo[i:i + 8192]) / 15.0).clamp_min(1e-12)
-        q[i:i + 8192] = torch.round((g - lo[i:i + 8192, :, None]) / scale[i:i + 8192, :, None]).clamp_(0, 15) \
-            .to(torch.uint8).reshape(-1, k)
+    for i in range(0, n, ROW_CHUNK):  # row-wise: the same values as one pass
+        r = slice(i, i + ROW_CHUNK)
+        g = w[r].float().reshape(-1, k // group, group)
+        lo[r], hi = g.amin(-1), g.amax(-1)
+        scale[r] = ((hi - lo[r]) / 15.0).clamp_min(1e-12)
+        q[r] = torch.round((g - lo[r, :, None]) / scale[r, :, None]).clamp_(0, 15).to(torch.uint8).reshape(-1, k)
     return q, scale, lo
 
 
@@ -302,11 +303,11 @@ class Q8Linear(nn.Module):
         n, k = w.shape
         q = torch.empty(n, k, dtype=torch.int8)
         scale = torch.empty(n, k // GROUP)
-        for i in range(0, n, 8192):  # row chunks: no full-size float temporaries for a 150k-row head
-            g = w[i:i + 8192].float().view(-1, k // GROUP, GROUP)
+        for i in range(0, n, ROW_CHUNK):
+            g = w[i:i + ROW_CHUNK].float().view(-1, k // GROUP, GROUP)
             s = (g.abs().amax(-1) / 127.0).clamp_min_(1e-7).half().float()
-            q[i:i + 8192] = torch.round(g / s[..., None]).clamp_(-127, 127).view(-1, k).to(torch.int8)
-            scale[i:i + 8192] = s
+            q[i:i + ROW_CHUNK] = torch.round(g / s[..., None]).clamp_(-127, 127).view(-1, k).to(torch.int8)
+            scale[i:i + ROW_CHUNK] = s
         return cls(q, scale, bias)
 
     @staticmethod

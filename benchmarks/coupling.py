@@ -56,7 +56,7 @@ def main() -> None:
     from forerun.engine.llm import LLM
     from forerun.sampling_params import SamplingParams
 
-    llm = LLM.from_model(target, tok, device="cpu")
+    llm = LLM.from_model(target, tok, device="cpu", enable_prefix_caching=False)
     res = {"quantize": res_quant, "temperatures": {}, "date": datetime.datetime.now().isoformat(timespec="seconds"), "draws": draws,
            "prompts": n_prompts, "new_tokens": new}
     seqs = []

@@ -41,7 +41,7 @@ def main() -> int:
     model, tok, _ = load_model(a.model, quantize=a.quantize, progress=False)
     print(f"loaded in {time.perf_counter() - t0:.0f}s ({a.quantize}), threads {a.threads}, load {os.getloadavg()}")
     prompts = list(CODE_PROMPTS[: a.prompts])
-    llm = LLM.from_model(model, tok, device="cpu")
+    llm = LLM.from_model(model, tok, device="cpu", enable_prefix_caching=False)
     sp = SamplingParams(temperature=0, max_tokens=a.tokens)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4), chat=True)
     tps = []

@@ -44,11 +44,13 @@ def main() -> int:
         d_layers = load_model(DRAFT, dtype=ddtype, quantize="auto", progress=False)
     d_int4 = load_draft_model(DRAFT, "cpu", ddtype, quantize="auto")
     spec = SpecConfig.from_flags(DRAFT, args.k, 0.0, "auto")
-    llms = {"plain": LLM.from_model(target[0], target[1], spec=SpecConfig(), device="cpu"),
+    llms = {"plain": LLM.from_model(target[0], target[1], spec=SpecConfig(), device="cpu", enable_prefix_caching=False),
             f"draft k={args.k}, draft 8-bit parts int8 (before)":
-                LLM.from_model(target[0], target[1], spec=replace(spec, draft_model=d_layers[:2]), device="cpu"),
+                LLM.from_model(target[0], target[1], spec=replace(spec, draft_model=d_layers[:2]), device="cpu",
+                               enable_prefix_caching=False),
             f"draft k={args.k}, draft all int4 (default)":
-                LLM.from_model(target[0], target[1], spec=replace(spec, draft_model=d_int4[:2]), device="cpu")}
+                LLM.from_model(target[0], target[1], spec=replace(spec, draft_model=d_int4[:2]), device="cpu",
+                               enable_prefix_caching=False)}
     sp = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     for llm in llms.values():  # warm-up
         llm.generate(CODE_PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4), chat=True)

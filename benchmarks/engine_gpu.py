@@ -46,7 +46,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = build_model(QWEN3_8B, None, seed=0)
     _, read = weight_bytes(model)
-    llm = LLM.from_model(model, _NoTextTokenizer(), device="cuda", dtype=BF16)
+    llm = LLM.from_model(model, _NoTextTokenizer(), device="cuda", dtype=BF16, enable_prefix_caching=False)
     prompt_len, new = 512, 128
     prompts = [torch.randint(0, model.config.vocab_size, (prompt_len,)).tolist() for _ in range(8)]
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # capture + compile
@@ -76,7 +76,8 @@ def main() -> None:
     tok = llm.tokenizer
     draft = build_model(QWEN3_06B, None, seed=3)
     spec_llm = LLM.from_model(model, tok, device="cuda", dtype=BF16,
-                              spec=SpecConfig(method="draft", draft_model=(draft, tok), adaptive=True))
+                              spec=SpecConfig(method="draft", draft_model=(draft, tok), adaptive=True),
+                              enable_prefix_caching=False)
     for b in (1, 8):  # warm-up: CUDA graphs of the probe / verify shapes are captured on first use (~1 s each)
         spec_llm.generate(prompts[:b], SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
     res["useless_draft_adaptive"] = []

@@ -440,7 +440,7 @@ def engine_generate(model: LlamaForCausalLM, prompt_len: int, new_tokens: int) -
     from forerun.engine.llm import LLM
     from forerun.sampling_params import SamplingParams
 
-    llm = LLM.from_model(model, _NoTextTokenizer(), device="cuda", dtype=BF16)
+    llm = LLM.from_model(model, _NoTextTokenizer(), device="cuda", dtype=BF16, enable_prefix_caching=False)
     prompt = torch.randint(0, model.config.vocab_size, (prompt_len,)).tolist()
     sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # capture + compile

@@ -131,9 +131,10 @@ def main() -> None:
 
     def make(k, overlap_spec=False):
         if k == 0:
-            return Engine.from_model(target, tok, cache=cache, max_num_seqs=64, **kw)
+            return Engine.from_model(target, tok, cache=cache, max_num_seqs=64, **kw, enable_prefix_caching=False)
         eng = Engine.from_model(target, tok, cache=cache, max_num_seqs=64, overlap_spec=overlap_spec,
-                                spec=SpecConfig(method="draft", draft_model=(draft, tok), k=k), **kw)
+                                spec=SpecConfig(method="draft", draft_model=(draft, tok), k=k), **kw,
+                                enable_prefix_caching=False)
         eng.round.sampler = eng.sampler = SyntheticSampler(0.8)
         return eng
 

@@ -53,11 +53,11 @@ def main() -> None:
 
     tok = tiny_tokenizer()
     kw = dict(device=dev.type, dtype=torch.float32, cache=CacheConfig(block_size=16, num_blocks=512))
-    plain = Engine.from_model(build(hf), tok, **kw)
+    plain = Engine.from_model(build(hf), tok, **kw, enable_prefix_caching=False)
     engines = {}
     for name, d in (("weak draft", dhf), ("self-draft", hf)):
         eng = Engine.from_model(build(hf), tok, spec=SpecConfig(method="draft", draft_model=(build(d), tok), k=3),
-                                check_invariants=True, overlap_spec=True, **kw)
+                                check_invariants=True, overlap_spec=True, **kw, enable_prefix_caching=False)
         eng.JOIN_IN_SESSION = args.in_session == "on"
         if args.cpu:  # eager stand-ins for the CUDA graphs, on both runners (as tests/test_overlap_spec.py does)
             from forerun.runtime.cuda_graph import GraphRunner

@@ -606,7 +606,8 @@ def gpu_main(args) -> dict:
 
     def make(spec_kw):
         if spec_kw is None or spec_kw[0] == "plain":  # ("plain", tweaks): plain with tweaks (--join-wait-ab)
-            return joins(Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64),
+            return joins(Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64,
+                                           enable_prefix_caching=False),
                          None if spec_kw is None else spec_kw[1])
         a, kw, overlapped, mixed, tweaks = (*spec_kw, *(False, {})[len(spec_kw) - 3:])  # (defaults by position)
         key = (tuple(sorted(kw.items())), overlapped, mixed)
@@ -618,7 +619,7 @@ def gpu_main(args) -> dict:
                 free_memory()
             eng = Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64,
                                     spec=SpecConfig(method="draft", draft_model=(draft, tok), **kw),
-                                    overlap_spec=overlapped, mixed_prefill=mixed)
+                                    overlap_spec=overlapped, mixed_prefill=mixed, enable_prefix_caching=False)
             if not alive:
                 built[key] = eng
         eng.k_policy = KPolicy(eng.spec)
@@ -740,7 +741,7 @@ def gpu_main(args) -> dict:
     late = []
     for budget in (128, 256, 512, 8192):
         eng = Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64,
-                                max_num_batched_tokens=budget)
+                                max_num_batched_tokens=budget, enable_prefix_caching=False)
         eng.warmup(max_batch=8)
         drive(eng, pool[:4], 8, concurrency=4)
         long_prompt = torch.randint(0, 151936, (4096,)).tolist()
@@ -787,7 +788,7 @@ def cpu_main(args) -> dict:
         priced = spec_kw.pop("price_catch_up", True) if spec_kw is not None else True
         timed_plain = spec_kw.pop("plain_rounds", True) if spec_kw is not None else True
         spec = SpecConfig() if spec_kw is None else SpecConfig(method="draft", draft_model=(draft, dtok), **spec_kw)
-        eng = Engine.from_model(target, tok, device="cpu", spec=spec, max_num_seqs=8)
+        eng = Engine.from_model(target, tok, device="cpu", spec=spec, max_num_seqs=8, enable_prefix_caching=False)
         eng.PRICE_CATCH_UP = priced  # (Engine.PRICE_CATCH_UP: the draft's prompt reads priced against its savings)
         if not timed_plain:  # the veto's plain step from the cost model, as before the seventeenth session
             eng.k_policy.PLAIN_ROUNDS_MIN = 1 << 30

@@ -77,16 +77,18 @@ def main() -> int:
     # 2026-12-04 loaded it as a target (load_model), with a 2x slower 8-bit head
     draft = load_draft_model(a.draft, "cpu", ddt, quantize=a.quantize)
     layout = getattr(target[0], "quantization", a.quantize)
-    plain = LLM.from_model(target[0], target[1], device="cpu")
+    plain = LLM.from_model(target[0], target[1], device="cpu", enable_prefix_caching=False)
     spec = replace(SpecConfig.from_flags(a.draft, a.k, 0.0, "auto"), draft_model=(draft[0], draft[1]))
-    spec_llm = LLM.from_model(target[0], target[1], spec=spec, device="cpu")
+    spec_llm = LLM.from_model(target[0], target[1], spec=spec, device="cpu", enable_prefix_caching=False)
     more = []  # (name, llm) of the --also-k rows
     for k in [x for x in a.also_k.split(",") if x]:
         s2 = replace(SpecConfig.from_flags(a.draft, k, 0.0, "auto"), draft_model=(draft[0], draft[1]))
-        more.append((f"forerun draft k={k}", LLM.from_model(target[0], target[1], spec=s2, device="cpu")))
+        more.append((f"forerun draft k={k}", LLM.from_model(target[0], target[1], spec=s2, device="cpu",
+                                                            enable_prefix_caching=False)))
     for k in [x for x in a.eagle_k.split(",") if x] if a.eagle else []:
         s2 = SpecConfig.from_flags(f"eagle:{os.path.expanduser(a.eagle)}", k, 0.0, "auto")
-        more.append((f"forerun EAGLE k={k}", LLM.from_model(target[0], target[1], spec=s2, device="cpu")))
+        more.append((f"forerun EAGLE k={k}", LLM.from_model(target[0], target[1], spec=s2, device="cpu",
+                                                            enable_prefix_caching=False)))
     if a.prefix_caching:  # the same models again, with prefix caching (warmed up below on another prompt)
         cached = [("forerun plain, prefix cache", LLM.from_model(target[0], target[1], device="cpu",
                                                                  enable_prefix_caching=True))]

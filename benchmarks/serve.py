@@ -246,7 +246,9 @@ def launch(model: str, draft: str, k: str, threads: int, extra: list[str], log_p
     port = free_port()
     cmd = [sys.executable, "-m", "forerun.server.cli", model, "--draft", draft, "--port", str(port),
            "--max-num-seqs", "16", "--log-level", "warning", *(["--k", k] if draft != "none" else []),
-           *(["--threads", str(threads)] if threads else []), *extra]
+           *(["--threads", str(threads)] if threads else []), *extra,
+           # (the rows of earlier runs were measured without the prefix cache, the server's default since session 41)
+           *([] if any("prefix-caching" in x for x in extra) else ["--no-enable-prefix-caching"])]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -225,7 +225,8 @@ def main(argv=None) -> int:
         eng = srv = None
         try:
             spec = None if spec_kw is None else SpecConfig(method="draft", draft_model=(draft, tok), **spec_kw)
-            eng = Engine.from_model(target, tok, cache=cache, max_num_seqs=64, spec=spec, **kw)
+            eng = Engine.from_model(target, tok, cache=cache, max_num_seqs=64, spec=spec, **kw,
+                                    enable_prefix_caching=False)
             if spec is not None:
                 eng.round.sampler = eng.sampler = SyntheticSampler(a)
             t = time.perf_counter()

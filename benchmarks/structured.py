@@ -159,8 +159,9 @@ def main() -> None:
     rows = []
     for name, spec in settings.items():
         cache = CacheConfig(num_blocks=64 * args.prompts)  # 1024 tokens per request, not the 2 GiB default
-        llm = LLM.from_model(model, tok, device="cpu", spec=spec, cache=cache) if spec else \
-            LLM.from_model(model, tok, device="cpu", cache=cache)
+        llm = LLM.from_model(model, tok, device="cpu", spec=spec, cache=cache,
+                             enable_prefix_caching=False) if spec else \
+            LLM.from_model(model, tok, device="cpu", cache=cache, enable_prefix_caching=False)
         llm.generate(prompts[:2], constrained, chat=True)  # warm up (grammar compile, oneDNN)
         c, u = run_pair(llm, prompts, constrained, args.repeat)
         rows.append(dict(setting=name, unconstrained=u, constrained=c,

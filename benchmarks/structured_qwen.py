@@ -167,7 +167,7 @@ def main() -> None:
             kw = dict(device="cpu", cache=CacheConfig(num_blocks=blocks), max_num_seqs=args.batch)
             if spec is not None and spec.method == "draft":
                 kw["draft_cache"] = CacheConfig(num_blocks=blocks)
-            llm = LLM.from_model(model, tok, spec=spec, **kw)
+            llm = LLM.from_model(model, tok, spec=spec, **kw, enable_prefix_caching=False)
             warm = [SamplingParams(temperature=T, max_tokens=16, seed=0, structured_output=specs[i]) for i in range(2)]
             llm.generate(prompts[:2], warm, chat=False)  # grammar compile, oneDNN kernels, drafter warm-up
             con = [SamplingParams(temperature=T, max_tokens=args.max_tokens, seed=args.seed + i, structured_output=so)

@@ -435,9 +435,6 @@ def _check_bench(args, ap) -> None:
     for n in filter(None, args.draft_vocabs.split(",")):
         if not n.strip().isdigit() or int(n) < 1:
             raise UsageError(f"--draft-vocabs takes positive token counts, got {n!r}")
-    if args.prefix_caching and "eagle" in drafters:
-        raise UsageError("--prefix-caching does not work with the eagle rows (an EAGLE head reads the target's hidden "
-                         "states at every prompt position): drop eagle from --drafters")
     try:
         for k in [k for k in args.ks.split(",") if k] + [k for k in args.eagle_ks.split(",") if k]:
             SpecConfig.from_flags("ngram", k, None, None)  # (validates k)
@@ -486,8 +483,10 @@ def main(argv=None) -> int:
     ap.add_argument("--llamacpp", action="store_true", help="add llama.cpp plain and speculative peer rows")
     ap.add_argument("--llamacpp-draft-max", type=int, default=4, help="llama-speculative --spec-draft-n-max")
     ap.add_argument("--prefix-caching", action="store_true",
-                    help="forerun rows with enable_prefix_caching, and (with --llamacpp) a llama.cpp plain row with its "
-                         "--prompt-cache; both caches hold the chat template's system prefix before the first prompt")
+                    help="forerun rows with enable_prefix_caching (without this flag the bench's rows run with it off, "
+                         "the engine's default being on, so that they compare with llama.cpp's tools as they run by "
+                         "default), and (with --llamacpp) a llama.cpp plain row with its --prompt-cache; both caches "
+                         "hold the chat template's system prefix before the first prompt")
     ap.add_argument("--eagle-head", default=DEFAULT_EAGLE_HEAD,
                     help="EAGLE head folder for the eagle rows (forerun train-eagle output or a published head)")
     ap.add_argument("--eagle-ks", default="4,auto", help="EAGLE chain rows: comma list of k (or auto)")

@@ -117,9 +117,6 @@ def _check_generate(a):
         if problem:
             raise UsageError(problem)
         _check_pair(a.model, draft)
-    if spec.method == "eagle" and a.enable_prefix_caching:
-        raise UsageError("--enable-prefix-caching does not work with EAGLE drafting yet (the head reads the target's "
-                         "hidden states at every prompt position)")
     if spec.method == "eagle":
         head = os.path.expanduser(spec.eagle_head)
         if not os.path.isdir(head):
@@ -230,8 +227,9 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--raw", action="store_true", help="no chat template")
-    g.add_argument("--enable-prefix-caching", action="store_true",
-                   help="later prompts reuse the keys and values of earlier ones' equal prefixes (e.g. a system prompt)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="later prompts reuse the keys and values of earlier ones' equal prefixes (e.g. a system "
+                        "prompt); on by default")
     g.add_argument("--stats", action="store_true", help="print speculation statistics as JSON on stderr")
     g.add_argument("--compare-plain", action="store_true", help="also run plain decoding and report the speedup")
     g.add_argument("--progress", action="store_true")

@@ -99,7 +99,6 @@ USAGE = [
     (["bench", "--threads", "-1"], "--threads must be >= 0"),
     (["bench", "--drafters", "ngram", "--early-exit-layers", "3"], "--early-exit-layers do(es) nothing in this run"),
     (["bench", "--eagle-ks", "9"], "--eagle-ks do(es) nothing in this run"),
-    (["bench", "--drafters", "draft,eagle", "--prefix-caching"], "--prefix-caching does not work with the eagle rows"),
     (["bench", "--llamacpp-draft-max", "2"], "--llamacpp-draft-max do(es) nothing in this run"),
     (["bench", "--drafters", "ngram", "--draft-vocabs", "32768"], "--draft-vocabs do(es) nothing in this run"),
     (["bench", "--draft-vocabs", "0"], "--draft-vocabs takes positive token counts"),
@@ -311,6 +310,26 @@ def test_serve_keeps_a_gguf_quantized_unless_a_float_dtype_is_asked(monkeypatch,
     monkeypatch.setattr(hub, "model_problem", lambda *a, **k: None)
     assert serve_cli.main(["m.gguf", "--port", "0", *args]) != 0
     assert seen["quantize"] == want
+
+
+@pytest.mark.parametrize("args, want", [([], True), (["--no-enable-prefix-caching"], False),
+                                        (["--enable-prefix-caching"], True)])
+def test_serve_caches_prefixes_by_default(monkeypatch, args, want):
+    """Prefix caching is on unless --no-enable-prefix-caching (vLLM's spelling), EAGLE heads included."""
+    from forerun.engine import engine as engine_mod
+    from forerun.server import cli as serve_cli
+
+    seen = {}
+
+    def fake_engine(*a, **kw):
+        seen.update(kw)
+        raise ValueError("stop before loading")
+
+    monkeypatch.setattr(engine_mod, "Engine", fake_engine)
+    monkeypatch.setattr(hub, "model_problem", lambda *a, **k: None)
+    assert serve_cli.main(["m.gguf", "--port", "0", *args]) != 0
+    assert seen["enable_prefix_caching"] is want
+    assert cli.build_parser().parse_args(["generate", "hi", *args]).enable_prefix_caching is want
 
 
 def test_generate_keeps_a_gguf_quantized_by_default():

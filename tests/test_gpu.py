@@ -653,7 +653,7 @@ def test_prefix_caching_on_cuda_graphs_equals_plain(overlap_spec):
     def drive(eng):
         return drive_arrivals(eng, prompts, params, arrivals)
 
-    want = drive(Engine.from_model(build(), tok, **kw))
+    want = drive(Engine.from_model(build(), tok, enable_prefix_caching=False, **kw))
     eng = Engine.from_model(build(), tok, spec=SpecConfig(method="draft", draft_model=(dbuild(), tok), k=3),
                             check_invariants=True, overlap_spec=overlap_spec, enable_prefix_caching=True, **kw)
     eng.warmup(max_batch=8)
@@ -826,6 +826,41 @@ def _eagle_cuda_runs(tmp_path):
             dict(eng.round.preverify_stats)
 
     return run, build, tok, kw
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_eagle_prefix_caching_on_cuda_graphs_equals_plain(tmp_path, overlap):
+    """EAGLE trees on CUDA graphs (drafting prelaunched from the device verdict or not) with prefix caching: prompts
+    sharing their starts, arriving while others run and after others finished, read cached rows in the target's
+    pool and the head's (named by token pairs); outputs equal plain greedy without the cache, every block back."""
+    import sys, os
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from tiny import hf_model, random_eagle_head_dir, sharpen, tiny_tokenizer
+
+    from forerun.config import SpecConfig
+    from forerun.engine.engine import Engine
+    from forerun.sampling_params import SamplingParams
+
+    hf = sharpen(hf_model("qwen2"), 3.0)
+    build = model_factory(hf, torch.float32)
+    head = random_eagle_head_dir(build().cpu(), tmp_path / "head")
+    tok = tiny_tokenizer(hf.config.vocab_size)
+    kw = dict(device="cuda", dtype=torch.float32, cache=CacheConfig(block_size=16, num_blocks=512))
+    prompts = [list(range(3, 3 + n)) for n in (40, 19, 77, 41, 40, 60)] + [[8, 8, 8], list(range(3, 40)) + [9]]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 9, 30, 14, 25, 7, 33, 12)]
+    arrivals = [0, 0, 3, 6, 9, 40, 60, 61]
+    want = drive_arrivals(Engine.from_model(build(), tok, enable_prefix_caching=False, **kw), prompts, params,
+                          arrivals)
+    eng = Engine.from_model(build(), tok, spec=SpecConfig(method="eagle", eagle_head=head, eagle_tree=(3, 3, 8)),
+                            check_invariants=True, enable_prefix_caching=True, **kw)
+    eng.drafter.overlap_trees = overlap
+    assert eng.drafter._graphs_on()
+    got = drive_arrivals(eng, prompts, params, arrivals)
+    assert got == want
+    assert eng.runner.kv.prefix_hits > 0 and eng.drafter.kv.prefix_hits > 0
+    for kv in (eng.runner.kv, eng.drafter.kv):
+        assert kv.num_free_blocks == kv.num_blocks - 1
 
 
 def test_eagle_prelaunched_drafting_on_cuda_graphs(tmp_path):

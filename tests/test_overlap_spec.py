@@ -31,7 +31,7 @@ def models():
 
 
 def make(models, spec_kw=None, overlap_spec=True, blocks=2048, mixed_prefill=False, in_session=False,
-         mix_joins=False) -> Engine:
+         mix_joins=False, prefix_caching=True) -> Engine:
     """in_session: Engine.JOIN_IN_SESSION (on by default in the engine): False here, so that the tests written for
     sessions that end at every arrival and finish (their restarts, rollbacks and drain steps) keep running them;
     tests of the joins set it. mix_joins: Engine.MIX_JOINS (on by default): off here, so that the tests of prompts
@@ -41,7 +41,7 @@ def make(models, spec_kw=None, overlap_spec=True, blocks=2048, mixed_prefill=Fal
     spec = None if spec_kw is None else SpecConfig(method="draft", draft_model=(draft.model, tok), **spec_kw)
     eng = Engine.from_model(ours_from_hf(target).model, tok, spec=spec, device="cpu", check_invariants=True,
                             cache=CacheConfig(block_size=4, num_blocks=blocks), overlap_spec=overlap_spec,
-                            mixed_prefill=mixed_prefill)
+                            mixed_prefill=mixed_prefill, enable_prefix_caching=prefix_caching)
     eng.JOIN_IN_SESSION, eng.MIX_JOINS = in_session, mix_joins
     if spec is not None:  # eager stand-ins for the CUDA graphs, on both runners (as enable_cuda_graphs does)
         for runner in (eng.runner, eng.drafter.runner):
@@ -909,7 +909,7 @@ def test_a_due_join_waits_for_a_request_about_to_finish(models, mode):
     want = {str(i): v for i, v in plain_greedy_of(models, prompts, params).items()}
 
     def closed_loop(hold: int):
-        eng = make(models, spec)
+        eng = make(models, spec, prefix_caching=False)  # (every prompt read whole: the reads are counted)
         if spec is None:  # plain overlapped sessions need the graph stand-in too
             eng.runner.graphs = GraphRunner(eng.runner, batch_sizes=(1, 2, 4, 8), max_q_len=2, use_graphs=False)
         eng.JOIN_IN_SESSION = True

@@ -154,7 +154,7 @@ def test_greedy_outputs_with_the_cache_equal_those_without(target, spec):
     mk = {"plain": lambda: None, "draft": lambda: draft_spec(k=3), "tree": lambda: draft_spec(tree=(2, 2, 1)),
           "early-exit": lambda: SpecConfig(method="early-exit", early_exit_layers=1, k=3),
           "ngram": lambda: SpecConfig(method="ngram", k=3)}[spec]
-    want = tiny_llm(target, spec=mk()).generate(PROMPTS, GREEDY)
+    want = tiny_llm(target, spec=mk(), enable_prefix_caching=False).generate(PROMPTS, GREEDY)
     llm = tiny_llm(target, spec=mk(), enable_prefix_caching=True, check_invariants=True)
     got = [llm.generate([p], GREEDY)[0] for p in PROMPTS]  # one after the other: each finds the ones before
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
@@ -175,7 +175,7 @@ def test_a_cached_prefix_gives_the_same_logprobs(target):
     """Where the reused keys came from another request's prefill, the next token's distribution is the same (to
     float rounding: the torch path's products are not batch-invariant, the CPU C kernels' are)."""
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
-    want = tiny_llm(target).generate(PROMPTS, params)
+    want = tiny_llm(target, enable_prefix_caching=False).generate(PROMPTS, params)
     llm = tiny_llm(target, enable_prefix_caching=True)
     got = [llm.generate([p], params)[0] for p in PROMPTS]
     for w, g in zip(want, got):
@@ -189,7 +189,7 @@ def test_a_cached_prefix_gives_the_same_logprobs(target):
 def test_seeded_sampling_is_unchanged_by_the_cache(target):
     spec = draft_spec(k=3)
     params = [SamplingParams(temperature=0.8, max_tokens=16, seed=100 + i, ignore_eos=True) for i in range(len(PROMPTS))]
-    want = tiny_llm(target, spec=spec).generate(PROMPTS, params)
+    want = tiny_llm(target, spec=spec, enable_prefix_caching=False).generate(PROMPTS, params)
     llm = tiny_llm(target, spec=draft_spec(k=3), enable_prefix_caching=True)
     got = [llm.generate([p], q)[0] for p, q in zip(PROMPTS, params)]
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
@@ -200,7 +200,7 @@ def test_seeded_sampling_is_unchanged_by_the_cache(target):
 def test_a_small_pool_preempts_and_evicts_with_the_same_outputs(target, which):
     spec = draft_spec(k=3)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    want = tiny_llm(target, spec=spec).generate(PROMPTS, params)
+    want = tiny_llm(target, spec=spec, enable_prefix_caching=False).generate(PROMPTS, params)
     small = CacheConfig(block_size=4, num_blocks=24)
     kw = {"cache": small} if which == "target" else {"draft_cache": small}
     llm = tiny_llm(target, spec=draft_spec(k=3), check_invariants=True, enable_prefix_caching=True, **kw)
@@ -225,7 +225,7 @@ def test_an_aborted_request_leaves_the_pools_whole(target):
     assert not eng.has_unfinished()
     for kv in (eng.runner.kv, eng.drafter.kv):
         assert kv.num_free_blocks == kv.num_blocks - 1
-    out = tiny_llm(target).generate(PROMPTS[:1], GREEDY)[0].token_ids
+    out = tiny_llm(target, enable_prefix_caching=False).generate(PROMPTS[:1], GREEDY)[0].token_ids
     eng.add_request(PROMPTS[0], GREEDY, request_id="again")
     got = []
     while eng.has_unfinished():
@@ -234,25 +234,93 @@ def test_an_aborted_request_leaves_the_pools_whole(target):
     assert got == out
 
 
-def test_eagle_with_prefix_caching_is_refused(target, tmp_path):
+def eagle_spec(head, **kw):
+    return SpecConfig(method="eagle", eagle_head=head, **kw)
+
+
+def recorded_drafts(llm) -> list:
+    """Wrap the EAGLE drafter's proposals: every round's drafted tokens (chain) or tree tokens, in order."""
+    d, log = llm.engine.drafter, []
+    chain, tree = d.propose, d.propose_tree_async
+
+    def propose(requests, ks):
+        out = chain(requests, ks)
+        log.append(("chain", [list(t) for t in out.resolve()]))
+        return out
+
+    def propose_tree_async(requests, max_drafts=None):
+        draft = tree(requests, max_drafts)
+        finish = draft.result
+
+        def result():
+            out = finish()
+            log.append(("tree", out.tokens, out.parents))
+            return out
+        draft.result = result
+        return draft
+    d.propose, d.propose_tree_async = propose, propose_tree_async
+    return log
+
+
+@pytest.mark.parametrize("tree", [None, (2, 2, 5)])
+def test_eagle_heads_cache_their_rows_by_token_pairs(target, tmp_path, tree):
+    """EAGLE with prefix caching: the head's own pool caches its rows, named by (token, next token) pairs, since row
+    i reads the target's state at i and token i + 1. Outputs equal plain decoding's and every draft equals the one
+    the uncached engine drafts (a row reused under the wrong name would change the head's attention); the target
+    takes from its cache no more positions than the head holds (prompt 1 = SYS + [63, 64] after SYS + [60, ...]:
+    the target alone would find 10 tokens, the head's row 9 pairs SYS's last token with 60, so 9)."""
     from tiny import random_eagle_head_dir
 
     head = random_eagle_head_dir(ours_from_hf(target).model, tmp_path / "head")
-    with pytest.raises(ValueError, match="prefix caching"):
-        tiny_llm(target, spec=SpecConfig(method="eagle", eagle_head=head, k=3), enable_prefix_caching=True)
+    spec = lambda: eagle_spec(head, k=3) if tree is None else eagle_spec(head, eagle_tree=tree)  # noqa: E731
+    want_llm = tiny_llm(target, spec=spec(), enable_prefix_caching=False)
+    want_log = recorded_drafts(want_llm)
+    want = [want_llm.generate([p], GREEDY)[0] for p in PROMPTS]
+    llm = tiny_llm(target, spec=spec(), enable_prefix_caching=True, check_invariants=True)
+    log = recorded_drafts(llm)
+    got = [llm.generate([p], GREEDY)[0] for p in PROMPTS]
+    plain = tiny_llm(target, enable_prefix_caching=False).generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want] == [o.token_ids for o in plain]
+    assert log == want_log and sum(o.stats.drafted for o in got) > 0
+    assert [o.stats.cached_tokens for o in got] == [0, 9, 5, 12, 9, 0]
+    hkv = llm.engine.drafter.kv
+    assert hkv.prefix_caching and hkv.prefix_hits > 0
+    for kv in (llm.runner.kv, hkv):
+        assert kv.num_free_blocks == kv.num_blocks - 1 and kv.num_cached_blocks > 0
 
 
-def test_cli_flags(capsys, tmp_path):
-    from forerun.cli import main
+def test_the_target_reuses_no_more_than_the_eagle_head_holds(target, tmp_path):
+    """The head's pool forgets A's rows (reset) while the target's keeps A's prompt: B = A's prompt with another
+    end then takes nothing from the target's cache either, and drafts (with B reading 10 cached target positions
+    the head would have no target states for its rows 0-9, and never draft)."""
+    from tiny import random_eagle_head_dir
 
-    (tmp_path / "config.json").write_text("{}")
-    assert main(["generate", "hi", "--draft", f"eagle:{tmp_path}", "--enable-prefix-caching"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--enable-prefix-caching" in err[0]
-    assert main(["serve", "smollm2-135m-instruct", "--draft", f"eagle:{tmp_path}", "--enable-prefix-caching",
-                 "--port", "0"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--enable-prefix-caching" in err[0]
+    head = random_eagle_head_dir(ours_from_hf(target).model, tmp_path / "head")
+    llm = tiny_llm(target, spec=eagle_spec(head, k=3), enable_prefix_caching=True, check_invariants=True)
+    a, b = SYS + [60, 61, 62], SYS + [63, 64]
+    llm.generate([a], GREEDY)
+    hkv = llm.engine.drafter.kv
+    assert hkv.num_cached_blocks > 0 and hkv.reset_prefix_cache() and hkv.num_cached_blocks == 0
+    assert hkv.num_free_blocks == hkv.num_blocks - 1
+    assert llm.runner.kv.add_sequence(99, b) == 10  # the target's pool alone still holds A's prompt
+    llm.runner.kv.free(99)
+    out = llm.generate([b], GREEDY)[0]
+    assert out.stats.cached_tokens == 0 and out.stats.drafted > 0
+    assert out.token_ids == tiny_llm(target, enable_prefix_caching=False).generate([b], GREEDY)[0].token_ids
+    assert llm.reset_prefix_cache()  # every pool, from the public API (nothing runs: all of it goes)
+    for kv in (llm.runner.kv, hkv):
+        assert kv.num_cached_blocks == 0 and kv.num_free_blocks == kv.num_blocks - 1
+
+
+def test_the_engine_caches_prefixes_by_default(target):
+    """On by default, as in vLLM, SGLang and llama.cpp's server (`enable_prefix_caching=False` turns it off)."""
+    llm = tiny_llm(target)
+    assert llm.engine.prefix_caching and llm.runner.kv.prefix_caching
+    got = [llm.generate([p], GREEDY)[0] for p in PROMPTS[:2]]
+    assert got[1].stats.cached_tokens == 10
+    off = tiny_llm(target, enable_prefix_caching=False)
+    assert not off.runner.kv.prefix_caching
+    assert [off.generate([p], GREEDY)[0].stats.cached_tokens for p in PROMPTS[:2]] == [0, 0]
 
 
 def test_server_reports_cached_tokens_in_usage_and_metrics(target):
@@ -266,7 +334,7 @@ def test_server_reports_cached_tokens_in_usage_and_metrics(target):
     run = Running(build_app(eng, config=ServerConfig(model_names=("tiny",), max_num_seqs=8, max_queue=16,
                                                      max_body_bytes=1 << 20, default_max_tokens=16)))
     try:
-        want = tiny_llm(target).generate(PROMPTS[:2], GREEDY)
+        want = tiny_llm(target, enable_prefix_caching=False).generate(PROMPTS[:2], GREEDY)
         got = []
         for p in PROMPTS[:2]:
             r = httpx.post(run.url + "/v1/completions", timeout=60,
@@ -283,10 +351,18 @@ def test_server_reports_cached_tokens_in_usage_and_metrics(target):
         run.stop()
 
 
-def test_a_running_requests_prompt_serves_a_later_arrival(target):
+@pytest.mark.parametrize("which", ["draft", "eagle"])
+def test_a_running_requests_prompt_serves_a_later_arrival(target, tmp_path, which):
     """A prompt's blocks are lent to the cache once it is read (all but its last token), not only when its request
-    ends: B arrives while A decodes and reads A's prompt from the cache, in both pools; both outputs as alone."""
-    eng = Engine.from_model(ours_from_hf(target).model, tiny_tokenizer(97), spec=draft_spec(k=3), device="cpu",
+    ends: B arrives while A decodes and reads A's prompt from the cache, in both pools (a draft model's, an EAGLE
+    head's: its rows of A's prompt once fed); both outputs as alone."""
+    if which == "eagle":
+        from tiny import random_eagle_head_dir
+
+        spec = eagle_spec(random_eagle_head_dir(ours_from_hf(target).model, tmp_path / "head"), k=3)
+    else:
+        spec = draft_spec(k=3)
+    eng = Engine.from_model(ours_from_hf(target).model, tiny_tokenizer(97), spec=spec, device="cpu",
                             cache=CacheConfig(block_size=4, num_blocks=256), enable_prefix_caching=True,
                             check_invariants=True)
     long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -303,8 +379,8 @@ def test_a_running_requests_prompt_serves_a_later_arrival(target):
             got[d.request_id].extend(d.new_token_ids)
             if d.finished and d.request_id == "b":
                 assert d.stats.cached_tokens == 12  # A's 3 lent blocks (its 4th is not final while A runs)
-    assert got["a"] == tiny_llm(target).generate([a], long)[0].token_ids
-    assert got["b"] == tiny_llm(target).generate([b], GREEDY)[0].token_ids
+    assert got["a"] == tiny_llm(target, enable_prefix_caching=False).generate([a], long)[0].token_ids
+    assert got["b"] == tiny_llm(target, enable_prefix_caching=False).generate([b], GREEDY)[0].token_ids
     assert eng.drafter.kv.prefix_hits > 0
     for kv in (eng.runner.kv, eng.drafter.kv):
         assert kv.num_free_blocks == kv.num_blocks - 1

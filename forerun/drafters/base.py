@@ -99,6 +99,21 @@ class Drafter(ABC):
     def release(self, request: Request) -> None:
         """The request finished: free its state."""
 
+    # Prefix caching (kvcache/pool.py): a drafter's own pool caches its positions under a token sequence that names
+    # what each position's keys and values depend on, and may bound how much of a new prompt the target takes from
+    # its cache (a drafter that reads the target's states needs them from where its own cache stops).
+    prefix_shift: int = 0  # prefix_key(tokens) names len(tokens) - prefix_shift positions
+
+    def prefix_key(self, tokens: list[int]) -> list[int]:
+        """The sequence that names the drafter's cache positions 0 .. len - 1 for `tokens`: the tokens themselves
+        (position i depends on tokens[:i + 1]); a drafter whose row i also reads token i + 1 names it otherwise."""
+        return tokens
+
+    def attach_prefix(self, request: Request) -> int | None:
+        """A request is admitted with prefix caching on: take the drafter's own cached prefix now. Returns how many
+        leading positions the target may take from its cache (None: any; the drafter needs nothing from it)."""
+        return None
+
     # Feature-level drafters (EAGLE) read the target's hidden states. The round asks the target forward for
     # these layers' outputs and, after verification, hands over the states of every newly committed token.
     target_hidden_layers: tuple[int, ...] = ()

@@ -708,9 +708,27 @@ class EagleDrafter(Drafter):
             kv.truncate(request.req_id, valid_len)
 
     def release(self, request: Request) -> None:
-        self.cache.kv.free(request.req_id)
+        kv = self.cache.kv
+        kv.free(request.req_id, self.prefix_key(request.committed_prefix) if kv.prefix_caching else None)
         self._feats.pop(request.req_id, None)
         self._outcome.pop(request.req_id, None)
+
+    # -- prefix caching: the head's row i reads the target's state at i and token i + 1, so its pool names rows by
+    # token pairs (a cached row is reused only where both match); the target may take from its own cache no more
+    # positions than the head holds, since the head is fed the target's states from where its cache stops
+    prefix_shift = 1
+
+    def prefix_key(self, tokens: list[int]) -> list[int]:
+        return [(a << 32) | b for a, b in zip(tokens, tokens[1:])]
+
+    def attach_prefix(self, request: Request) -> int | None:
+        kv = self.cache.kv
+        if not kv.prefix_caching:
+            return None
+        if not kv.has(request.req_id):  # every row the tokens name (the next row reads a token not sampled yet)
+            key = self.prefix_key(request.all_tokens)
+            kv.add_sequence(request.req_id, key, limit=len(key))
+        return kv.length(request.req_id)
 
     def cached_length(self, request: Request) -> int | None:
         kv = self.cache.kv

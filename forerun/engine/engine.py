@@ -159,7 +159,7 @@ class Engine:
                  check_invariants: bool = False, cuda_graphs: bool = True, overlap: bool = True,
                  overlap_spec: bool = True, mixed_prefill: bool = False,
                  draft_cache: CacheConfig | None = None, quantize: str | None = None,
-                 join_wait: tuple[float, int] | None = None, enable_prefix_caching: bool = False,
+                 join_wait: tuple[float, int] | None = None, enable_prefix_caching: bool = True,
                  _loaded=None) -> None:
         """quantize: weights of models loaded by name / path: "none" (float), "int8" / "int4" (kept quantized,
         CPU; GGUF Q4 blocks exactly as int4), "auto" (GGUF files: int4 with forerun's C kernel, AVX512-VNNI or AVX2, else int8;
@@ -178,11 +178,8 @@ class Engine:
         ratio x the running requests or the oldest has waited `steps` steps (JOIN_WAIT_RATIO / JOIN_WAIT_STEPS:
         fewer, larger prefill rounds for up to `steps` steps more of TTFT; off by default).
         enable_prefix_caching: a prompt that starts like an earlier request's tokens reuses their keys and values
-        (target and draft model caches; kvcache/pool.py), as vLLM's automatic prefix caching does; off by default.
-        Not with EAGLE heads, which read the target's hidden states at every prompt position."""
-        if enable_prefix_caching and spec is not None and spec.method == "eagle":
-            raise ValueError("prefix caching does not work with EAGLE drafting yet: the head reads the target's hidden "
-                             "states at every prompt position (drop --enable-prefix-caching or the EAGLE head)")
+        (the target's pool and the drafter's own: a draft model's, an EAGLE head's; kvcache/pool.py), as vLLM's
+        automatic prefix caching does; on by default (as in vLLM, SGLang and llama.cpp's server)."""
         if join_wait is not None:
             ratio, steps = join_wait
             if not (ratio >= 0 and int(steps) == steps and steps >= 0):
@@ -489,6 +486,13 @@ class Engine:
             self._finish(r)
             del self.requests[r.external_id]
         return True
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache's blocks in every pool (target, and the drafter's own), as vLLM's
+        reset_prefix_cache: e.g. after weights change. Blocks running requests hold stay until they finish; returns
+        whether every pool's cache is empty now."""
+        pools = {id(kv): kv for kv in (self.runner.kv, getattr(self.drafter, "kv", None)) if kv is not None}
+        return all([kv.reset_prefix_cache() for kv in pools.values()])
 
     def _finish(self, r: Request) -> None:
         self.scheduler.remove(r)

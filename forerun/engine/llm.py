@@ -31,7 +31,7 @@ class LLM:
                  check_invariants: bool = False, cuda_graphs: bool = True, overlap: bool = True,
                  overlap_spec: bool = True, mixed_prefill: bool = False,
                  draft_cache: CacheConfig | None = None, quantize: str | None = None,
-                 join_wait: tuple[float, int] | None = None, enable_prefix_caching: bool = False,
+                 join_wait: tuple[float, int] | None = None, enable_prefix_caching: bool = True,
                  _loaded=None) -> None:
         """overlap: with CUDA graphs, run plain decoding steps overlapped with the host's commits (engine/overlap.py);
         overlap_spec: speculative rounds too (engine/overlap_spec.py; CUDA graphs, greedy, a separate draft model);
@@ -69,6 +69,11 @@ class LLM:
         self.engine.overlap = value
 
     # -- requests --------------------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Engine.reset_prefix_cache: forget every pool's cached prefixes (held blocks stay until released)."""
+        with self._lock:
+            return self.engine.reset_prefix_cache()
+
     def _requests(self, prompts, sampling_params, chat) -> list[Request]:
         """Tokenize and validate every request before any is queued (a bad one raises, nothing runs)."""
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):

@@ -106,8 +106,10 @@ class Scheduler:
             if victim is None:
                 break
             if len(self.running) == 1:  # alone and still too big: it can never run
+                short = need_t > self.kv.num_free_blocks  # the target's pool, else the drafter's own
+                pool, kv = ("pool", self.kv) if short else ("drafter's pool", self.drafter.kv)
                 out.failed.append((victim, f"request {victim.external_id or victim.req_id} needs more KV blocks than the "
-                                           f"pool has ({self.kv.num_blocks - 1} blocks of {self.kv.block_size} tokens); "
+                                           f"{pool} has ({kv.num_blocks - 1} blocks of {kv.block_size} tokens); "
                                            "raise the KV memory budget or lower max_tokens"))
                 self.remove(victim)
                 continue
@@ -128,10 +130,17 @@ class Scheduler:
             r = self.waiting[0]
             if admit is not None and not admit(r):
                 break
-            hit = taken = 0
-            if self.kv.prefix_caching:  # its cached prefix joins its table now (undone below if it does not fit)
+            hit = taken = dtaken = 0
+            dkv = self.drafter.kv if self.drafter is not None else None
+            if self.kv.prefix_caching:  # its cached prefix joins its tables now (undone below if it does not fit)
+                cap = None
+                if self.drafter is not None:  # the drafter's own cached prefix first: it may bound the target's
+                    dfree0 = dkv.num_free_blocks if dkv is not None else 0
+                    cap = self.drafter.attach_prefix(r)
+                    dtaken = dfree0 - dkv.num_free_blocks if dkv is not None else 0
                 free0 = self.kv.num_free_blocks
-                hit = self.kv.add_sequence(r.req_id, r.all_tokens)
+                hit = self.kv.add_sequence(r.req_id, r.all_tokens,
+                                           limit=None if cap is None else min(cap, r.num_tokens - 1))
                 taken = free0 - self.kv.num_free_blocks  # (cached blocks nobody held count as free until taken)
             missing = r.num_tokens - hit
             feed = min(missing, left)
@@ -142,11 +151,15 @@ class Scheduler:
             extra = k  # (a tree's k: its nodes beyond the root, the rows it adds)
             held = len(self.kv.blocks(r.req_id)) if hit or taken else 0
             blocks = taken + max(0, -(-(hit + feed + extra) // self.kv.block_size) - held)
-            dkv = self.drafter.kv if self.drafter is not None else None
-            dblocks = -(-(hit + feed + extra + 1) // dkv.block_size) if dkv is not None else 0
+            dblocks = 0
+            if dkv is not None:
+                dheld = len(dkv.blocks(r.req_id)) if dtaken or dkv.has(r.req_id) else 0
+                dblocks = dtaken + max(0, -(-(hit + feed + extra + 1) // dkv.block_size) - dheld)
             if blocks > free_t or dblocks > free_d:
                 if self.kv.prefix_caching:
                     self.kv.free(r.req_id)
+                    if self.drafter is not None:
+                        self.drafter.release(r)
                 if not self.running and not items:  # nothing runs and it cannot start: it never will
                     self.waiting.popleft()
                     out.failed.append((r, f"request {r.external_id or r.req_id}: prompt of {missing} tokens needs "
@@ -173,12 +186,15 @@ class Scheduler:
         """Prefix caching: a running request whose prompt is read lends its prompt's blocks (all but the last token:
         no rollback reaches them) to requests that arrive while it runs, in the target pool and the draft's."""
         dkv = self.drafter.kv if self.drafter is not None else None
-        pools = ((1, self.kv),) if dkv is None else ((1, self.kv), (2, dkv))
+        pools = ((1, self.kv, None),) if dkv is None else ((1, self.kv, None), (2, dkv, self.drafter))
         for r in self.running:
             n = len(r.prompt_token_ids) - 1
-            for bit, kv in pools:
-                if not r.prompt_shared & bit and kv.has(r.req_id) and kv.length(r.req_id) >= n:
-                    kv.share_prefix(r.req_id, r.prompt_token_ids[:n])
+            for bit, kv, d in pools:  # (d: the drafter, which names its own pool's positions)
+                if r.prompt_shared & bit or not kv.has(r.req_id):
+                    continue
+                if kv.length(r.req_id) >= n - (d.prefix_shift if d else 0):
+                    prompt = r.prompt_token_ids[:n]
+                    kv.share_prefix(r.req_id, prompt if d is None else d.prefix_key(prompt))
                     r.prompt_shared |= bit
 
     def _plan(self, k_for, prefill_only: bool = False, exclude=frozenset()) -> list[RoundItem]:

@@ -109,6 +109,15 @@ class KVPool:
             if not kids:
                 del self._children[c.parent]
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block nobody holds (they go back to the free list). Returns whether the cache is
+        empty now (False: running sequences still hold some; they stay cached until released)."""
+        while self._evictable:
+            b, _ = self._evictable.popitem(last=False)
+            self._forget(b)
+            self._free.append(b)
+        return not self._cached
+
     def _release(self, b: int) -> None:
         """A sequence lets go of block b: a cached block loses a holder (cached on, evictable at none left), any
         other goes back to the free list."""
@@ -130,20 +139,23 @@ class KVPool:
     def capacity_tokens(self) -> int:
         return (self.num_blocks - 1) * self.block_size
 
-    def add_sequence(self, seq_id: int, tokens: list[int] | None = None) -> int:
-        """A new sequence. With prefix caching and its tokens: the longest cached prefix of tokens[:-1] becomes its
-        first committed positions (whole blocks shared, a last partial block copied). Returns the tokens found."""
+    def add_sequence(self, seq_id: int, tokens: list[int] | None = None, limit: int | None = None) -> int:
+        """A new sequence. With prefix caching and its tokens: the longest cached prefix of tokens[:limit] becomes its
+        first committed positions (whole blocks shared, a last partial block copied). limit: at most this many
+        positions (default len(tokens) - 1: the last token is left to compute, its logits are needed). Returns the
+        tokens found."""
         if seq_id in self._seqs:
             raise KeyError(f"sequence {seq_id} already has KV blocks")
         seq = self._seqs[seq_id] = SeqBlocks()
-        if self.prefix_caching and tokens is not None and len(tokens) > 1:
-            self._attach(seq, tokens)
+        limit = len(tokens) - 1 if limit is None and tokens is not None else limit
+        if self.prefix_caching and tokens is not None and min(limit, len(tokens)) > 0:
+            self._attach(seq, tokens, min(limit, len(tokens)))
             self.prefix_queries += len(tokens)
             self.prefix_hits += seq.length
         return seq.length
 
-    def _attach(self, seq: SeqBlocks, tokens: list[int]) -> None:
-        bs, limit, key = self.block_size, len(tokens) - 1, b""
+    def _attach(self, seq: SeqBlocks, tokens: list[int], limit: int) -> None:
+        bs, key = self.block_size, b""
         while (len(seq.blocks) + 1) * bs <= limit:  # whole blocks
             i = len(seq.blocks) * bs
             nxt = block_key(key, tokens[i: i + bs])

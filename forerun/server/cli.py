@@ -46,9 +46,9 @@ def parser() -> argparse.ArgumentParser:
                         "oldest has waited STEPS steps (fewer, larger prefill rounds; more TTFT; off by default)")
     p.add_argument("--kv-cache-gb", type=float, default=2.0, help="target KV cache memory budget (GiB)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--enable-prefix-caching", action="store_true",
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="prompts reuse the keys and values of earlier requests' equal prefixes (a shared system prompt "
-                        "is read once); usage reports them as prompt_tokens_details.cached_tokens")
+                        "is read once); usage reports them as prompt_tokens_details.cached_tokens; on by default")
     p.add_argument("--default-max-tokens", type=int, default=1024,
                    help="chat requests without max_completion_tokens get min(this, room left in the context)")
     p.add_argument("--max-body-bytes", type=int, default=8 << 20, help="request body size limit (413 above)")
@@ -112,8 +112,6 @@ def _check(a) -> str | None:
         problem = hub.model_problem(spec.draft_model, "draft model", "early-exit:N, ngram, eagle:DIR, none")
         if problem:
             return problem
-    if spec.method == "eagle" and a.enable_prefix_caching:
-        return "--enable-prefix-caching does not work with EAGLE drafting yet (the head reads every prompt position)"
     if spec.method == "eagle" and not os.path.isfile(os.path.join(os.path.expanduser(spec.eagle_head), "config.json")):
         return f"--draft eagle:DIR: {spec.eagle_head!r} is not an EAGLE head folder (no config.json)"
     return hub.model_problem(a.model)

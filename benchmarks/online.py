@@ -607,7 +607,7 @@ def gpu_main(args) -> dict:
     def make(spec_kw):
         if spec_kw is None or spec_kw[0] == "plain":  # ("plain", tweaks): plain with tweaks (--join-wait-ab)
             return joins(Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64,
-                                           enable_prefix_caching=False),
+                                           enable_prefix_caching=args.prefix_caching == "on"),
                          None if spec_kw is None else spec_kw[1])
         a, kw, overlapped, mixed, tweaks = (*spec_kw, *(False, {})[len(spec_kw) - 3:])  # (defaults by position)
         key = (tuple(sorted(kw.items())), overlapped, mixed)
@@ -619,7 +619,8 @@ def gpu_main(args) -> dict:
                 free_memory()
             eng = Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64,
                                     spec=SpecConfig(method="draft", draft_model=(draft, tok), **kw),
-                                    overlap_spec=overlapped, mixed_prefill=mixed, enable_prefix_caching=False)
+                                    overlap_spec=overlapped, mixed_prefill=mixed,
+                                    enable_prefix_caching=args.prefix_caching == "on")
             if not alive:
                 built[key] = eng
         eng.k_policy = KPolicy(eng.spec)
@@ -741,7 +742,7 @@ def gpu_main(args) -> dict:
     late = []
     for budget in (128, 256, 512, 8192):
         eng = Engine.from_model(target, tok, device="cuda", dtype=BF16, cache=cache, max_num_seqs=64,
-                                max_num_batched_tokens=budget, enable_prefix_caching=False)
+                                max_num_batched_tokens=budget, enable_prefix_caching=args.prefix_caching == "on")
         eng.warmup(max_batch=8)
         drive(eng, pool[:4], 8, concurrency=4)
         long_prompt = torch.randint(0, 151936, (4096,)).tolist()
@@ -788,7 +789,8 @@ def cpu_main(args) -> dict:
         priced = spec_kw.pop("price_catch_up", True) if spec_kw is not None else True
         timed_plain = spec_kw.pop("plain_rounds", True) if spec_kw is not None else True
         spec = SpecConfig() if spec_kw is None else SpecConfig(method="draft", draft_model=(draft, dtok), **spec_kw)
-        eng = Engine.from_model(target, tok, device="cpu", spec=spec, max_num_seqs=8, enable_prefix_caching=False)
+        eng = Engine.from_model(target, tok, device="cpu", spec=spec, max_num_seqs=8,
+                                enable_prefix_caching=args.prefix_caching == "on")
         eng.PRICE_CATCH_UP = priced  # (Engine.PRICE_CATCH_UP: the draft's prompt reads priced against its savings)
         if not timed_plain:  # the veto's plain step from the cost model, as before the seventeenth session
             eng.k_policy.PLAIN_ROUNDS_MIN = 1 << 30
@@ -929,6 +931,9 @@ def main() -> None:
     ap.add_argument("--poisson-ab", type=int, default=0, metavar="REPS",
                     help="GPU: only Poisson arrivals, the configs interleaved (all engines built first), each rate "
                          "REPS times; reports the median over repetitions of plain TPOT / config TPOT")
+    ap.add_argument("--prefix-caching", choices=["on", "off"], default="off",
+                    help="engines with the prefix cache (the engine's default since session 41; off here, as every "
+                         "earlier run of this script measured)")
     ap.add_argument("--no-4k", action="store_true", help="GPU: only the concurrency sweep (no 4k-prompt check)")
     ap.add_argument("--overlap-spec", choices=["on", "off", "both"], default="on",
                     help="GPU: speculative rounds overlapped (Engine(overlap_spec=True), engine/overlap_spec.py, the "

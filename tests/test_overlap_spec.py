@@ -841,8 +841,25 @@ def test_a_prompt_read_alone_is_fed_to_the_draft_in_its_round(models, sessions):
 
 
 def plain_greedy_of(models, prompts, params):
-    out = run(make(models), prompts, params)
+    out = run(make(models, prefix_caching=False), prompts, params)
     return {int(k): v for k, v in out.items()}
+
+
+@pytest.mark.parametrize("in_session", [False, True])
+def test_a_prompt_found_in_the_draft_cache_joins_a_session(models, in_session):
+    """Prefix caching with overlapped sessions: the same 8-token prompt (two whole blocks) again and again in a closed
+    loop of 2, so each arrival finds the earlier requests' prompt and first answer tokens in the draft's cache. The
+    draft takes a cached prefix of at most L - 2 positions (a session re-feeds L - 1; a shared block cannot be cut:
+    taking L - 1 = 8 failed with "cannot truncate ... shared prefix-cache blocks"); outputs equal plain greedy."""
+    prompts = [list(range(20, 28))] * 6
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (9, 14, 11, 12, 10, 13)]
+    want = {str(i): v for i, v in plain_greedy_of(models, prompts, params).items()}
+    eng = make(models, dict(k=3), in_session=in_session)
+    out, _, _ = run_closed_loop(eng, prompts, params, 2)
+    assert out == want
+    assert eng.drafter.kv.prefix_hits > 0
+    for kv in (eng.runner.kv, eng.drafter.kv):
+        assert kv.num_free_blocks == kv.num_blocks - 1
 
 
 @pytest.mark.parametrize("in_session", [False, True])

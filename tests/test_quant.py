@@ -224,6 +224,77 @@ def test_q8_kernel_builds_give_the_same_bits(isa):
     assert torch.equal(y, cpu_q4.q8_matmul(x, packed, n, 1))
 
 
+def _random_q6k(n: int, k: int, rng) -> np.ndarray:
+    """Random Q6_K blocks (every bit pattern is one: 6-bit codes, int8 scales -128..127), small finite fp16 d."""
+    b = rng.integers(0, 256, size=(n * k // 256, 210), dtype=np.uint8)
+    b[:, 208:210] = np.float16(rng.uniform(0.001, 0.01, size=(b.shape[0], 1))).view(np.uint8)
+    return b.reshape(n, -1)
+
+
+@pytest.mark.skipif(not Q4Linear.fits(64, 128), reason="needs gcc and AVX512-VNNI or AVX2 (forerun/kernels/cpu_q4.c)")
+@pytest.mark.parametrize("n,k", [(37, 256), (300, 1536)])
+def test_q6k_linear_is_exact_over_the_blocks(n, k):
+    """Q6KLinear (GGUF Q6_K blocks as stored, cpu_q4.c's q6k_gemm): per group of 32 its output is d * xs * the exact
+    integer dot product of the weights' codes (q - 32, times their per-16 int8 scales) with the activations' codes
+    (checked in float64 against gguf's own dequantization, to 1e-5 of the terms' sizes); the same bits for a row alone
+    or among others, and with 1 or 2 threads. Codes 0 / 63 with scales -128 / 127 against activations at +-127 are
+    in. A kernel reading a set's codes with the wrong scale, or the wrong 2 high bits, fails it."""
+    from forerun.kernels import cpu_q4
+    from forerun.models.quant import Q6KLinear
+
+    rng = np.random.default_rng(n)
+    blocks = _random_q6k(n, k, rng)
+    blocks[0, :192] = 0xFF  # q = 63 everywhere, scales -128
+    blocks[0, 192:208] = 0x80
+    blocks[1, :192], blocks[1, 192:208] = 0x00, 0x7F  # q = 0, scales 127
+    g = torch.Generator().manual_seed(n)
+    b = torch.randn(n, generator=g)
+    lin = Q6KLinear.from_blocks(blocks, k, b)
+    w = torch.from_numpy(dequantize(blocks, QT.Q6_K).reshape(n, k).astype(np.float32))
+    assert lin.weight_bytes == n * k // 256 * 210 and np.array_equal(lin.blocks(), blocks)
+    assert torch.equal(lin.dequantized(), w)
+    x = torch.randn(9, k, generator=g)
+    x[0], x[1] = 1.0, -1.0
+    y = lin(x)
+    xq, xs, _ = cpu_q4.quantize_activations(x)
+    acodes = xq.view(9, -1, 8, 16, 4).transpose(2, 3).reshape(9, -1, 32)[:, : k // 32].double()
+    terms = torch.einsum("mgc,ngc->mng", acodes, w.view(n, -1, 32).double()) * xs[:, : k // 32].double()[:, None]
+    want = terms.sum(-1) + b.double()
+    assert ((y.double() - want).abs() <= 1e-5 * (terms.abs().sum(-1) + b.double().abs()) + 1e-6).all()
+    for r in range(1, 9):
+        assert torch.equal(lin(x[r:r + 1]), y[r:r + 1]) and torch.equal(lin(x[:r]), y[:r])
+    assert torch.equal(lin.rows(x, threads=1), lin.rows(x, threads=2))
+    ids = torch.tensor([5, 0, n - 1])
+    sub = lin.select_rows(ids)
+    assert torch.equal(sub(x), y[:, ids])
+
+
+def test_a_q6_k_head_stays_in_its_blocks_where_q8_would_run(monkeypatch):
+    """The int4 and int8 layouts take a GGUF Q6_K output head as Q6KLinear (its own blocks) on a CPU without VNNI,
+    where they would re-quantize it to Q8Linear, and keep oneDNN's Int8Linear with VNNI; a Q6_K matrix of the layers
+    is re-quantized to int4 as before; the draft-vocabulary subset of a Q6KLinear head is its rows' blocks."""
+    from forerun.models import quant
+    from forerun.models.loader import GGUFQuantized
+    from forerun.models.vocab_subset import _rows
+
+    n, k = 64, 512
+    data = _random_q6k(n, k, np.random.default_rng(1))
+    head = GGUFQuantized(data, "Q6_K", (n, k), None, "tensor output.weight")
+    layer = GGUFQuantized(data, "Q6_K", (n, k), None, "tensor blk.0.ffn_down.weight")
+    monkeypatch.setattr(quant, "int8_activation_range", lambda: (127, 128))
+    assert isinstance(quant.make_quantized_linear([head], None, "int4"), Int8Linear)
+    monkeypatch.setattr(quant, "int8_activation_range", lambda: (63, 64))
+    if not Q4Linear.fits(n, k):
+        pytest.skip("no C kernel here")
+    for layout in ("int4", "int8"):
+        lin = quant.make_quantized_linear([head], None, layout)
+        assert isinstance(lin, quant.Q6KLinear) and np.array_equal(lin.blocks(), data)
+    assert isinstance(quant.make_quantized_linear([layer], None, "int4"), Q4Linear)
+    ids = torch.tensor([3, 0, 63, 17])
+    sub = _rows(lin, ids)
+    assert isinstance(sub, quant.Q6KLinear) and torch.equal(sub.dequantized(), lin.dequantized()[ids])
+
+
 def test_int8_linear_picks_the_int4_kernel_without_vnni(monkeypatch):
     """The int4 layout's 8-bit matrices (and the int8 layout) go to Q8Linear on a CPU without VNNI, where oneDNN's
     int8 product is slow, and stay Int8Linear (oneDNN) with VNNI; the draft-vocabulary subset of a Q8Linear head

@@ -35,7 +35,10 @@ class ModelDrafter(Drafter):
     def _ensure(self, r: Request) -> None:
         kv = self.runner.kv
         if not kv.has(r.req_id):  # (prefix caching: the draft's own cached prefix; feeding starts after it)
-            kv.add_sequence(r.req_id, r.all_tokens if kv.prefix_caching and not self.shares_target_cache else None)
+            cached = kv.prefix_caching and not self.shares_target_cache
+            # at most up to position L - 2: an overlapped session re-feeds L - 1 (overlap_spec._enter truncates
+            # there, and a shared block cannot be cut)
+            kv.add_sequence(r.req_id, r.all_tokens if cached else None, limit=max(r.num_tokens - 2, 0))
 
     @property
     def kv(self):

@@ -506,3 +506,113 @@ void q4_quant_act(const float *x, int64_t m, int64_t k, int8_t *xq, float *xs, f
     }
 }
 #endif
+
+// ---- GGUF Q6_K weights, exact (Q6KLinear: a Q4_K_M file's output head, 6.5625 bits a weight) ----
+// w = d * scale_s * (q - 32), q in 0..63, per block of 256 weights = 8 groups of 32 (group g: sub-blocks 2 g, 2 g + 1
+// of 16 weights, with int8 scales). Re-laid out at load (cpu_q4.pack_q6k; the same 210 bytes a block) so that the
+// 32-bit lane g of a vector belongs to group g, as in the int8 layout: 4 bytes per group for piece p (weights
+// 4 p .. 4 p + 3 of each group):
+//   uint8 lo[4][8 groups][4]   low nibbles: piece k (low nibble) and piece k + 4 (high nibble)
+//   uint8 hi[2][8 groups][4]   high 2 bits: pieces 4 m + s at bits 2 s, 2 s + 1
+//   int8  scales[16]           as stored (sub-block order);  fp16 d
+// Activations: the int4 product's (q4_quant_act: int8 codes per 32 values in its piece order, xs per group) and the
+// sums of each 16 codes (bsum [M, groups * 2] int16). Per block and activation row, exactly in int32: lane g =
+// sum_p scale(g, p < 4 ? a : b) * dot(q_p, x_p) - 32 * (scale_a * bsum_a + scale_b * bsum_b) (maddubs(q, x) pairs
+// <= 2 * 63 * 127: no int16 saturation), then * d * xs[g] into 8 float lanes: the int8 kernel's structure, no
+// reductions across lanes until the end. Each output's operations are the same whatever M and the thread split.
+#define Q6K_BLOCK 210
+// pshufb masks: int16 scales of sub-blocks a (even) / b (odd) of each 32-bit lane's group, from the 16 scales
+static const uint8_t Q6K_PICK[2][32] __attribute__((aligned(32))) = {
+    {0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13},
+    {2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15, 2, 3, 2, 3, 6, 7, 6, 7, 10, 11, 10, 11, 14, 15, 14, 15}};
+
+// weight row w (nb blocks) x mb (<= 8) activation rows (xq in q4_quant_act's order, astride bytes a row; xs, bs
+// per row sstride groups) -> out[0 .. mb)
+INLINE void q6k_row(const uint8_t *w, int64_t nb, const int8_t *xq, int64_t astride, const float *xs,
+                    const int16_t *bs, int64_t sstride, const int mb, float *out) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const __m256i pa = _mm256_load_si256((const __m256i *)Q6K_PICK[0]), pb = _mm256_load_si256((const __m256i *)Q6K_PICK[1]);
+    __m256 facc[8];
+    for (int i = 0; i < mb; i++) facc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * Q6K_BLOCK;
+        _mm_prefetch((const char *)(blk + 1024), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + 1088), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + 1152), _MM_HINT_T0);
+        _mm_prefetch((const char *)(blk + 1216), _MM_HINT_T0);
+        const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        const __m256i sa = _mm256_shuffle_epi8(s16, pa), sbv = _mm256_shuffle_epi8(s16, pb);
+        const __m256i h0 = _mm256_loadu_si256((const __m256i *)(blk + 128));
+        const __m256i h1 = _mm256_loadu_si256((const __m256i *)(blk + 160));
+        __m256i q[8];
+        for (int kk = 0; kk < 4; kk++) {
+            const __m256i lo = _mm256_loadu_si256((const __m256i *)(blk + 32 * kk));
+            q[kk] = _mm256_and_si256(lo, m4);
+            q[kk + 4] = _mm256_and_si256(_mm256_srli_epi16(lo, 4), m4);
+        }
+        q[0] = _mm256_or_si256(q[0], _mm256_and_si256(_mm256_slli_epi16(h0, 4), m30));
+        q[1] = _mm256_or_si256(q[1], _mm256_and_si256(_mm256_slli_epi16(h0, 2), m30));
+        q[2] = _mm256_or_si256(q[2], _mm256_and_si256(h0, m30));
+        q[3] = _mm256_or_si256(q[3], _mm256_and_si256(_mm256_srli_epi16(h0, 2), m30));
+        q[4] = _mm256_or_si256(q[4], _mm256_and_si256(_mm256_slli_epi16(h1, 4), m30));
+        q[5] = _mm256_or_si256(q[5], _mm256_and_si256(_mm256_slli_epi16(h1, 2), m30));
+        q[6] = _mm256_or_si256(q[6], _mm256_and_si256(h1, m30));
+        q[7] = _mm256_or_si256(q[7], _mm256_and_si256(_mm256_srli_epi16(h1, 2), m30));
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t *)(blk + 208)));
+        const int64_t xoff = (b / 2) * 512 + (b % 2) * 32;  // piece p of the block's 8 groups: + 64 p
+        for (int i = 0; i < mb; i++) {
+            const int8_t *xb = xq + i * astride + xoff;
+            __m256i acc = _mm256_madd_epi16(_mm256_maddubs_epi16(q[0], _mm256_loadu_si256((const __m256i *)xb)), sa);
+            for (int p = 1; p < 8; p++)
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(
+                    _mm256_maddubs_epi16(q[p], _mm256_loadu_si256((const __m256i *)(xb + 64 * p))), p < 4 ? sa : sbv));
+            const __m256i off = _mm256_madd_epi16(s16, _mm256_loadu_si256((const __m256i *)(bs + i * sstride * 2 + 16 * b)));
+            acc = _mm256_sub_epi32(acc, _mm256_slli_epi32(off, 5));
+            facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(d, _mm256_loadu_ps(xs + i * sstride + 8 * b)),
+                                      facc[i]);
+        }
+    }
+    for (int i = 0; i < mb; i++) out[i] = hsum8(facc[i]);
+}
+
+static void q6k_run_rows(const uint8_t *w, int64_t n0, int64_t n1, int64_t n, int64_t k, const int8_t *xq,
+                         const float *xs, const int16_t *bs, int64_t m, float *y) {
+    const int64_t nb = k / 256, rb = nb * Q6K_BLOCK, astride = chunks_of(k) * 512, sstride = chunks_of(k) * 16;
+    float out[8];
+    for (int64_t r = n0; r < n1; r++) {
+        for (int64_t m0 = 0; m0 < m; m0 += 8) {
+            const int mb = (int)(m - m0 < 8 ? m - m0 : 8);
+            const int8_t *xb = xq + m0 * astride;
+            const float *sb = xs + m0 * sstride;
+            const int16_t *bb = bs + m0 * sstride * 2;
+            switch (mb) {  // constant row counts: the accumulators stay in registers
+                case 1: q6k_row(w + r * rb, nb, xb, astride, sb, bb, sstride, 1, out); break;
+                case 2: q6k_row(w + r * rb, nb, xb, astride, sb, bb, sstride, 2, out); break;
+                case 3: q6k_row(w + r * rb, nb, xb, astride, sb, bb, sstride, 3, out); break;
+                case 4: q6k_row(w + r * rb, nb, xb, astride, sb, bb, sstride, 4, out); break;
+                case 5: q6k_row(w + r * rb, nb, xb, astride, sb, bb, sstride, 5, out); break;
+                case 6: q6k_row(w + r * rb, nb, xb, astride, sb, bb, sstride, 6, out); break;
+                case 7: q6k_row(w + r * rb, nb, xb, astride, sb, bb, sstride, 7, out); break;
+                default: q6k_row(w + r * rb, nb, xb, astride, sb, bb, sstride, 8, out); break;
+            }
+            for (int i = 0; i < mb; i++) y[(m0 + i) * n + r] = out[i];
+        }
+    }
+}
+
+// y [M, N] = x W^T, W [N, K] in the layout above (K % 256 == 0), activations from q4_quant_act (+ bsum); rows split
+// over threads
+void q6k_gemm(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq, const float *xs, const int16_t *bs,
+              int64_t m, float *y, int threads) {
+    if (threads <= 1 || n < 256) {
+        q6k_run_rows(w, 0, n, n, k, xq, xs, bs, m, y);
+        return;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int64_t per = (n + nt - 1) / nt;
+        const int64_t n0 = t * per, n1 = n0 + per < n ? n0 + per : n;
+        if (n0 < n1) q6k_run_rows(w, n0, n1, n, k, xq, xs, bs, m, y);
+    }
+}

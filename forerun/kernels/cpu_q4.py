@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .cbuild import lazy_library
@@ -35,6 +36,8 @@ def _declare(lib) -> None:
     lib.q8_gemm.restype = None
     lib.q8_group_bytes.argtypes = [i64]
     lib.q8_group_bytes.restype = i64
+    lib.q6k_gemm.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int]
+    lib.q6k_gemm.restype = None
 
 
 _load = lazy_library(Path(__file__).with_name("cpu_q4.c"), [], _declare)
@@ -215,4 +218,74 @@ def q8_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, threads: int | None
     y = torch.empty(m, n, dtype=torch.float32)
     lib.q8_gemm(packed.data_ptr(), n, k, xq.data_ptr(), xs.data_ptr(), m, y.data_ptr(),
                 threads or torch.get_num_threads())
+    return y
+
+
+# ---------------------------------------------------------------- GGUF Q6_K, re-laid out (Q6KLinear)
+
+Q6K_BLOCK = 210  # bytes per 256 weights: ql[128], qh[64], int8 scales[16], fp16 d (the kernel's layout: the same size)
+
+
+def q6k_codes(blocks: np.ndarray) -> np.ndarray:
+    """GGUF Q6_K blocks [N, nb * 210] -> 6-bit codes [N, nb * 256] uint8 0..63 in weight order (gguf's dequantization
+    order: per half of a block, sets j of 32 from ql / qh as in cpu_q4.c)."""
+    n = blocks.shape[0]
+    b = blocks.reshape(n, -1, Q6K_BLOCK)
+    ql, qh = b[..., :128].reshape(n, -1, 2, 2, 32), b[..., 128:192].reshape(n, -1, 2, 1, 32)  # [n, nb, half, 2, 32]
+    lo = np.concatenate([ql & 15, ql >> 4], axis=3)  # [n, nb, half, set 0..3, 32]: sets 0, 1 low, 2, 3 high nibbles
+    hi = np.concatenate([(qh >> (2 * j)) & 3 for j in range(4)], axis=3)
+    return (lo | (hi << 4)).reshape(n, -1)
+
+
+def pack_q6k(blocks: np.ndarray) -> np.ndarray:
+    """GGUF Q6_K blocks [N, nb * 210] -> the kernel's layout (cpu_q4.c; the same 210 bytes a block, exact): per block,
+    lo [4 k][8 groups][4 t] = code of weight 4 k + t of the group | code of weight 4 (k + 4) + t << 4 (low nibbles),
+    hi [2 m][8 groups][4 t] = sum over s of (code of weight 4 (4 m + s) + t >> 4) << 2 s, then the 16 scales and d as
+    stored. Done by row chunks (no full-size temporaries for a 150k-row head)."""
+    n, width = blocks.shape
+    out = np.empty((n, width), dtype=np.uint8)
+    for i in range(0, n, 8192):
+        q = q6k_codes(blocks[i:i + 8192])
+        r = q.shape[0]
+        q = q.reshape(r, -1, 8, 8, 4)  # [r, nb, group, piece, t]
+        lo = (q[:, :, :, :4] & 15) | ((q[:, :, :, 4:] & 15) << 4)  # [r, nb, group, k, t]
+        h = (q >> 4).reshape(r, -1, 8, 2, 4, 4)  # [r, nb, group, m, s, t]
+        hi = h[:, :, :, :, 0] | (h[:, :, :, :, 1] << 2) | (h[:, :, :, :, 2] << 4) | (h[:, :, :, :, 3] << 6)
+        src = blocks[i:i + 8192].reshape(r, -1, Q6K_BLOCK)
+        dst = out[i:i + 8192].reshape(r, -1, Q6K_BLOCK)
+        dst[..., :128] = lo.transpose(0, 1, 3, 2, 4).reshape(r, -1, 128)
+        dst[..., 128:192] = hi.transpose(0, 1, 3, 2, 4).reshape(r, -1, 64)
+        dst[..., 192:] = src[..., 192:]
+    return out
+
+
+def unpack_q6k(packed: np.ndarray) -> np.ndarray:
+    """pack_q6k's inverse: GGUF Q6_K blocks."""
+    n = packed.shape[0]
+    p = packed.reshape(n, -1, Q6K_BLOCK)
+    lo = p[..., :128].reshape(n, -1, 4, 8, 4).transpose(0, 1, 3, 2, 4)  # [n, nb, group, k, t]
+    hi = p[..., 128:192].reshape(n, -1, 2, 8, 4).transpose(0, 1, 3, 2, 4)  # [n, nb, group, m, t]
+    hs = np.stack([(hi >> (2 * s)) & 3 for s in range(4)], axis=4)  # [n, nb, group, m, s, t]
+    q = np.concatenate([lo & 15, lo >> 4], axis=3) | (hs.reshape(n, -1, 8, 8, 4) << 4)  # [n, nb, group, piece, t]
+    q = q.reshape(n, -1, 2, 4, 32)  # [n, nb, half, set, 32]: weight 128 half + 32 set + l
+    qh = (q[:, :, :, 0] >> 4) | ((q[:, :, :, 1] >> 4) << 2) | ((q[:, :, :, 2] >> 4) << 4) | ((q[:, :, :, 3] >> 4) << 6)
+    out = p.copy()
+    out[..., :128] = np.concatenate([(q[:, :, :, 0] & 15) | ((q[:, :, :, 2] & 15) << 4),
+                                     (q[:, :, :, 1] & 15) | ((q[:, :, :, 3] & 15) << 4)], axis=3).reshape(n, -1, 128)
+    out[..., 128:192] = qh.reshape(n, -1, 64)
+    return out.reshape(packed.shape)
+
+
+def q6k_matmul(x: torch.Tensor, packed: np.ndarray, n: int, threads: int | None = None) -> torch.Tensor:
+    """x [M, K] float -> [M, N] float32 = x W^T with W [N, K] packed by pack_q6k (C-contiguous numpy uint8), x
+    quantized as the int4 product's (per 32 values) plus the sums of each 16 codes: cpu_q4.c's q6k_gemm."""
+    lib = _load()
+    m, k = x.shape
+    xq, xs, _ = quantize_activations_c(x)
+    c = _chunks(k)
+    pieces = xq.view(m, c, 8, 16, 4).to(torch.int16)
+    bsum = torch.stack([pieces[:, :, :4].sum((2, 4)), pieces[:, :, 4:].sum((2, 4))], -1).to(torch.int16).contiguous()
+    y = torch.empty(m, n, dtype=torch.float32)
+    lib.q6k_gemm(packed.ctypes.data, n, k, xq.data_ptr(), xs.data_ptr(), bsum.data_ptr(), m, y.data_ptr(),
+                 threads or torch.get_num_threads())
     return y

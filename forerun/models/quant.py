@@ -187,8 +187,9 @@ def quantize_groups_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Ten
     """w: [N, K] float -> (q [N, K] uint8 0..15, scale [N, K/g], offset [N, K/g]) with
     w ~= q * scale + offset per group (asymmetric min/max, like GGUF Q4_1)."""
     n, k = w.shape
-    q = torch.empty(n, k, dtype=torch.uint8)
-    scale, lo = torch.empty(n, k // group), torch.empty(n, k // group)
+    dev = w.device if isinstance(w, torch.Tensor) else "cpu"  # (loader.DequantizedRows: CPU rows)
+    q = torch.empty(n, k, dtype=torch.uint8, device=dev)
+    scale, lo = torch.empty(n, k // group, device=dev), torch.empty(n, k // group, device=dev)
     for i in range(0, n, ROW_CHUNK):  # row-wise: the same values as one pass
         r = slice(i, i + ROW_CHUNK)
         g = w[r].float().reshape(-1, k // group, group)
@@ -338,6 +339,79 @@ class Q8Linear(nn.Module):
         return y if self.bias is None else y.add_(self.bias)
 
 
+class Q6KLinear(nn.Module):
+    """y = x W^T + b with W from GGUF Q6_K blocks, exactly (w = d * scale_16 * (q - 32), 6.5625 bits a weight), in
+    cpu_q4.c's layout for them (`pack_q6k`: the same bytes re-ordered so that a vector lane is a group of 32, as in
+    the int8 layout), multiplied by `q6k_gemm`: the int4 product's int8 activations per 32 values, exact int32 dot
+    products per 16 weights times their int8 scale, d * xs in float. Batch-invariant like Q4Linear.
+
+    Why: a Q4_K_M file's output head is Q6_K. Held as Q8Linear it was re-quantized (within half an 8-bit step per
+    weight) into 8.5 bits a weight; kept exact it streams 23 % fewer bytes a token and its logits are closer to the
+    fp32 head's (measured in docs/quantization.md: the 1.5B's head, benchmarks/q6k_head_cpu.py)."""
+
+    def __init__(self, packed: np.ndarray, in_features: int, bias: torch.Tensor | None = None) -> None:
+        # packed: [N, K / 256 * 210] uint8 in pack_q6k's layout; bias: [N] or None
+        super().__init__()
+        from ..kernels.cpu_q4 import Q6K_BLOCK
+
+        if in_features % 256 or packed.ndim != 2 or packed.shape[1] != in_features // 256 * Q6K_BLOCK:
+            raise ValueError(f"Q6_K rows {tuple(packed.shape)} do not hold {in_features} weights each")
+        self.packed = np.ascontiguousarray(packed, dtype=np.uint8)  # (a plain attribute: not a parameter)
+        self.out_features, self.in_features = packed.shape[0], in_features
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    @classmethod
+    def from_blocks(cls, blocks: np.ndarray, in_features: int, bias: torch.Tensor | None = None) -> "Q6KLinear":
+        """From GGUF Q6_K blocks [N, K / 256 * 210] as the file stores them."""
+        from ..kernels.cpu_q4 import pack_q6k
+
+        return cls(pack_q6k(np.asarray(blocks)), in_features, bias)
+
+    @classmethod
+    def from_gguf(cls, part, bias: torch.Tensor | None = None) -> "Q6KLinear":
+        return cls.from_blocks(part.data, part.shape[1], bias)
+
+    @staticmethod
+    def fits(part) -> bool:
+        """A 2-D GGUF Q6_K tensor (rows not permuted) whose rows are whole blocks, and the C kernel here."""
+        from ..kernels import cpu_q4
+
+        return (not isinstance(part, torch.Tensor) and getattr(part, "type_name", "") == "Q6_K"
+                and not getattr(part, "unpermute_heads", None) and len(part.shape) == 2 and part.shape[1] % 256 == 0
+                and getattr(part.data, "ndim", 0) == 2 and cpu_q4.available())
+
+    @property
+    def weight_bytes(self) -> int:
+        return int(self.packed.nbytes)
+
+    def blocks(self) -> np.ndarray:
+        """The GGUF Q6_K blocks, as the file stored them (the layout's inverse)."""
+        from ..kernels.cpu_q4 import unpack_q6k
+
+        return unpack_q6k(self.packed)
+
+    def dequantized(self) -> torch.Tensor:  # [N, K] float32, gguf's dequantization (tests, vocabulary subsets)
+        from .gguf_embedding import row_dequantizer
+
+        w = np.concatenate([row_dequantizer("Q6_K")(self.blocks()[i:i + ROW_CHUNK])
+                            for i in range(0, self.out_features, ROW_CHUNK)])
+        return torch.from_numpy(w.reshape(self.out_features, self.in_features))
+
+    def select_rows(self, ids: torch.Tensor) -> "Q6KLinear":
+        """The rows `ids` (their own bytes: exact)."""
+        return Q6KLinear(self.packed[ids.cpu().numpy()], self.in_features,
+                         None if self.bias is None else self.bias[ids])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+        return self.rows(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def rows(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:  # [M, K] -> [M, N] float32
+        from ..kernels.cpu_q4 import q6k_matmul
+
+        y = q6k_matmul(x, self.packed, self.out_features, threads)
+        return y if self.bias is None else y.add_(self.bias)
+
+
 # ====================================================================== GGUF blocks -> int4 groups
 
 
@@ -384,7 +458,7 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
             quant += m.weight_bytes + (0 if packed is None else packed.numel() * packed.element_size())
             seen.update(t.data_ptr() for t in (getattr(m, "qw32", None), getattr(m, "qw8", None), m.scale,
                                                getattr(m, "zero", None), packed) if t is not None)
-        elif isinstance(m, (Int8Linear, Int4Linear, Q4Linear, Q8Linear)):
+        elif isinstance(m, (Int8Linear, Int4Linear, Q4Linear, Q8Linear, Q6KLinear)):
             quant += m.weight_bytes
             for t in (m.bias,):
                 if t is not None:
@@ -397,7 +471,7 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
     for m in model.modules():  # oneDNN-packed fp32/bf16 weights (PackedLinear) are not parameters; nor are a GGUF
         other += getattr(m, "quantized_bytes", 0)  # embedding's blocks (GGUFEmbedding: mapped from the file)
         packed = getattr(m, "packed", None)
-        if packed is not None and not isinstance(m, (Int8Linear, Int4Linear, Q4Linear, Q8Linear)) \
+        if packed is not None and not isinstance(m, (Int8Linear, Int4Linear, Q4Linear, Q8Linear, Q6KLinear)) \
                 and hasattr(packed, "numel"):
             other += packed.numel() * packed.element_size()
     return {"quantized_linear_bytes": quant, "other_bytes": other, "total_bytes": quant + other}
@@ -451,6 +525,8 @@ def make_quantized_linear(parts: list, bias: torch.Tensor | None, layout: str) -
             return Q4Linear(q, s, o, bias) if Q4Linear.fits(n, k) else Int4Linear(q, s, o, bias)
         # a GGUF matrix with no 4-bit part (Q6_K, Q8_0, ...): int8 keeps more of its precision
     if layout in ("int4", "int8"):
+        if len(parts) == 1 and Q6KLinear.fits(parts[0]) and int8_activation_range()[0] != 127:
+            return Q6KLinear.from_gguf(parts[0], bias)  # (a Q4_K_M's head, exact, where Q8Linear would run)
         return int8_linear(_float_rows(parts), bias)
     raise ValueError(f"unknown quantized layout {layout!r}")
 

@@ -43,6 +43,8 @@ def _rows(head: nn.Module, ids: torch.Tensor) -> nn.Module:
                 sub.bias.copy_(head.bias[ids.to(head.bias.device)])
         sub.weight.requires_grad_(False)
         return sub
+    if isinstance(head, quant.Q6KLinear):  # the rows' own blocks (exact)
+        return head.select_rows(ids)
     if not hasattr(head, "dequantized"):
         raise ValueError(f"cannot take rows of a {type(head).__name__} output head")
     full = head.dequantized()  # [V, K]

@@ -234,7 +234,8 @@ def _random_q6k(n: int, k: int, rng) -> np.ndarray:
 @pytest.mark.skipif(not Q4Linear.fits(64, 128), reason="needs gcc and AVX512-VNNI or AVX2 (forerun/kernels/cpu_q4.c)")
 @pytest.mark.parametrize("n,k", [(37, 256), (300, 1536)])
 def test_q6k_linear_is_exact_over_the_blocks(n, k):
-    """Q6KLinear (GGUF Q6_K blocks as stored, cpu_q4.c's q6k_gemm): per group of 32 its output is d * xs * the exact
+    """Q6KLinear (GGUF Q6_K blocks re-laid out by pack_q6k, cpu_q4.c's q6k_gemm): the layout gives the blocks back
+    byte for byte and dequantizes as gguf does; per group of 32 its output is d * xs * the exact
     integer dot product of the weights' codes (q - 32, times their per-16 int8 scales) with the activations' codes
     (checked in float64 against gguf's own dequantization, to 1e-5 of the terms' sizes); the same bits for a row alone
     or among others, and with 1 or 2 threads. Codes 0 / 63 with scales -128 / 127 against activations at +-127 are
@@ -269,10 +270,10 @@ def test_q6k_linear_is_exact_over_the_blocks(n, k):
     assert torch.equal(sub(x), y[:, ids])
 
 
-def test_a_q6_k_head_stays_in_its_blocks_where_q8_would_run(monkeypatch):
-    """The int4 and int8 layouts take a GGUF Q6_K output head as Q6KLinear (its own blocks) on a CPU without VNNI,
+def test_a_q6_k_head_stays_exact_where_q8_would_run(monkeypatch):
+    """The int4 and int8 layouts take a GGUF Q6_K output head as Q6KLinear (exact) on a CPU without VNNI,
     where they would re-quantize it to Q8Linear, and keep oneDNN's Int8Linear with VNNI; a Q6_K matrix of the layers
-    is re-quantized to int4 as before; the draft-vocabulary subset of a Q6KLinear head is its rows' blocks."""
+    is re-quantized to int4 as before; the draft-vocabulary subset of a Q6KLinear head is its rows' own bytes."""
     from forerun.models import quant
     from forerun.models.loader import GGUFQuantized
     from forerun.models.vocab_subset import _rows

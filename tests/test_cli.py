@@ -292,11 +292,8 @@ def test_llamacpp_build_config_avoids_amx():
 # ---------------------------------------------------------------- a GGUF runs quantized by default
 
 
-@pytest.mark.parametrize("args, want", [([], "auto"), (["--dtype", "bfloat16"], "none"), (["--quantize", "int8"], "int8"),
-                                        (["--dtype", "float32", "--quantize", "int4"], "int4")])
-def test_serve_keeps_a_gguf_quantized_unless_a_float_dtype_is_asked(monkeypatch, args, want):
-    """`forerun serve M` loads a GGUF as `--quantize auto` (int4 kept quantized: the layout the benchmarks measure);
-    `--dtype bfloat16` alone asks for float weights (none); an explicit --quantize wins."""
+def _serve_engine_kwargs(monkeypatch, args) -> dict:
+    """What `forerun serve m.gguf ARGS` passes to Engine (stopped before anything loads)."""
     from forerun.engine import engine as engine_mod
     from forerun.server import cli as serve_cli
 
@@ -309,26 +306,22 @@ def test_serve_keeps_a_gguf_quantized_unless_a_float_dtype_is_asked(monkeypatch,
     monkeypatch.setattr(engine_mod, "Engine", fake_engine)
     monkeypatch.setattr(hub, "model_problem", lambda *a, **k: None)
     assert serve_cli.main(["m.gguf", "--port", "0", *args]) != 0
-    assert seen["quantize"] == want
+    return seen
+
+
+@pytest.mark.parametrize("args, want", [([], "auto"), (["--dtype", "bfloat16"], "none"), (["--quantize", "int8"], "int8"),
+                                        (["--dtype", "float32", "--quantize", "int4"], "int4")])
+def test_serve_keeps_a_gguf_quantized_unless_a_float_dtype_is_asked(monkeypatch, args, want):
+    """`forerun serve M` loads a GGUF as `--quantize auto` (int4 kept quantized: the layout the benchmarks measure);
+    `--dtype bfloat16` alone asks for float weights (none); an explicit --quantize wins."""
+    assert _serve_engine_kwargs(monkeypatch, args)["quantize"] == want
 
 
 @pytest.mark.parametrize("args, want", [([], True), (["--no-enable-prefix-caching"], False),
                                         (["--enable-prefix-caching"], True)])
 def test_serve_caches_prefixes_by_default(monkeypatch, args, want):
     """Prefix caching is on unless --no-enable-prefix-caching (vLLM's spelling), EAGLE heads included."""
-    from forerun.engine import engine as engine_mod
-    from forerun.server import cli as serve_cli
-
-    seen = {}
-
-    def fake_engine(*a, **kw):
-        seen.update(kw)
-        raise ValueError("stop before loading")
-
-    monkeypatch.setattr(engine_mod, "Engine", fake_engine)
-    monkeypatch.setattr(hub, "model_problem", lambda *a, **k: None)
-    assert serve_cli.main(["m.gguf", "--port", "0", *args]) != 0
-    assert seen["enable_prefix_caching"] is want
+    assert _serve_engine_kwargs(monkeypatch, args)["enable_prefix_caching"] is want
     assert cli.build_parser().parse_args(["generate", "hi", *args]).enable_prefix_caching is want
 
 

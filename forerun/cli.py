@@ -180,14 +180,12 @@ def cmd_generate(a) -> int:
           file=sys.stderr)
     chat = not a.raw
     if a.compare_plain and spec.enabled:
-        plain = LLM.from_model(llm.model, llm.tokenizer, device=a.device)
-        llm.generate(a.prompt[:1], type(params)(max_tokens=2, temperature=0), chat=chat)  # warm-up
+        plain = LLM.from_model(llm.model, llm.tokenizer, device=a.device, enable_prefix_caching=a.enable_prefix_caching)
+        (base, base_s), (outs, spec_s) = compare_with_plain(llm, plain, a.prompt, params, chat, a.progress)
+    else:
         t = time.perf_counter()
-        base = plain.generate(a.prompt, params, chat=chat)
-        base_s = time.perf_counter() - t
-    t = time.perf_counter()
-    outs = llm.generate(a.prompt, params, chat=chat, progress=a.progress)
-    spec_s = time.perf_counter() - t
+        outs = llm.generate(a.prompt, params, chat=chat, progress=a.progress)
+        spec_s = time.perf_counter() - t
     for o in outs:
         print(o.text)
         print("-" * 40, file=sys.stderr)
@@ -199,6 +197,19 @@ def cmd_generate(a) -> int:
             print(json.dumps({"speedup": round(s["tok_per_s"] / b["tok_per_s"], 3),
                               "identical_to_plain": same if params.temperature == 0 else "n/a (sampling)"}), file=sys.stderr)
     return 0
+
+
+def compare_with_plain(llm, plain, prompts, params, chat: bool, progress: bool = False):
+    """--compare-plain: ((plain outputs, seconds), (speculative outputs, seconds)) for the same prompts. The
+    speculative engine is warmed up first (one short request), then its prefix cache emptied, so that both timed
+    runs read the prompts alike."""
+    llm.generate(prompts[:1], type(params)(max_tokens=2, temperature=0), chat=chat)  # warm-up
+    llm.reset_prefix_cache()
+    runs = []
+    for engine, bar in ((plain, False), (llm, progress)):
+        t = time.perf_counter()
+        runs.append((engine.generate(prompts, params, chat=chat, progress=bar), time.perf_counter() - t))
+    return runs[0], runs[1]
 
 
 def build_parser() -> ArgumentParser:

@@ -312,6 +312,19 @@ def test_the_target_reuses_no_more_than_the_eagle_head_holds(target, tmp_path):
         assert kv.num_cached_blocks == 0 and kv.num_free_blocks == kv.num_blocks - 1
 
 
+def test_compare_plain_times_both_runs_without_the_warm_up_in_the_cache(target):
+    """`forerun generate --compare-plain` warms the speculative engine up on the prompt, then empties its prefix
+    cache: both timed runs read the whole prompt (with the warm-up's blocks left, the speculative run found 12 of its
+    13 tokens and looked faster than it is)."""
+    from forerun.cli import compare_with_plain
+
+    llm = tiny_llm(target, spec=draft_spec(k=3))
+    plain = tiny_llm(target)
+    (base, _), (outs, _) = compare_with_plain(llm, plain, PROMPTS[:1], GREEDY, chat=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in base]
+    assert [o.stats.cached_tokens for o in outs + base] == [0, 0]
+
+
 def test_the_engine_caches_prefixes_by_default(target):
     """On by default, as in vLLM, SGLang and llama.cpp's server (`enable_prefix_caching=False` turns it off)."""
     llm = tiny_llm(target)

@@ -237,22 +237,22 @@ def q6k_codes(blocks: np.ndarray) -> np.ndarray:
     return (lo | (hi << 4)).reshape(n, -1)
 
 
-def pack_q6k(blocks: np.ndarray) -> np.ndarray:
+def pack_q6k(blocks: np.ndarray, rows: int = 8192) -> np.ndarray:
     """GGUF Q6_K blocks [N, nb * 210] -> the kernel's layout (cpu_q4.c; the same 210 bytes a block, exact): per block,
     lo [4 k][8 groups][4 t] = code of weight 4 k + t of the group | code of weight 4 (k + 4) + t << 4 (low nibbles),
     hi [2 m][8 groups][4 t] = sum over s of (code of weight 4 (4 m + s) + t >> 4) << 2 s, then the 16 scales and d as
-    stored. Done by row chunks (no full-size temporaries for a 150k-row head)."""
+    stored. Done `rows` rows at a time (no full-size temporaries for a 150k-row head; quant.ROW_CHUNK)."""
     n, width = blocks.shape
     out = np.empty((n, width), dtype=np.uint8)
-    for i in range(0, n, 8192):
-        q = q6k_codes(blocks[i:i + 8192])
+    for i in range(0, n, rows):
+        q = q6k_codes(blocks[i:i + rows])
         r = q.shape[0]
         q = q.reshape(r, -1, 8, 8, 4)  # [r, nb, group, piece, t]
         lo = (q[:, :, :, :4] & 15) | ((q[:, :, :, 4:] & 15) << 4)  # [r, nb, group, k, t]
         h = (q >> 4).reshape(r, -1, 8, 2, 4, 4)  # [r, nb, group, m, s, t]
         hi = h[:, :, :, :, 0] | (h[:, :, :, :, 1] << 2) | (h[:, :, :, :, 2] << 4) | (h[:, :, :, :, 3] << 6)
-        src = blocks[i:i + 8192].reshape(r, -1, Q6K_BLOCK)
-        dst = out[i:i + 8192].reshape(r, -1, Q6K_BLOCK)
+        src = blocks[i:i + rows].reshape(r, -1, Q6K_BLOCK)
+        dst = out[i:i + rows].reshape(r, -1, Q6K_BLOCK)
         dst[..., :128] = lo.transpose(0, 1, 3, 2, 4).reshape(r, -1, 128)
         dst[..., 128:192] = hi.transpose(0, 1, 3, 2, 4).reshape(r, -1, 64)
         dst[..., 192:] = src[..., 192:]

@@ -365,7 +365,7 @@ class Q6KLinear(nn.Module):
         """From GGUF Q6_K blocks [N, K / 256 * 210] as the file stores them."""
         from ..kernels.cpu_q4 import pack_q6k
 
-        return cls(pack_q6k(np.asarray(blocks)), in_features, bias)
+        return cls(pack_q6k(np.asarray(blocks), ROW_CHUNK), in_features, bias)
 
     @classmethod
     def from_gguf(cls, part, bias: torch.Tensor | None = None) -> "Q6KLinear":
@@ -391,9 +391,10 @@ class Q6KLinear(nn.Module):
         return unpack_q6k(self.packed)
 
     def dequantized(self) -> torch.Tensor:  # [N, K] float32, gguf's dequantization (tests, vocabulary subsets)
+        from ..kernels.cpu_q4 import unpack_q6k
         from .gguf_embedding import row_dequantizer
 
-        w = np.concatenate([row_dequantizer("Q6_K")(self.blocks()[i:i + ROW_CHUNK])
+        w = np.concatenate([row_dequantizer("Q6_K")(unpack_q6k(self.packed[i:i + ROW_CHUNK]))
                             for i in range(0, self.out_features, ROW_CHUNK)])
         return torch.from_numpy(w.reshape(self.out_features, self.in_features))
 

@@ -3,6 +3,8 @@ modules against float matmuls, batch invariance (what makes greedy spec == plain
 and whole models loaded quantized against the same checkpoint loaded in fp32."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -105,7 +107,7 @@ def test_q4_vnni_linear_matches_dequantized_matmul_and_is_batch_invariant(n, k):
     assert lin.weight_bytes == -(-n // 4) * (256 * chunks + 64 * (k // 32))  # ~4.5 bits + the fp16 header
 
 
-@pytest.mark.parametrize("isa", ["avx512", "avx2"])
+@pytest.mark.parametrize("isa", ["avx512amx", "avx512", "avx2"])
 @pytest.mark.parametrize("n,k", [(36, 640), (8, 96), (12, 288)])
 def test_q4_kernel_builds_compute_the_exact_group_dot_products(isa, n, k):
     """Each ISA build of cpu_q4.c this CPU runs (AVX512-VNNI; AVX2 with maddubs + madd) gives, per output, the sum
@@ -320,11 +322,68 @@ def test_int8_linear_picks_the_int4_kernel_without_vnni(monkeypatch):
     assert torch.equal(sub(x), head(x)[:, ids])
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n,k", [(40, 64), (100, 544), (1000, 4192), (2052, 1536)])
+def test_q4_amx_path_gives_the_vnni_kernels_bits(n, k, threads):
+    """On CPUs with AMX, q4_gemm hands products of >= amx_min_rows activation rows to tile products (one per group
+    of 32) and then applies the VNNI kernel's float operations in its order: every output is bit-identical to the
+    VNNI path's, at every row count, whatever the threshold (so batch invariance holds across the switch). Shapes:
+    N not a multiple of 16 outputs (the last tile block partly empty), K leaving a partial chunk (544: 17 groups,
+    4192: 131) or fewer than 16 groups (64: 2), row counts around the 16-row tiles; 2 threads split the blocks."""
+    from forerun.kernels import cpu_q4
+
+    if not cpu_q4.amx_ready():
+        pytest.skip("no AMX here (the avx512amx build, or the kernel's permission for tile data)")
+    lib = cpu_q4._load()
+    g = torch.Generator().manual_seed(n + k)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    s = torch.rand(n, k // 32, generator=g).add_(0.01).half().float()
+    o = -torch.rand(n, k // 32, generator=g).half().float()
+    packed = cpu_q4.pack_weights(q, s, o)
+    x = torch.randn(40, k, generator=g)
+    x[3] = 1.0  # every code +127
+    before = cpu_q4.amx_min_rows()
+    try:
+        cpu_q4.amx_min_rows(0)
+        want = cpu_q4.q4_matmul(x, packed, n, threads)  # VNNI, 4 rows a pass
+        for rows in (1, 5, 16, 17, 33, 40):
+            cpu_q4.amx_min_rows(1)
+            calls = lib.q4_amx_calls()
+            got = cpu_q4.q4_matmul(x[:rows], packed, n, threads)
+            assert lib.q4_amx_calls() == calls + 1  # it did run on tiles
+            assert torch.equal(got, want[:rows]), (rows, (got - want[:rows]).abs().max())
+        cpu_q4.amx_min_rows(16)  # the default switch point: 15 rows on VNNI, 16 on tiles, the same bits
+        assert torch.equal(torch.cat([cpu_q4.q4_matmul(x[:15], packed, n, threads),
+                                      cpu_q4.q4_matmul(x[15:31], packed, n, threads)]), want[:31])
+    finally:
+        cpu_q4.amx_min_rows(before)
+
+
+def test_amx_switch_point_from_the_environment():
+    """FORERUN_AMX_MIN_ROWS sets the row count from which the int4 product uses AMX (0: never), read when the kernel
+    library loads; anything but a count is refused with a one-line error."""
+    import subprocess
+    import sys
+
+    from forerun.kernels import cpu_q4
+
+    if not cpu_q4.amx_ready():
+        pytest.skip("no AMX here")
+    code = "from forerun.kernels import cpu_q4; print(cpu_q4.amx_min_rows())"
+    for value, want in (("0", "0"), ("40", "40")):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**os.environ, "FORERUN_AMX_MIN_ROWS": value})
+        assert r.stdout.strip() == want, r.stderr
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, "FORERUN_AMX_MIN_ROWS": "lots"})
+    assert r.returncode != 0 and "FORERUN_AMX_MIN_ROWS must be a row count (0: never), got 'lots'" in r.stderr
+
+
 def test_cpu_isa_override(monkeypatch):
     from forerun.kernels import cbuild
 
     monkeypatch.setenv("FORERUN_CPU_ISA", "sse9")
-    with pytest.raises(ValueError, match="FORERUN_CPU_ISA must be one of avx512, avx2"):
+    with pytest.raises(ValueError, match="FORERUN_CPU_ISA must be one of avx512amx, avx512, avx2"):
         cbuild.isa()
     monkeypatch.setattr(cbuild, "cpu_ok", lambda feats: "avx512f" not in feats)
     monkeypatch.setenv("FORERUN_CPU_ISA", "avx512")

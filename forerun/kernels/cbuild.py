@@ -1,11 +1,12 @@
 """Build a C source file of forerun/kernels into a shared library with the system compiler, once, cached by the
 hash of its source and flags under <cache_dir()>/kernels (forerun/paths.py), and load it with ctypes.
 
-Used by the CPU kernels (cpu_q4.c: int4 products; cpu_layer.c: attention, norms, RoPE). Each source has two
-builds, picked by what the CPU has (`isa()`): "avx512" (AVX-512 F/BW/VL + VNNI: Intel since Cascade Lake, AMD since
-Zen 4) and "avx2" (AVX2 + FMA + F16C: nearly every x86-64 CPU since 2013, AMD Zen 1-3 among them); the sources hold
-both paths behind `#ifdef __AVX512VNNI__`. FORERUN_CPU_ISA=avx2 takes the AVX2 build on an AVX-512 CPU (tests,
-comparisons). Returns None where no build can run: no gcc, a CPU with neither set, FORERUN_NO_CPU_KERNELS set, or
+Used by the CPU kernels (cpu_q4.c: int4 products; cpu_layer.c: attention, norms, RoPE). Each source has up to
+three builds, picked by what the CPU has (`isa()`): "avx512amx" (the next one plus AMX tiles and int8 products:
+Intel since Sapphire Rapids; cpu_q4.c's many-row int4 path, behind `#ifdef __AMX_INT8__`), "avx512" (AVX-512
+F/BW/VL + VNNI: Intel since Cascade Lake, AMD since Zen 4) and "avx2" (AVX2 + FMA + F16C: nearly every x86-64 CPU
+since 2013, AMD Zen 1-3 among them); the sources hold the paths behind `#ifdef __AVX512VNNI__`.
+FORERUN_CPU_ISA=avx2 (or avx512) takes that build on a CPU that has more (tests, comparisons). Returns None where no build can run: no gcc, a CPU with neither set, FORERUN_NO_CPU_KERNELS set, or
 a failed compile; callers then keep their torch path.
 """
 from __future__ import annotations
@@ -26,6 +27,9 @@ from ..paths import cache_dir
 _COMMON = ["-O3", "-fopenmp", "-shared", "-fPIC"]
 # ISA -> (compiler flags, /proc/cpuinfo features it needs), best first
 ISAS = {
+    "avx512amx": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma", "-mamx-tile",
+                   "-mamx-int8"],
+                  ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma", "amx_tile", "amx_int8")),
     "avx512": (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c", "-mfma"],
                ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "f16c", "fma")),
     "avx2": (["-mavx2", "-mf16c", "-mfma"], ("avx2", "f16c", "fma")),

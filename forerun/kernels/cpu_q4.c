@@ -21,6 +21,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #ifndef PFD
@@ -284,11 +285,244 @@ static void run_groups(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
     }
 }
 
+#ifdef __AMX_INT8__
+// ---- AMX (Intel Sapphire Rapids and later): the same products for many activation rows, the same bits ----
+// From amx_min_rows rows on (verify trees, batches, prefill) q4_gemm hands the work to q4_gemm_amx. One tile
+// product (tdpbsud: int8 activations x the unsigned 4-bit codes) gives, for one group of 32 weights, the int32 dot
+// products of 16 activation rows x 16 outputs: exactly the integers group_rows gets from VNNI. Those are then
+// scaled and summed in float with the operations group_rows applies per output, in its order: output n's lane
+// l (groups l, l + 16, ..: chunk by chunk) takes fma(dot, scale * xs, acc) then fma(offset, isum, acc), and the 16
+// lanes meet in reduce4's tree. So every output is bit-identical whichever path and row count computes it (batch
+// invariance holds across the switch; tests/test_quant.py compares the two paths). Per block of 16 outputs the
+// codes are re-laid out once into tile order (a 16 x 16 transpose per load and nibble: lane = group -> lane =
+// output) and reused by every block of 16 activation rows; activations are re-laid out once per call.
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static int amx_state = -1;     // -1: not asked yet; 0: the kernel refuses tile data to this process; 1: ready
+static int amx_min_rows = 16;  // activation rows from which q4_gemm takes this path (0: never; measured below)
+static int64_t amx_calls = 0;  // products run on this path (tests)
+
+int q4_amx_ready(void) {
+    if (amx_state < 0) amx_state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return amx_state;
+}
+int64_t q4_amx_calls(void) { return amx_calls; }
+int q4_amx_min_rows(int rows) {  // sets the threshold when rows >= 0; returns the one in force
+    if (rows >= 0) amx_min_rows = rows;
+    return amx_min_rows;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_tilecfg;
+
+// tiles 0, 1: C (16 rows x 16 int32); 2, 3: A (16 activation rows x 32 bytes); 4, 5: B (8 rows x 16 outputs x 4 bytes)
+static void amx_configure(void) {
+    amx_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 6; t++) {
+        cfg.rows[t] = t >= 4 ? 8 : 16;
+        cfg.colsb[t] = t == 2 || t == 3 ? 32 : 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+// rows r[0..15] (16 int32 lanes each) -> their transpose, in place
+INLINE void transpose16(__m512i *r) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int a = 0; a < 4; a++) {  // u[4 a + e], 128-bit lane q: rows 4 a .. 4 a + 3 of column 4 q + e
+        u[4 * a] = _mm512_unpacklo_epi64(t[4 * a], t[4 * a + 2]);
+        u[4 * a + 1] = _mm512_unpackhi_epi64(t[4 * a], t[4 * a + 2]);
+        u[4 * a + 2] = _mm512_unpacklo_epi64(t[4 * a + 1], t[4 * a + 3]);
+        u[4 * a + 3] = _mm512_unpackhi_epi64(t[4 * a + 1], t[4 * a + 3]);
+    }
+    for (int e = 0; e < 4; e++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44), v1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44), v3 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
+        r[e] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        r[4 + e] = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+        r[8 + e] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        r[12 + e] = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+    }
+}
+
+// the codes, scales and offsets of row groups gi0 .. gi0 + 3 (outputs 16 b .. 16 b + 15; row groups past ng4 read
+// as zero) in tile order: bt[g][8 pieces][16 outputs][4 bytes] (piece 2 j: load j's low nibbles, 2 j + 1: its high
+// ones), sw / ow [g][16 outputs] float
+static void amx_prepare(const uint8_t *w, int64_t ng4, int64_t k, int64_t gi0, uint8_t *bt, float *sw, float *ow) {
+    const int64_t groups = k / 32, chunks = chunks_of(k), gbytes = q4_group_bytes(k);
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t c = 0; c < chunks; c++) {
+        const int ng = (int)(groups - 16 * c < 16 ? groups - 16 * c : 16);
+        const __mmask16 mk = (__mmask16)((1u << ng) - 1);
+        __m512i v[4][16], s[16], o[16];  // [load j][output n], lane = group
+        for (int q = 0; q < 4; q++) {
+            const int present = gi0 + q < ng4;
+            const uint8_t *p = w + (gi0 + q) * gbytes + c * 1280;
+            for (int r = 0; r < 4; r++) {
+                const int nn = 4 * q + r;
+                if (!present) {
+                    s[nn] = o[nn] = _mm512_setzero_si512();
+                    for (int j = 0; j < 4; j++) v[j][nn] = _mm512_setzero_si512();
+                    continue;
+                }
+                const uint16_t *hdr = (const uint16_t *)p;
+                s[nn] = _mm512_castps_si512(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hdr + 16 * r))));
+                o[nn] = _mm512_castps_si512(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hdr + 64 + 16 * r))));
+                for (int j = 0; j < 4; j++) v[j][nn] = _mm512_maskz_loadu_epi32(mk, p + 256 + (r * 4 + j) * 4 * ng);
+            }
+        }
+        transpose16(s);
+        transpose16(o);
+        for (int l = 0; l < ng; l++) {
+            _mm512_storeu_si512(sw + (16 * c + l) * 16, s[l]);
+            _mm512_storeu_si512(ow + (16 * c + l) * 16, o[l]);
+        }
+        for (int j = 0; j < 4; j++) {  // transposed as loaded (lane = output), then split into nibbles
+            transpose16(v[j]);
+            for (int l = 0; l < ng; l++) {
+                _mm512_store_si512(bt + (16 * c + l) * 512 + (2 * j) * 64, _mm512_and_si512(v[j][l], low));
+                _mm512_store_si512(bt + (16 * c + l) * 512 + (2 * j + 1) * 64,
+                                   _mm512_and_si512(_mm512_srli_epi16(v[j][l], 4), low));
+            }
+        }
+    }
+}
+
+// y[m, 16 b + n] for m < M and row-group blocks b0 .. b1 - 1 (16 outputs each); xa [groups][mp][32] the activations
+// in tile order, xsg / isg [groups][mp] their scales and scaled sums, mp = M rounded up to 16 (zero rows)
+// Returns 0 (nothing written) when its buffers cannot be allocated.
+static int amx_run_blocks(const uint8_t *w, int64_t n, int64_t k, const int8_t *xa, const float *xsg,
+                          const float *isg, int64_t m, int64_t mp, float *y, int64_t b0, int64_t b1) {
+    const int64_t groups = k / 32, ng4 = (n + 3) / 4;
+    uint8_t *bt = aligned_alloc(64, groups * 512);
+    float *sw = aligned_alloc(64, groups * 64), *ow = aligned_alloc(64, groups * 64);
+    int32_t *cbuf = aligned_alloc(64, 2 * 1024);
+    float *lanes = aligned_alloc(64, 16 * 16 * 16 * 4);  // [activation row][lane l][output]
+    if (!bt || !sw || !ow || !cbuf || !lanes) {
+        free(bt);
+        free(sw);
+        free(ow);
+        free(cbuf);
+        free(lanes);
+        return 0;
+    }
+    amx_configure();
+    for (int64_t b = b0; b < b1; b++) {
+        amx_prepare(w, ng4, k, 4 * b, bt, sw, ow);
+        for (int64_t m0 = 0; m0 < m; m0 += 16) {
+            for (int l = 0; l < 16 && l < groups; l++) {
+                __m512 acc[16];
+                for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+                for (int64_t g = l; g < groups; g += 32) {  // groups l, l + 16 (tiles 0 and 1), then l + 32, ..
+                    const int two = g + 16 < groups;
+                    _tile_loadd(2, xa + (g * mp + m0) * 32, 32);
+                    _tile_loadd(4, bt + g * 512, 64);
+                    _tile_zero(0);
+                    _tile_dpbsud(0, 2, 4);
+                    if (two) {
+                        _tile_loadd(3, xa + ((g + 16) * mp + m0) * 32, 32);
+                        _tile_loadd(5, bt + (g + 16) * 512, 64);
+                        _tile_zero(1);
+                        _tile_dpbsud(1, 3, 5);
+                    }
+                    _tile_stored(0, cbuf, 64);
+                    if (two) _tile_stored(1, cbuf + 256, 64);
+                    for (int h = 0; h <= two; h++) {
+                        const int64_t gg = g + 16 * h;
+                        const __m512 s = _mm512_load_ps(sw + gg * 16), o = _mm512_load_ps(ow + gg * 16);
+                        const float *xs = xsg + gg * mp + m0, *is = isg + gg * mp + m0;
+                        const int32_t *cb = cbuf + 256 * h;
+                        for (int i = 0; i < 16; i++) {
+                            const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(cb + 16 * i));
+                            acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(xs[i])), acc[i]);
+                            acc[i] = _mm512_fmadd_ps(o, _mm512_set1_ps(is[i]), acc[i]);
+                        }
+                    }
+                }
+                for (int i = 0; i < 16; i++) _mm512_store_ps(lanes + (i * 16 + l) * 16, acc[i]);
+            }
+            for (int i = 0; i < 16 && m0 + i < m; i++) {
+                __m512i t[16];  // lane l of output n -> row n, lane l
+                for (int l = 0; l < 16; l++)
+                    t[l] = l < groups ? _mm512_load_si512(lanes + (i * 16 + l) * 16) : _mm512_setzero_si512();
+                transpose16(t);
+                float out[16];
+                for (int q = 0; q < 4; q++)
+                    _mm_storeu_ps(out + 4 * q, reduce4(_mm512_castsi512_ps(t[4 * q]), _mm512_castsi512_ps(t[4 * q + 1]),
+                                                       _mm512_castsi512_ps(t[4 * q + 2]), _mm512_castsi512_ps(t[4 * q + 3])));
+                for (int nn = 0; nn < 16 && 16 * b + nn < n; nn++) y[(m0 + i) * n + 16 * b + nn] = out[nn];
+            }
+        }
+    }
+    _tile_release();
+    free(bt);
+    free(sw);
+    free(ow);
+    free(cbuf);
+    free(lanes);
+    return 1;
+}
+
+// Returns 0 (the caller then runs the VNNI path) when a buffer cannot be allocated.
+static int q4_gemm_amx(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq, const float *xs, const float *isum,
+                       int64_t m, float *y, int threads) {
+    const int64_t groups = k / 32, chunks = chunks_of(k), astride = chunks * 512, sstride = chunks * 16;
+    const int64_t mp = (m + 15) / 16 * 16, blocks = ((n + 3) / 4 + 3) / 4;
+    amx_calls++;
+    int8_t *xa = aligned_alloc(64, groups * mp * 32);
+    float *xsg = aligned_alloc(64, (groups * mp * 4 + 63) / 64 * 64), *isg = aligned_alloc(64, (groups * mp * 4 + 63) / 64 * 64);
+    int ok = xa && xsg && isg;
+    if (!ok) goto done;
+    for (int64_t g = 0; g < groups; g++) {  // row i of group g: its 8 pieces of 4 codes, in order
+        const int8_t *src = xq + (g / 16) * 512 + (g % 16) * 4;
+        for (int64_t i = 0; i < mp; i++) {
+            int8_t *dst = xa + (g * mp + i) * 32;
+            if (i < m)
+                for (int p = 0; p < 8; p++) memcpy(dst + 4 * p, src + i * astride + p * 64, 4);
+            else
+                memset(dst, 0, 32);
+            xsg[g * mp + i] = i < m ? xs[i * sstride + g] : 0.0f;
+            isg[g * mp + i] = i < m ? isum[i * sstride + g] : 0.0f;
+        }
+    }
+    if (threads <= 1 || blocks < 16) {
+        ok = amx_run_blocks(w, n, k, xa, xsg, isg, m, mp, y, 0, blocks);
+    } else {
+#pragma omp parallel num_threads(threads) reduction(&& : ok)
+        {
+            const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            const int64_t per = (blocks + nt - 1) / nt;
+            const int64_t b0 = t * per, b1 = b0 + per < blocks ? b0 + per : blocks;
+            if (b0 < b1) ok = amx_run_blocks(w, n, k, xa, xsg, isg, m, mp, y, b0, b1);
+        }
+    }
+done:
+    free(xa);
+    free(xsg);
+    free(isg);
+    return ok;
+}
+#endif
+
+
 // y [M, N] (row stride N) = x W^T; threads > 1: the row groups split over OpenMP threads (the runtime torch uses)
 // in contiguous ranges.
 void q4_gemm(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq, const float *xs, const float *isum, int64_t m,
              float *y, int threads) {
     const int64_t groups = (n + 3) / 4;
+#ifdef __AMX_INT8__
+    if (amx_min_rows > 0 && m >= amx_min_rows && q4_amx_ready() && q4_gemm_amx(w, n, k, xq, xs, isum, m, y, threads))
+        return;
+#endif
     if (threads <= 1 || groups < 64) {
         run_groups(w, n, k, xq, xs, isum, m, y, 0, groups);
         return;

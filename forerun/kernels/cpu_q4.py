@@ -16,6 +16,7 @@ layout is used instead) without gcc or either instruction set.
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,18 @@ def _declare(lib) -> None:
     lib.q8_group_bytes.restype = i64
     lib.q6k_gemm.argtypes = [p, i64, i64, p, p, p, i64, p, ctypes.c_int]
     lib.q6k_gemm.restype = None
+    if hasattr(lib, "q4_amx_ready"):  # the avx512amx build (cbuild.ISAS)
+        lib.q4_amx_ready.argtypes = []
+        lib.q4_amx_ready.restype = ctypes.c_int
+        lib.q4_amx_min_rows.argtypes = [ctypes.c_int]
+        lib.q4_amx_min_rows.restype = ctypes.c_int
+        lib.q4_amx_calls.argtypes = []
+        lib.q4_amx_calls.restype = ctypes.c_int64
+        rows = os.environ.get("FORERUN_AMX_MIN_ROWS")
+        if rows is not None:  # 0: never use the tiles (A/B runs); the same bits either way
+            if not rows.isdigit():
+                raise ValueError(f"FORERUN_AMX_MIN_ROWS must be a row count (0: never), got {rows!r}")
+            lib.q4_amx_min_rows(int(rows))
 
 
 _load = lazy_library(Path(__file__).with_name("cpu_q4.c"), [], _declare)
@@ -45,6 +58,22 @@ _load = lazy_library(Path(__file__).with_name("cpu_q4.c"), [], _declare)
 
 def available() -> bool:
     return _load() is not None
+
+
+def amx_ready(lib=None) -> bool:
+    """True where q4_gemm can hand many-row products to its AMX path: the avx512amx build, and a kernel that grants
+    this process the tile registers (Linux >= 5.16)."""
+    lib = lib or _load()
+    return lib is not None and hasattr(lib, "q4_amx_ready") and bool(lib.q4_amx_ready())
+
+
+def amx_min_rows(rows: int | None = None, lib=None) -> int:
+    """The activation rows from which q4_gemm uses AMX (0: never; the same bits either way, so this only moves
+    time). Sets it when `rows` is given; returns the value in force (0 where the build has no AMX path)."""
+    lib = lib or _load()
+    if lib is None or not hasattr(lib, "q4_amx_min_rows"):
+        return 0
+    return int(lib.q4_amx_min_rows(-1 if rows is None else int(rows)))
 
 
 ROWS = 4  # output rows per row group

@@ -2,14 +2,14 @@
 how much time. Prints tables, writes JSON and a PNG plot.
 
     python benchmarks/amx_q4_cpu.py [--model qwen2.5-coder-1.5b-instruct] [--threads 2] [--repeats 5]
-        [--rows 1,4,8,12,16,24,32,48,64,128,384] [--model-rows 16,29,64,128,384]
+        [--rows 1,4,8,12,16,24,32,48,64,128,384] [--model-rows 16,29,64,128,384 | --model-rows ""]
         [--out benchmarks/results/amx_q4_cpu.json]
 
 1. The product alone at the model's four decoder shapes (qkv, o, gate_up, down; random codes in the packed layout:
    the cost does not depend on the values), M activation rows, the two paths taking turns (best of --repeats).
 2. The real model (GGUF int4, the default load): one forward of M new tokens after a 64-token prefix (a prefill
    chunk, or a verify tree of M nodes), logits of the last row (prefill) or of every row (verify), the paths taking
-   turns; the logits compared bit for bit.
+   turns; the logits compared bit for bit. (--model-rows "": part 1 alone, at the 1.5B's shapes, no model file.)
 
 The switch point is cpu_q4.amx_min_rows (16 by default: from there the tiles won on every shape measured here).
 """
@@ -118,7 +118,7 @@ def plot(res: dict, path: str) -> None:
     for name in dict.fromkeys(r["shape"] for r in res["kernel"]):
         pts = [r for r in res["kernel"] if r["shape"] == name]
         ax[0].plot([r["rows"] for r in pts], [r["speedup"] for r in pts], marker="o", label=f"{name} {pts[0]['n']}x{pts[0]['k']}")
-    for logits in ("last", "all"):
+    for logits in ("last", "all") if res["model"] else ():
         pts = [r for r in res["model"] if r["logits"] == logits]
         ax[1].plot([r["rows"] for r in pts], [r["speedup"] for r in pts], marker="o", label=f"logits={logits}")
     for a, title in zip(ax, ("product alone", f"{res['meta']['model']} forward of M new tokens")):
@@ -127,7 +127,8 @@ def plot(res: dict, path: str) -> None:
         a.set_xlabel("activation rows M")
         a.set_ylabel("VNNI time / AMX time")
         a.set_title(title)
-        a.legend(fontsize=8)
+        if a.get_lines():
+            a.legend(fontsize=8)
     fig.suptitle(f"int4 product, AMX path vs VNNI path ({res['meta']['threads']} threads; same bits)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -150,7 +151,10 @@ def main() -> int:
         return 2
     torch.set_num_threads(a.threads)
     default_switch = cpu_q4.amx_min_rows()
-    model, shapes = model_rows(a.model, [int(r) for r in a.model_rows.split(",")], a.threads, a.repeats)
+    if a.model_rows:
+        model, shapes = model_rows(a.model, [int(r) for r in a.model_rows.split(",")], a.threads, a.repeats)
+    else:  # --model-rows "": the products alone, at the 1.5B's shapes (no model file needed)
+        model, shapes = [], {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960)}
     kernel = kernel_rows(shapes, [int(r) for r in a.rows.split(",")], a.threads, a.repeats)
     cpu_q4.amx_min_rows(default_switch)
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")

@@ -78,13 +78,13 @@ def main() -> int:
     # 1. accuracy
     xs = []
     head = model.lm_head
-    real = head.rows
-
-    def capture(x, threads=None):
-        xs.append(x.detach().clone())
-        return real(x, threads)
-
     if hasattr(head, "rows"):
+        real = head.rows
+
+        def capture(x, threads=None):
+            xs.append(x.detach().clone())
+            return real(x, threads)
+
         head.rows = capture
         qa.logits(model, qa.texts(tok))
         del head.rows

@@ -273,8 +273,8 @@ def test_q6k_linear_is_exact_over_the_blocks(n, k):
 
 
 def test_a_q6_k_head_stays_exact_where_q8_would_run(monkeypatch):
-    """The int4 and int8 layouts take a GGUF Q6_K output head as Q6KLinear (exact) on a CPU without VNNI,
-    where they would re-quantize it to Q8Linear, and keep oneDNN's Int8Linear with VNNI; a Q6_K matrix of the layers
+    """The int4 and int8 layouts take a GGUF Q6_K output head as Q6KLinear (exact) on every CPU the kernel runs on,
+    with VNNI (instead of oneDNN's per-row Int8Linear) and without (instead of Q8Linear); a Q6_K matrix of the layers
     is re-quantized to int4 as before; the draft-vocabulary subset of a Q6KLinear head is its rows' own bytes."""
     from forerun.models import quant
     from forerun.models.loader import GGUFQuantized
@@ -284,14 +284,13 @@ def test_a_q6_k_head_stays_exact_where_q8_would_run(monkeypatch):
     data = _random_q6k(n, k, np.random.default_rng(1))
     head = GGUFQuantized(data, "Q6_K", (n, k), None, "tensor output.weight")
     layer = GGUFQuantized(data, "Q6_K", (n, k), None, "tensor blk.0.ffn_down.weight")
-    monkeypatch.setattr(quant, "int8_activation_range", lambda: (127, 128))
-    assert isinstance(quant.make_quantized_linear([head], None, "int4"), Int8Linear)
-    monkeypatch.setattr(quant, "int8_activation_range", lambda: (63, 64))
     if not Q4Linear.fits(n, k):
         pytest.skip("no C kernel here")
-    for layout in ("int4", "int8"):
-        lin = quant.make_quantized_linear([head], None, layout)
-        assert isinstance(lin, quant.Q6KLinear) and np.array_equal(lin.blocks(), data)
+    for vnni in ((127, 128), (63, 64)):
+        monkeypatch.setattr(quant, "int8_activation_range", lambda: vnni)
+        for layout in ("int4", "int8"):
+            lin = quant.make_quantized_linear([head], None, layout)
+            assert isinstance(lin, quant.Q6KLinear) and np.array_equal(lin.blocks(), data)
     assert isinstance(quant.make_quantized_linear([layer], None, "int4"), Q4Linear)
     ids = torch.tensor([3, 0, 63, 17])
     sub = _rows(lin, ids)

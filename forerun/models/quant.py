@@ -529,7 +529,7 @@ def make_quantized_linear(parts: list, bias: torch.Tensor | None, layout: str) -
         if len(parts) == 1 and Q6KLinear.fits(parts[0]):
             # (a Q4_K_M's head, exact, on every CPU the kernel runs on: with VNNI oneDNN's per-row int8 (Int8Linear)
             # put the 1.5B's logits 16x further from the fp32 head's (KL 1.9e-3 against 1.2e-4; top-1 97.5 against
-            # 99.7 %) for ~5 % of decode speed, session 42, docs/quantization.md)
+            # 99.7 %) for 2-5 % of decode speed, session 42, docs/quantization.md)
             return Q6KLinear.from_gguf(parts[0], bias)
         return int8_linear(_float_rows(parts), bias)
     raise ValueError(f"unknown quantized layout {layout!r}")

@@ -294,13 +294,13 @@ static void run_groups(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
 // l (groups l, l + 16, ..: chunk by chunk) takes fma(dot, scale * xs, acc) then fma(offset, isum, acc), and the 16
 // lanes meet in reduce4's tree. So every output is bit-identical whichever path and row count computes it (batch
 // invariance holds across the switch; tests/test_quant.py compares the two paths). Per block of 16 outputs the
-// codes are re-laid out once into tile order (a 16 x 16 transpose per load and nibble: lane = group -> lane =
+// codes are re-laid out once into tile order (a 16 x 16 transpose per code load: lane = group -> lane =
 // output) and reused by every block of 16 activation rows; activations are re-laid out once per call.
 #include <sys/syscall.h>
 #include <unistd.h>
 
 static int amx_state = -1;     // -1: not asked yet; 0: the kernel refuses tile data to this process; 1: ready
-static int amx_min_rows = 16;  // activation rows from which q4_gemm takes this path (0: never; measured below)
+static int amx_min_rows = 16;  // activation rows from which q4_gemm takes this path (0: never; docs/quantization.md)
 static int64_t amx_calls = 0;  // products run on this path (tests)
 
 int q4_amx_ready(void) {

@@ -6,7 +6,8 @@ three builds, picked by what the CPU has (`isa()`): "avx512amx" (the next one pl
 Intel since Sapphire Rapids; cpu_q4.c's many-row int4 path, behind `#ifdef __AMX_INT8__`), "avx512" (AVX-512
 F/BW/VL + VNNI: Intel since Cascade Lake, AMD since Zen 4) and "avx2" (AVX2 + FMA + F16C: nearly every x86-64 CPU
 since 2013, AMD Zen 1-3 among them); the sources hold the paths behind `#ifdef __AVX512VNNI__`.
-FORERUN_CPU_ISA=avx2 (or avx512) takes that build on a CPU that has more (tests, comparisons). Returns None where no build can run: no gcc, a CPU with neither set, FORERUN_NO_CPU_KERNELS set, or
+FORERUN_CPU_ISA=avx2 (or avx512) takes that build on a CPU that has more (tests, comparisons). Returns None where
+no build can run: no gcc, a CPU with neither set, FORERUN_NO_CPU_KERNELS set, or
 a failed compile; callers then keep their torch path.
 """
 from __future__ import annotations

@@ -238,6 +238,158 @@ def mixed_samples(heldout: bool, fraction: float = 0.05, seed: int = 0) -> Itera
         streams = alive
 
 
+# -- your own data (`--dataset FILE`): chat records, prompt / response pairs, raw text ------------------------
+# A JSON Lines file (one object per line; blank lines skipped) or a JSON file holding an array of objects. Records:
+#   {"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}   (OpenAI chat)
+#   {"conversations": [{"from": "system" | "human" | "gpt", "value": "..."}, ...]}    (ShareGPT; role/content too)
+#   {"prompt": "...", "response": "..."}   ("completion" or "output" for the response; the response is optional)
+#   {"text": "..."}
+# Used as they are (--corpus dataset: chat records through the target's chat template, text raw), or as
+# instructions that the target answers itself (--corpus distill: the turns before the first assistant turn, or the
+# prompt). Split into training and held-out records by a hash of each record (as the corpus files by their path).
+
+_ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
+          "model": "assistant", "bot": "assistant"}
+_RESPONSE_KEYS = ("response", "completion", "output")
+
+
+def read_dataset(path: str | Path) -> list[dict]:
+    """The records of a dataset file, normalized to {"messages": [...]}, {"prompt": str} or {"text": str}
+    (a prompt with a response becomes a user + assistant chat). Raises ValueError naming the file, the line (or
+    array index) and what is wrong, in one line."""
+    path = Path(path).expanduser()
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--dataset {path}: cannot read it ({e.__class__.__name__}: {e})") from None
+    items: list[tuple[str, object]] = []
+    if raw.lstrip().startswith("["):
+        try:
+            arr = json.loads(raw)
+        except ValueError as e:
+            raise ValueError(f"--dataset {path}: not valid JSON ({e})") from None
+        items = [(f"item {i}", x) for i, x in enumerate(arr)]
+    else:
+        for n, line in enumerate(raw.splitlines(), 1):
+            if line.strip():
+                try:
+                    items.append((f"line {n}", json.loads(line)))
+                except ValueError as e:
+                    raise ValueError(f"--dataset {path}:{n}: not a JSON object ({e})") from None
+    out = [_normalize_record(x, f"--dataset {path} ({where})") for where, x in items]
+    if not out:
+        raise ValueError(f"--dataset {path}: no records")
+    return out
+
+
+def _normalize_record(x, where: str) -> dict:
+    if not isinstance(x, dict):
+        raise ValueError(f"{where}: a record is a JSON object, got {type(x).__name__}")
+    turns = x.get("messages", x.get("conversations"))
+    if turns is not None:
+        if not isinstance(turns, list) or not turns:
+            raise ValueError(f"{where}: 'messages' / 'conversations' must be a non-empty list of turns")
+        msgs = []
+        for t in turns:
+            role = t.get("role", t.get("from")) if isinstance(t, dict) else None
+            content = t.get("content", t.get("value")) if isinstance(t, dict) else None
+            if role not in _ROLES or not isinstance(content, str):
+                raise ValueError(f"{where}: a turn needs a role ({', '.join(sorted(_ROLES))}) and text content, "
+                                 f"got {json.dumps(t)[:80]}")
+            msgs.append({"role": _ROLES[role], "content": content})
+        return {"messages": msgs}
+    if "prompt" in x:
+        response = next((x[k] for k in _RESPONSE_KEYS if k in x), None)
+        if not isinstance(x["prompt"], str) or (response is not None and not isinstance(response, str)):
+            raise ValueError(f"{where}: 'prompt' and its response must be strings")
+        if response is None:
+            return {"prompt": x["prompt"]}
+        return {"messages": [{"role": "user", "content": x["prompt"]}, {"role": "assistant", "content": response}]}
+    if isinstance(x.get("text"), str):
+        return {"text": x["text"]}
+    raise ValueError(f"{where}: a record holds 'messages', 'conversations', 'prompt' or 'text'; "
+                     f"got keys {sorted(x)[:6]}")
+
+
+def dataset_id(records: list[dict]) -> str:
+    """A short hash of a dataset's records (a feature folder records which file's records it holds)."""
+    return hashlib.sha256(json.dumps(records, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _record_hash(rec: dict) -> float:
+    return int(hashlib.sha1(json.dumps(rec, sort_keys=True).encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+
+
+def dataset_split(records: list[dict], heldout: bool, fraction: float = 0.05) -> list[dict]:
+    """One split's records, in file order: held out where the record's hash falls below `fraction` (stable as the
+    file grows); when none does, the record with the smallest hash, so that a small file still evaluates."""
+    hs = [_record_hash(r) for r in records]
+    held = {i for i, h in enumerate(hs) if h < fraction}
+    if not held and len(records) > 1:
+        held = {min(range(len(hs)), key=hs.__getitem__)}
+    return [r for i, r in enumerate(records) if (i in held) == heldout]
+
+
+def _record_prompt(rec: dict) -> str | list[dict] | None:
+    """The instruction of a record for the target to answer: its prompt, or its turns before the first assistant
+    turn (None: no user turn there)."""
+    if "prompt" in rec:
+        return rec["prompt"]
+    if "messages" in rec:
+        first = next((i for i, m in enumerate(rec["messages"]) if m["role"] == "assistant"), len(rec["messages"]))
+        turns = rec["messages"][:first]
+        return turns if any(m["role"] == "user" for m in turns) else None
+    return None
+
+
+def check_dataset(records: list[dict], corpus: str, path: str) -> str | None:
+    """What stops `records` from serving `corpus` (one line), else None."""
+    if corpus == "dataset":
+        bad = next((i for i, r in enumerate(records) if "prompt" in r), None)
+        if bad is not None:
+            return (f"--dataset {path}: record {bad + 1} is a prompt without a response; --corpus distill has the "
+                    "target answer prompts (or add a 'response')")
+    elif corpus == "distill":
+        bad = next((i for i, r in enumerate(records) if _record_prompt(r) is None), None)
+        if bad is not None:
+            return (f"--dataset {path}: record {bad + 1} has no instruction (a 'prompt', or a user turn before the "
+                    "first assistant turn) for --corpus distill to answer")
+    return None
+
+
+def _holds_bench_prompt(texts: list[str], bench: tuple[str, ...]) -> bool:
+    """_is_bench_like over a record's texts, those of 20 characters or more (every benchmark prompt is longer; a
+    short turn such as "Yes." is part of one without being one)."""
+    return any(_is_bench_like(t, bench) for t in texts if len(t.strip()) >= 20)
+
+
+def dataset_samples(records: list[dict]):
+    """A corpus recipe over a dataset's records as they are (chat through the template, text raw; never a record
+    holding a benchmark prompt)."""
+    bench = _bench_prompts()
+
+    def samples(heldout: bool, fraction: float = 0.05, seed: int = 0) -> Iterator[Sample]:
+        for r in dataset_split(records, heldout, fraction):
+            if "messages" in r and not _holds_bench_prompt([m["content"] for m in r["messages"]], bench):
+                yield Sample(None, r["messages"])
+            elif "text" in r and not _holds_bench_prompt([r["text"]], bench):
+                yield Sample(r["text"], None)
+    return samples
+
+
+def dataset_prompts(records: list[dict]):
+    """A prompt stream (as `distill_prompts`) over a dataset's instructions (never a benchmark prompt)."""
+    bench = _bench_prompts()
+
+    def prompts(heldout: bool, fraction: float = 0.05, seed: int = 0) -> Iterator[str | list[dict]]:
+        for r in dataset_split(records, heldout, fraction):
+            p = _record_prompt(r)
+            if p is not None and not _holds_bench_prompt([p] if isinstance(p, str) else [m["content"] for m in p],
+                                                         bench):
+                yield p
+    return prompts
+
+
 # -- self-distillation: the target's own greedy answers to instructions made from the offline corpus ---------
 
 def _bench_prompts() -> tuple[str, ...]:
@@ -339,15 +491,24 @@ def read_distilled(out_dir: str | Path, split: str) -> list[dict]:
     return rows
 
 
+def chat_prompt_ids(tok, prompt: str | list[dict]) -> list[int]:
+    """A prompt (a user message's text, or chat turns) through the chat template, ready for the answer (as the
+    engine's chat=True does for a text)."""
+    msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
 def generate_distilled(llm, out_dir: str | Path, split: str, max_tokens: int, *, max_new: int = 160,
                        chunk: int = 32, heldout_fraction: float = 0.05, seed: int = 0, progress: bool = True,
-                       deadline: float | None = None) -> int:
-    """The target answers `distill_prompts` greedily (chat template, `max_new` new tokens at most) through
+                       deadline: float | None = None, prompts=None) -> int:
+    """The target answers `distill_prompts` (or `prompts`, a stream of the same signature: a dataset's, texts or
+    chat turns) greedily (chat template, `max_new` new tokens at most) through
     forerun's batched engine `llm` (an LLM: its max_num_seqs is the batch) until the split's cache holds
     `max_tokens` answer tokens (or time.time() passes `deadline`). Cached as JSON lines under
     out_dir/distill/<split>.jsonl, appended per chunk of prompts (resumable: a rerun skips the prompts already
-    answered). Generation time is added up in out_dir/distill/<split>.stats.json. Returns the answer tokens
-    cached."""
+    answered). Generation time is added up in
+    out_dir/distill/<split>.stats.json. Returns the answer tokens cached."""
     import time
     from ..sampling_params import SamplingParams
 
@@ -361,19 +522,21 @@ def generate_distilled(llm, out_dir: str | Path, split: str, max_tokens: int, *,
     stats = json.loads(stats_f.read_text()) if stats_f.exists() else {"seconds": 0.0, "runs": []}
     if have >= max_tokens:
         return have
-    stream = distill_prompts(split == "heldout", heldout_fraction, seed)
-    for _ in range(len(rows)):
-        next(stream, None)
+    answered = {json.dumps(r["prompt"], sort_keys=True) for r in rows}
+    # (the prompts not answered yet, in stream order: a dataset file that grew, or an installed package that added
+    # corpus files, continues where it stands instead of skipping by count)
+    stream = (p for p in (prompts or distill_prompts)(split == "heldout", heldout_fraction, seed)
+              if json.dumps(p, sort_keys=True) not in answered)
     sp = SamplingParams(temperature=0, max_tokens=max_new)
     bar = tqdm(total=max_tokens, initial=have, desc=f"distill answers ({split})", unit="tok", disable=not progress)
     t0, have0 = time.perf_counter(), have
     while have < max_tokens and (deadline is None or time.time() < deadline):
-        prompts = [p for _, p in zip(range(chunk), stream)]
-        if not prompts:
+        batch = [p for _, p in zip(range(chunk), stream)]
+        if not batch:
             break
-        outs = llm.generate(prompts, sp, chat=True)
+        outs = llm.generate([chat_prompt_ids(llm.tokenizer, p) for p in batch], sp)
         with f.open("a") as fh:
-            for p, o in zip(prompts, outs):
+            for p, o in zip(batch, outs):
                 fh.write(json.dumps({"prompt": p, "prompt_ids": list(o.prompt_token_ids),
                                      "answer_ids": list(o.token_ids), "finish": o.finish_reason}) + "\n")
         n = sum(len(o.token_ids) for o in outs)
@@ -396,7 +559,8 @@ def distilled_samples(out_dir: str | Path):
     return samples
 
 
-CORPORA = {"code": corpus_samples, "mix": mixed_samples, "distill": None}  # distill: distilled_samples(folder)
+# distill: distilled_samples(folder); dataset: dataset_samples(read_dataset(file))
+CORPORA = {"code": corpus_samples, "mix": mixed_samples, "distill": None, "dataset": None}
 
 
 def encode(tok, sample: Sample, max_len: int) -> list[int]:
@@ -419,12 +583,13 @@ def feature_layers(num_layers: int, head_layers: tuple[int, ...]) -> tuple[int, 
 def extract(model, tok, out_dir: str | Path, layers: tuple[int, ...], split: str, max_tokens: int,
             max_len: int = 512, min_len: int = 24, shard_tokens: int = 16384, seed: int = 0,
             heldout_fraction: float = 0.05, progress: bool = True, deadline: float | None = None,
-            corpus: str = "code", quantize: str = "none") -> int:
+            corpus: str = "code", quantize: str = "none", samples=None) -> int:
     """Teacher-forced hidden states of `layers` for corpus samples of one split, until `max_tokens` tokens are
     on disk under out_dir/split/ (or time.time() passes `deadline`: what was extracted is written). Returns
     the tokens stored. Resumable (shards already written are kept). `corpus`: a recipe of CORPORA; `quantize`:
     the target's weight layout (recorded: features must come from the layout drafting runs against, and one
-    folder never mixes two). The extraction wall time is added up
+    folder never mixes two); `samples`: a recipe of the same signature instead of the corpus's (a dataset's:
+    `corpus` then names it, e.g. "dataset:<the file's hash>"). The extraction wall time is added up
     across runs in out_dir/split/stats.json (`split_stats`)."""
     import time
     from ..config import CacheConfig
@@ -458,7 +623,7 @@ def extract(model, tok, out_dir: str | Path, layers: tuple[int, ...], split: str
     weight = model.model.norm.weight  # (its device and dtype: the activations')
     runner = ModelRunner(model, CacheConfig(block_size=16, num_blocks=max_len // 16 + 4), weight.device,
                          weight.dtype, max_batch_tokens=max_len, max_seqs=1)
-    recipe = distilled_samples(out_dir) if corpus == "distill" else CORPORA[corpus]
+    recipe = samples or (distilled_samples(out_dir) if corpus == "distill" else CORPORA[corpus])
     stream = recipe(split == "heldout", heldout_fraction, seed)
     buf_tok, buf_feat, offsets, n_samples, index = [], {i: [] for i in layers}, [0], 0, 0
     bar = tqdm(total=max_tokens, initial=stored, desc=f"target features ({split})", unit="tok", disable=not progress)

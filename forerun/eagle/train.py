@@ -11,7 +11,10 @@
    resumable. On a shared machine use --threads 1 (two OpenMP threads stall when one core is busy).
    --corpus distill (self-distillation): the target first answers instructions made from the same offline
    corpus (never the benchmark prompts) greedily through forerun's batched engine; the answers are cached
-   under DATA/distill/ (resumable) and the features are extracted over prompt + answer. --extra-data DIR adds
+   under DATA/distill/ (resumable) and the features are extracted over prompt + answer. --dataset FILE: your
+   own records (chat turns, prompt / response pairs, text; JSON Lines or a JSON array, forerun/eagle/data.py)
+   instead of the offline corpus, used as they are (--corpus dataset, the default with --dataset) or as
+   instructions the target answers (--corpus distill). --extra-data DIR adds
    other feature folders: their training splits join the training set, their held-out splits are evaluated
    next to DATA's (reported under "extra").
 2. Head: EAGLE-3 by default (fc over three target layers, reduced draft vocabulary of the most frequent
@@ -465,6 +468,7 @@ def training_summary(out: Path, data_dir: Path, a, n_train: int, n_held: int, fe
         sessions.append({k: prev[k] for k in ("train_seconds", "total_seconds", "steps", "acc_len") if k in prev})
     sessions.append({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "steps": [step0, res["step"]],
                      "precision": getattr(a, "precision_used", getattr(a, "precision", None)),
+                     "corpus": getattr(a, "corpus", None), "dataset": getattr(a, "dataset", None),
                      "feature_seconds": round(feat_s, 1), "wall_seconds": round(wall_s, 1),
                      "acc_len": round(res["acc_len"], 3)})
     stats = [D.split_stats(data_dir, sp) for sp in ("train", "heldout")]
@@ -493,7 +497,7 @@ def generate_answers(target, tok, data_dir: Path, a, device, deadline: float | N
 
     llm = LLM.from_model(target, tok, device=str(device), max_num_seqs=a.distill_batch)
     kw = dict(max_new=a.distill_max_new, chunk=2 * a.distill_batch, seed=a.seed, progress=not a.quiet,
-              deadline=deadline)
+              deadline=deadline, prompts=D.dataset_prompts(a.dataset_records) if a.dataset else None)
     try:
         held = D.generate_distilled(llm, data_dir, "heldout", a.distill_heldout_tokens or a.heldout_tokens, **kw)
         train = D.generate_distilled(llm, data_dir, "train", a.distill_tokens or a.train_tokens, **kw)
@@ -514,9 +518,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", type=int, choices=(1, 3), default=3, help="EAGLE-3 (default) or EAGLE-1/2 head")
     p.add_argument("--train-tokens", type=int, default=30000, help="target tokens of training features")
     p.add_argument("--heldout-tokens", type=int, default=3000, help="target tokens of held-out features")
-    p.add_argument("--corpus", default="mix", choices=sorted(D.CORPORA),
-                   help="training text recipe (forerun/eagle/data.py): mix (default), code (Python only) or distill "
-                        "(the target's own greedy answers to instructions made from the corpus)")
+    p.add_argument("--corpus", default=None, choices=sorted(D.CORPORA),
+                   help="training text recipe (forerun/eagle/data.py): mix (default), code (Python only), distill "
+                        "(the target's own greedy answers to instructions made from the corpus, or from --dataset's "
+                        "records) or dataset (--dataset's records as they are; the default with --dataset)")
+    p.add_argument("--dataset", default=None, metavar="FILE",
+                   help="your own data instead of the offline corpus: JSON Lines (or a JSON array) of chat records "
+                        "{\"messages\": [{\"role\", \"content\"}, ...]} or ShareGPT {\"conversations\": [{\"from\", "
+                        "\"value\"}, ...]}, {\"prompt\", \"response\"} pairs (the response optional with --corpus "
+                        "distill) or {\"text\"}; 5%% of the records held out by a hash of each")
     p.add_argument("--extra-data", action="append", default=[], metavar="DIR",
                    help="another feature folder (same target and layers): its train split joins training, its "
                         "held-out split is evaluated too (repeatable)")
@@ -594,6 +604,22 @@ def _check_flags(a) -> str | None:
         return f"--resume: {out} holds no train_state.pt to resume from (leave --resume out to start a new head)"
     if a.restart_schedule and not a.resume:
         return "--restart-schedule works with --resume only"
+    if a.dataset is not None:
+        path = Path(a.dataset).expanduser()
+        if not path.is_file():
+            return f"--dataset {a.dataset}: no such file"
+        if a.corpus in ("code", "mix"):
+            return (f"--dataset replaces the built-in corpus: use --corpus dataset (its records as they are) or "
+                    f"--corpus distill (the target answers its prompts), not --corpus {a.corpus}")
+        try:
+            a.dataset_records = D.read_dataset(path)
+        except ValueError as e:
+            return str(e)
+        problem = D.check_dataset(a.dataset_records, a.corpus, a.dataset)
+        if problem:
+            return problem
+    elif a.corpus == "dataset":
+        return "--corpus dataset needs --dataset FILE"
     if a.corpus != "distill":
         given = [n for n in ("distill_tokens", "distill_heldout_tokens", "distill_max_new", "distill_batch",
                              "distill_minutes") if getattr(a, n) is not None]
@@ -610,6 +636,7 @@ def parse_flags(argv=None) -> argparse.Namespace | str:
     """The command line judged before anything loads: the flags with DEFAULTS filled in where left out, or what
     is wrong with them (one line)."""
     a = build_parser().parse_args(argv)
+    a.corpus = a.corpus or ("dataset" if a.dataset is not None else "mix")
     for name in ("train_tokens", "heldout_tokens", "distill_max_new", "distill_batch", "seq_len", "draft_vocab",
                  "steps", "ttt", "accum", "eval_every", "eval_k", "save_every"):
         if getattr(a, name) is not None and getattr(a, name) < 1:
@@ -668,6 +695,8 @@ def main(argv=None) -> int:
     t_feat = time.perf_counter()
     kw = dict(max_len=a.seq_len, seed=a.seed, progress=not a.quiet, deadline=feat_deadline, corpus=a.corpus,
               quantize=layout)
+    if a.corpus == "dataset":  # (a feature folder holds one file's records: named by the file's hash)
+        kw.update(corpus=f"dataset:{D.dataset_id(a.dataset_records)}", samples=D.dataset_samples(a.dataset_records))
     try:
         n_held = D.extract(target, tok, data_dir, layers, "heldout", a.heldout_tokens, **kw)
         n_train = D.extract(target, tok, data_dir, layers, "train", a.train_tokens, **kw)

@@ -11,7 +11,8 @@ how much time. Prints tables, writes JSON and a PNG plot.
    chunk, or a verify tree of M nodes), logits of the last row (prefill) or of every row (verify), the paths taking
    turns; the logits compared bit for bit. (--model-rows "": part 1 alone, at the 1.5B's shapes, no model file.)
 
-The switch point is cpu_q4.amx_min_rows (16 by default: from there the tiles won on every shape measured here).
+The switch point is cpu_q4.amx_min_rows (32 by default since session 43: from there the tiles won on every shape,
+thread count and machine measured; 16 until then, which lost at 16-24 rows on a 16-core Xeon).
 """
 from __future__ import annotations
 

@@ -339,7 +339,7 @@ def test_q4_amx_path_gives_the_vnni_kernels_bits(n, k, threads):
     s = torch.rand(n, k // 32, generator=g).add_(0.01).half().float()
     o = -torch.rand(n, k // 32, generator=g).half().float()
     packed = cpu_q4.pack_weights(q, s, o)
-    x = torch.randn(40, k, generator=g)
+    x = torch.randn(64, k, generator=g)
     x[3] = 1.0  # every code +127
     before = cpu_q4.amx_min_rows()
     try:
@@ -351,9 +351,11 @@ def test_q4_amx_path_gives_the_vnni_kernels_bits(n, k, threads):
             got = cpu_q4.q4_matmul(x[:rows], packed, n, threads)
             assert lib.q4_amx_calls() == calls + 1  # it did run on tiles
             assert torch.equal(got, want[:rows]), (rows, (got - want[:rows]).abs().max())
-        cpu_q4.amx_min_rows(16)  # the default switch point: 15 rows on VNNI, 16 on tiles, the same bits
-        assert torch.equal(torch.cat([cpu_q4.q4_matmul(x[:15], packed, n, threads),
-                                      cpu_q4.q4_matmul(x[15:31], packed, n, threads)]), want[:31])
+        cpu_q4.amx_min_rows(32)  # the default switch point: 31 rows on VNNI, 32 on tiles, the same bits
+        calls = lib.q4_amx_calls()
+        assert torch.equal(torch.cat([cpu_q4.q4_matmul(x[:31], packed, n, threads),
+                                      cpu_q4.q4_matmul(x[31:63], packed, n, threads)]), want[:63])
+        assert lib.q4_amx_calls() == calls + 1
     finally:
         cpu_q4.amx_min_rows(before)
 
@@ -369,9 +371,10 @@ def test_amx_switch_point_from_the_environment():
     if not cpu_q4.amx_ready():
         pytest.skip("no AMX here")
     code = "from forerun.kernels import cpu_q4; print(cpu_q4.amx_min_rows())"
-    for value, want in (("0", "0"), ("40", "40")):
+    for value, want in (("0", "0"), ("40", "40"), (None, "32")):  # None: the default (session 43; 16 before)
+        env = {k: v for k, v in os.environ.items() if k != "FORERUN_AMX_MIN_ROWS"}
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           env={**os.environ, "FORERUN_AMX_MIN_ROWS": value})
+                           env=env if value is None else {**env, "FORERUN_AMX_MIN_ROWS": value})
         assert r.stdout.strip() == want, r.stderr
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env={**os.environ, "FORERUN_AMX_MIN_ROWS": "lots"})

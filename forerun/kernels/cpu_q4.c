@@ -300,7 +300,10 @@ static void run_groups(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
 #include <unistd.h>
 
 static int amx_state = -1;     // -1: not asked yet; 0: the kernel refuses tile data to this process; 1: ready
-static int amx_min_rows = 16;  // activation rows from which q4_gemm takes this path (0: never; docs/quantization.md)
+// activation rows from which q4_gemm takes this path (0: never). 32: below it the tiles lost somewhere measured (a
+// 16-core Xeon: 0.72-0.96x VNNI at 16-24 rows with 8-16 threads, 0.87x at 16 with 2; this 2-core one ~1.0-1.2x);
+// from 32 rows on they won everywhere (docs/quantization.md, session 43)
+static int amx_min_rows = 32;
 static int64_t amx_calls = 0;  // products run on this path (tests)
 
 int q4_amx_ready(void) {
@@ -482,6 +485,9 @@ static int q4_gemm_amx(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
     float *xsg = aligned_alloc(64, (groups * mp * 4 + 63) / 64 * 64), *isg = aligned_alloc(64, (groups * mp * 4 + 63) / 64 * 64);
     int ok = xa && xsg && isg;
     if (!ok) goto done;
+    // (over the threads too: run by one thread this re-layout held 16 threads back, and the tiles lost to VNNI
+    // at 16-64 rows on a 16-core CPU; docs/quantization.md, session 43)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && groups * mp >= 1024)
     for (int64_t g = 0; g < groups; g++) {  // row i of group g: its 8 pieces of 4 codes, in order
         const int8_t *src = xq + (g / 16) * 512 + (g % 16) * 4;
         for (int64_t i = 0; i < mp; i++) {

@@ -322,6 +322,29 @@ def test_int8_linear_picks_the_int4_kernel_without_vnni(monkeypatch):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
+def test_q4_products_of_many_rows_run_in_row_blocks_with_the_same_bits(threads):
+    """A product of more rows than q4_row_block(K) runs as passes of that many rows (their activations stay in
+    cache while every output reads them; session 43): each row as a product of a few rows alone gives it, bit for
+    bit (blocks of 128 rows at K = 4,096: two whole blocks, then 44 rows; on an AMX CPU the blocks run on tiles and
+    the 7-row products on VNNI)."""
+    from forerun.kernels import cpu_q4
+
+    lib = cpu_q4._load()
+    if lib is None:
+        pytest.skip("no C kernel here")
+    assert lib.q4_row_block(4096) == 128 and lib.q4_row_block(8960) == 64 and lib.q4_row_block(1536) == 336
+    n, k = 72, 4096
+    g = torch.Generator().manual_seed(7)
+    packed = cpu_q4.pack_weights(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8),
+                                 torch.rand(n, k // 32, generator=g).add_(0.01).half().float(),
+                                 -torch.rand(n, k // 32, generator=g).half().float())
+    x = torch.randn(300, k, generator=g)
+    got = cpu_q4.q4_matmul(x, packed, n, threads)
+    want = torch.cat([cpu_q4.q4_matmul(x[i:i + 7], packed, n, threads) for i in range(0, 300, 7)])
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n,k", [(40, 64), (100, 544), (1000, 4192), (2052, 1536)])
 def test_q4_amx_path_gives_the_vnni_kernels_bits(n, k, threads):
     """On CPUs with AMX, q4_gemm hands products of >= amx_min_rows activation rows to tile products (one per group

@@ -33,6 +33,10 @@ def _declare(lib) -> None:
     lib.q4_quant_act.restype = None
     lib.q4_group_bytes.argtypes = [i64]
     lib.q4_group_bytes.restype = i64
+    lib.q4_row_block.argtypes = [i64]  # activation rows per pass over the weights (products of many rows)
+    lib.q4_row_block.restype = i64
+    lib.q4_row_block_bytes.argtypes = [i64]
+    lib.q4_row_block_bytes.restype = i64
     lib.q8_gemm.argtypes = [p, i64, i64, p, p, i64, p, ctypes.c_int]
     lib.q8_gemm.restype = None
     lib.q8_group_bytes.argtypes = [i64]

@@ -68,6 +68,35 @@ def test_c_attention_equals_torch_rows_and_sdpa(threads, window, monkeypatch):
     assert (bad - good).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(12, 2, 128), (14, 2, 64), (4, 4, 96)])
+def test_c_attention_in_blocks_of_rows_is_row_invariant(threads, hq, hkv, d, monkeypatch):
+    """A long prefill chunk: the C kernel takes up to 16 rows of a sequence together (each tile of 16 keys shared
+    while in cache; session 43), so 37 rows after 70 cached keys run as items of 16, 16 and 5 rows, beside a 3-row
+    sequence and a tree. Every row gives the bits it gives alone (as a decode step), and the torch rows' values.
+    (D = 96 takes the scalar path: the vector one serves 64 and 128.)"""
+    g = torch.Generator().manual_seed(5)
+    page, nblocks = 16, 64
+    tables = torch.randperm(nblocks, generator=g)[:48].view(3, 16)
+    k = torch.randn(nblocks, page, hkv, d, generator=g)
+    v = torch.randn(nblocks, page, hkv, d, generator=g)
+    scale = d ** -0.5
+    q_lens, prefixes = [37, 3], [70, 130]
+    q = torch.randn(sum(q_lens), hq, d, generator=g)
+    meta = _meta(q_lens, prefixes, page, tables)
+    out = paged_attention_rowwise(q, k, v, meta, scale)
+    with monkeypatch.context() as m:
+        _torch_rows(m)
+        torch.testing.assert_close(out, paged_attention_rowwise(q, k, v, meta, scale), rtol=3e-6, atol=3e-6)
+    for i in range(0, 37, 3):
+        alone = paged_attention_rowwise(q[i:i + 1], k, v, _meta([1], [70 + i], page, tables[:1]), scale)
+        assert torch.equal(alone[0], out[i]), i
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    tmeta = _meta([3], [130], page, tables[1:2], tree)
+    tout = paged_attention_rowwise(q[37:], k, v, tmeta, scale)  # tree rows: each its own key list, alone
+    assert torch.equal(tout[0], out[37])  # (the root sees the same 131 keys as the chain's first row)
+    assert not torch.equal(tout[2], out[39])  # (the tree's third row skips key 131)
+
+
 def test_add_rmsnorm_equals_torch_and_is_row_invariant(threads):
     torch.manual_seed(0)
     ops, ref = CpuLayerOps(), LayerOps()

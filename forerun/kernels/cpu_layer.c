@@ -42,15 +42,176 @@ static inline float dot(const float *a, const float *b, int64_t d) {
     return s;
 }
 
+#ifdef __AVX512F__
+/* ---- AVX-512: one work item with its scores 16 keys at a time, a vector exp, values in registers (session 43) ----
+ * The scalar loop below spent most of a long prompt's prefill in expf and in one horizontal sum per key and head
+ * (Qwen2.5-1.5B, 2,048 tokens: ~17 s of a 28 s forward on 2 threads). Same arithmetic, reordered for vectors: every
+ * score is still a fixed-order sum over its own query and key, the softmax runs over the row's own keys in key order,
+ * so a row's bits still depend on that row alone (batch invariance). */
+
+/* lane j of the result = the sum of a[j]'s 16 lanes, in a fixed tree */
+static inline __m512 hsum16(const __m512 *a) {
+    __m512 s[8], u[4];
+    for (int i = 0; i < 8; i++)
+        s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {  /* 128-bit lane q of u[i]: keys 4 i .. 4 i + 3, partial sums of that lane */
+        const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(s[2 * i]), _mm512_castps_pd(s[2 * i + 1]));
+        const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(s[2 * i]), _mm512_castps_pd(s[2 * i + 1]));
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+    }
+    const __m512 x0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+    const __m512 x1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
+}
+
+/* e^x for x <= 0 (scores minus their maximum), Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial,
+ * then 2^n; within ~2 ulp of expf (tests: the attention against torch's rows); -inf and anything below ~-103 give 0 */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* One work item: rows r0 .. r0 + nr - 1 (nr <= ATTN_RB, consecutive rows whose keys start at the same place:
+ * the same sequence's key list) x kv head h, D = 16 * DV. A row sees its own first len[r] keys, taken 16 at a time;
+ * the rows of the item share each tile of 16 keys (and of 16 values) while it is in L1: one row at a time streamed
+ * every key and value of a long prompt from L3 for each row (2,048 rows: 2 x 1 MB per row and kv head). Per row and
+ * query head the operations and their order depend on that row alone (its query, its len[r] keys, tile by tile),
+ * so a row gives the same bits alone or in any item. sc [ATTN_RB][g][maxlen] scores, ob [ATTN_RB][g][D]. */
+#define ATTN_RB 16
+#define ATTN_ITEM(DV)                                                                                               \
+static void attn_item_##DV(const float *q, const float *kc, const float *vc, const int64_t *ks, const int64_t *len,  \
+                           int64_t r0, int64_t nr, int64_t hq, int64_t g, int64_t h, int64_t hkv, int64_t maxlen,    \
+                           float *sc, float *ob, float *out) {                                                      \
+    const int64_t d = 16 * DV;                                                                                      \
+    int64_t longest = 0;                                                                                            \
+    for (int64_t r = 0; r < nr; r++) longest = len[r0 + r] > longest ? len[r0 + r] : longest;                       \
+    for (int64_t j0 = 0; j0 < longest; j0 += 16) {  /* scores, tile by tile */                                      \
+        for (int64_t r = 0; r < nr; r++) {                                                                          \
+            const int64_t n = len[r0 + r];                                                                          \
+            if (j0 >= n) continue;                                                                                  \
+            const int64_t nb = n - j0 < 16 ? n - j0 : 16;                                                           \
+            for (int64_t i = 0; i < g; i++) {                                                                       \
+                const float *qi = q + ((r0 + r) * hq + h * g + i) * d;                                              \
+                __m512 qv[DV], acc[16];                                                                             \
+                for (int c = 0; c < DV; c++) qv[c] = _mm512_loadu_ps(qi + 16 * c);                                  \
+                for (int jj = 0; jj < 16; jj++) {                                                                   \
+                    acc[jj] = _mm512_setzero_ps();                                                                  \
+                    if (jj < nb) {                                                                                  \
+                        const float *kj = kc + (ks[j0 + jj] * hkv + h) * d;                                         \
+                        for (int c = 0; c < DV; c++) acc[jj] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kj + 16 * c), acc[jj]); \
+                    }                                                                                               \
+                }                                                                                                   \
+                _mm512_mask_storeu_ps(sc + (r * g + i) * maxlen + j0, (__mmask16)((1u << nb) - 1), hsum16(acc));    \
+            }                                                                                                       \
+        }                                                                                                           \
+    }                                                                                                               \
+    float inv[ATTN_RB * 16];                                                                                        \
+    for (int64_t r = 0; r < nr; r++) {  /* softmax of each row and head over its own keys, in key order */          \
+        const int64_t n = len[r0 + r];                                                                              \
+        for (int64_t i = 0; i < g; i++) {                                                                           \
+            float *si = sc + (r * g + i) * maxlen;                                                                  \
+            __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();                                       \
+            for (int64_t j0 = 0; j0 < n; j0 += 16) {                                                                \
+                const __mmask16 mk = (__mmask16)(n - j0 < 16 ? (1u << (n - j0)) - 1 : 0xFFFF);                       \
+                mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mk, si + j0));                \
+            }                                                                                                       \
+            const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));                                              \
+            for (int64_t j0 = 0; j0 < n; j0 += 16) {                                                                \
+                const __mmask16 mk = (__mmask16)(n - j0 < 16 ? (1u << (n - j0)) - 1 : 0xFFFF);                       \
+                const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, si + j0), m))); \
+                _mm512_mask_storeu_ps(si + j0, mk, e);                                                              \
+                sum = _mm512_add_ps(sum, e);                                                                        \
+            }                                                                                                       \
+            inv[r * g + i] = 1.f / _mm512_reduce_add_ps(sum);                                                       \
+        }                                                                                                           \
+    }                                                                                                               \
+    memset(ob, 0, sizeof(float) * (size_t)(nr * g * d));                                                            \
+    for (int64_t j0 = 0; j0 < longest; j0 += 16) {  /* weighted values, tile by tile, each row's in key order */    \
+        for (int64_t r = 0; r < nr; r++) {                                                                          \
+            const int64_t n = len[r0 + r];                                                                          \
+            if (j0 >= n) continue;                                                                                  \
+            const int64_t j1 = n - j0 < 16 ? n : j0 + 16;                                                           \
+            for (int64_t i = 0; i < g; i++) {                                                                       \
+                const float *si = sc + (r * g + i) * maxlen;                                                        \
+                float *oi = ob + (r * g + i) * d;                                                                   \
+                __m512 o[DV];                                                                                       \
+                for (int c = 0; c < DV; c++) o[c] = _mm512_loadu_ps(oi + 16 * c);                                   \
+                for (int64_t j = j0; j < j1; j++) {                                                                 \
+                    const __m512 p = _mm512_set1_ps(si[j]);                                                         \
+                    const float *vj = vc + (ks[j] * hkv + h) * d;                                                   \
+                    for (int c = 0; c < DV; c++) o[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 16 * c), o[c]);    \
+                }                                                                                                   \
+                for (int c = 0; c < DV; c++) _mm512_storeu_ps(oi + 16 * c, o[c]);                                   \
+            }                                                                                                       \
+        }                                                                                                           \
+    }                                                                                                               \
+    for (int64_t r = 0; r < nr; r++)                                                                                \
+        for (int64_t i = 0; i < g; i++) {                                                                           \
+            const __m512 iv = _mm512_set1_ps(inv[r * g + i]);                                                       \
+            const float *oi = ob + (r * g + i) * d;                                                                 \
+            float *dst = out + ((r0 + r) * hq + h * g + i) * d;                                                     \
+            for (int c = 0; c < DV; c++) _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(oi + 16 * c), iv)); \
+        }                                                                                                           \
+}
+ATTN_ITEM(4)  /* D = 64 (SmolLM2, Qwen2.5-0.5B) */
+ATTN_ITEM(8)  /* D = 128 (Qwen2.5-1.5B, Llama, Qwen3) */
+#endif
+
 /* q [T, Hq, D] (pre-scaled by the softmax scale); kc, vc [S, Hkv, D] (S cache slots); row r sees the keys at the
  * slots keys[off[r] .. off[r] + len[r]) in that order; out [T, Hq, D]. Work item (row, kv head): its g = Hq / Hkv
  * query heads against the kv head's keys: scores, softmax (max, exp, sum in key order), weighted sum of values. */
+static int attn_blocked = 1;  /* 0: every row on the scalar loop below (benchmarks/prefill_cpu.py compares) */
+int attn_rows_blocked(int on) {  /* sets it when on >= 0; returns the setting in force */
+    if (on >= 0) attn_blocked = on;
+    return attn_blocked;
+}
+
 void attn_rows(const float *q, const float *kc, const float *vc, const int64_t *keys, const int64_t *off,
                const int64_t *len, float *out, int64_t t, int64_t hq, int64_t hkv, int64_t d, int64_t maxlen) {
     const int64_t g = hq / hkv;
+#ifdef __AVX512F__
+    if (attn_blocked && (d == 64 || d == 128) && g <= 16 && maxlen > 0) {
+        /* items of up to ATTN_RB consecutive rows whose keys start at the same place (a row with no key alone) */
+        int64_t *start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(t + 1)), items = 0;
+        for (int64_t r = 0; r < t; r++)
+            if (r == 0 || off[r] != off[r - 1] || r - start[items - 1] >= ATTN_RB || len[r] == 0 || len[r - 1] == 0)
+                start[items++] = r;
+        start[items] = t;
+#pragma omp parallel
+        {
+            float *sc = (float *)malloc(sizeof(float) * (size_t)(ATTN_RB * g * maxlen + 16));
+            float *ob = (float *)malloc(sizeof(float) * (size_t)(ATTN_RB * g * d));
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t w = 0; w < items * hkv; w++) {
+                const int64_t it = w / hkv, h = w % hkv, r0 = start[it], nr = start[it + 1] - r0;
+                if (len[r0] == 0) {  /* a row with no visible key: zeros, as below */
+                    for (int64_t i = 0; i < g; i++) memset(out + (r0 * hq + h * g + i) * d, 0, sizeof(float) * (size_t)d);
+                    continue;
+                }
+                (d == 64 ? attn_item_4 : attn_item_8)(q, kc, vc, keys + off[r0], len, r0, nr, hq, g, h, hkv, maxlen,
+                                                       sc, ob, out);
+            }
+            free(sc);
+            free(ob);
+        }
+        free(start);
+        return;
+    }
+#endif
 #pragma omp parallel
     {
-        float *sc = (float *)malloc(sizeof(float) * (size_t)(g * (maxlen > 0 ? maxlen : 1)));
+        float *sc = (float *)malloc(sizeof(float) * (size_t)(g * (maxlen > 0 ? maxlen : 1) + 16));
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < t * hkv; w++) {
             const int64_t r = w / hkv, h = w % hkv, n = len[r];

@@ -68,12 +68,40 @@ def test_c_attention_equals_torch_rows_and_sdpa(threads, window, monkeypatch):
     assert (bad - good).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("hq,hkv,d", [(12, 2, 128), (14, 2, 64), (4, 4, 96)])
-def test_c_attention_in_blocks_of_rows_is_row_invariant(threads, hq, hkv, d, monkeypatch):
-    """A long prefill chunk: the C kernel takes up to 16 rows of a sequence together (each tile of 16 keys shared
-    while in cache; session 43), so 37 rows after 70 cached keys run as items of 16, 16 and 5 rows, beside a 3-row
-    sequence and a tree. Every row gives the bits it gives alone (as a decode step), and the torch rows' values.
-    (D = 96 takes the scalar path: the vector one serves 64 and 128.)"""
+def _isa_builds() -> list[str]:
+    """The builds of cpu_layer.c this CPU runs (AVX2 everywhere the kernels run; AVX-512 where present)."""
+    from forerun.kernels import cbuild
+
+    return [isa for isa in cbuild.ISAS if cbuild.cpu_ok(cbuild.ISAS[isa][1])]
+
+
+def _c_rows(lib, q, k, v, meta, scale, window=None):
+    """The attention of a given build of cpu_layer.c (as paged_attention_rowwise calls the loaded one)."""
+    t, hq, d = q.shape
+    hkv = k.shape[2]
+    plan = R._row_plan(meta, k.shape[1], window)
+    R._plan_cache[:] = [None, None, None]
+    keys, off, lens, mx = R._flat_plan(plan, t)
+    qs, out = (q * scale).contiguous(), torch.empty_like(q)
+    lib.attn_rows(qs.data_ptr(), k.view(-1, hkv, d).data_ptr(), v.view(-1, hkv, d).data_ptr(), keys.data_ptr(),
+                  off.data_ptr(), lens.data_ptr(), out.data_ptr(), t, hq, hkv, d, max(mx, 1))
+    return out
+
+
+@pytest.mark.parametrize("isa", _isa_builds())
+@pytest.mark.parametrize("hq,hkv,d", [(12, 2, 128), (14, 2, 64), (4, 4, 96), (3, 1, 36)])
+def test_c_attention_in_blocks_of_rows_is_row_invariant(threads, isa, hq, hkv, d, monkeypatch):
+    """A long prefill chunk: the C kernel takes up to 16 rows of a sequence together (each tile of keys and values
+    shared while in cache; session 43), so 37 rows after 70 cached keys run as items of 16, 16 and 5 rows, beside a
+    3-row sequence and a tree. In each build this CPU runs (AVX-512: 16 keys a tile, AVX2: 8), every row gives the
+    bits it gives alone (as a decode step), and torch's rows' values. (D = 96 and 36 take the scalar loop: the vector
+    path serves D = 4, 8 or 16 vector widths.)"""
+    from pathlib import Path
+
+    from forerun.kernels import cbuild
+
+    lib = cbuild.library_for(Path(cpu_layer.__file__).with_name("cpu_layer.c"), isa, ["-ffp-contract=off"],
+                             cpu_layer._declare)
     g = torch.Generator().manual_seed(5)
     page, nblocks = 16, 64
     tables = torch.randperm(nblocks, generator=g)[:48].view(3, 16)
@@ -83,18 +111,24 @@ def test_c_attention_in_blocks_of_rows_is_row_invariant(threads, hq, hkv, d, mon
     q_lens, prefixes = [37, 3], [70, 130]
     q = torch.randn(sum(q_lens), hq, d, generator=g)
     meta = _meta(q_lens, prefixes, page, tables)
-    out = paged_attention_rowwise(q, k, v, meta, scale)
+    out = _c_rows(lib, q, k, v, meta, scale)
     with monkeypatch.context() as m:
         _torch_rows(m)
         torch.testing.assert_close(out, paged_attention_rowwise(q, k, v, meta, scale), rtol=3e-6, atol=3e-6)
     for i in range(0, 37, 3):
-        alone = paged_attention_rowwise(q[i:i + 1], k, v, _meta([1], [70 + i], page, tables[:1]), scale)
+        alone = _c_rows(lib, q[i:i + 1], k, v, _meta([1], [70 + i], page, tables[:1]), scale)
         assert torch.equal(alone[0], out[i]), i
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-    tmeta = _meta([3], [130], page, tables[1:2], tree)
-    tout = paged_attention_rowwise(q[37:], k, v, tmeta, scale)  # tree rows: each its own key list, alone
+    tout = _c_rows(lib, q[37:], k, v, _meta([3], [130], page, tables[1:2], tree), scale)  # each row its own keys
     assert torch.equal(tout[0], out[37])  # (the root sees the same 131 keys as the chain's first row)
     assert not torch.equal(tout[2], out[39])  # (the tree's third row skips key 131)
+    # the scalar loop (attn_rows_blocked(0)) gives the same values, in its own order
+    before = lib.attn_rows_blocked(-1)
+    try:
+        lib.attn_rows_blocked(0)
+        torch.testing.assert_close(_c_rows(lib, q, k, v, meta, scale), out, rtol=3e-6, atol=3e-6)
+    finally:
+        lib.attn_rows_blocked(before)
 
 
 def test_add_rmsnorm_equals_torch_and_is_row_invariant(threads):

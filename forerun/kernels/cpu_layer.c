@@ -42,15 +42,34 @@ static inline float dot(const float *a, const float *b, int64_t d) {
     return s;
 }
 
+/* ---- Attention in items of rows, W keys at a time (W = 16 with AVX-512, 8 with AVX2; session 43) ----
+ * The scalar loop below (one row at a time) spent most of a long prompt's prefill streaming every key and value from
+ * L3 for each row, in one horizontal sum per key and head, and in expf (Qwen2.5-1.5B, 2,048 tokens, 2 threads: ~14
+ * s of a 25.6 s forward). Per row and query head the operations and their order depend on that row alone, so a row
+ * gives the same bits alone or in any item (batch invariance); the two builds differ from each other (vector width,
+ * exp), as their products do. */
 #ifdef __AVX512F__
-/* ---- AVX-512: one work item with its scores 16 keys at a time, a vector exp, values in registers (session 43) ----
- * The scalar loop below spent most of a long prompt's prefill in expf and in one horizontal sum per key and head
- * (Qwen2.5-1.5B, 2,048 tokens: ~17 s of a 28 s forward on 2 threads). Same arithmetic, reordered for vectors: every
- * score is still a fixed-order sum over its own query and key, the softmax runs over the row's own keys in key order,
- * so a row's bits still depend on that row alone (batch invariance). */
+#define W 16
+typedef __m512 vec;
+typedef __mmask16 vmask;
+#define VZERO() _mm512_setzero_ps()
+#define VSET(x) _mm512_set1_ps(x)
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, v) _mm512_storeu_ps((p), (v))
+#define VFMA(a, b, c) _mm512_fmadd_ps((a), (b), (c))
+#define VADD(a, b) _mm512_add_ps((a), (b))
+#define VSUB(a, b) _mm512_sub_ps((a), (b))
+#define VMUL(a, b) _mm512_mul_ps((a), (b))
+#define VMAX(a, b) _mm512_max_ps((a), (b))
+#define VMASK(n) ((vmask)((n) < 16 ? (1u << (n)) - 1 : 0xFFFF))  /* the first n lanes */
+#define VLOADM(p, m, fill) _mm512_mask_loadu_ps(VSET(fill), (m), (p))
+#define VSTOREM(p, m, v) _mm512_mask_storeu_ps((p), (m), (v))
+#define VKEEP(m, v) _mm512_maskz_mov_ps((m), (v))
+#define VREDMAX(v) _mm512_reduce_max_ps(v)
+#define VREDADD(v) _mm512_reduce_add_ps(v)
 
-/* lane j of the result = the sum of a[j]'s 16 lanes, in a fixed tree */
-static inline __m512 hsum16(const __m512 *a) {
+/* lane j of the result = the sum of a[j]'s lanes, in a fixed tree */
+static inline vec vhsum(const vec *a) {
     __m512 s[8], u[4];
     for (int i = 0; i < 8; i++)
         s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
@@ -64,113 +83,171 @@ static inline __m512 hsum16(const __m512 *a) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
 }
 
-/* e^x for x <= 0 (scores minus their maximum), Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial,
- * then 2^n; within ~2 ulp of expf (tests: the attention against torch's rows); -inf and anything below ~-103 give 0 */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
+static inline vec vexp2n(vec p, vec n) { return _mm512_scalef_ps(p, n); }  /* p * 2^n */
+#define VEXP_MIN -104.0f  /* below: 0 (scalef underflows) */
+#else
+#define W 8
+typedef __m256 vec;
+typedef __m256i vmask;
+#define VZERO() _mm256_setzero_ps()
+#define VSET(x) _mm256_set1_ps(x)
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, v) _mm256_storeu_ps((p), (v))
+#define VFMA(a, b, c) _mm256_fmadd_ps((a), (b), (c))
+#define VADD(a, b) _mm256_add_ps((a), (b))
+#define VSUB(a, b) _mm256_sub_ps((a), (b))
+#define VMUL(a, b) _mm256_mul_ps((a), (b))
+#define VMAX(a, b) _mm256_max_ps((a), (b))
+#define VMASK(n) _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))
+#define VLOADM(p, m, fill) _mm256_blendv_ps(VSET(fill), _mm256_maskload_ps((p), (m)), _mm256_castsi256_ps(m))
+#define VSTOREM(p, m, v) _mm256_maskstore_ps((p), (m), (v))
+#define VKEEP(m, v) _mm256_and_ps(_mm256_castsi256_ps(m), (v))
+static inline float vred(__m256 v, int mx) {  /* fixed order: halves, then pairs */
+    __m128 s = mx ? _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1))
+                  : _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = mx ? _mm_max_ps(s, _mm_movehl_ps(s, s)) : _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(mx ? _mm_max_ss(s, _mm_movehdup_ps(s)) : _mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#define VREDMAX(v) vred((v), 1)
+#define VREDADD(v) vred((v), 0)
+
+static inline vec vhsum(const vec *a) {  /* lane j = the sum of a[j]'s 8 lanes */
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  /* [a0..a3 | a0..a3], [a4..a7 | ..] */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* One work item: rows r0 .. r0 + nr - 1 (nr <= ATTN_RB, consecutive rows whose keys start at the same place:
- * the same sequence's key list) x kv head h, D = 16 * DV. A row sees its own first len[r] keys, taken 16 at a time;
- * the rows of the item share each tile of 16 keys (and of 16 values) while it is in L1: one row at a time streamed
- * every key and value of a long prompt from L3 for each row (2,048 rows: 2 x 1 MB per row and kv head). Per row and
- * query head the operations and their order depend on that row alone (its query, its len[r] keys, tile by tile),
- * so a row gives the same bits alone or in any item. sc [ATTN_RB][g][maxlen] scores, ob [ATTN_RB][g][D]. */
-#define ATTN_RB 16
-#define ATTN_ITEM(DV)                                                                                               \
-static void attn_item_##DV(const float *q, const float *kc, const float *vc, const int64_t *ks, const int64_t *len,  \
-                           int64_t r0, int64_t nr, int64_t hq, int64_t g, int64_t h, int64_t hkv, int64_t maxlen,    \
-                           float *sc, float *ob, float *out) {                                                      \
-    const int64_t d = 16 * DV;                                                                                      \
-    int64_t longest = 0;                                                                                            \
-    for (int64_t r = 0; r < nr; r++) longest = len[r0 + r] > longest ? len[r0 + r] : longest;                       \
-    for (int64_t j0 = 0; j0 < longest; j0 += 16) {  /* scores, tile by tile */                                      \
-        for (int64_t r = 0; r < nr; r++) {                                                                          \
-            const int64_t n = len[r0 + r];                                                                          \
-            if (j0 >= n) continue;                                                                                  \
-            const int64_t nb = n - j0 < 16 ? n - j0 : 16;                                                           \
-            for (int64_t i = 0; i < g; i++) {                                                                       \
-                const float *qi = q + ((r0 + r) * hq + h * g + i) * d;                                              \
-                __m512 qv[DV], acc[16];                                                                             \
-                for (int c = 0; c < DV; c++) qv[c] = _mm512_loadu_ps(qi + 16 * c);                                  \
-                for (int jj = 0; jj < 16; jj++) {                                                                   \
-                    acc[jj] = _mm512_setzero_ps();                                                                  \
-                    if (jj < nb) {                                                                                  \
-                        const float *kj = kc + (ks[j0 + jj] * hkv + h) * d;                                         \
-                        for (int c = 0; c < DV; c++) acc[jj] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kj + 16 * c), acc[jj]); \
-                    }                                                                                               \
-                }                                                                                                   \
-                _mm512_mask_storeu_ps(sc + (r * g + i) * maxlen + j0, (__mmask16)((1u << nb) - 1), hsum16(acc));    \
-            }                                                                                                       \
-        }                                                                                                           \
-    }                                                                                                               \
-    float inv[ATTN_RB * 16];                                                                                        \
-    for (int64_t r = 0; r < nr; r++) {  /* softmax of each row and head over its own keys, in key order */          \
-        const int64_t n = len[r0 + r];                                                                              \
-        for (int64_t i = 0; i < g; i++) {                                                                           \
-            float *si = sc + (r * g + i) * maxlen;                                                                  \
-            __m512 mx = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();                                       \
-            for (int64_t j0 = 0; j0 < n; j0 += 16) {                                                                \
-                const __mmask16 mk = (__mmask16)(n - j0 < 16 ? (1u << (n - j0)) - 1 : 0xFFFF);                       \
-                mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), mk, si + j0));                \
-            }                                                                                                       \
-            const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));                                              \
-            for (int64_t j0 = 0; j0 < n; j0 += 16) {                                                                \
-                const __mmask16 mk = (__mmask16)(n - j0 < 16 ? (1u << (n - j0)) - 1 : 0xFFFF);                       \
-                const __m512 e = _mm512_maskz_mov_ps(mk, exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, si + j0), m))); \
-                _mm512_mask_storeu_ps(si + j0, mk, e);                                                              \
-                sum = _mm512_add_ps(sum, e);                                                                        \
-            }                                                                                                       \
-            inv[r * g + i] = 1.f / _mm512_reduce_add_ps(sum);                                                       \
-        }                                                                                                           \
-    }                                                                                                               \
-    memset(ob, 0, sizeof(float) * (size_t)(nr * g * d));                                                            \
-    for (int64_t j0 = 0; j0 < longest; j0 += 16) {  /* weighted values, tile by tile, each row's in key order */    \
-        for (int64_t r = 0; r < nr; r++) {                                                                          \
-            const int64_t n = len[r0 + r];                                                                          \
-            if (j0 >= n) continue;                                                                                  \
-            const int64_t j1 = n - j0 < 16 ? n : j0 + 16;                                                           \
-            for (int64_t i = 0; i < g; i++) {                                                                       \
-                const float *si = sc + (r * g + i) * maxlen;                                                        \
-                float *oi = ob + (r * g + i) * d;                                                                   \
-                __m512 o[DV];                                                                                       \
-                for (int c = 0; c < DV; c++) o[c] = _mm512_loadu_ps(oi + 16 * c);                                   \
-                for (int64_t j = j0; j < j1; j++) {                                                                 \
-                    const __m512 p = _mm512_set1_ps(si[j]);                                                         \
-                    const float *vj = vc + (ks[j] * hkv + h) * d;                                                   \
-                    for (int c = 0; c < DV; c++) o[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vj + 16 * c), o[c]);    \
-                }                                                                                                   \
-                for (int c = 0; c < DV; c++) _mm512_storeu_ps(oi + 16 * c, o[c]);                                   \
-            }                                                                                                       \
-        }                                                                                                           \
-    }                                                                                                               \
-    for (int64_t r = 0; r < nr; r++)                                                                                \
-        for (int64_t i = 0; i < g; i++) {                                                                           \
-            const __m512 iv = _mm512_set1_ps(inv[r * g + i]);                                                       \
-            const float *oi = ob + (r * g + i) * d;                                                                 \
-            float *dst = out + ((r0 + r) * hq + h * g + i) * d;                                                     \
-            for (int c = 0; c < DV; c++) _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(oi + 16 * c), iv)); \
-        }                                                                                                           \
+static inline vec vexp2n(vec p, vec n) {  /* p * 2^n, n >= -126 (VEXP_MIN keeps it there) */
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
-ATTN_ITEM(4)  /* D = 64 (SmolLM2, Qwen2.5-0.5B) */
-ATTN_ITEM(8)  /* D = 128 (Qwen2.5-1.5B, Llama, Qwen3) */
+#define VEXP_MIN -87.0f  /* e^-87 ~ 1.6e-38: next to a softmax's largest term (1) it is 0 */
 #endif
 
-/* q [T, Hq, D] (pre-scaled by the softmax scale); kc, vc [S, Hkv, D] (S cache slots); row r sees the keys at the
- * slots keys[off[r] .. off[r] + len[r]) in that order; out [T, Hq, D]. Work item (row, kv head): its g = Hq / Hkv
- * query heads against the kv head's keys: scores, softmax (max, exp, sum in key order), weighted sum of values. */
+/* e^x for x <= 0 (scores minus their maximum), Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial,
+ * then 2^n; within ~2 ulp of expf (tests: the attention against torch's rows) */
+static inline vec vexp(vec x) {
+    x = VMAX(x, VSET(VEXP_MIN));
+#ifdef __AVX512F__
+    const vec n = _mm512_roundscale_ps(VMUL(x, VSET(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vec r = _mm512_fnmadd_ps(n, VSET(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, VSET(-2.12194440e-4f), r);
+#else
+    const vec n = _mm256_round_ps(VMUL(x, VSET(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vec r = _mm256_fnmadd_ps(n, VSET(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, VSET(-2.12194440e-4f), r);
+#endif
+    vec p = VSET(1.9875691500e-4f);
+    p = VFMA(p, r, VSET(1.3981999507e-3f));
+    p = VFMA(p, r, VSET(8.3334519073e-3f));
+    p = VFMA(p, r, VSET(4.1665795894e-2f));
+    p = VFMA(p, r, VSET(1.6666665459e-1f));
+    p = VFMA(p, r, VSET(5.0000001201e-1f));
+    p = VFMA(p, VMUL(r, r), VADD(r, VSET(1.0f)));
+    return vexp2n(p, n);
+}
+
+/* One work item: rows r0 .. r0 + nr - 1 (nr <= ATTN_RB, consecutive rows whose keys start at the same place: the
+ * same sequence's key list) x kv head h, head size d (a multiple of W, at most ATTN_DMAX). A row sees its own first
+ * len[r] keys, W at a time; the rows of the item share each tile of W keys (and of W values) while it is in L1: one
+ * row at a time streamed every key and value of a long prompt from L3 for each row (2,048 rows: 2 x 1 MB per row
+ * and kv head). Scores: per key one accumulator over the head in W-float pieces, the tile's W sums in one vhsum;
+ * softmax over the row's own keys in key order; values summed per output piece in key order, up to 8 vectors at a
+ * time in registers. sc [ATTN_RB][g][maxlen] scores, ob [ATTN_RB][g][d]. */
+#define ATTN_RB 16
+#define INLINE static inline __attribute__((always_inline))
+INLINE void attn_item_body(const float *q, const float *kc, const float *vc, const int64_t *ks, const int64_t *len,
+                           int64_t r0, int64_t nr, int64_t hq, int64_t g, int64_t h, int64_t hkv, int64_t maxlen,
+                           float *sc, float *ob, float *out, const int dv) {
+    const int64_t d = (int64_t)W * dv;
+    int64_t longest = 0;
+    for (int64_t r = 0; r < nr; r++) longest = len[r0 + r] > longest ? len[r0 + r] : longest;
+    for (int64_t j0 = 0; j0 < longest; j0 += W) {  /* scores, tile by tile */
+        for (int64_t r = 0; r < nr; r++) {
+            const int64_t n = len[r0 + r];
+            if (j0 >= n) continue;
+            const int64_t nb = n - j0 < W ? n - j0 : W;
+            const float *kp[W];  /* the tile's keys (past the row's last one: its first again, lanes masked off) */
+            for (int jj = 0; jj < W; jj++) kp[jj] = kc + (ks[j0 + (jj < nb ? jj : 0)] * hkv + h) * d;
+            for (int64_t i = 0; i < g; i++) {
+                const float *qi = q + ((r0 + r) * hq + h * g + i) * d;
+                vec acc[W];
+                for (int jj = 0; jj < W; jj++) acc[jj] = VZERO();
+                for (int c = 0; c < dv; c++) {
+                    const vec qc = VLOAD(qi + W * c);
+                    for (int jj = 0; jj < W; jj++) acc[jj] = VFMA(qc, VLOAD(kp[jj] + W * c), acc[jj]);
+                }
+                VSTOREM(sc + (r * g + i) * maxlen + j0, VMASK(nb), vhsum(acc));
+            }
+        }
+    }
+    float inv[ATTN_RB * 16];
+    for (int64_t r = 0; r < nr; r++) {  /* softmax of each row and head over its own keys, in key order */
+        const int64_t n = len[r0 + r];
+        for (int64_t i = 0; i < g; i++) {
+            float *si = sc + (r * g + i) * maxlen;
+            vec mx = VSET(-INFINITY), sum = VZERO();
+            for (int64_t j0 = 0; j0 < n; j0 += W)
+                mx = VMAX(mx, VLOADM(si + j0, VMASK(n - j0), -INFINITY));
+            const vec m = VSET(VREDMAX(mx));
+            for (int64_t j0 = 0; j0 < n; j0 += W) {
+                const vmask mk = VMASK(n - j0);
+                const vec e = VKEEP(mk, vexp(VSUB(VLOADM(si + j0, mk, 0.f), m)));
+                VSTOREM(si + j0, mk, e);
+                sum = VADD(sum, e);
+            }
+            inv[r * g + i] = 1.f / VREDADD(sum);
+        }
+    }
+    memset(ob, 0, sizeof(float) * (size_t)(nr * g * d));
+    for (int64_t j0 = 0; j0 < longest; j0 += W) {  /* weighted values, tile by tile, each row's in key order */
+        for (int64_t r = 0; r < nr; r++) {
+            const int64_t n = len[r0 + r];
+            if (j0 >= n) continue;
+            const int64_t j1 = n - j0 < W ? n : j0 + W;
+            for (int64_t i = 0; i < g; i++) {
+                const float *si = sc + (r * g + i) * maxlen;
+                float *oi = ob + (r * g + i) * d;
+                for (int c0 = 0; c0 < dv; c0 += 8) {  /* up to 8 vectors of the output in registers */
+                    const int nc = dv - c0 < 8 ? dv - c0 : 8;
+                    vec o[8];
+                    for (int c = 0; c < nc; c++) o[c] = VLOAD(oi + W * (c0 + c));
+                    for (int64_t j = j0; j < j1; j++) {
+                        const vec p = VSET(si[j]);
+                        const float *vj = vc + (ks[j] * hkv + h) * d + W * c0;
+                        for (int c = 0; c < nc; c++) o[c] = VFMA(p, VLOAD(vj + W * c), o[c]);
+                    }
+                    for (int c = 0; c < nc; c++) VSTORE(oi + W * (c0 + c), o[c]);
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t i = 0; i < g; i++) {
+            const vec iv = VSET(inv[r * g + i]);
+            const float *oi = ob + (r * g + i) * d;
+            float *dst = out + ((r0 + r) * hq + h * g + i) * d;
+            for (int c = 0; c < dv; c++) VSTORE(dst + W * c, VMUL(VLOAD(oi + W * c), iv));
+        }
+}
+
+/* the item for D = W * DV, DV a constant (loops unrolled, accumulators in registers) */
+#define ATTN_ITEM(DV)                                                                                               \
+    static void attn_item_##DV(const float *q, const float *kc, const float *vc, const int64_t *ks,                  \
+                               const int64_t *len, int64_t r0, int64_t nr, int64_t hq, int64_t g, int64_t h,         \
+                               int64_t hkv, int64_t maxlen, float *sc, float *ob, float *out) {                      \
+        attn_item_body(q, kc, vc, ks, len, r0, nr, hq, g, h, hkv, maxlen, sc, ob, out, DV);                          \
+    }
+ATTN_ITEM(4)   /* D = 64 (AVX-512: SmolLM2, Qwen2.5-0.5B) or 32 (AVX2) */
+ATTN_ITEM(8)   /* D = 128 (AVX-512: Qwen2.5-1.5B, Llama, Qwen3) or 64 (AVX2) */
+ATTN_ITEM(16)  /* D = 256 (AVX-512) or 128 (AVX2) */
+typedef void (*attn_item_fn)(const float *, const float *, const float *, const int64_t *, const int64_t *, int64_t,
+                             int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float *, float *, float *);
+static attn_item_fn attn_item_for(int64_t d) {
+    return d == 4 * W ? attn_item_4 : d == 8 * W ? attn_item_8 : d == 16 * W ? attn_item_16 : NULL;
+}
+
 static int attn_blocked = 1;  /* 0: every row on the scalar loop below (benchmarks/prefill_cpu.py compares) */
 int attn_rows_blocked(int on) {  /* sets it when on >= 0; returns the setting in force */
     if (on >= 0) attn_blocked = on;
@@ -180,8 +257,8 @@ int attn_rows_blocked(int on) {  /* sets it when on >= 0; returns the setting in
 void attn_rows(const float *q, const float *kc, const float *vc, const int64_t *keys, const int64_t *off,
                const int64_t *len, float *out, int64_t t, int64_t hq, int64_t hkv, int64_t d, int64_t maxlen) {
     const int64_t g = hq / hkv;
-#ifdef __AVX512F__
-    if (attn_blocked && (d == 64 || d == 128) && g <= 16 && maxlen > 0) {
+    const attn_item_fn item = attn_item_for(d);
+    if (attn_blocked && item != NULL && g <= 16 && maxlen > 0) {
         /* items of up to ATTN_RB consecutive rows whose keys start at the same place (a row with no key alone) */
         int64_t *start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(t + 1)), items = 0;
         for (int64_t r = 0; r < t; r++)
@@ -199,8 +276,7 @@ void attn_rows(const float *q, const float *kc, const float *vc, const int64_t *
                     for (int64_t i = 0; i < g; i++) memset(out + (r0 * hq + h * g + i) * d, 0, sizeof(float) * (size_t)d);
                     continue;
                 }
-                (d == 64 ? attn_item_4 : attn_item_8)(q, kc, vc, keys + off[r0], len, r0, nr, hq, g, h, hkv, maxlen,
-                                                       sc, ob, out);
+                item(q, kc, vc, keys + off[r0], len, r0, nr, hq, g, h, hkv, maxlen, sc, ob, out);
             }
             free(sc);
             free(ob);
@@ -208,7 +284,6 @@ void attn_rows(const float *q, const float *kc, const float *vc, const int64_t *
         free(start);
         return;
     }
-#endif
 #pragma omp parallel
     {
         float *sc = (float *)malloc(sizeof(float) * (size_t)(g * (maxlen > 0 ? maxlen : 1) + 16));

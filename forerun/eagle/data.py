@@ -80,9 +80,13 @@ def other_sources(exts, per_package: int = 150) -> list[Path]:
     return sorted({p for b in picked.values() for p in b})
 
 
+def _unit_hash(text: str) -> float:
+    """A stable number in [0, 1] for a text (the held-out splits: a file by its path, a record by its content)."""
+    return int(hashlib.sha1(text.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+
+
 def is_heldout(path: Path, fraction: float) -> bool:
-    h = int(hashlib.sha1(str(path).encode()).hexdigest()[:8], 16)
-    return h / 0xFFFFFFFF < fraction
+    return _unit_hash(str(path)) < fraction
 
 
 def _functions(source: str) -> Iterator[tuple[str, str, str]]:
@@ -317,7 +321,7 @@ def dataset_id(records: list[dict]) -> str:
 
 
 def _record_hash(rec: dict) -> float:
-    return int(hashlib.sha1(json.dumps(rec, sort_keys=True).encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return _unit_hash(json.dumps(rec, sort_keys=True))
 
 
 def dataset_split(records: list[dict], heldout: bool, fraction: float = 0.05) -> list[dict]:
@@ -507,8 +511,8 @@ def generate_distilled(llm, out_dir: str | Path, split: str, max_tokens: int, *,
     forerun's batched engine `llm` (an LLM: its max_num_seqs is the batch) until the split's cache holds
     `max_tokens` answer tokens (or time.time() passes `deadline`). Cached as JSON lines under
     out_dir/distill/<split>.jsonl, appended per chunk of prompts (resumable: a rerun skips the prompts already
-    answered). Generation time is added up in
-    out_dir/distill/<split>.stats.json. Returns the answer tokens cached."""
+    answered). Generation time is added up in out_dir/distill/<split>.stats.json. Returns the answer tokens
+    cached."""
     import time
     from ..sampling_params import SamplingParams
 

@@ -12,16 +12,7 @@ import torch
 from forerun.eagle import data as D
 from forerun.sampling_params import SamplingParams
 
-from tiny import hf_model, sharpen, tiny_llm, tiny_tokenizer
-
-CHAT = ("{% for m in messages %}t2 {{ m['content'] }} t3 {% endfor %}"
-        "{% if add_generation_prompt %}t4 {% endif %}")
-
-
-def _tok():
-    tok = tiny_tokenizer()
-    tok.chat_template = CHAT
-    return tok
+from tiny import chat_tokenizer, hf_model, sharpen, tiny_llm
 
 
 def _words(i: int, n: int = 12, base: int = 5) -> str:
@@ -124,7 +115,7 @@ def test_generate_distilled_answers_a_datasets_prompts(tmp_path):
     """The target's greedy answers to a dataset's instructions (texts and multi-turn chats with a system turn),
     the engine's answers to the chat-templated turns; a rerun after the file grew answers only the new ones."""
     hf = sharpen(hf_model("qwen2", seed=3), 4.0)
-    tok = _tok()
+    tok = chat_tokenizer()
     llm = tiny_llm(hf, tokenizer=tok, max_num_seqs=3)
     recs = []
     for i in range(40):
@@ -159,7 +150,7 @@ def test_generate_distilled_answers_a_datasets_prompts(tmp_path):
 def tiny_model_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("model")
     hf_model("qwen2", seed=3).save_pretrained(d)
-    _tok().save_pretrained(d)
+    chat_tokenizer().save_pretrained(d)
     return d
 
 
@@ -167,10 +158,10 @@ def _cli_setup(tmp_path, monkeypatch):
     hf = sharpen(hf_model("qwen2", seed=3), 4.0)
     model_dir = tmp_path / "model"
     hf.save_pretrained(model_dir)
-    _tok().save_pretrained(model_dir)
+    chat_tokenizer().save_pretrained(model_dir)
     from forerun.models import loader
 
-    monkeypatch.setattr(loader, "_dir_tokenizer", lambda d: _tok())  # the word-level one (AutoTokenizer: qwen2's)
+    monkeypatch.setattr(loader, "_dir_tokenizer", lambda d: chat_tokenizer())  # the word-level one (AutoTokenizer: qwen2's)
     return ["--target", str(model_dir), "--seq-len", "48", "--draft-vocab", "64", "--intermediate", "64",
             "--ttt", "2", "--accum", "1", "--eval-every", "2", "--eval-k", "2", "--save-every", "2", "--quiet",
             "--quantize", "none", "--device", "cpu", "--steps", "2"]
@@ -191,7 +182,7 @@ def test_train_eagle_on_a_dataset_cli(tmp_path, monkeypatch):
     meta = json.loads((data / "train" / "meta.json").read_text())
     records = D.read_dataset(f)
     assert meta["corpus"] == f"dataset:{D.dataset_id(records)}"
-    tok = _tok()
+    tok = chat_tokenizer()
     first = D.load_split(data, "train")[0]["tokens"].tolist()
     train_recs = D.dataset_split(records, False)
     assert first == D.encode(tok, D.Sample(None, train_recs[0]["messages"]), 48)  # the record itself, templated

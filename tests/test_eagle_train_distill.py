@@ -12,16 +12,7 @@ import torch
 from forerun.eagle import data as D
 from forerun.sampling_params import SamplingParams
 
-from tiny import hf_model, sharpen, tiny_llm, tiny_tokenizer
-
-CHAT = ("{% for m in messages %}t2 {{ m['content'] }} t3 {% endfor %}"
-        "{% if add_generation_prompt %}t4 {% endif %}")
-
-
-def _tok():
-    tok = tiny_tokenizer()
-    tok.chat_template = CHAT
-    return tok
+from tiny import chat_tokenizer, hf_model, sharpen, tiny_llm
 
 
 def _fake_prompts(heldout, fraction=0.05, seed=0):
@@ -47,7 +38,7 @@ def test_distill_prompts_kinds_split_and_no_bench_prompts():
 def test_generate_distilled_is_greedy_resumable_and_extracts(tmp_path, monkeypatch):
     monkeypatch.setattr(D, "distill_prompts", _fake_prompts)
     hf = sharpen(hf_model("qwen2", seed=3), 4.0)
-    tok = _tok()
+    tok = chat_tokenizer()
     llm = tiny_llm(hf, tokenizer=tok, max_num_seqs=3)
     n = D.generate_distilled(llm, tmp_path, "train", 20, max_new=6, chunk=4, progress=False)
     rows = D.read_distilled(tmp_path, "train")
@@ -86,10 +77,10 @@ def test_train_eagle_distill_cli_with_extra_data(tmp_path, monkeypatch, device):
     hf = sharpen(hf_model("qwen2", seed=3), 4.0)
     model_dir = tmp_path / "model"
     hf.save_pretrained(model_dir)
-    _tok().save_pretrained(model_dir)
+    chat_tokenizer().save_pretrained(model_dir)
     from forerun.models import loader
 
-    monkeypatch.setattr(loader, "_dir_tokenizer", lambda d: _tok())  # the word-level one (AutoTokenizer: qwen2's)
+    monkeypatch.setattr(loader, "_dir_tokenizer", lambda d: chat_tokenizer())  # the word-level one (AutoTokenizer: qwen2's)
     common = ["--target", str(model_dir), "--seq-len", "48", "--draft-vocab", "64", "--intermediate", "64",
               "--ttt", "2", "--accum", "1", "--eval-every", "2", "--eval-k", "2", "--save-every", "2", "--quiet",
               "--quantize", "none", "--device", device]

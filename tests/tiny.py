@@ -78,6 +78,15 @@ def tiny_tokenizer(vocab_size: int = 97, eos: int = 1):
     return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="t0", eos_token=f"t{eos}")
 
 
+def chat_tokenizer():
+    """tiny_tokenizer with a chat template that keeps every turn's words: 't2 <content> t3' per message, then 't4'
+    for the answer (the EAGLE data tests)."""
+    tok = tiny_tokenizer()
+    tok.chat_template = ("{% for m in messages %}t2 {{ m['content'] }} t3 {% endfor %}"
+                         "{% if add_generation_prompt %}t4 {% endif %}")
+    return tok
+
+
 def tiny_llm(hf, spec=None, tokenizer=None, **kw):
     """forerun LLM over a transformers model's weights."""
     from forerun.config import CacheConfig

@@ -42,6 +42,26 @@ static inline float dot(const float *a, const float *b, int64_t d) {
     return s;
 }
 
+/* exp of 8 floats (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial, 2^n from the exponent
+ * bits; ~1 ulp); x is clamped to [-87.3, 88.7] so that 2^n stays a normal float, and above 88.7 gives +inf. */
+static inline __m256 exp8(__m256 x0) {
+    const __m256 x = _mm256_min_ps(_mm256_max_ps(x0, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_blendv_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), _mm256_set1_ps(INFINITY),
+                            _mm256_cmp_ps(x0, _mm256_set1_ps(88.7f), _CMP_GT_OQ));
+}
+
 /* ---- Attention in items of rows, W keys at a time (W = 16 with AVX-512, 8 with AVX2; session 43) ----
  * The scalar loop below (one row at a time) spent most of a long prompt's prefill streaming every key and value from
  * L3 for each row, in one horizontal sum per key and head, and in expf (Qwen2.5-1.5B, 2,048 tokens, 2 threads: ~14
@@ -83,8 +103,11 @@ static inline vec vhsum(const vec *a) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
 }
 
-static inline vec vexp2n(vec p, vec n) { return _mm512_scalef_ps(p, n); }  /* p * 2^n */
-#define VEXP_MIN -104.0f  /* below: 0 (scalef underflows) */
+static inline vec vexp(vec x) {  /* exp8 on each half */
+    const __m256 lo = exp8(_mm512_castps512_ps256(x));
+    const __m256 hi = exp8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
 #else
 #define W 8
 typedef __m256 vec;
@@ -118,35 +141,8 @@ static inline vec vhsum(const vec *a) {  /* lane j = the sum of a[j]'s 8 lanes *
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-static inline vec vexp2n(vec p, vec n) {  /* p * 2^n, n >= -126 (VEXP_MIN keeps it there) */
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-#define VEXP_MIN -87.0f  /* e^-87 ~ 1.6e-38: next to a softmax's largest term (1) it is 0 */
+#define vexp exp8
 #endif
-
-/* e^x for x <= 0 (scores minus their maximum), Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial,
- * then 2^n; within ~2 ulp of expf (tests: the attention against torch's rows) */
-static inline vec vexp(vec x) {
-    x = VMAX(x, VSET(VEXP_MIN));
-#ifdef __AVX512F__
-    const vec n = _mm512_roundscale_ps(VMUL(x, VSET(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vec r = _mm512_fnmadd_ps(n, VSET(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, VSET(-2.12194440e-4f), r);
-#else
-    const vec n = _mm256_round_ps(VMUL(x, VSET(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vec r = _mm256_fnmadd_ps(n, VSET(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, VSET(-2.12194440e-4f), r);
-#endif
-    vec p = VSET(1.9875691500e-4f);
-    p = VFMA(p, r, VSET(1.3981999507e-3f));
-    p = VFMA(p, r, VSET(8.3334519073e-3f));
-    p = VFMA(p, r, VSET(4.1665795894e-2f));
-    p = VFMA(p, r, VSET(1.6666665459e-1f));
-    p = VFMA(p, r, VSET(5.0000001201e-1f));
-    p = VFMA(p, VMUL(r, r), VADD(r, VSET(1.0f)));
-    return vexp2n(p, n);
-}
 
 /* One work item: rows r0 .. r0 + nr - 1 (nr <= ATTN_RB, consecutive rows whose keys start at the same place: the
  * same sequence's key list) x kv head h, head size d (a multiple of W, at most ATTN_DMAX). A row sees its own first
@@ -375,26 +371,6 @@ void qkv_rope_store(const float *qkv, const int64_t *pos, const float *cos_t, co
         }
         memcpy(vc + slots[r] * hkv * d, row + (hq + hkv) * d, sizeof(float) * (size_t)(hkv * d));
     }
-}
-
-/* exp of 8 floats (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial, 2^n from the exponent
- * bits; ~1 ulp); x is clamped to [-87.3, 88.7] so that 2^n stays a normal float, and above 88.7 gives +inf. */
-static inline __m256 exp8(__m256 x0) {
-    const __m256 x = _mm256_min_ps(_mm256_max_ps(x0, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_blendv_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), _mm256_set1_ps(INFINITY),
-                            _mm256_cmp_ps(x0, _mm256_set1_ps(88.7f), _CMP_GT_OQ));
 }
 
 /* gu [T, 2 I] (gate, then up) -> out [T, I] = silu(gate) * up = gate / (1 + exp(-gate)) * up. Every value goes

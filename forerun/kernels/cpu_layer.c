@@ -255,16 +255,19 @@ void attn_rows(const float *q, const float *kc, const float *vc, const int64_t *
     const int64_t g = hq / hkv;
     const attn_item_fn item = attn_item_for(d);
     if (attn_blocked && item != NULL && g <= 16 && maxlen > 0) {
-        /* items of up to ATTN_RB consecutive rows whose keys start at the same place (a row with no key alone) */
+        /* items of up to rb consecutive rows whose keys start at the same place (a row with no key alone); rb <=
+         * ATTN_RB, fewer where their scores would pass 32 MB a thread (long contexts) */
+        int64_t rb = (int64_t)((32ll << 20) / (4 * g * maxlen));
+        rb = rb < 1 ? 1 : rb > ATTN_RB ? ATTN_RB : rb;
         int64_t *start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(t + 1)), items = 0;
         for (int64_t r = 0; r < t; r++)
-            if (r == 0 || off[r] != off[r - 1] || r - start[items - 1] >= ATTN_RB || len[r] == 0 || len[r - 1] == 0)
+            if (r == 0 || off[r] != off[r - 1] || r - start[items - 1] >= rb || len[r] == 0 || len[r - 1] == 0)
                 start[items++] = r;
         start[items] = t;
 #pragma omp parallel
         {
-            float *sc = (float *)malloc(sizeof(float) * (size_t)(ATTN_RB * g * maxlen + 16));
-            float *ob = (float *)malloc(sizeof(float) * (size_t)(ATTN_RB * g * d));
+            float *sc = (float *)malloc(sizeof(float) * (size_t)(rb * g * maxlen + 16));
+            float *ob = (float *)malloc(sizeof(float) * (size_t)(rb * g * d));
 #pragma omp for schedule(dynamic, 1)
             for (int64_t w = 0; w < items * hkv; w++) {
                 const int64_t it = w / hkv, h = w % hkv, r0 = start[it], nr = start[it + 1] - r0;

@@ -66,8 +66,8 @@ static inline __m256 exp8(__m256 x0) {
  * The scalar loop below (one row at a time) spent most of a long prompt's prefill streaming every key and value from
  * L3 for each row, in one horizontal sum per key and head, and in expf (Qwen2.5-1.5B, 2,048 tokens, 2 threads: ~14
  * s of a 25.6 s forward). Per row and query head the operations and their order depend on that row alone, so a row
- * gives the same bits alone or in any item (batch invariance); the two builds differ from each other (vector width,
- * exp), as their products do. */
+ * gives the same bits alone or in any item (batch invariance); the two builds differ from each other (vector width:
+ * another score tree), as their products do. */
 #ifdef __AVX512F__
 #define W 16
 typedef __m512 vec;
@@ -145,7 +145,7 @@ static inline vec vhsum(const vec *a) {  /* lane j = the sum of a[j]'s 8 lanes *
 #endif
 
 /* One work item: rows r0 .. r0 + nr - 1 (nr <= ATTN_RB, consecutive rows whose keys start at the same place: the
- * same sequence's key list) x kv head h, head size d (a multiple of W, at most ATTN_DMAX). A row sees its own first
+ * same sequence's key list) x kv head h, head size d = W * dv (attn_item_for: dv 4, 8 or 16). A row sees its own first
  * len[r] keys, W at a time; the rows of the item share each tile of W keys (and of W values) while it is in L1: one
  * row at a time streamed every key and value of a long prompt from L3 for each row (2,048 rows: 2 x 1 MB per row
  * and kv head). Scores: per key one accumulator over the head in W-float pieces, the tile's W sums in one vhsum;
@@ -285,7 +285,7 @@ void attn_rows(const float *q, const float *kc, const float *vc, const int64_t *
     }
 #pragma omp parallel
     {
-        float *sc = (float *)malloc(sizeof(float) * (size_t)(g * (maxlen > 0 ? maxlen : 1) + 16));
+        float *sc = (float *)malloc(sizeof(float) * (size_t)(g * (maxlen > 0 ? maxlen : 1)));
 #pragma omp for schedule(static)
         for (int64_t w = 0; w < t * hkv; w++) {
             const int64_t r = w / hkv, h = w % hkv, n = len[r];

@@ -30,7 +30,7 @@ def _declare(lib) -> None:
                                   i64, f32, p, p, p, ctypes.c_int, p, p, p, p, p, p, p, p, p]
     for f in (lib.attn_rows, lib.add_rmsnorm, lib.qkv_rope_store, lib.silu_mul, lib.decoder_stack):
         f.restype = None
-    lib.attn_rows_blocked.argtypes = [ctypes.c_int]  # (the AVX-512 path's switch; benchmarks)
+    lib.attn_rows_blocked.argtypes = [ctypes.c_int]  # (the items of rows on or off, both builds; benchmarks)
     lib.attn_rows_blocked.restype = ctypes.c_int
 
 

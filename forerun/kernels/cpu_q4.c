@@ -520,8 +520,6 @@ done:
 #endif
 
 
-// y [M, N] (row stride N) = x W^T; threads > 1: the row groups split over OpenMP threads (the runtime torch uses)
-// in contiguous ranges.
 // Activation rows per pass over the weights in a product of many rows (a prefill chunk): about 512 KB of int8
 // activations (64 rows at K = 8,960, 336 at 1,536), so that they stay in cache while every output block reads
 // them. In one pass a 2,048-row product re-read all of them from memory for each block (down: 18 MB per block).
@@ -540,6 +538,8 @@ int64_t q4_row_block(int64_t k) {
     return rows < 64 ? 64 : rows;
 }
 
+// y [M, N] (row stride N) = x W^T; threads > 1: the row groups split over OpenMP threads (the runtime torch uses)
+// in contiguous ranges; more than q4_row_block(k) rows in passes of that many.
 void q4_gemm(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq, const float *xs, const float *isum, int64_t m,
              float *y, int threads) {
     const int64_t groups = (n + 3) / 4, blk = q4_row_block(k);

@@ -131,6 +131,36 @@ def test_c_attention_in_blocks_of_rows_is_row_invariant(threads, isa, hq, hkv, d
         lib.attn_rows_blocked(before)
 
 
+@pytest.mark.parametrize("isa", _isa_builds())
+def test_c_attention_over_a_long_context_takes_fewer_rows_an_item(threads, isa):
+    """Where an item's scores would pass 32 MB a thread (rows x query heads per kv head x keys x 4 bytes), the C
+    kernel takes fewer than 16 rows an item: 16 query heads on one kv head over 36,000 keys give 14. Twenty rows of a
+    prefill chunk (items of 14 and 6) match torch's rows, and each row alone (a decode step) gives the same bits."""
+    from pathlib import Path
+
+    from forerun.kernels import cbuild
+
+    lib = cbuild.library_for(Path(cpu_layer.__file__).with_name("cpu_layer.c"), isa, ["-ffp-contract=off"],
+                             cpu_layer._declare)
+    g = torch.Generator().manual_seed(9)
+    page, hq, hkv, d, prefix, rows = 16, 16, 1, 64, 35_980, 20
+    nblocks = (prefix + rows) // page + 1
+    assert (32 << 20) // (4 * (hq // hkv) * (prefix + rows)) == 14  # the item size this case exercises
+    tables = torch.randperm(nblocks, generator=g).view(1, nblocks)
+    k = torch.randn(nblocks, page, hkv, d, generator=g)
+    v = torch.randn(nblocks, page, hkv, d, generator=g)
+    scale = d ** -0.5
+    q = torch.randn(rows, hq, d, generator=g) * 3  # sharper softmaxes than unit queries give over 36k keys
+    meta = _meta([rows], [prefix], page, tables)
+    out = _c_rows(lib, q, k, v, meta, scale)
+    R._plan_cache[:] = [None, None, None]
+    ref = paged_attention_padded(q, k, v, meta, scale)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    for i in (0, 13, 14, 19):  # the first and last rows of both items
+        alone = _c_rows(lib, q[i:i + 1], k, v, _meta([1], [prefix + i], page, tables), scale)
+        assert torch.equal(alone[0], out[i]), i
+
+
 def test_add_rmsnorm_equals_torch_and_is_row_invariant(threads):
     torch.manual_seed(0)
     ops, ref = CpuLayerOps(), LayerOps()

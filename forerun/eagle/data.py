@@ -599,19 +599,8 @@ def extract(model, tok, out_dir: str | Path, layers: tuple[int, ...], split: str
     from ..config import CacheConfig
     from ..runtime.runner import Chunk, ModelRunner
 
-    d = Path(out_dir) / split
-    d.mkdir(parents=True, exist_ok=True)
-    meta_path = d / "meta.json"
-    meta = {"layers": list(layers), "max_len": max_len, "seed": seed, "heldout_fraction": heldout_fraction,
-            "corpus": corpus, "quantize": quantize}
-    if meta_path.exists():
-        old = {"corpus": "code", "quantize": "none", **json.loads(meta_path.read_text())}  # older folders
-        if {k: old.get(k) for k in meta} != meta:
-            raise ValueError(f"{d} holds features made with other settings {old}; use another --data folder")
-    meta_path.write_text(json.dumps(meta))
-    shards = sorted(d.glob("shard_*.pt"))
-    done_samples = sum(torch.load(s, weights_only=True)["num_samples"] for s in shards)
-    stored = sum(int(torch.load(s, weights_only=True)["offsets"][-1]) for s in shards)
+    d, shards, done_samples, stored = open_split(out_dir, split, layers, max_len, seed, heldout_fraction, corpus,
+                                                 quantize)
     if stored >= max_tokens:
         return stored
     t_start = time.perf_counter()
@@ -652,7 +641,7 @@ def extract(model, tok, out_dir: str | Path, layers: tuple[int, ...], split: str
         stored += len(ids)
         late = deadline is not None and time.time() >= deadline
         if offsets[-1] >= shard_tokens or stored >= max_tokens or late:
-            _write_shard(d, len(shards), buf_tok, buf_feat, offsets, n_samples)
+            write_shard(d, len(shards), buf_tok, buf_feat, offsets, n_samples)
             shards.append(None)
             record(stored)
             buf_tok, buf_feat, offsets, n_samples = [], {i: [] for i in layers}, [0], 0
@@ -660,10 +649,29 @@ def extract(model, tok, out_dir: str | Path, layers: tuple[int, ...], split: str
                 break
     else:
         if len(offsets) > 1:
-            _write_shard(d, len(shards), buf_tok, buf_feat, offsets, n_samples)
+            write_shard(d, len(shards), buf_tok, buf_feat, offsets, n_samples)
     bar.close()
     record(stored)
     return stored
+
+
+def open_split(out_dir: str | Path, split: str, layers: tuple[int, ...], max_len: int, seed: int,
+               heldout_fraction: float, corpus: str, quantize: str) -> tuple[Path, list[Path], int, int]:
+    """A split's feature folder, made or checked against the settings its features were made with (one folder
+    never mixes two): (folder, its shards, the corpus samples they cover, the tokens they hold)."""
+    d = Path(out_dir) / split
+    d.mkdir(parents=True, exist_ok=True)
+    meta_path = d / "meta.json"
+    meta = {"layers": list(layers), "max_len": max_len, "seed": seed, "heldout_fraction": heldout_fraction,
+            "corpus": corpus, "quantize": quantize}
+    if meta_path.exists():
+        old = {"corpus": "code", "quantize": "none", **json.loads(meta_path.read_text())}  # older folders
+        if {k: old.get(k) for k in meta} != meta:
+            raise ValueError(f"{d} holds features made with other settings {old}; use another --data folder")
+    meta_path.write_text(json.dumps(meta))
+    shards = sorted(d.glob("shard_*.pt"))
+    heads = [torch.load(s, weights_only=True, mmap=True) for s in shards]  # (mapped: only the counts are read)
+    return d, shards, sum(h["num_samples"] for h in heads), sum(int(h["offsets"][-1]) for h in heads)
 
 
 def split_stats(out_dir: str | Path, split: str) -> dict:
@@ -672,7 +680,7 @@ def split_stats(out_dir: str | Path, split: str) -> dict:
     return json.loads(f.read_text()) if f.exists() else {}
 
 
-def _write_shard(d: Path, i: int, toks, feats, offsets, n_samples) -> None:
+def write_shard(d: Path, i: int, toks, feats, offsets, n_samples) -> None:
     data = {"tokens": torch.cat(toks), "offsets": torch.tensor(offsets, dtype=torch.int64),
             "num_samples": n_samples, "feats": {str(k): torch.cat(v) for k, v in feats.items()}}
     tmp = d / f".shard_{i:05d}.tmp"

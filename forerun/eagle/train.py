@@ -488,6 +488,22 @@ def training_summary(out: Path, data_dir: Path, a, n_train: int, n_held: int, fe
     return summary
 
 
+def capture_answers(target, tok, data_dir: Path, a, layers: tuple[int, ...], layout: str,
+                    deadline: float | None) -> tuple[int, int]:
+    """--corpus distill (one pass): the target's greedy answers with their features kept as they are made
+    (capture.capture_distilled), held-out split first; returns the (train, held-out) answer tokens cached."""
+    from .capture import capture_distilled
+
+    kw = dict(max_len=a.seq_len, batch=a.distill_batch, max_new=a.distill_max_new, flush=2 * a.distill_batch,
+              seed=a.seed, corpus=a.corpus, quantize=layout, progress=not a.quiet, deadline=deadline,
+              prompts=D.dataset_prompts(a.dataset_records) if a.dataset else None)
+    held, _ = capture_distilled(target, tok, data_dir, "heldout", a.distill_heldout_tokens or a.heldout_tokens,
+                                a.heldout_tokens, layers, **kw)
+    train, _ = capture_distilled(target, tok, data_dir, "train", a.distill_tokens or a.train_tokens,
+                                 a.train_tokens, layers, **kw)
+    return train, held
+
+
 def generate_answers(target, tok, data_dir: Path, a, device, deadline: float | None) -> tuple[int, int]:
     """--corpus distill: the target's greedy answers (forerun's batched engine over the loaded target), cached
     under DATA/distill/ (data.generate_distilled); returns the (train, held-out) answer tokens cached."""
@@ -507,7 +523,8 @@ def generate_answers(target, tok, data_dir: Path, a, device, deadline: float | N
     return train, held
 
 
-DEFAULTS = {"distill_max_new": 160, "distill_batch": 16, "draft_vocab": 32000}  # flags that default to None
+DEFAULTS = {"distill_max_new": 160, "distill_batch": 16, "draft_vocab": 32000,  # flags that default to None
+            "distill_two_pass": False}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -531,7 +548,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="another feature folder (same target and layers): its train split joins training, its "
                         "held-out split is evaluated too (repeatable)")
     p.add_argument("--distill-tokens", type=int, default=None,
-                   help="--corpus distill: answer tokens to generate for training (default: --train-tokens)")
+                   help="--corpus distill: answer tokens to generate for training (default: --train-tokens; "
+                        "generation also stops once the features hold --train-tokens)")
     p.add_argument("--distill-heldout-tokens", type=int, default=None,
                    help="--corpus distill: answer tokens to generate for held-out (default: --heldout-tokens)")
     p.add_argument("--distill-max-new", type=int, default=None,
@@ -540,6 +558,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"--corpus distill: sequences decoded at once (default {DEFAULTS['distill_batch']})")
     p.add_argument("--distill-minutes", type=float, default=None,
                    help="--corpus distill: bound this run's generation time (what was generated is kept)")
+    p.add_argument("--distill-two-pass", action="store_const", const=True, default=None,
+                   help="--corpus distill: answer through the engine, then read prompt + answer again for the "
+                        "features (default: the features are kept from the forwards that answer, one pass)")
     p.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="the target's weights for the features, as `forerun bench` loads them (default auto: a GGUF "
                         "stays int4 where the kernel runs); drafting should run against the same layout")
@@ -622,7 +643,7 @@ def _check_flags(a) -> str | None:
         return "--corpus dataset needs --dataset FILE"
     if a.corpus != "distill":
         given = [n for n in ("distill_tokens", "distill_heldout_tokens", "distill_max_new", "distill_batch",
-                             "distill_minutes") if getattr(a, n) is not None]
+                             "distill_minutes", "distill_two_pass") if getattr(a, n) is not None]
         if given:
             return f"--{given[0].replace('_', '-')} works with --corpus distill only"
     if a.version == 1 and a.draft_vocab is not None:
@@ -689,7 +710,12 @@ def main(argv=None) -> int:
     t_gen = time.perf_counter()
     if a.corpus == "distill":
         gen_deadline = time.time() + 60 * a.distill_minutes if a.distill_minutes else feat_deadline
-        n_gen = generate_answers(target, tok, data_dir, a, device, gen_deadline)
+        try:
+            n_gen = generate_answers(target, tok, data_dir, a, device, gen_deadline) if a.distill_two_pass else \
+                capture_answers(target, tok, data_dir, a, layers, layout, gen_deadline)
+        except ValueError as e:  # (a feature folder made with other settings)
+            print(f"forerun train-eagle: error: {e}", file=sys.stderr)
+            return 2
         print(f"[train-eagle] distilled answers: {n_gen[0]} train + {n_gen[1]} held-out tokens "
               f"({time.perf_counter() - t_gen:.0f}s)", file=sys.stderr)
     t_feat = time.perf_counter()

@@ -121,6 +121,7 @@ def test_fused_layer_ops_model_forward(arch):
 
     hf = hf_model(arch, num_hidden_layers=2)
     runners = [ours_from_hf(hf) for _ in range(2)]
+    runners[0].model.ops = LayerOps()  # (a runner made for the CPU takes the C ops, which stay on the CPU)
     runners[1].model.ops = FusedLayerOps(devices=("cuda", "cpu"))
     for r in runners:
         r.model.to(DEV)

@@ -1,6 +1,8 @@
 """The command line: one-line errors, exit code 2 for usage errors, nothing loaded before the checks (issue 10: 8-11)."""
 from __future__ import annotations
 
+import json
+
 import subprocess
 import sys
 import types
@@ -262,6 +264,24 @@ def test_model_paths_that_are_not_checkpoints_are_usage_errors(tmp_path, capsys,
             rc, out, err = run(args, capsys)
             assert rc == 2 and message in err and len(err.strip().splitlines()) == 1, (args, rc, err)
             assert "Traceback" not in err and out == ""
+
+
+def test_train_eagle_resume_refuses_flags_that_would_change_the_heads_shape(capsys, no_loading, tmp_path):
+    """A resumed head keeps its draft vocabulary and MLP width: --draft-vocab / --intermediate naming others are
+    refused (they would go unheard); the same values pass."""
+    out = tmp_path / "head"
+    out.mkdir()
+    (out / "train_state.pt").write_bytes(b"")
+    (out / "config.json").write_text(json.dumps({"draft_vocab_size": 16384, "intermediate_size": 4480}))
+    base = ["train-eagle", "--target", "smollm2-135m-instruct", "--out", str(out), "--resume"]
+    for args, message in ((["--draft-vocab", "8000"], "--draft-vocab 8000: the head in"),
+                          (["--intermediate", "64"], "--intermediate 64: the head in")):
+        rc, _, err = run(base + args, capsys)
+        assert rc == 2 and message in err and "keeps its shape" in err and err.count("\n") == 1, err
+    from forerun.eagle import train as T
+
+    a = T.parse_flags(base[1:] + ["--draft-vocab", "16384", "--intermediate", "4480"])
+    assert not isinstance(a, str) and a.draft_vocab == 16384
 
 
 def test_train_eagle_target_must_name_a_model_and_defaults_fill_in(capsys, no_loading, tmp_path):

@@ -623,6 +623,16 @@ def _check_flags(a) -> str | None:
     out = Path(a.out).expanduser()
     if a.resume and not (out / "train_state.pt").exists():
         return f"--resume: {out} holds no train_state.pt to resume from (leave --resume out to start a new head)"
+    if a.resume and (out / "config.json").exists():  # a resumed head keeps its shape: a flag saying otherwise
+        try:  # would go unheard
+            have = json.loads((out / "config.json").read_text())
+        except ValueError:
+            have = {}
+        for flag, key in (("draft_vocab", "draft_vocab_size"), ("intermediate", "intermediate_size")):
+            want = getattr(a, flag)
+            if want is not None and key in have and want != have[key]:
+                return (f"--{flag.replace('_', '-')} {want}: the head in {out} has {have[key]}, and a resumed head keeps "
+                        f"its shape (leave the flag out, or start a new head elsewhere)")
     if a.restart_schedule and not a.resume:
         return "--restart-schedule works with --resume only"
     if a.dataset is not None:

@@ -7,7 +7,7 @@ and feature tokens per minute, and whether the two gave the same answers and the
 CPU kernels' batch invariance says they should). Prints a table, writes JSON and a PNG plot.
 
     python benchmarks/eagle_capture_cpu.py [--model qwen2.5-coder-1.5b-instruct] [--rounds 2] [--prompts 32]
-        [--batch 16] [--max-new 160] [--seq-len 384] [--threads 2] [--out benchmarks/results/eagle_capture_cpu.json]
+        [--batch 16] [--also-batch N] [--max-new 160] [--seq-len 384] [--threads 2] [--out benchmarks/results/eagle_capture_cpu.json]
 """
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=32, help="prompts per round")
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--also-batch", type=int, default=None, metavar="N",
+                    help="also the one-pass recipe with N sequences at once (a third recipe in the rotation)")
     ap.add_argument("--max-new", type=int, default=160)
     ap.add_argument("--seq-len", type=int, default=384)
     ap.add_argument("--threads", type=int, default=2)
@@ -58,7 +60,9 @@ def main() -> int:
     all_prompts = list(itertools.islice(D.distill_prompts(False), a.rounds * a.prompts))
     work = Path(tempfile.mkdtemp(prefix="eagle_capture_"))
     kw = dict(max_len=a.seq_len, seed=0, corpus="distill", quantize=layout, progress=False)
-    rows, tot = [], {"two": [0, 0, 0.0], "one": [0, 0, 0.0]}
+    recipes = ("two", "one") + (("wide",) if a.also_batch else ())
+    names = {"two": "two-pass", "one": "one-pass", "wide": f"one-pass, batch {a.also_batch}"}
+    rows, tot = [], {k: [0, 0, 0.0] for k in recipes}
     same_answers = same_features = True
     print(f"{a.model} ({layout}), {a.threads} threads, ISA {cbuild.isa()}, batch {a.batch}, {a.prompts} prompts a "
           f"round, max_new {a.max_new}, layers {list(layers)}")
@@ -68,8 +72,8 @@ def main() -> int:
         for r in range(a.rounds):
             ps = all_prompts[r * a.prompts:(r + 1) * a.prompts]
             src = lambda heldout, fraction=0.05, seed=0, ps=ps: iter(ps)  # noqa: E731
-            dirs = {k: work / f"{k}{r}" for k in ("two", "one")}
-            order = ("two", "one") if r % 2 == 0 else ("one", "two")
+            dirs = {k: work / f"{k}{r}" for k in recipes}
+            order = recipes if r % 2 == 0 else recipes[::-1]
             for k in order:
                 t0 = time.perf_counter()
                 if k == "two":
@@ -77,11 +81,12 @@ def main() -> int:
                                                  progress=False, prompts=src)
                     n_feat = D.extract(target, tok, dirs[k], layers, "train", 10 ** 9, **kw)
                 else:
+                    b = a.batch if k == "one" else a.also_batch
                     n_ans, n_feat = capture_distilled(target, tok, dirs[k], "train", 10 ** 9, 10 ** 9, layers,
-                                                      batch=a.batch, max_new=a.max_new, flush=2 * a.batch,
+                                                      batch=b, max_new=a.max_new, flush=2 * a.batch,
                                                       prompts=src, **kw)
                 dt = time.perf_counter() - t0
-                row = {"round": r, "recipe": "two-pass" if k == "two" else "one-pass", "answer_tokens": n_ans,
+                row = {"round": r, "recipe": names[k], "answer_tokens": n_ans,
                        "feature_tokens": n_feat, "seconds": round(dt, 1),
                        "feature_tokens_per_min": round(60 * n_feat / dt, 1)}
                 rows.append(row)
@@ -91,12 +96,13 @@ def main() -> int:
                       flush=True)
             # the same answers (in another order: the one-pass recipe writes them as they finish) and features
             ra = {json.dumps(x["prompt"]): x for x in D.read_distilled(dirs["two"], "train")}
-            rb = {json.dumps(x["prompt"]): x for x in D.read_distilled(dirs["one"], "train")}
-            same_answers &= ra.keys() == rb.keys() and all(ra[p]["answer_ids"] == rb[p]["answer_ids"] for p in ra)
             fa = {tuple(s["tokens"].tolist()): s for s in D.load_split(dirs["two"], "train")}
-            fb = {tuple(s["tokens"].tolist()): s for s in D.load_split(dirs["one"], "train")}
-            same_features &= fa.keys() == fb.keys() and all(
-                torch.equal(fa[t]["feats"][i], fb[t]["feats"][i]) for t in fa for i in layers)
+            for k in recipes[1:]:
+                rb = {json.dumps(x["prompt"]): x for x in D.read_distilled(dirs[k], "train")}
+                same_answers &= ra.keys() == rb.keys() and all(ra[p]["answer_ids"] == rb[p]["answer_ids"] for p in ra)
+                fb = {tuple(s["tokens"].tolist()): s for s in D.load_split(dirs[k], "train")}
+                same_features &= fa.keys() == fb.keys() and all(
+                    torch.equal(fa[t]["feats"][i], fb[t]["feats"][i]) for t in fa for i in layers)
             print(f"round {r}: same answers {same_answers}, same features {same_features}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -106,13 +112,19 @@ def main() -> int:
     print(f"in all: two-pass {summary['two']['feature_tokens_per_min']} feature tok/min, one-pass "
           f"{summary['one']['feature_tokens_per_min']}: {ratio:.2f}x; same answers {same_answers}, same features "
           f"{same_features}")
+    if a.also_batch:
+        print(f"one-pass at batch {a.also_batch}: {summary['wide']['feature_tokens_per_min']} feature tok/min, "
+              f"{summary['wide']['feature_tokens_per_min'] / summary['one']['feature_tokens_per_min']:.2f}x batch "
+              f"{a.batch}")
     res = {"meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"), "model": a.model,
                     "layout": layout, "threads": a.threads, "isa": cbuild.isa(), "batch": a.batch,
-                    "prompts_per_round": a.prompts, "rounds": a.rounds, "max_new": a.max_new, "seq_len": a.seq_len,
+                    "also_batch": a.also_batch, "prompts_per_round": a.prompts, "rounds": a.rounds, "max_new": a.max_new, "seq_len": a.seq_len,
                     "layers": list(layers), "cpu": _cpu(), "loadavg_at_end": os.getloadavg()},
            "rounds": rows, "summary": {"two_pass": summary["two"], "one_pass": summary["one"],
                                        "one_over_two": round(ratio, 3), "same_answers": same_answers,
                                        "same_features": same_features}}
+    if a.also_batch:
+        res["summary"]["one_pass_also_batch"] = summary["wide"]
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
@@ -139,10 +151,12 @@ def _plot(rows: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     rounds = sorted({r["round"] for r in rows})
-    for j, name in enumerate(("two-pass", "one-pass")):
+    names = list(dict.fromkeys(r["recipe"] for r in rows))
+    w = 0.8 / len(names)
+    for j, name in enumerate(names):
         ys = [next(r["feature_tokens_per_min"] for r in rows if r["round"] == k and r["recipe"] == name)
               for k in rounds]
-        ax.bar([k + (j - 0.5) * 0.35 for k in rounds], ys, width=0.35, label=name)
+        ax.bar([k + (j - (len(names) - 1) / 2) * w for k in rounds], ys, width=w, label=name)
     ax.set_xlabel("round (same prompts for both recipes)")
     ax.set_ylabel("feature tokens / minute")
     ax.set_xticks(rounds)

@@ -1,8 +1,9 @@
 """EAGLE training data on the CPU, the distill recipe two ways on the same prompts (`forerun train-eagle --corpus
 distill`): two passes (forerun's engine answers, then `data.extract` reads prompt + answer again for the features;
-`--distill-two-pass`) against one (`capture.capture_distilled`: the features kept from the forwards that answer;
-the default since session 44). The target loaded as train-eagle loads it (int4 GGUF), the same prompts from the
-offline corpus, the two taking turns round by round; per round and in all: answer tokens, feature tokens, seconds
+`--distill-passes 2`) against one (`capture.capture_distilled`: the features kept from the forwards that answer;
+`--distill-passes 1`, the CPU's default since session 44). The target loaded as train-eagle loads it (int4 GGUF),
+the same prompts from the offline corpus, the two taking turns round by round; per round and in all: answer
+tokens, feature tokens, seconds
 and feature tokens per minute, and whether the two gave the same answers and the same features bit for bit (the
 CPU kernels' batch invariance says they should). Prints a table, writes JSON and a PNG plot.
 

@@ -236,7 +236,7 @@ def test_help_exits_0(capsys):
     (["--device", "bogus"], "--device 'bogus': not a device name"),
     (["--distill-batch", "4"], "--distill-batch works with --corpus distill only"),
     (["--corpus", "code", "--distill-minutes", "3"], "--distill-minutes works with --corpus distill only"),
-    (["--distill-two-pass"], "--distill-two-pass works with --corpus distill only"),
+    (["--distill-passes", "2"], "--distill-passes works with --corpus distill only"),
     (["--version", "1", "--draft-vocab", "8000"], "--draft-vocab is for EAGLE-3 heads"),
     (["--version", "1", "--train-lm-head"], "--train-lm-head is for EAGLE-3 heads"),
     (["--corpus", "distill", "--distill-batch", "0"], "--distill-batch must be >= 1"),

@@ -89,12 +89,13 @@ def test_train_eagle_distill_cli_with_extra_data(tmp_path, monkeypatch, device):
     # (the two-pass recipe: the engine answers, extraction reads prompt + answer again)
     assert T.main(common + ["--out", str(tmp_path / "h0"), "--data", str(extra), "--corpus", "distill",
                             "--train-tokens", "60", "--heldout-tokens", "30", "--distill-max-new", "5",
-                            "--distill-batch", "2", "--steps", "1", "--distill-two-pass"]) == 0
+                            "--distill-batch", "2", "--steps", "1", "--distill-passes", "2"]) == 0
     assert sum(len(r["answer_ids"]) for r in D.read_distilled(extra, "train")) >= 60  # answers to --train-tokens
     out = tmp_path / "head"
     assert T.main(common + ["--out", str(out), "--data", str(tmp_path / "d"), "--corpus", "distill",
                             "--train-tokens", "80", "--heldout-tokens", "30", "--distill-max-new", "6",
-                            "--distill-batch", "3", "--steps", "4", "--extra-data", str(extra)]) == 0
+                            "--distill-batch", "3", "--steps", "4", "--extra-data", str(extra),
+                            "--distill-passes", "1"]) == 0
     rows = D.read_distilled(tmp_path / "d", "train")  # (one pass: answers until the features hold --train-tokens)
     assert sum(len(r["prompt_ids"]) + len(r["answer_ids"]) for r in rows) >= 80 and D.read_distilled(tmp_path / "d",
                                                                                                        "heldout")

@@ -523,8 +523,7 @@ def generate_answers(target, tok, data_dir: Path, a, device, deadline: float | N
     return train, held
 
 
-DEFAULTS = {"distill_max_new": 160, "distill_batch": 16, "draft_vocab": 32000,  # flags that default to None
-            "distill_two_pass": False}
+DEFAULTS = {"distill_max_new": 160, "distill_batch": 16, "draft_vocab": 32000}  # flags that default to None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -558,9 +557,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"--corpus distill: sequences decoded at once (default {DEFAULTS['distill_batch']})")
     p.add_argument("--distill-minutes", type=float, default=None,
                    help="--corpus distill: bound this run's generation time (what was generated is kept)")
-    p.add_argument("--distill-two-pass", action="store_const", const=True, default=None,
-                   help="--corpus distill: answer through the engine, then read prompt + answer again for the "
-                        "features (default: the features are kept from the forwards that answer, one pass)")
+    p.add_argument("--distill-passes", type=int, choices=(1, 2), default=None,
+                   help="--corpus distill: 1 = the features kept from the forwards that answer (the default on a "
+                        "CPU: 1.57x the data a minute there); 2 = the engine answers, then prompt + answer are read "
+                        "again for the features (the default on a GPU, where the engine answers from CUDA graphs)")
     p.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="the target's weights for the features, as `forerun bench` loads them (default auto: a GGUF "
                         "stays int4 where the kernel runs); drafting should run against the same layout")
@@ -653,7 +653,7 @@ def _check_flags(a) -> str | None:
         return "--corpus dataset needs --dataset FILE"
     if a.corpus != "distill":
         given = [n for n in ("distill_tokens", "distill_heldout_tokens", "distill_max_new", "distill_batch",
-                             "distill_minutes", "distill_two_pass") if getattr(a, n) is not None]
+                             "distill_minutes", "distill_passes") if getattr(a, n) is not None]
         if given:
             return f"--{given[0].replace('_', '-')} works with --corpus distill only"
     if a.version == 1 and a.draft_vocab is not None:
@@ -720,9 +720,10 @@ def main(argv=None) -> int:
     t_gen = time.perf_counter()
     if a.corpus == "distill":
         gen_deadline = time.time() + 60 * a.distill_minutes if a.distill_minutes else feat_deadline
+        passes = a.distill_passes or (1 if device.type == "cpu" else 2)
         try:
-            n_gen = generate_answers(target, tok, data_dir, a, device, gen_deadline) if a.distill_two_pass else \
-                capture_answers(target, tok, data_dir, a, layers, layout, gen_deadline)
+            n_gen = capture_answers(target, tok, data_dir, a, layers, layout, gen_deadline) if passes == 1 else \
+                generate_answers(target, tok, data_dir, a, device, gen_deadline)
         except ValueError as e:  # (a feature folder made with other settings)
             print(f"forerun train-eagle: error: {e}", file=sys.stderr)
             return 2

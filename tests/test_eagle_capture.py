@@ -17,12 +17,16 @@ from test_eagle_train_distill import _fake_prompts
 from tiny import chat_tokenizer, hf_model, sharpen, tiny_llm
 
 
+def _tiny(monkeypatch, seqs: int):
+    """The tiny sharpened qwen2 behind an engine of `seqs` sequences, its chat tokenizer, the fake prompt stream."""
+    if monkeypatch is not None:
+        monkeypatch.setattr(D, "distill_prompts", _fake_prompts)
+    tok = chat_tokenizer()
+    return tiny_llm(sharpen(hf_model("qwen2", seed=3), 4.0), tokenizer=tok, max_num_seqs=seqs), tok
+
+
 def _shards(folder, split="train"):
-    out = []
-    for s in sorted((folder / split).glob("shard_*.pt")):
-        data = torch.load(s, weights_only=True)
-        out.append(data)
-    return out
+    return [torch.load(s, weights_only=True) for s in sorted((folder / split).glob("shard_*.pt"))]
 
 
 def _same_features(a, b, split="train"):
@@ -47,10 +51,7 @@ def _extracted_copy(src, dst, model, tok, layers, **kw):
 
 
 def test_captured_answers_are_greedy_and_features_equal_a_second_pass(tmp_path, monkeypatch):
-    monkeypatch.setattr(D, "distill_prompts", _fake_prompts)
-    hf = sharpen(hf_model("qwen2", seed=3), 4.0)
-    tok = chat_tokenizer()
-    llm = tiny_llm(hf, tokenizer=tok, max_num_seqs=3)
+    llm, tok = _tiny(monkeypatch, 3)
     model, layers = llm.model, (0, 2)
     a = tmp_path / "a"
     # max_len 40: the longest samples (prompt ~30 + 12 new tokens) are cut, as extraction cuts them
@@ -61,7 +62,8 @@ def test_captured_answers_are_greedy_and_features_equal_a_second_pass(tmp_path, 
     assert have >= 60 and have == sum(len(r["answer_ids"]) for r in rows)
     assert stored == sum(min(40, len(r["prompt_ids"]) + len(r["answer_ids"])) for r in rows)
     assert any(len(r["prompt_ids"]) + len(r["answer_ids"]) > 40 for r in rows)  # (the cut is exercised)
-    # the answers: the engine's greedy answers to the chat-templated prompts, in stream order of arrival
+    # the answers: the engine's greedy answers to the chat-templated prompts (written as they finish: the first
+    # prompts of the stream, in another order)
     assert sorted(r["prompt"] for r in rows) == sorted(itertools.islice(_fake_prompts(False), len(rows)))
     ref = llm.generate([r["prompt"] for r in rows], SamplingParams(temperature=0, max_tokens=12), chat=True)
     assert [r["answer_ids"] for r in rows] == [o.token_ids for o in ref]
@@ -81,10 +83,7 @@ def test_captured_answers_are_greedy_and_features_equal_a_second_pass(tmp_path, 
 
 
 def test_a_stopped_capture_is_caught_up_and_continued(tmp_path, monkeypatch):
-    monkeypatch.setattr(D, "distill_prompts", _fake_prompts)
-    hf = sharpen(hf_model("qwen2", seed=3), 4.0)
-    tok = chat_tokenizer()
-    llm = tiny_llm(hf, tokenizer=tok, max_num_seqs=2)
+    llm, tok = _tiny(monkeypatch, 2)
     model, layers = llm.model, (1, 2)
     a = tmp_path / "a"
     kw = dict(max_len=64, min_len=2)
@@ -113,9 +112,7 @@ def test_a_stopped_capture_is_caught_up_and_continued(tmp_path, monkeypatch):
 
 
 def test_prompts_longer_than_the_sample_length_are_not_answered(tmp_path):
-    hf = sharpen(hf_model("qwen2", seed=3), 4.0)
-    tok = chat_tokenizer()
-    llm = tiny_llm(hf, tokenizer=tok, max_num_seqs=2)
+    llm, tok = _tiny(None, 2)
     prompts = ["t1 " * 60, "t2 t3 t4", "t5 " * 70, "t6 t7"]
     have, stored = C.capture_distilled(llm.model, tok, tmp_path, "train", 10 ** 6, 10 ** 6, (0, 2), max_len=32,
                                        min_len=2, batch=2, max_new=4, progress=False,

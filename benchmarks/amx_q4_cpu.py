@@ -158,7 +158,7 @@ def main() -> int:
         model, shapes = [], {"qkv": (2048, 1536), "o": (1536, 1536), "gate_up": (17920, 1536), "down": (1536, 8960)}
     kernel = kernel_rows(shapes, [int(r) for r in a.rows.split(",")], a.threads, a.repeats)
     cpu_q4.amx_min_rows(default_switch)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    cpu = cbuild.cpu_name()
     res = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     "model": a.model, "threads": a.threads, "repeats": a.repeats, "cpu": cpu,
                     "c_kernels_isa": cbuild.isa(), "amx_min_rows_default": default_switch,

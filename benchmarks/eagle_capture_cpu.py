@@ -120,7 +120,7 @@ def main() -> int:
     res = {"meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"), "model": a.model,
                     "layout": layout, "threads": a.threads, "isa": cbuild.isa(), "batch": a.batch,
                     "also_batch": a.also_batch, "prompts_per_round": a.prompts, "rounds": a.rounds, "max_new": a.max_new, "seq_len": a.seq_len,
-                    "layers": list(layers), "cpu": _cpu(), "loadavg_at_end": os.getloadavg()},
+                    "layers": list(layers), "cpu": cbuild.cpu_name(), "loadavg_at_end": os.getloadavg()},
            "rounds": rows, "summary": {"two_pass": summary["two"], "one_pass": summary["one"],
                                        "one_over_two": round(ratio, 3), "same_answers": same_answers,
                                        "same_features": same_features}}
@@ -132,16 +132,6 @@ def main() -> int:
     _plot(rows, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
-
-
-def _cpu() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def _plot(rows: list[dict], path: Path) -> None:

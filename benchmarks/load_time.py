@@ -110,21 +110,16 @@ def main() -> int:
                      "peak_rss_gb_before": rss[(model, layout)]["before"], "llamacpp_load_and_1_token_s": lc})
         print(f"{model:>30} {layout:>6} {b:9.1f} {n:7.1f} {n / b:10.2f} {rss[(model, layout)]['now']:7.2f} "
               f"{'-' if lc is None else f'{lc:.2f}':>11}")
+    from forerun.kernels import cbuild
+
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"against": rev, "threads": a.threads, "repeats": a.repeats, "cpu": _cpu(),
+    out.write_text(json.dumps({"against": rev, "threads": a.threads, "repeats": a.repeats, "cpu": cbuild.cpu_name(),
                                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                                "rows": rows}, indent=1))
     _plot(rows, out.with_suffix(".png"), rev)
     print(f"wrote {out}")
     return 0
-
-
-def _cpu() -> str:
-    try:
-        return next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 def _plot(rows: list[dict], png: Path, rev: str) -> None:

@@ -29,13 +29,6 @@ from pathlib import Path
 import torch
 
 
-def _cpu_name() -> str:
-    try:
-        return next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        return "?"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
@@ -142,7 +135,7 @@ def main() -> int:
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "model": a.model, "draft": a.draft,
             "threads": a.threads, "prompts": len(prompts), "max_tokens": a.max_tokens, "quantize": a.quantize,
             "layout": layout, "int4_others": quant.INT4_OTHERS, "int8_kernel": type(quant.int8_linear(torch.zeros(64, 64))).__name__,
-            "draft_int4_others": quant.DRAFT_INT4_OTHERS, "cpu": _cpu_name(), "c_kernels_isa": cbuild.isa(),
+            "draft_int4_others": quant.DRAFT_INT4_OTHERS, "cpu": cbuild.cpu_name(), "c_kernels_isa": cbuild.isa(),
             "k": a.k, "eagle": a.eagle, "llamacpp": bench.llamacpp_bin_dir().as_posix(),
             "spec_identical_to_plain": f"{identical}/{len(prompts)}", "prefix_caching": a.prefix_caching,
             "loadavg_start": [round(x, 2) for x in load_start], "loadavg_end": [round(x, 2) for x in os.getloadavg()],

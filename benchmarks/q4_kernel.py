@@ -66,7 +66,7 @@ def main() -> int:
         import os
         from forerun.kernels import cbuild
 
-        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+        cpu = cbuild.cpu_name()
         with open(a.out, "w") as f:
             json.dump({"layers": a.layers, "loadavg": os.getloadavg(), "cpu": cpu, "c_kernels_isa": cbuild.isa(),
                        "results": res}, f, indent=1)

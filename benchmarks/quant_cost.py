@@ -120,7 +120,9 @@ def main() -> int:
               flush=True)
     import platform
 
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    from forerun.kernels import cbuild
+
+    cpu = cbuild.cpu_name()
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "model": a.model, "threads": a.threads,
             "cpu": cpu, "machine": platform.machine(),
             "prefix_tokens": 64, "repeats": a.repeats, "loadavg_1m_at_end": os.getloadavg()[0]}

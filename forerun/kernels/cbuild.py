@@ -46,6 +46,14 @@ def _cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
+def cpu_name() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it ("?" where it does not): the benchmarks' JSON records it."""
+    try:
+        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return "?"
+
+
 def cpu_ok(features) -> bool:
     flags = _cpu_flags()
     return bool(flags) and all(f in flags for f in features)

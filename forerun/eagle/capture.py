@@ -76,7 +76,7 @@ def capture_distilled(model, tok, out_dir: str | Path, split: str, answer_tokens
     runner = ModelRunner(model, CacheConfig(block_size=16, num_blocks=batch * (longest // 16 + 2) + 4), weight.device,
                          weight.dtype, max_batch_tokens=batch * (max_len + 1), max_seqs=batch)
     stats_f = f.with_suffix(".stats.json")
-    stats = json.loads(stats_f.read_text()) if stats_f.exists() else {"seconds": 0.0, "runs": []}
+    stats = json.loads(stats_f.read_text()) if stats_f.exists() else {}
     fstats = D.split_stats(out_dir, split)
     bar = tqdm(total=answer_tokens, initial=have, desc=f"distill answers + features ({split})", unit="tok",
                disable=not progress)
@@ -100,14 +100,10 @@ def capture_distilled(model, tok, out_dir: str | Path, split: str, answer_tokens
             for t in toks:
                 offsets.append(offsets[-1] + len(t))
             D.write_shard(d, len(shards), toks, feats, offsets, len(seqs))
-            shards.append(d / f"shard_{len(shards):05d}.pt")
+            shards.append(None)  # (their count names the next shard)
             stored += offsets[-1]
         have += sum(len(s.ids) - s.n_prompt for s in seqs)
-        dt = time.perf_counter() - t0
-        run = {"tokens": have - have0, "seconds": round(dt, 1), "tok_per_s": round((have - have0) / max(dt, 1e-9), 1),
-               "features_captured": stored - stored0}
-        stats_f.write_text(json.dumps({"seconds": round(stats["seconds"] + dt, 1), "tokens": have,
-                                       "runs": stats["runs"] + [run]}))
+        D.add_run(stats_f, stats, have, have0, time.perf_counter() - t0, features_captured=stored - stored0)
         # the features cost no pass of their own: their folder's time stays what extraction took
         (d / "stats.json").write_text(json.dumps(dict(fstats, tokens=stored, captured=fstats.get("captured", 0)
                                                       + stored - stored0, note="features captured during distillation"
@@ -118,7 +114,7 @@ def capture_distilled(model, tok, out_dir: str | Path, split: str, answer_tokens
             late = deadline is not None and time.time() >= deadline
             # (budgets count what is written: a chunk in flight may pass them by a little, as the engine path does)
             full = have + sum(len(s.ids) - s.n_prompt for s in done) >= answer_tokens or stored >= feature_tokens
-            chunks, order = [], []
+            chunks = []
             while free_ids and not exhausted and not late and not full:
                 p = next(stream, None)
                 if p is None:
@@ -137,10 +133,10 @@ def capture_distilled(model, tok, out_dir: str | Path, split: str, answer_tokens
                 break
             for sid, s in active.items():  # each sequence's unfed tokens (a prompt, or its newest token)
                 chunks.append(Chunk(sid, s.ids[s.fed:], logits="none" if s.finish else "last"))
-                order.append(sid)
             out, starts = runner.forward(chunks, hidden_layers=layers)
             row = 0
-            for sid, c, st in zip(order, chunks, starts):
+            for c, st in zip(chunks, starts):
+                sid = c.seq_id
                 s, n = active[sid], len(c.token_ids)
                 for i in layers:
                     s.feats[i].append(out.hidden_states[i][row:row + n].to("cpu", torch.bfloat16))

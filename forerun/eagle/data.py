@@ -546,10 +546,7 @@ def generate_distilled(llm, out_dir: str | Path, split: str, max_tokens: int, *,
         n = sum(len(o.token_ids) for o in outs)
         have += n
         bar.update(n)
-        dt = time.perf_counter() - t0
-        run = {"tokens": have - have0, "seconds": round(dt, 1), "tok_per_s": round((have - have0) / max(dt, 1e-9), 1)}
-        stats_f.write_text(json.dumps({"seconds": round(stats["seconds"] + dt, 1), "tokens": have,
-                                       "runs": stats["runs"] + [run]}))
+        add_run(stats_f, stats, have, have0, time.perf_counter() - t0)
     bar.close()
     return have
 
@@ -608,11 +605,7 @@ def extract(model, tok, out_dir: str | Path, layers: tuple[int, ...], split: str
     base = split_stats(out_dir, split)
 
     def record(now: int) -> None:  # after every shard too, so a killed run keeps its time
-        dt = time.perf_counter() - t_start
-        st = dict(base, seconds=round(base.get("seconds", 0.0) + dt, 1), tokens=now)
-        st["runs"] = list(base.get("runs", [])) + [{"tokens": now - stored0, "seconds": round(dt, 1),
-                                                    "tok_per_s": round((now - stored0) / max(dt, 1e-9), 1)}]
-        (d / "stats.json").write_text(json.dumps(st))
+        add_run(d / "stats.json", base, now, stored0, time.perf_counter() - t_start)
     weight = model.model.norm.weight  # (its device and dtype: the activations')
     runner = ModelRunner(model, CacheConfig(block_size=16, num_blocks=max_len // 16 + 4), weight.device,
                          weight.dtype, max_batch_tokens=max_len, max_seqs=1)
@@ -672,6 +665,15 @@ def open_split(out_dir: str | Path, split: str, layers: tuple[int, ...], max_len
     shards = sorted(d.glob("shard_*.pt"))
     heads = [torch.load(s, weights_only=True, mmap=True) for s in shards]  # (mapped: only the counts are read)
     return d, shards, sum(h["num_samples"] for h in heads), sum(int(h["offsets"][-1]) for h in heads)
+
+
+def add_run(path: Path, base: dict, now: int, start: int, seconds: float, **extra) -> None:
+    """Write a stats file: `base` (what earlier runs recorded) with this run added: `seconds` more, `now` tokens in
+    all, and a "runs" entry for its `now - start` tokens (plus `extra`)."""
+    run = {"tokens": now - start, "seconds": round(seconds, 1),
+           "tok_per_s": round((now - start) / max(seconds, 1e-9), 1), **extra}
+    path.write_text(json.dumps(dict(base, seconds=round(base.get("seconds", 0.0) + seconds, 1), tokens=now,
+                                    runs=list(base.get("runs", [])) + [run])))
 
 
 def split_stats(out_dir: str | Path, split: str) -> dict:

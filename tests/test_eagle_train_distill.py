@@ -30,6 +30,9 @@ def test_distill_prompts_kinds_split_and_no_bench_prompts():
     assert not set(train) & set(held)  # held-out prompts come from other files
     for kind in ("Write a Python function", "Explain", "Complete this Python function", "Write a docstring"):
         assert any(p.startswith(kind) or kind in p for p in train), kind
+    other = [p for p in train if any(f"in {lang}" in p or f"to {lang}:" in p or f"a {lang} function" in p
+                                     for lang in D.OTHER_LANGUAGES)]
+    assert len(other) >= 10 and len({p.split(":")[0] for p in other}) >= 5  # the same tasks in other languages
     assert not any(D._is_bench_like(p, CODE_PROMPTS) for p in train + held)
     assert D._is_bench_like(CODE_PROMPTS[3], CODE_PROMPTS)  # the guard itself
     assert train == list(itertools.islice(D.distill_prompts(False), 80))  # deterministic

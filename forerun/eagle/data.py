@@ -408,18 +408,26 @@ def _is_bench_like(prompt: str, bench: tuple[str, ...]) -> bool:
     return any(b.lower() in low or low in b.lower() for b in bench)
 
 
+# languages the distill prompts ask for besides Python (the tasks come from the corpus's Python functions)
+OTHER_LANGUAGES = ("JavaScript", "TypeScript", "Java", "C", "C++", "C#", "Go", "Rust", "Ruby", "PHP", "Kotlin",
+                   "Swift", "Bash")
+
+
 def distill_prompts(heldout: bool, fraction: float = 0.05, seed: int = 0, max_body_lines: int = 24,
                     max_body_chars: int = 900) -> Iterator[str]:
     """Instructions for the target to answer, written from the offline corpus (never forerun's files, never a
     benchmark prompt; held-out files by the same path hash as the other corpora): per documented function one
-    of "write a function that <doc>", "explain this function", "complete this code", "write a docstring for",
-    "add type hints / tests"; every fourth round also a question about a documentation page or an other-language
-    file. Deterministic for a seed."""
+    of "write a function that <doc>", the same in another language (`OTHER_LANGUAGES`, from the description or
+    translating the source: a code model is asked for more than Python; session 45), "explain this function",
+    "complete this code", "write a docstring for", "add type hints / tests"; every fourth round also a question
+    about a documentation page or an other-language file. Deterministic for a seed."""
     rng = random.Random(seed + 7)
     bench = _bench_prompts()
     py, langs, docs = _split_sources(heldout, fraction, rng)
     writes = ("Write a Python function `{name}` that {doc}", "Write a Python function that {doc}",
               "Implement `{name}` in Python: {doc}", "Write a Python function `{name}`. {Doc}")
+    other_writes = ("Write a {lang} function that {doc}", "Write a {lang} function `{name}` that {doc}",
+                    "Implement `{name}` in {lang}: {doc}")
     n = 0
     for p in py:
         try:
@@ -433,15 +441,22 @@ def distill_prompts(heldout: bool, fraction: float = 0.05, seed: int = 0, max_bo
         doc = first.rstrip(".")
         doc_l = doc[:1].lower() + doc[1:]
         r = rng.random()
-        if r < 0.4:
+        if r < 0.25:
             prompt = rng.choice(writes).format(name=name, doc=doc_l + ".", Doc=doc + ".")
-        elif r < 0.6:
+        elif r < 0.55:  # the same task in another language: from its description, or from the Python source
+            lang = rng.choice(OTHER_LANGUAGES)
+            if rng.random() < 0.5:
+                prompt = rng.choice(other_writes).format(lang=lang, name=name, doc=doc_l + ".")
+            else:
+                prompt = rng.choice(("Translate this Python function to {lang}:", "Rewrite this function in {lang}:")
+                                    ).format(lang=lang) + f"\n\n```python\n{body}\n```"
+        elif r < 0.65:
             prompt = rng.choice(("Explain what this Python function does:", "Explain this function.",
                                  "What does this code do?")) + f"\n\n```python\n{body}\n```"
         elif r < 0.75:
             head = body.split('"""')[0].split("\'\'\'")[0].rstrip()
             prompt = f"Complete this Python function ({doc_l}):\n\n```python\n{head}\n```"
-        elif r < 0.9:
+        elif r < 0.88:
             prompt = f"Write a docstring for this function:\n\n```python\n{_strip_docstring(body)}\n```"
         else:
             prompt = rng.choice(("Write unit tests for this function:", "Add type hints to this function:",

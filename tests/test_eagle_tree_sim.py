@@ -62,6 +62,9 @@ def test_replay_matches_real_rounds(tree):
     assert got["rounds"] == stats["rounds"]
     assert 0 < got["accepted"] < 3 * got["rounds"], "the check needs a head that is right only sometimes"
     assert sum(map(sum, trace)) == got["accepted"]
+    # each prompt's tokens per round after its prefill: its accepted drafts plus one a round, the last cut at n
+    assert got["per_prompt_tokens_per_round"] == [round((n - 1) / len(t), 3) for t in trace]
+    assert len(set(got["per_prompt_tokens_per_round"])) > 1
 
 
 def test_engine_tail_decodes_the_end_plainly():

@@ -156,6 +156,7 @@ def replay(target, head, samples: list[dict], *, k: int | None = None, shape: tu
     nodes_verified = 0
     at_depth: list[list[int]] = []  # per draft position: [rounds that offered it, rounds that accepted it]
     draft_s: list[float] = []
+    per_sample: list[float] = []  # tokens per round after the prefill, each sample (prompt)
     for n, s in enumerate(samples):
         ids, gen, states = s["ids"], s["gen"], s["states"]
         limit = s.get("limit", len(gen))  # tokens to commit (gen may run further: drafts are then never cut)
@@ -167,6 +168,7 @@ def replay(target, head, samples: list[dict], *, k: int | None = None, shape: tu
         d.observe_target([r], [{layer: h[: len(ids)] for layer, h in states.items()}], [0])
         if trace is not None:
             trace.append([])
+        s_rounds, s_emitted = 0, 0
         while len(r.output_token_ids) < limit:
             c = len(r.output_token_ids)
             truth = gen[c:]
@@ -206,6 +208,9 @@ def replay(target, head, samples: list[dict], *, k: int | None = None, shape: tu
             rounds += 1
             emitted += min(len(new), limit - c)  # the last round is cut at max_tokens
             accepted += a
+            s_rounds += 1
+            s_emitted += min(len(new), limit - c)
+        per_sample.append(round(s_emitted / s_rounds, 3) if s_rounds else 0.0)
         d.release(r)
     out = {"rounds": rounds, "emitted": emitted, "accepted": accepted,
             "tokens_per_target_call": round(emitted / rounds, 4),
@@ -213,7 +218,7 @@ def replay(target, head, samples: list[dict], *, k: int | None = None, shape: tu
             "per_position_acceptance": [round(b / a, 4) if a else 0.0 for a, b in at_depth],
             "draft_ms_median": round(1000 * statistics.median(draft_s), 2) if draft_s else 0.0,
             "draft_ms_mean": round(1000 * statistics.mean(draft_s), 2) if draft_s else 0.0,
-            "head_layout": d.head_layout}
+            "head_layout": d.head_layout, "per_prompt_tokens_per_round": per_sample}
     if shape is not None:
         out["mean_verify_rows"] = round(nodes_verified / max(1, rounds - len(samples)), 2)
     if d.budget is not None:

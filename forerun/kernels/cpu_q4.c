@@ -400,6 +400,44 @@ static void amx_prepare(const uint8_t *w, int64_t ng4, int64_t k, int64_t gi0, u
     }
 }
 
+// lanes [row][l][16 outputs] of activation rows m0 .. m0 + MR - 1: per lane l its groups' tile products (l, l + 16
+// in tiles 0 and 1, then l + 32, ..), then the VNNI kernel's float operations on them in its order
+INLINE void amx_lanes(const int8_t *xa, const uint8_t *bt, const float *sw, const float *ow, const float *xsg,
+                      const float *isg, int64_t groups, int64_t mp, int64_t m0, const int MR, int32_t *cbuf,
+                      float *lanes) {
+    for (int l = 0; l < 16 && l < groups; l++) {
+        __m512 acc[16];
+        for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t g = l; g < groups; g += 32) {
+            const int two = g + 16 < groups;
+            _tile_loadd(2, xa + (g * mp + m0) * 32, 32);
+            _tile_loadd(4, bt + g * 512, 64);
+            _tile_zero(0);
+            _tile_dpbsud(0, 2, 4);
+            if (two) {
+                _tile_loadd(3, xa + ((g + 16) * mp + m0) * 32, 32);
+                _tile_loadd(5, bt + (g + 16) * 512, 64);
+                _tile_zero(1);
+                _tile_dpbsud(1, 3, 5);
+            }
+            _tile_stored(0, cbuf, 64);
+            if (two) _tile_stored(1, cbuf + 256, 64);
+            for (int h = 0; h <= two; h++) {
+                const int64_t gg = g + 16 * h;
+                const __m512 s = _mm512_load_ps(sw + gg * 16), o = _mm512_load_ps(ow + gg * 16);
+                const float *xs = xsg + gg * mp + m0, *is = isg + gg * mp + m0;
+                const int32_t *cb = cbuf + 256 * h;
+                for (int i = 0; i < MR; i++) {
+                    const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(cb + 16 * i));
+                    acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(xs[i])), acc[i]);
+                    acc[i] = _mm512_fmadd_ps(o, _mm512_set1_ps(is[i]), acc[i]);
+                }
+            }
+        }
+        for (int i = 0; i < MR; i++) _mm512_store_ps(lanes + (i * 16 + l) * 16, acc[i]);
+    }
+}
+
 // y[m, 16 b + n] for m < M and row-group blocks b0 .. b1 - 1 (16 outputs each); xa [groups][mp][32] the activations
 // in tile order, xsg / isg [groups][mp] their scales and scaled sums, mp = M rounded up to 16 (zero rows)
 // Returns 0 (nothing written) when its buffers cannot be allocated.
@@ -422,47 +460,26 @@ static int amx_run_blocks(const uint8_t *w, int64_t n, int64_t k, const int8_t *
     for (int64_t b = b0; b < b1; b++) {
         amx_prepare(w, ng4, k, 4 * b, bt, sw, ow);
         for (int64_t m0 = 0; m0 < m; m0 += 16) {
-            for (int l = 0; l < 16 && l < groups; l++) {
-                __m512 acc[16];
-                for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-                for (int64_t g = l; g < groups; g += 32) {  // groups l, l + 16 (tiles 0 and 1), then l + 32, ..
-                    const int two = g + 16 < groups;
-                    _tile_loadd(2, xa + (g * mp + m0) * 32, 32);
-                    _tile_loadd(4, bt + g * 512, 64);
-                    _tile_zero(0);
-                    _tile_dpbsud(0, 2, 4);
-                    if (two) {
-                        _tile_loadd(3, xa + ((g + 16) * mp + m0) * 32, 32);
-                        _tile_loadd(5, bt + (g + 16) * 512, 64);
-                        _tile_zero(1);
-                        _tile_dpbsud(1, 3, 5);
-                    }
-                    _tile_stored(0, cbuf, 64);
-                    if (two) _tile_stored(1, cbuf + 256, 64);
-                    for (int h = 0; h <= two; h++) {
-                        const int64_t gg = g + 16 * h;
-                        const __m512 s = _mm512_load_ps(sw + gg * 16), o = _mm512_load_ps(ow + gg * 16);
-                        const float *xs = xsg + gg * mp + m0, *is = isg + gg * mp + m0;
-                        const int32_t *cb = cbuf + 256 * h;
-                        for (int i = 0; i < 16; i++) {
-                            const __m512 dot = _mm512_cvtepi32_ps(_mm512_load_si512(cb + 16 * i));
-                            acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(s, _mm512_set1_ps(xs[i])), acc[i]);
-                            acc[i] = _mm512_fmadd_ps(o, _mm512_set1_ps(is[i]), acc[i]);
-                        }
-                    }
-                }
-                for (int i = 0; i < 16; i++) _mm512_store_ps(lanes + (i * 16 + l) * 16, acc[i]);
+            switch (m - m0 < 16 ? (int)(m - m0) : 16) {  // the row count a constant in each copy
+#define AMX_ROWS(R) case R: amx_lanes(xa, bt, sw, ow, xsg, isg, groups, mp, m0, R, cbuf, lanes); break;
+                AMX_ROWS(1) AMX_ROWS(2) AMX_ROWS(3) AMX_ROWS(4) AMX_ROWS(5) AMX_ROWS(6) AMX_ROWS(7) AMX_ROWS(8)
+                AMX_ROWS(9) AMX_ROWS(10) AMX_ROWS(11) AMX_ROWS(12) AMX_ROWS(13) AMX_ROWS(14) AMX_ROWS(15)
+                default: amx_lanes(xa, bt, sw, ow, xsg, isg, groups, mp, m0, 16, cbuf, lanes); break;
+#undef AMX_ROWS
             }
+            // reduce4's tree over each output's 16 lanes, done across the lane vectors for 16 outputs at once
+            // (no transposes): lanes 4 q .. 4 q + 3 -> (v0 + v2) + (v1 + v3), then (T0 + T2) + (T1 + T3)
+            const int64_t nv = n - 16 * b < 16 ? n - 16 * b : 16;
             for (int i = 0; i < 16 && m0 + i < m; i++) {
-                __m512i t[16];  // lane l of output n -> row n, lane l
-                for (int l = 0; l < 16; l++)
-                    t[l] = l < groups ? _mm512_load_si512(lanes + (i * 16 + l) * 16) : _mm512_setzero_si512();
-                transpose16(t);
-                float out[16];
+                const float *v = lanes + i * 256;
+#define LANE(l) ((l) < groups ? _mm512_load_ps(v + 16 * (l)) : _mm512_setzero_ps())
+                __m512 t[4];
                 for (int q = 0; q < 4; q++)
-                    _mm_storeu_ps(out + 4 * q, reduce4(_mm512_castsi512_ps(t[4 * q]), _mm512_castsi512_ps(t[4 * q + 1]),
-                                                       _mm512_castsi512_ps(t[4 * q + 2]), _mm512_castsi512_ps(t[4 * q + 3])));
-                for (int nn = 0; nn < 16 && 16 * b + nn < n; nn++) y[(m0 + i) * n + 16 * b + nn] = out[nn];
+                    t[q] = _mm512_add_ps(_mm512_add_ps(LANE(4 * q), LANE(4 * q + 2)),
+                                         _mm512_add_ps(LANE(4 * q + 1), LANE(4 * q + 3)));
+#undef LANE
+                _mm512_mask_storeu_ps(y + (m0 + i) * n + 16 * b, (__mmask16)((1u << nv) - 1),
+                                      _mm512_add_ps(_mm512_add_ps(t[0], t[2]), _mm512_add_ps(t[1], t[3])));
             }
         }
     }

@@ -11,8 +11,8 @@ how much time. Prints tables, writes JSON and a PNG plot.
    chunk, or a verify tree of M nodes), logits of the last row (prefill) or of every row (verify), the paths taking
    turns; the logits compared bit for bit. (--model-rows "": part 1 alone, at the 1.5B's shapes, no model file.)
 
-The switch point is cpu_q4.amx_min_rows (32 by default since session 43: from there the tiles won on every shape,
-thread count and machine measured; 16 until then, which lost at 16-24 rows on a 16-core Xeon).
+The switch point is cpu_q4.amx_min_rows (24 by default since session 45's kernel, the crossover measured on a 2-core
+Xeon; 32 in session 43, where the tiles lost at 16-24 rows on a 16-core Xeon; 16 before).
 """
 from __future__ import annotations
 

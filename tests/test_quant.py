@@ -394,7 +394,7 @@ def test_amx_switch_point_from_the_environment():
     if not cpu_q4.amx_ready():
         pytest.skip("no AMX here")
     code = "from forerun.kernels import cpu_q4; print(cpu_q4.amx_min_rows())"
-    for value, want in (("0", "0"), ("40", "40"), (None, "32")):  # None: the default (session 43; 16 before)
+    for value, want in (("0", "0"), ("40", "40"), (None, "24")):  # None: the default (session 45; 32, 16 before)
         env = {k: v for k, v in os.environ.items() if k != "FORERUN_AMX_MIN_ROWS"}
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env=env if value is None else {**env, "FORERUN_AMX_MIN_ROWS": value})

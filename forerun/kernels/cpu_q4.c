@@ -292,7 +292,8 @@ static void run_groups(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
 // products of 16 activation rows x 16 outputs: exactly the integers group_rows gets from VNNI. Those are then
 // scaled and summed in float with the operations group_rows applies per output, in its order: output n's lane
 // l (groups l, l + 16, ..: chunk by chunk) takes fma(dot, scale * xs, acc) then fma(offset, isum, acc), and the 16
-// lanes meet in reduce4's tree. So every output is bit-identical whichever path and row count computes it (batch
+// lanes meet in reduce4's tree (here the same additions across the 16 lane vectors of 16 outputs: no transposes;
+// session 45). So every output is bit-identical whichever path and row count computes it (batch
 // invariance holds across the switch; tests/test_quant.py compares the two paths). Per block of 16 outputs the
 // codes are re-laid out once into tile order (a 16 x 16 transpose per code load: lane = group -> lane =
 // output) and reused by every block of 16 activation rows; activations are re-laid out once per call.
@@ -300,10 +301,10 @@ static void run_groups(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
 #include <unistd.h>
 
 static int amx_state = -1;     // -1: not asked yet; 0: the kernel refuses tile data to this process; 1: ready
-// activation rows from which q4_gemm takes this path (0: never). 32: below it the tiles lost somewhere measured (a
-// 16-core Xeon: 0.72-0.96x VNNI at 16-24 rows with 8-16 threads, 0.87x at 16 with 2; this 2-core one ~1.0-1.2x);
-// from 32 rows on they won everywhere (docs/quantization.md, session 43)
-static int amx_min_rows = 32;
+// activation rows from which q4_gemm takes this path (0: never). 24 on this 2-core Xeon since session 45's kernel
+// (the forward of the 1.5B: 0.95x VNNI at 16 rows, 1.03x at 24, 1.14x at 29; docs/quantization.md); 32 in session
+// 43, when a 16-core Xeon measured the tiles at 0.72-0.96x VNNI at 16-24 rows with 8-16 threads (the old kernel)
+static int amx_min_rows = 24;
 static int64_t amx_calls = 0;  // products run on this path (tests)
 
 int q4_amx_ready(void) {

@@ -205,11 +205,12 @@ def replay(target, head, samples: list[dict], *, k: int | None = None, shape: tu
             d.observe_target([r], [{layer: h[start: start + a + 1] for layer, h in states.items()}], [start])
             r.output_token_ids.extend(new)
             d.rollback(r, r.num_tokens)
+            took = min(len(new), limit - c)  # the last round is cut at max_tokens
             rounds += 1
-            emitted += min(len(new), limit - c)  # the last round is cut at max_tokens
+            emitted += took
             accepted += a
             s_rounds += 1
-            s_emitted += min(len(new), limit - c)
+            s_emitted += took
         per_sample.append(round(s_emitted / s_rounds, 3) if s_rounds else 0.0)
         d.release(r)
     out = {"rounds": rounds, "emitted": emitted, "accepted": accepted,

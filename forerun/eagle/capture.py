@@ -62,6 +62,7 @@ def capture_distilled(model, tok, out_dir: str | Path, split: str, answer_tokens
                            seed=seed, heldout_fraction=heldout_fraction, progress=progress, corpus=corpus,
                            quantize=quantize)
         shards = sorted(d.glob("shard_*.pt"))
+    n_shards = len(shards)  # the next shard's number
     have = sum(len(r["answer_ids"]) for r in rows)
     if have >= answer_tokens or stored >= feature_tokens:
         return have, stored
@@ -87,7 +88,7 @@ def capture_distilled(model, tok, out_dir: str | Path, split: str, answer_tokens
     exhausted, skipped = False, 0
 
     def write(seqs: list[_Seq]) -> None:
-        nonlocal have, stored
+        nonlocal have, stored, n_shards
         with f.open("a") as fh:
             for s in seqs:
                 fh.write(json.dumps({"prompt": s.prompt, "prompt_ids": s.ids[:s.n_prompt],
@@ -99,8 +100,8 @@ def capture_distilled(model, tok, out_dir: str | Path, split: str, answer_tokens
             offsets = [0]
             for t in toks:
                 offsets.append(offsets[-1] + len(t))
-            D.write_shard(d, len(shards), toks, feats, offsets, len(seqs))
-            shards.append(None)  # (their count names the next shard)
+            D.write_shard(d, n_shards, toks, feats, offsets, len(seqs))
+            n_shards += 1
             stored += offsets[-1]
         have += sum(len(s.ids) - s.n_prompt for s in seqs)
         D.add_run(stats_f, stats, have, have0, time.perf_counter() - t0, features_captured=stored - stored0)

@@ -234,7 +234,7 @@ def _random_q6k(n: int, k: int, rng) -> np.ndarray:
 
 
 @pytest.mark.skipif(not Q4Linear.fits(64, 128), reason="needs gcc and AVX512-VNNI or AVX2 (forerun/kernels/cpu_q4.c)")
-@pytest.mark.parametrize("n,k", [(37, 256), (300, 1536)])
+@pytest.mark.parametrize("n,k", [(37, 256), (20, 768), (300, 1536)])  # 1, 3 (a pair + one), 6 blocks a row
 def test_q6k_linear_is_exact_over_the_blocks(n, k):
     """Q6KLinear (GGUF Q6_K blocks re-laid out by pack_q6k, cpu_q4.c's q6k_gemm): the layout gives the blocks back
     byte for byte and dequantizes as gguf does; per group of 32 its output is d * xs * the exact

@@ -858,6 +858,82 @@ INLINE void q6k_row(const uint8_t *w, int64_t nb, const int8_t *xq, int64_t astr
     for (int i = 0; i < mb; i++) out[i] = hsum8(facc[i]);
 }
 
+#ifdef __AVX512BW__
+// q6k_row with 512-bit vectors (session 46): blocks b, b + 1 (b even) in the low / high halves of each vector (the
+// activations of such a pair sit in one 64-byte piece: xoff below), so int32 lane g < 8 is group g of block b and
+// lane 8 + g group g of block b + 1; the same integers per (block, group) as q6k_row, the float lanes then add up
+// the even blocks (0-7) and the odd ones (8-15), an odd last block in 8 lanes of its own, a fixed reduction at
+// the end. Half the integer instructions of q6k_row per activation row (what verify rows pay); a row's result
+// still does not depend on the others or the thread split.
+INLINE float hsum16(__m512 a) {  // fixed order
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    return hsum8(h);
+}
+
+INLINE __m512i pair512(const uint8_t *a, const uint8_t *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+
+INLINE void q6k_row512(const uint8_t *w, int64_t nb, const int8_t *xq, int64_t astride, const float *xs,
+                       const int16_t *bs, int64_t sstride, const int mb, float *out) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const __m512i pa = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)Q6K_PICK[0]));
+    const __m512i pb = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)Q6K_PICK[1]));
+    __m512 facc[8];
+    for (int i = 0; i < mb; i++) facc[i] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t *b0 = w + b * Q6K_BLOCK, *b1 = b0 + Q6K_BLOCK;
+        for (int l = 0; l < 7; l++) _mm_prefetch((const char *)(b0 + 1024 + 64 * l), _MM_HINT_T0);
+        const __m256i sc8 = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(b1 + 192)),
+                                             _mm_loadu_si128((const __m128i *)(b0 + 192)));
+        const __m512i s16 = _mm512_cvtepi8_epi16(sc8);  // [block b: 16 scales | block b + 1: 16 scales]
+        const __m512i sa = _mm512_shuffle_epi8(s16, pa), sbv = _mm512_shuffle_epi8(s16, pb);
+        const __m512i h0 = pair512(b0 + 128, b1 + 128), h1 = pair512(b0 + 160, b1 + 160);
+        __m512i q[8];
+        for (int kk = 0; kk < 4; kk++) {
+            const __m512i lo = pair512(b0 + 32 * kk, b1 + 32 * kk);
+            q[kk] = _mm512_and_si512(lo, m4);
+            q[kk + 4] = _mm512_and_si512(_mm512_srli_epi16(lo, 4), m4);
+        }
+        q[0] = _mm512_or_si512(q[0], _mm512_and_si512(_mm512_slli_epi16(h0, 4), m30));
+        q[1] = _mm512_or_si512(q[1], _mm512_and_si512(_mm512_slli_epi16(h0, 2), m30));
+        q[2] = _mm512_or_si512(q[2], _mm512_and_si512(h0, m30));
+        q[3] = _mm512_or_si512(q[3], _mm512_and_si512(_mm512_srli_epi16(h0, 2), m30));
+        q[4] = _mm512_or_si512(q[4], _mm512_and_si512(_mm512_slli_epi16(h1, 4), m30));
+        q[5] = _mm512_or_si512(q[5], _mm512_and_si512(_mm512_slli_epi16(h1, 2), m30));
+        q[6] = _mm512_or_si512(q[6], _mm512_and_si512(h1, m30));
+        q[7] = _mm512_or_si512(q[7], _mm512_and_si512(_mm512_srli_epi16(h1, 2), m30));
+        const __m512 d = _mm512_castpd_ps(_mm512_insertf64x4(
+            _mm512_castps_pd(_mm512_set1_ps(_cvtsh_ss(*(const uint16_t *)(b0 + 208)))),
+            _mm256_castps_pd(_mm256_set1_ps(_cvtsh_ss(*(const uint16_t *)(b1 + 208)))), 1));
+        const int64_t xoff = (b / 2) * 512;  // piece p of both blocks' 8 groups: + 64 p (block b + 1: + 32)
+        for (int i = 0; i < mb; i++) {
+            const int8_t *xb = xq + i * astride + xoff;
+            __m512i acc = _mm512_madd_epi16(_mm512_maddubs_epi16(q[0], _mm512_loadu_si512((const void *)xb)), sa);
+            for (int p = 1; p < 8; p++)
+                acc = _mm512_add_epi32(acc, _mm512_madd_epi16(
+                    _mm512_maddubs_epi16(q[p], _mm512_loadu_si512((const void *)(xb + 64 * p))), p < 4 ? sa : sbv));
+            const __m512i off = _mm512_madd_epi16(s16, _mm512_loadu_si512((const void *)(bs + i * sstride * 2 + 16 * b)));
+            acc = _mm512_sub_epi32(acc, _mm512_slli_epi32(off, 5));
+            facc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(d, _mm512_loadu_ps(xs + i * sstride + 8 * b)),
+                                      facc[i]);
+        }
+    }
+    if (b < nb) {  // an odd last block: q6k_row's 8 lanes
+        float tail[8];
+        q6k_row(w + b * Q6K_BLOCK, 1, xq + (b / 2) * 512, astride, xs + 8 * b, bs + 16 * b, sstride, mb, tail);
+        for (int i = 0; i < mb; i++) out[i] = hsum16(facc[i]) + tail[i];
+        return;
+    }
+    for (int i = 0; i < mb; i++) out[i] = hsum16(facc[i]);
+}
+#define Q6K_ROW q6k_row512
+#else
+#define Q6K_ROW q6k_row
+#endif
+
 static void q6k_run_rows(const uint8_t *w, int64_t n0, int64_t n1, int64_t n, int64_t k, const int8_t *xq,
                          const float *xs, const int16_t *bs, int64_t m, float *y) {
     const int64_t nb = k / 256, rb = nb * Q6K_BLOCK, astride = chunks_of(k) * 512, sstride = chunks_of(k) * 16;
@@ -869,14 +945,14 @@ static void q6k_run_rows(const uint8_t *w, int64_t n0, int64_t n1, int64_t n, in
             const float *sb = xs + m0 * sstride;
             const int16_t *bb = bs + m0 * sstride * 2;
             switch (mb) {  // constant row counts: the accumulators stay in registers
-                case 1: q6k_row(w + r * rb, nb, xb, astride, sb, bb, sstride, 1, out); break;
-                case 2: q6k_row(w + r * rb, nb, xb, astride, sb, bb, sstride, 2, out); break;
-                case 3: q6k_row(w + r * rb, nb, xb, astride, sb, bb, sstride, 3, out); break;
-                case 4: q6k_row(w + r * rb, nb, xb, astride, sb, bb, sstride, 4, out); break;
-                case 5: q6k_row(w + r * rb, nb, xb, astride, sb, bb, sstride, 5, out); break;
-                case 6: q6k_row(w + r * rb, nb, xb, astride, sb, bb, sstride, 6, out); break;
-                case 7: q6k_row(w + r * rb, nb, xb, astride, sb, bb, sstride, 7, out); break;
-                default: q6k_row(w + r * rb, nb, xb, astride, sb, bb, sstride, 8, out); break;
+                case 1: Q6K_ROW(w + r * rb, nb, xb, astride, sb, bb, sstride, 1, out); break;
+                case 2: Q6K_ROW(w + r * rb, nb, xb, astride, sb, bb, sstride, 2, out); break;
+                case 3: Q6K_ROW(w + r * rb, nb, xb, astride, sb, bb, sstride, 3, out); break;
+                case 4: Q6K_ROW(w + r * rb, nb, xb, astride, sb, bb, sstride, 4, out); break;
+                case 5: Q6K_ROW(w + r * rb, nb, xb, astride, sb, bb, sstride, 5, out); break;
+                case 6: Q6K_ROW(w + r * rb, nb, xb, astride, sb, bb, sstride, 6, out); break;
+                case 7: Q6K_ROW(w + r * rb, nb, xb, astride, sb, bb, sstride, 7, out); break;
+                default: Q6K_ROW(w + r * rb, nb, xb, astride, sb, bb, sstride, 8, out); break;
             }
             for (int i = 0; i < mb; i++) y[(m0 + i) * n + r] = out[i];
         }

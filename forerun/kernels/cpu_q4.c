@@ -804,6 +804,17 @@ void q4_quant_act(const float *x, int64_t m, int64_t k, int8_t *xq, float *xs, f
 // <= 2 * 63 * 127: no int16 saturation), then * d * xs[g] into 8 float lanes: the int8 kernel's structure, no
 // reductions across lanes until the end. Each output's operations are the same whatever M and the thread split.
 #define Q6K_BLOCK 210
+// the 2 high bits of pieces 0-3 (h0) and 4-7 (h1) onto the low nibbles in q[8], W-bit vectors (256 or 512)
+#define Q6K_HIGH_BITS(W, q, h0, h1, m30)                                                                         \
+    do {                                                                                                          \
+        for (int s_ = 0; s_ < 2; s_++) {                                                                         \
+            const __m##W##i h_ = s_ ? (h1) : (h0);                                                                \
+            q[4 * s_] = _mm##W##_or_si##W(q[4 * s_], _mm##W##_and_si##W(_mm##W##_slli_epi16(h_, 4), m30));         \
+            q[4 * s_ + 1] = _mm##W##_or_si##W(q[4 * s_ + 1], _mm##W##_and_si##W(_mm##W##_slli_epi16(h_, 2), m30)); \
+            q[4 * s_ + 2] = _mm##W##_or_si##W(q[4 * s_ + 2], _mm##W##_and_si##W(h_, m30));                      \
+            q[4 * s_ + 3] = _mm##W##_or_si##W(q[4 * s_ + 3], _mm##W##_and_si##W(_mm##W##_srli_epi16(h_, 2), m30)); \
+        }                                                                                                         \
+    } while (0)
 // pshufb masks: int16 scales of sub-blocks a (even) / b (odd) of each 32-bit lane's group, from the 16 scales
 static const uint8_t Q6K_PICK[2][32] __attribute__((aligned(32))) = {
     {0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13},
@@ -833,14 +844,7 @@ INLINE void q6k_row(const uint8_t *w, int64_t nb, const int8_t *xq, int64_t astr
             q[kk] = _mm256_and_si256(lo, m4);
             q[kk + 4] = _mm256_and_si256(_mm256_srli_epi16(lo, 4), m4);
         }
-        q[0] = _mm256_or_si256(q[0], _mm256_and_si256(_mm256_slli_epi16(h0, 4), m30));
-        q[1] = _mm256_or_si256(q[1], _mm256_and_si256(_mm256_slli_epi16(h0, 2), m30));
-        q[2] = _mm256_or_si256(q[2], _mm256_and_si256(h0, m30));
-        q[3] = _mm256_or_si256(q[3], _mm256_and_si256(_mm256_srli_epi16(h0, 2), m30));
-        q[4] = _mm256_or_si256(q[4], _mm256_and_si256(_mm256_slli_epi16(h1, 4), m30));
-        q[5] = _mm256_or_si256(q[5], _mm256_and_si256(_mm256_slli_epi16(h1, 2), m30));
-        q[6] = _mm256_or_si256(q[6], _mm256_and_si256(h1, m30));
-        q[7] = _mm256_or_si256(q[7], _mm256_and_si256(_mm256_srli_epi16(h1, 2), m30));
+        Q6K_HIGH_BITS(256, q, h0, h1, m30);
         const __m256 d = _mm256_set1_ps(_cvtsh_ss(*(const uint16_t *)(blk + 208)));
         const int64_t xoff = (b / 2) * 512 + (b % 2) * 32;  // piece p of the block's 8 groups: + 64 p
         for (int i = 0; i < mb; i++) {
@@ -897,14 +901,7 @@ INLINE void q6k_row512(const uint8_t *w, int64_t nb, const int8_t *xq, int64_t a
             q[kk] = _mm512_and_si512(lo, m4);
             q[kk + 4] = _mm512_and_si512(_mm512_srli_epi16(lo, 4), m4);
         }
-        q[0] = _mm512_or_si512(q[0], _mm512_and_si512(_mm512_slli_epi16(h0, 4), m30));
-        q[1] = _mm512_or_si512(q[1], _mm512_and_si512(_mm512_slli_epi16(h0, 2), m30));
-        q[2] = _mm512_or_si512(q[2], _mm512_and_si512(h0, m30));
-        q[3] = _mm512_or_si512(q[3], _mm512_and_si512(_mm512_srli_epi16(h0, 2), m30));
-        q[4] = _mm512_or_si512(q[4], _mm512_and_si512(_mm512_slli_epi16(h1, 4), m30));
-        q[5] = _mm512_or_si512(q[5], _mm512_and_si512(_mm512_slli_epi16(h1, 2), m30));
-        q[6] = _mm512_or_si512(q[6], _mm512_and_si512(h1, m30));
-        q[7] = _mm512_or_si512(q[7], _mm512_and_si512(_mm512_srli_epi16(h1, 2), m30));
+        Q6K_HIGH_BITS(512, q, h0, h1, m30);
         const __m512 d = _mm512_castpd_ps(_mm512_insertf64x4(
             _mm512_castps_pd(_mm512_set1_ps(_cvtsh_ss(*(const uint16_t *)(b0 + 208)))),
             _mm256_castps_pd(_mm256_set1_ps(_cvtsh_ss(*(const uint16_t *)(b1 + 208)))), 1));

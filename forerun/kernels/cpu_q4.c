@@ -862,12 +862,13 @@ INLINE void q6k_row(const uint8_t *w, int64_t nb, const int8_t *xq, int64_t astr
     for (int i = 0; i < mb; i++) out[i] = hsum8(facc[i]);
 }
 
-#ifdef __AVX512BW__
+#ifdef __AVX512VNNI__
 // q6k_row with 512-bit vectors (session 46): blocks b, b + 1 (b even) in the low / high halves of each vector (the
 // activations of such a pair sit in one 64-byte piece: xoff below), so int32 lane g < 8 is group g of block b and
 // lane 8 + g group g of block b + 1; the same integers per (block, group) as q6k_row, the float lanes then add up
 // the even blocks (0-7) and the odd ones (8-15), an odd last block in 8 lanes of its own, a fixed reduction at
-// the end. Half the integer instructions of q6k_row per activation row (what verify rows pay); a row's result
+// the end. Per activation row and sub-block one VNNI dot product and one int32 multiply by its scale instead of
+// maddubs + madd pairs of 256 bits (what verify rows pay); a row's result
 // still does not depend on the others or the thread split.
 INLINE float hsum16(__m512 a) {  // fixed order
     const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
@@ -882,8 +883,6 @@ INLINE __m512i pair512(const uint8_t *a, const uint8_t *b) {
 INLINE void q6k_row512(const uint8_t *w, int64_t nb, const int8_t *xq, int64_t astride, const float *xs,
                        const int16_t *bs, int64_t sstride, const int mb, float *out) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
-    const __m512i pa = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)Q6K_PICK[0]));
-    const __m512i pb = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i *)Q6K_PICK[1]));
     __m512 facc[8];
     for (int i = 0; i < mb; i++) facc[i] = _mm512_setzero_ps();
     int64_t b = 0;
@@ -893,7 +892,9 @@ INLINE void q6k_row512(const uint8_t *w, int64_t nb, const int8_t *xq, int64_t a
         const __m256i sc8 = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(b1 + 192)),
                                              _mm_loadu_si128((const __m128i *)(b0 + 192)));
         const __m512i s16 = _mm512_cvtepi8_epi16(sc8);  // [block b: 16 scales | block b + 1: 16 scales]
-        const __m512i sa = _mm512_shuffle_epi8(s16, pa), sbv = _mm512_shuffle_epi8(s16, pb);
+        // int32 lane g: the scales of its two sub-blocks (the same integers as q6k_row's pair sums: a sub-block's
+        // dot product <= 16 * 63 * 127, times a scale, in int32)
+        const __m512i sa = _mm512_srai_epi32(_mm512_slli_epi32(s16, 16), 16), sbv = _mm512_srai_epi32(s16, 16);
         const __m512i h0 = pair512(b0 + 128, b1 + 128), h1 = pair512(b0 + 160, b1 + 160);
         __m512i q[8];
         for (int kk = 0; kk < 4; kk++) {
@@ -908,10 +909,12 @@ INLINE void q6k_row512(const uint8_t *w, int64_t nb, const int8_t *xq, int64_t a
         const int64_t xoff = (b / 2) * 512;  // piece p of both blocks' 8 groups: + 64 p (block b + 1: + 32)
         for (int i = 0; i < mb; i++) {
             const int8_t *xb = xq + i * astride + xoff;
-            __m512i acc = _mm512_madd_epi16(_mm512_maddubs_epi16(q[0], _mm512_loadu_si512((const void *)xb)), sa);
-            for (int p = 1; p < 8; p++)
-                acc = _mm512_add_epi32(acc, _mm512_madd_epi16(
-                    _mm512_maddubs_epi16(q[p], _mm512_loadu_si512((const void *)(xb + 64 * p))), p < 4 ? sa : sbv));
+            __m512i da = _mm512_setzero_si512(), db = _mm512_setzero_si512();  // lane g: sub-block 2 g / 2 g + 1
+            for (int p = 0; p < 4; p++) {
+                da = _mm512_dpbusd_epi32(da, q[p], _mm512_loadu_si512((const void *)(xb + 64 * p)));
+                db = _mm512_dpbusd_epi32(db, q[p + 4], _mm512_loadu_si512((const void *)(xb + 64 * (p + 4))));
+            }
+            __m512i acc = _mm512_add_epi32(_mm512_mullo_epi32(da, sa), _mm512_mullo_epi32(db, sbv));
             const __m512i off = _mm512_madd_epi16(s16, _mm512_loadu_si512((const void *)(bs + i * sstride * 2 + 16 * b)));
             acc = _mm512_sub_epi32(acc, _mm512_slli_epi32(off, 5));
             facc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(d, _mm512_loadu_ps(xs + i * sstride + 8 * b)),

@@ -6,8 +6,12 @@ change, so they must be equal). Prints a table of ms per product and writes JSON
 
     python benchmarks/cpu_q4_ab.py --against HEAD~1 [--threads 2] [--rows 3,5,8,16,45]
         [--shapes 1536x8960,17920x1536,896x4864,9728x896] [--out benchmarks/results/cpu_q4_ab.json]
+    python benchmarks/cpu_q4_ab.py --against REV --q6k [--shapes 151936x1536]    the exact Q6_K head (q6k_gemm)
 
-Default shapes: the Qwen2.5-Coder-1.5B down and gate/up products (N x K), the 0.5B draft's down and gate/up.
+Default shapes: the Qwen2.5-Coder-1.5B down and gate/up products (N x K), the 0.5B draft's down and gate/up; with
+--q6k the 1.5B's output head (random Q6_K blocks, two copies), whose outputs are compared to 1e-5 of their size
+instead of bit for bit (a kernel may add its float lanes in another order; each build is row-invariant by itself,
+tests/test_quant.py).
 """
 from __future__ import annotations
 
@@ -34,8 +38,11 @@ def main() -> int:
     ap.add_argument("--rows", default="1,2,3,5,8,16,45")
     ap.add_argument("--shapes", default="1536x8960,17920x1536,896x4864,9728x896")
     ap.add_argument("--mb", type=float, default=100.0, help="weight megabytes per shape (copies rotate)")
+    ap.add_argument("--q6k", action="store_true", help="the Q6_K head's product (q6k_gemm) instead of the int4 one")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "cpu_q4_ab.json"))
     a = ap.parse_args()
+    if a.q6k and a.shapes == ap.get_default("shapes"):
+        a.shapes = "151936x1536"
     torch.set_num_threads(a.threads)
     from forerun.kernels import cbuild, cpu_q4
 
@@ -53,8 +60,13 @@ def main() -> int:
     libs = {"before": cbuild.library_for(tmp, cbuild.isa(), [], cpu_q4._declare), "now": cpu_q4._load()}
     rows_list = [int(x) for x in a.rows.split(",")]
     results = []
-    print(f"{'N x K':>12} {'rows':>5} {'before ms':>10} {'now ms':>8} {'now/before':>10}")
-    for shape in a.shapes.split(","):
+    if a.q6k:
+        results = q6k_ab(libs, a, rows_list)
+        if results is None:
+            return 1
+    else:
+        print(f"{'N x K':>12} {'rows':>5} {'before ms':>10} {'now ms':>8} {'now/before':>10}")
+    for shape in ([] if a.q6k else a.shapes.split(",")):
         n, k = (int(x) for x in shape.split("x"))
         copies = max(5, int(a.mb * 1e6 // (n * k * 5 / 8)))  # (odd or >= 5: consecutive calls never share one)
         g = torch.Generator().manual_seed(0)
@@ -88,11 +100,61 @@ def main() -> int:
             print(f"{shape:>12} {m:>5} {med['before']:>10.3f} {med['now']:>8.3f} {med['now'] / med['before']:>10.3f}",
                   flush=True)
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "against": a.against,
-            "threads": a.threads, "isa": cbuild.isa(), "bit_identical": True}
+            "threads": a.threads, "isa": cbuild.isa(), "product": "q6k_gemm" if a.q6k else "q4_gemm",
+            "bit_identical": not a.q6k}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"wrote {a.out}")
     return 0
+
+
+def q6k_ab(libs: dict, a, rows_list: list[int]) -> list[dict] | None:
+    """--q6k: q6k_gemm of both builds on random Q6_K blocks (two copies, taking turns), median ms per product."""
+    import numpy as np
+
+    from forerun.kernels import cpu_q4
+
+    results = []
+    print(f"{'N x K':>12} {'rows':>5} {'before ms':>10} {'now ms':>8} {'now/before':>10}")
+    for shape in a.shapes.split(","):
+        n, k = (int(x) for x in shape.split("x"))
+        rng = np.random.default_rng(0)
+        packs = []
+        for _ in range(2):
+            b = rng.integers(0, 256, size=(n * k // 256, cpu_q4.Q6K_BLOCK), dtype=np.uint8)
+            b[:, 208:210] = np.float16(rng.uniform(0.001, 0.01, size=(b.shape[0], 1))).view(np.uint8)
+            packs.append(cpu_q4.pack_q6k(b.reshape(n, -1)))
+        for m in rows_list:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            xq, xs, _ = cpu_q4.quantize_activations_c(x)
+            pieces = xq.view(m, -1, 8, 16, 4).to(torch.int16)
+            bsum = torch.stack([pieces[:, :, :4].sum((2, 4)), pieces[:, :, 4:].sum((2, 4))], -1).to(torch.int16)
+            bsum = bsum.contiguous()
+            ys = {v: torch.empty(m, n) for v in libs}
+            times = {v: [] for v in libs}
+            names = list(libs)
+            for it in range(12):
+                order = names if it % 2 == 0 else names[::-1]
+                for j, v in enumerate(order):
+                    pk = packs[(it + j) % 2]
+                    t = time.perf_counter()
+                    libs[v].q6k_gemm(pk.ctypes.data, n, k, xq.data_ptr(), xs.data_ptr(), bsum.data_ptr(), m,
+                                     ys[v].data_ptr(), a.threads)
+                    times[v].append(time.perf_counter() - t)
+            for v in libs:  # both on the same copy for the comparison
+                libs[v].q6k_gemm(packs[0].ctypes.data, n, k, xq.data_ptr(), xs.data_ptr(), bsum.data_ptr(), m,
+                                 ys[v].data_ptr(), a.threads)
+            diff = float((ys["now"] - ys["before"]).abs().max() / ys["before"].abs().max())
+            if not diff <= 1e-5:
+                print(f"cpu_q4_ab: q6k outputs differ by {diff:.2e} of their size at {shape}, {m} rows", file=sys.stderr)
+                return None
+            med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
+            results.append({"n": n, "k": k, "rows": m, "before_ms": round(med["before"], 4),
+                            "now_ms": round(med["now"], 4), "ratio": round(med["now"] / med["before"], 3),
+                            "max_rel_diff": diff})
+            print(f"{shape:>12} {m:>5} {med['before']:>10.3f} {med['now']:>8.3f} {med['now'] / med['before']:>10.3f}",
+                  flush=True)
+    return results
 
 
 if __name__ == "__main__":

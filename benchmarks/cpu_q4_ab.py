@@ -126,10 +126,7 @@ def q6k_ab(libs: dict, a, rows_list: list[int]) -> list[dict] | None:
             packs.append(cpu_q4.pack_q6k(b.reshape(n, -1)))
         for m in rows_list:
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-            xq, xs, _ = cpu_q4.quantize_activations_c(x)
-            pieces = xq.view(m, -1, 8, 16, 4).to(torch.int16)
-            bsum = torch.stack([pieces[:, :, :4].sum((2, 4)), pieces[:, :, 4:].sum((2, 4))], -1).to(torch.int16)
-            bsum = bsum.contiguous()
+            xq, xs, bsum = cpu_q4.q6k_activations(x)
             ys = {v: torch.empty(m, n) for v in libs}
             times = {v: [] for v in libs}
             names = list(libs)

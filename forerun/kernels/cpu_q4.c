@@ -868,8 +868,8 @@ INLINE void q6k_row(const uint8_t *w, int64_t nb, const int8_t *xq, int64_t astr
 // lane 8 + g group g of block b + 1; the same integers per (block, group) as q6k_row, the float lanes then add up
 // the even blocks (0-7) and the odd ones (8-15), an odd last block in 8 lanes of its own, a fixed reduction at
 // the end. Per activation row and sub-block one VNNI dot product and one int32 multiply by its scale instead of
-// maddubs + madd pairs of 256 bits (what verify rows pay); a row's result
-// still does not depend on the others or the thread split.
+// maddubs + madd pairs of 256 bits (what verify rows pay); a row's result still does not depend on the others or
+// the thread split.
 INLINE float hsum16(__m512 a) {  // fixed order
     const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
     return hsum8(h);

@@ -309,15 +309,22 @@ def unpack_q6k(packed: np.ndarray) -> np.ndarray:
     return out.reshape(packed.shape)
 
 
+def q6k_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float -> what q6k_gemm reads: the int4 product's activation codes and scales (per 32 values) and
+    the sums of each 16 codes, bsum [M, chunks, 16, 2] int16."""
+    m, k = x.shape
+    xq, xs, _ = quantize_activations_c(x)
+    pieces = xq.view(m, _chunks(k), 8, 16, 4).to(torch.int16)
+    bsum = torch.stack([pieces[:, :, :4].sum((2, 4)), pieces[:, :, 4:].sum((2, 4))], -1).to(torch.int16).contiguous()
+    return xq, xs, bsum
+
+
 def q6k_matmul(x: torch.Tensor, packed: np.ndarray, n: int, threads: int | None = None) -> torch.Tensor:
     """x [M, K] float -> [M, N] float32 = x W^T with W [N, K] packed by pack_q6k (C-contiguous numpy uint8), x
     quantized as the int4 product's (per 32 values) plus the sums of each 16 codes: cpu_q4.c's q6k_gemm."""
     lib = _load()
     m, k = x.shape
-    xq, xs, _ = quantize_activations_c(x)
-    c = _chunks(k)
-    pieces = xq.view(m, c, 8, 16, 4).to(torch.int16)
-    bsum = torch.stack([pieces[:, :, :4].sum((2, 4)), pieces[:, :, 4:].sum((2, 4))], -1).to(torch.int16).contiguous()
+    xq, xs, bsum = q6k_activations(x)
     y = torch.empty(m, n, dtype=torch.float32)
     lib.q6k_gemm(packed.ctypes.data, n, k, xq.data_ptr(), xs.data_ptr(), bsum.data_ptr(), m, y.data_ptr(),
                  threads or torch.get_num_threads())

@@ -3,6 +3,7 @@
 their batch invariance: a row's bits do not depend on the rows beside it or on the thread count."""
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -66,6 +67,63 @@ def test_c_attention_equals_torch_rows_and_sdpa(threads, window, monkeypatch):
                                    lens - 1, mx)
     good = paged_attention_rowwise(q[:1], k, v, meta, scale, window)
     assert (bad - good).abs().max() > 1e-3
+
+
+def test_flat_row_plan_gives_every_row_the_keys_of_the_row_plan():
+    """`flat_row_plan` (the C kernel's key lists in a few numpy operations) against `_row_plan` + `_flat_plan` (the
+    Python loop over rows it replaced where there is no window): 300 random steps of 1-4 sequences, causal or tree
+    (random parents, prefixes 0-77, pages of 4 or 16): every row's key slots, in order, and the longest row equal;
+    `_row_plan` still answers after `flat_row_plan` filled the shared cache for the same step; a dropped ancestor
+    in a tree changes a row's keys (the comparison can fail)."""
+    import itertools
+    import random
+
+    from forerun.attention.metadata import AttnMetadata
+
+    rng = random.Random(0)
+
+    def tree_of(n):
+        par = [-1] + [rng.randrange(i) for i in range(1, n)]
+        m = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            j = i
+            while j >= 0:
+                m[i, j], j = True, par[j]
+        return m
+
+    def rows(flat):
+        keys, off, lens, _ = flat
+        return [keys[o:o + n].tolist() for o, n in zip(off.tolist(), lens.tolist())]
+
+    trees = 0
+    for _ in range(300):
+        bs, b = rng.choice([4, 16]), rng.randint(1, 4)
+        qls, pre = [rng.randint(1, 9) for _ in range(b)], [rng.choice([0, 1, 5, 30, 77]) for _ in range(b)]
+        tm = None
+        if rng.random() < 0.6:
+            tm, r = torch.zeros(sum(qls), max(qls), dtype=torch.bool), 0
+            for q in qls:
+                tm[r:r + q, :q], r = tree_of(q), r + q
+            trees += 1
+        lens = [p + q for p, q in zip(pre, qls)]
+        tables = torch.randint(0, 200, (b, max(-(-n // bs) for n in lens) + 2))
+        meta = AttnMetadata(torch.tensor([0, *itertools.accumulate(qls)]), torch.tensor(lens), tables,
+                            torch.zeros(sum(qls), dtype=torch.long), max(qls), max(lens), tm)
+        R._plan_cache[:] = [None, None, None]
+        want = R._flat_plan(R._row_plan(meta, bs, None), sum(qls))
+        R._plan_cache[:] = [None, None, None]
+        got = R.flat_row_plan(meta, bs, None)
+        assert rows(got) == rows(want) and got[3] == want[3]
+        assert R._row_plan(meta, bs, None) is not None
+    assert trees > 100
+    tm = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    meta = AttnMetadata(torch.tensor([0, 3]), torch.tensor([8]), torch.arange(4)[None], torch.zeros(3, dtype=torch.long),
+                        3, 8, tm)
+    R._plan_cache[:] = [None, None, None]
+    full = rows(R.flat_row_plan(meta, 4, None))
+    R._plan_cache[:] = [None, None, None]
+    assert rows(R.flat_row_plan(replace(meta, tree_mask=tm & ~torch.eye(3, dtype=torch.bool).roll(-1, 0)), 4, None)) \
+        != full
 
 
 def _isa_builds() -> list[str]:

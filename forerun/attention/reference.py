@@ -92,7 +92,7 @@ def _row_plan(meta: AttnMetadata, block_size: int, window: int | None) -> list:
     tables = meta.block_tables[:, :nb]
     key = (block_size, window, tuple(qsl), tuple(lens), tables.cpu().numpy().tobytes(),
            None if meta.tree_mask is None else meta.tree_mask.cpu().numpy().tobytes())
-    if _plan_cache[0] == key:
+    if _plan_cache[0] == key and _plan_cache[1] is not None:
         return _plan_cache[1]
     tree = None if meta.tree_mask is None else meta.tree_mask.cpu()
     plan = []
@@ -123,6 +123,54 @@ def _row_plan(meta: AttnMetadata, block_size: int, window: int | None) -> list:
         plan.append((slots, rows))
     _plan_cache[:] = [key, plan, None]
     return plan
+
+
+def flat_row_plan(meta: AttnMetadata, block_size: int, window: int | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The C kernel's plan of a step (`_flat_plan`'s (key slots, off [T], len [T], the longest row)) straight from
+    the metadata: without a window, in a few numpy operations over the whole step instead of `_row_plan`'s Python
+    loop over rows (~0.2 ms a call for a 9-row tree step; an EAGLE tree round makes ~4 such calls besides the
+    verify). The same keys in the same order for every row (tests/test_cpu_layer.py compares the two), so the same
+    bits; rows whose keys are a prefix of their sequence's share its slot list (the kernel's items of rows), other
+    tree rows get their own. Cached by content with `_row_plan`'s key."""
+    if window is not None:
+        return _flat_plan(_row_plan(meta, block_size, window), meta.num_tokens)
+    import numpy as np
+
+    qsl, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+    nb = -(-max(lens) // block_size) if lens else 0
+    tables = meta.block_tables[:, :nb].cpu().numpy()
+    tree = None if meta.tree_mask is None else meta.tree_mask.cpu().numpy()
+    key = (block_size, window, tuple(qsl), tuple(lens), tables.tobytes(), None if tree is None else tree.tobytes())
+    if _plan_cache[0] == key and _plan_cache[2] is not None:
+        return _plan_cache[2]
+    t = qsl[-1] if qsl else 0
+    off, ln = np.zeros(t, np.int64), np.zeros(t, np.int64)
+    parts, at = [], 0
+    for b, length in enumerate(lens):
+        r0, r1 = qsl[b], qsl[b + 1]
+        n, prefix = r1 - r0, length - (r1 - r0)
+        pos = np.arange(length)
+        slots = tables[b, pos // block_size] * block_size + pos % block_size  # [L]
+        parts.append(slots)
+        base, at = at, at + length
+        if tree is None:  # causal: row i sees the first prefix + i + 1 keys
+            off[r0:r1], ln[r0:r1] = base, prefix + 1 + np.arange(n)
+            continue
+        vis = tree[r0:r1, :n].astype(bool)  # [n, n] ancestors and self
+        cnt = vis.sum(1)
+        contig = (vis == (np.arange(n)[None, :] < cnt[:, None])).all(1)  # sees new tokens 0 .. cnt - 1 only
+        off[r0:r1], ln[r0:r1] = base, prefix + cnt
+        other = np.flatnonzero(~contig)
+        if other.size:
+            seen = np.concatenate([np.ones((other.size, prefix), bool), vis[other]], 1)  # [rows, L]
+            parts.append(np.broadcast_to(slots, seen.shape)[seen])  # row by row, each in position order
+            off[r0 + other] = at + np.concatenate([[0], np.cumsum(prefix + cnt[other])[:-1]])
+            at += int(seen.sum())
+    keys = torch.from_numpy(np.concatenate(parts).astype(np.int64)) if parts else torch.zeros(0, dtype=torch.int64)
+    flat = (keys, torch.from_numpy(off), torch.from_numpy(ln), int(ln.max()) if t else 0)
+    _plan_cache[:] = [key, None, flat]
+    return flat
 
 
 def _flat_plan(plan: list, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -163,13 +211,13 @@ def paged_attention_rowwise(q, k_cache, v_cache, meta: AttnMetadata, scale: floa
     g = hq // hkv
     kf, vf = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
     qs = (q * scale).view(t, hkv, g, d)
-    plan = _row_plan(meta, k_cache.shape[1], window)
     if q.dtype == torch.float32:  # the C kernel (forerun/kernels/cpu_layer.c): the same rows, one call
         from ..kernels.cpu_layer import attention_rows
 
-        fast = attention_rows(qs.reshape(t, hq, d), kf, vf, *_flat_plan(plan, t))
+        fast = attention_rows(qs.reshape(t, hq, d), kf, vf, *flat_row_plan(meta, k_cache.shape[1], window))
         if fast is not None:
             return fast
+    plan = _row_plan(meta, k_cache.shape[1], window)
     out = q.new_empty(t, hkv, g, d)
     threads = torch.get_num_threads()
     if threads > 1:  # row-sized ops gain nothing from a thread pool, and lose a wake-up per op on a busy machine

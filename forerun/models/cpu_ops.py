@@ -55,7 +55,7 @@ class CpuLayerOps(LayerOps):
         (`cpu_layer.decoder_stack`, split after each layer in `wanted`); other layers take the calls one by one
         from here."""
         from ..attention.base import ReferenceBackend
-        from ..attention.reference import _flat_plan, _row_plan
+        from ..attention.reference import flat_row_plan
 
         if not cpu_layer.available():  # (a Q4Linear exists only where the int4 kernel built)
             return None
@@ -66,7 +66,7 @@ class CpuLayerOps(LayerOps):
         rope, backend = model.rope, model.backend
         plan = None
         if type(backend) is ReferenceBackend:  # its CPU rows (paged_attention_rowwise), the plan looked up once
-            plan = _flat_plan(_row_plan(meta, kv.k[0].shape[1], cfg.sliding_window), t)
+            plan = flat_row_plan(meta, kv.k[0].shape[1], cfg.sliding_window)
         table = self._layer_table(model, kv) if plan is not None and self._stack_ok(model, h, positions, meta, kv) \
             else None
 

@@ -648,6 +648,18 @@ def test_gguf_embedding_stays_in_its_blocks_with_the_same_rows_and_logits(tmp_pa
     assert got.dtype == torch.float32 and got.shape == (*ids.shape, table.shape[1])
     assert torch.equal(got, table[ids]) and torch.equal(emb.weight, table)
     assert emb(torch.zeros(0, dtype=torch.long)).shape == (0, table.shape[1])
+    # small lookups (decode, verify, drafting steps) go through the row cache: the same rows, repeats included,
+    # a caller writing into what it got changes nothing cached, and a full cache is cleared and refilled
+    emb._cache.clear()
+    small = torch.tensor([[5, 9, 5], [table.shape[0] - 1, 0, 9]])
+    first = emb(small)
+    assert torch.equal(first, table[small]) and set(emb._cache) == {0, 5, 9, table.shape[0] - 1}
+    first.add_(1.0)
+    assert torch.equal(emb(small), table[small])
+    emb._cache_rows = 3  # the next miss overflows it
+    assert torch.equal(emb(torch.tensor([7, 8])), table[[7, 8]]) and set(emb._cache) == {7, 8}
+    with pytest.raises(IndexError):
+        emb(torch.tensor([3, -1]))
     with pytest.raises(IndexError):
         emb(torch.tensor([table.shape[0]]))
     assert weight_bytes(model)["other_bytes"] >= emb.quantized_bytes > 0

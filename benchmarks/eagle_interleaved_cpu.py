@@ -31,7 +31,8 @@ sys.path.insert(0, str(REPO))
 
 
 def build(kind: str, arg: str, target, draft, head: str):
-    """(label, LLM) of one configuration: plain, draft:K (the 0.5B draft model), eagle:K (chain), tree:T,S,N."""
+    """(label, LLM) of one configuration: plain, draft:K (the 0.5B draft model), eagle:K (chain), tree:T,S,N (or
+    tree:T,S,N@C: only nodes of cumulative draft probability >= C verified, --confidence)."""
     from forerun.config import SpecConfig
     from forerun.engine.llm import LLM
 
@@ -43,7 +44,11 @@ def build(kind: str, arg: str, target, draft, head: str):
     elif kind == "eagle":
         spec, label = SpecConfig.from_flags(f"eagle:{head}", arg, None, "auto"), f"eagle k={arg}"
     elif kind == "tree":
-        spec, label = SpecConfig.from_flags(f"eagle:{head}", "auto", None, None, tree=arg), f"eagle tree {arg}"
+        from forerun.config import parse_eagle_tree_row
+
+        shape, conf = parse_eagle_tree_row(arg)
+        spec = SpecConfig.from_flags(f"eagle:{head}", "auto", conf, None, tree=",".join(map(str, shape)))
+        label = f"eagle tree {arg.partition('@')[0]}" + ("" if conf is None else f" p>={conf:g}")
     else:
         raise SystemExit(f"unknown configuration kind {kind!r} (plain, draft:K, eagle:K, tree:T,S,N)")
     llm = LLM.from_model(target[0], target[1], spec=spec, device="cpu")
@@ -101,6 +106,7 @@ def main() -> int:
         rows.append({"config": label, "tokens": tokens, "seconds": round(secs[label], 2),
                      "tok_per_s": round(tokens / secs[label], 3), "identical_to_plain": ids == plain_ids,
                      "rounds": agg["rounds"], "tokens_per_target_call": agg["tokens_per_target_call"],
+                     "mean_verify_rows": round(1 + agg["drafted_nodes"] / max(1, agg["rounds"]), 3),
                      "per_position_acceptance": agg.get("per_position_acceptance")})
     base = rows[0]["tok_per_s"]
     drafts = [r["tok_per_s"] for r in rows if r["config"].startswith("draft")]
@@ -108,11 +114,11 @@ def main() -> int:
         r["speedup_vs_plain"] = round(r["tok_per_s"] / base, 3)
         if drafts and r["config"].startswith("eagle"):
             r["ratio_vs_best_draft_model"] = round(r["tok_per_s"] / max(drafts), 3)
-    print(f"{'config':<22} {'tok/s':>7} {'x plain':>8} {'x draft':>8} {'tok/round':>10} identical")
+    print(f"{'config':<28} {'tok/s':>7} {'x plain':>8} {'x draft':>8} {'tok/round':>10} {'rows':>6} identical")
     for r in rows:
-        print(f"{r['config']:<22} {r['tok_per_s']:>7.2f} {r['speedup_vs_plain']:>8.3f} "
+        print(f"{r['config']:<28} {r['tok_per_s']:>7.2f} {r['speedup_vs_plain']:>8.3f} "
               f"{r.get('ratio_vs_best_draft_model', float('nan')):>8.3f} {r['tokens_per_target_call']:>10.3f} "
-              f"{r['identical_to_plain']}")
+              f"{r['mean_verify_rows']:>6.2f} {r['identical_to_plain']}")
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "model": a.model,
             "head": head, "threads": a.threads, "num_prompts": a.num_prompts, "max_tokens": a.max_tokens,
             "order": "configurations take turns per prompt, the first one rotating", "loadavg": os.getloadavg()}

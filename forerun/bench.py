@@ -57,12 +57,14 @@ def _eagle_configs(args) -> list[tuple[str, str, str, str | None]]:
     spec = f"eagle:{head}"
     out = [(f"eagle k={k}", spec, k, None) for k in filter(None, args.eagle_ks.split(","))]
     for tree in filter(None, args.eagle_trees.split(";")):
-        from .config import parse_eagle_tree
+        from .config import parse_eagle_tree_row
 
-        shape = parse_eagle_tree(tree)
-        out.append((f"eagle tree {','.join(map(str, shape))}", spec, "auto", ",".join(map(str, shape))))
+        shape, conf = parse_eagle_tree_row(tree)
+        text = ",".join(map(str, shape))
+        cut = "" if conf is None else f" p>={conf:g}"  # (run_forerun reads the confidence back from the label)
+        out.append((f"eagle tree {text}{cut}", spec, "auto", text))
         if args.eagle_budget:
-            out.append((f"eagle tree <={','.join(map(str, shape))} budget", spec, "auto", ",".join(map(str, shape))))
+            out.append((f"eagle tree <={text}{cut} budget", spec, "auto", text))
     return out
 
 
@@ -118,7 +120,8 @@ def run_forerun(args, prompts) -> tuple[list[dict], dict]:
     rows, plain_ids = [], None
     for label, dname, k, tree in _configs(args):
         vocab = int(label.rpartition("vocab=")[2]) if " vocab=" in label else None
-        spec = SpecConfig.from_flags(dname, k, None if dname.startswith("eagle:") else 0.0,
+        conf = float(label.partition(" p>=")[2].split()[0]) if " p>=" in label else None  # an EAGLE tree's cut
+        spec = SpecConfig.from_flags(dname, k, conf if dname.startswith("eagle:") else 0.0,
                                      None if tree else "auto", tree=tree, draft_vocab=vocab)
         if spec.method == "draft":
             from dataclasses import replace
@@ -156,7 +159,8 @@ def run_forerun(args, prompts) -> tuple[list[dict], dict]:
                 row["eagle_budget_chosen"] = dict(sorted(budget.chosen.items(), key=lambda kv: -kv[1]))
                 row["eagle_budget_calibration"] = round(budget.calibration, 3)
             if tree:
-                row["eagle_tree"] = {"topk": spec.eagle_tree[0], "steps": spec.eagle_tree[1], "nodes": spec.eagle_tree[2]}
+                row["eagle_tree"] = {"topk": spec.eagle_tree[0], "steps": spec.eagle_tree[1], "nodes": spec.eagle_tree[2],
+                                     "confidence": spec.confidence_threshold}
         rows.append(row)
         print(json.dumps(row), file=sys.stderr)
         _save(args, rows)
@@ -439,10 +443,10 @@ def _check_bench(args, ap) -> None:
         for k in [k for k in args.ks.split(",") if k] + [k for k in args.eagle_ks.split(",") if k]:
             SpecConfig.from_flags("ngram", k, None, None)  # (validates k)
         if "eagle" in drafters:
-            from .config import parse_eagle_tree
+            from .config import parse_eagle_tree_row
 
             for tree in filter(None, args.eagle_trees.split(";")):
-                parse_eagle_tree(tree)
+                parse_eagle_tree_row(tree)
     except ValueError as e:
         raise UsageError(str(e).replace("--k ", "--ks / --eagle-ks: ")) from None
     unused = {"--early-exit-layers": ("early_exit_layers", "early-exit" in drafters),
@@ -491,7 +495,8 @@ def main(argv=None) -> int:
                     help="EAGLE head folder for the eagle rows (forerun train-eagle output or a published head)")
     ap.add_argument("--eagle-ks", default="4,auto", help="EAGLE chain rows: comma list of k (or auto)")
     ap.add_argument("--eagle-trees", default="4,4,16",
-                    help="EAGLE dynamic-tree rows: ';'-separated TOPK,STEPS,NODES shapes ('' for none)")
+                    help="EAGLE dynamic-tree rows: ';'-separated TOPK,STEPS,NODES shapes ('' for none); "
+                         "TOPK,STEPS,NODES@C verifies only nodes of cumulative draft probability >= C (--confidence)")
     ap.add_argument("--eagle-budget", action="store_true",
                     help="also an EAGLE tree row per shape with the per-round budget (forerun/drafters/eagle_budget.py)")
     ap.add_argument("--eagle-head-quantize", default="auto", choices=["auto", "none", "int8", "int4"],

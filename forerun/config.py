@@ -157,6 +157,8 @@ class SpecConfig:
     k_max: int = 8
     ngram_min: int = 1
     ngram_max: int = 3
+    # draft model / early exit: stop a chain at a draft below it; EAGLE tree: keep only nodes whose cumulative draft
+    # probability reaches it (the drafter's tree_confidence)
     confidence_threshold: float = 0.0
     rule: str = "auto"
     draft_prob_penalty: float = 5e-5
@@ -197,6 +199,9 @@ class SpecConfig:
                 raise ValueError(f"rule {self.rule!r} does nothing with a tree (trees verify with rule 'auto')")
             if self.confidence_threshold > 0:
                 raise ValueError("confidence_threshold does nothing with a tree (a tree drafts its full shape)")
+        if self.method == "eagle" and self.eagle_tree is None and self.confidence_threshold > 0:
+            raise ValueError("confidence_threshold with method 'eagle' needs eagle_tree (it cuts a tree's nodes below "
+                             "that cumulative draft probability)")
         if self.method == "ngram" and self.confidence_threshold > 0:
             raise ValueError("confidence_threshold does nothing with method 'ngram' (its drafts have no probabilities)")
         if not 0.0 <= self.confidence_threshold < 1.0:
@@ -280,9 +285,9 @@ class SpecConfig:
             head = draft.partition(":")[2]
             if not head:
                 raise ValueError("--draft eagle:DIR needs the head's folder, e.g. eagle:~/.cache/forerun/eagle/qwen1.5b")
-            if confidence is not None:
-                raise ValueError("--confidence does nothing with --draft eagle:DIR (an EAGLE chain drafts k tokens, a "
-                                 "tree its budget)")
+            if confidence is not None and tree is None:
+                raise ValueError("--confidence with --draft eagle:DIR needs --tree (it keeps the tree's nodes whose "
+                                 "cumulative draft probability is at least that; an EAGLE chain drafts k tokens)")
             if tree is not None:
                 if rule is not None:
                     raise ValueError(f"--rule {rule} does nothing with --tree (trees verify with the exact rule 'auto')")
@@ -323,6 +328,22 @@ def parse_eagle_tree(text: str) -> tuple[int, int, int]:
     if len(parts) != 3 or parts[2] < 2:
         raise ValueError(f"--tree with --draft eagle: is TOPK,STEPS,NODES (e.g. 4,4,16) or 'dynamic'; got {text!r}")
     return parts  # type: ignore[return-value]
+
+
+def parse_eagle_tree_row(text: str) -> tuple[tuple[int, int, int], float | None]:
+    """A benchmark's EAGLE tree row: 'TOPK,STEPS,NODES' or 'TOPK,STEPS,NODES@C' (C: the tree confidence, the
+    cumulative draft probability a node needs to be verified, in (0, 1)) -> (shape, C or None)."""
+    shape_text, at, conf = str(text).partition("@")
+    shape = parse_eagle_tree(shape_text)
+    if not at:
+        return shape, None
+    try:
+        c = float(conf)
+    except ValueError:
+        c = -1.0
+    if not 0.0 < c < 1.0:
+        raise ValueError(f"an EAGLE tree row's confidence (after @) must be in (0, 1); got {text!r}")
+    return shape, c
 
 
 def tree_label(tree: tuple[int, ...]) -> str:

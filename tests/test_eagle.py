@@ -598,6 +598,8 @@ class HostTreeDrafter(EagleDrafter):
         for r, tree, d, c in zip(requests, trees, dcap, ncap):
             if r.params.temperature == 0:  # the best candidates of depth <= its cap
                 keep = tree.keep(min(n_nodes, 1 + c), d)
+                if self.tree_confidence > 0:  # those of cumulative draft probability >= it (the root always)
+                    keep = [j for j in keep if j == 0 or tree.score[j] >= math.log(self.tree_confidence)]
             else:  # the first nodes drawn (their count fixed before the draws), no deeper than its cap
                 keep = [j for j in range(len(tree.tok)) if tree.depth[j] <= d][: 1 + c]
             if self.budget is not None and r.params.temperature == 0 and len(keep) > 1:
@@ -734,7 +736,8 @@ class Twin:
         self.d, self.h = device, host
         self.target_hidden_layers = device.target_hidden_layers
         self.trees = 0
-        self.sizes: list[int] = []
+        self.sizes: list[int] = []  # each live tree's node count, and its request's id
+        self.owners: list[int] = []
 
     def propose_tree(self, requests, max_drafts=None):
         states = [r.generator.get_state() for r in requests]
@@ -761,6 +764,7 @@ class Twin:
             if requests[i].params.temperature > 0:
                 torch.testing.assert_close(pd.probs[i], ph.probs[i], rtol=1e-4, atol=1e-6)  # float rounding only
             self.sizes.append(n)
+            self.owners.append(requests[i].req_id)
         self.trees += len(live)
         return pd
 
@@ -943,6 +947,56 @@ def _capped_trees(topk, steps, nodes, kind):
             assert r.output_token_ids == plain_greedy(target, p, m)
 
 
+@pytest.mark.parametrize("topk,steps,nodes,conf", [(3, 3, 8, 0.5), (3, 4, 16, 0.05), (2, 5, 12, 0.02)])
+def test_confidence_cut_trees_equal_host_tree(topk, steps, nodes, conf):
+    """tree_confidence c: each greedy tree keeps only its nodes of cumulative draft probability >= c (at most
+    `nodes`, under the per-request caps too; a sampled request keeps its static slots): the device trees equal
+    the host oracle's, node for node, the kept nodes' probabilities are all >= c, trees come in several sizes
+    (some cut below the full tree, some to the root alone), and greedy output stays plain greedy."""
+    hf = hf_model("qwen2")
+    target = ours_from_hf(hf, num_blocks=512)
+    head = random_head(target.model, 3, draft_vocab=50)
+    calibrate(head, [0.9, 0.06, 0.03][:topk])  # path probabilities 0.9, 0.81, .., 0.06, 0.054, ..: some pass
+    twin = _twins(target, head, topk, steps, nodes, tree_confidence=conf)
+    prompts = [[5, 6, 7, 8, 9], [11, 3, 90, 2, 2, 2, 40, 41], [60, 61]]
+    reqs = [_request(0, prompts[0]), _request(1, prompts[1], temperature=0.8, seed=5), _request(2, prompts[2])]
+    run_rounds(target, twin, reqs, 10, tree=True, max_drafts=lambda r: 1 + (r.num_tokens * 7 + r.req_id) % (nodes + 2))
+    assert twin.trees >= 6
+    full = TreeLayout.get(topk, steps, nodes).greedy_nodes
+    greedy_sizes = [n for n, r in zip(twin.sizes, twin.owners) if r == 0 or r == 2]
+    assert min(greedy_sizes) < max(greedy_sizes) <= full
+    tree = twin.d.last_tree
+    assert tree.kept is not None and twin.d.tree_confidence == conf
+    for r, p in zip(reqs, prompts):
+        if r.params.temperature == 0:
+            assert r.output_token_ids == plain_greedy(target, p, 10)
+
+
+def test_confidence_cut_keeps_only_confident_nodes():
+    """The cut on one greedy tree: with c above every draft's probability the tree is its root alone (a plain
+    round); otherwise exactly the nodes whose path probability reaches c (c = 0.3: 0.7, 0.49, 0.343 along the top-1
+    chain, not 0.2401 or the rank-2 child 0.2; c = 0.19: those two too; c = 0.1: also 0.7 * 0.2 and 0.2 * 0.7, not
+    0.098); c must be in [0, 1)."""
+    hf = hf_model("qwen2")
+    target = ours_from_hf(hf, num_blocks=512)
+    head = random_head(target.model, 3, draft_vocab=50)
+    calibrate(head, [0.7, 0.2, 0.06])
+    for conf, want in [(0.75, 1), (0.3, 4), (0.19, 6), (0.1, 8)]:
+        d = EagleDrafter(target, head, cache=CacheConfig(block_size=4, num_blocks=512), tree_topk=3, tree_steps=4,
+                         tree_nodes=12, tree_confidence=conf)
+        r = _request(0, [5, 6, 7, 8, 9])
+        target.kv.add_sequence(0)
+        out, _ = target.forward([Chunk(0, r.all_tokens)], hidden_layers=d.target_hidden_layers)
+        r.output_token_ids.append(int(out.logits[-1].argmax()))
+        d.observe_target([r], [out.hidden_states], [0])
+        prop = d.propose_tree([r])
+        assert len(prop.tokens[0]) == want, (conf, prop.parents[0])
+        target.kv.free(0)
+        d.release(r)
+    with pytest.raises(ValueError, match="tree_confidence"):
+        EagleDrafter(target, head, tree_confidence=1.0)
+
+
 def test_capped_tree_depth_and_size():
     """A request with 3 tokens left drafts a tree of depth 2 (not none, and not deeper); a node cap of 2 keeps 3
     nodes; one token left: the root alone."""
@@ -1035,7 +1089,7 @@ def test_drafting_bodies_are_shape_static(topk, steps, nodes, batch):
     head = _MetaHead(50, 8, 24)
     runner = SimpleNamespace(kv=SimpleNamespace(block_size=16), device=torch.device("meta"),
                              buffers=SimpleNamespace(max_seqs=64, max_blocks=30))
-    st = _StaticDrafting(SimpleNamespace(cache=runner, head=head, head_dtype=torch.float32))
+    st = _StaticDrafting(SimpleNamespace(cache=runner, head=head, head_dtype=torch.float32, tree_confidence=0.0))
     st._extend_body(batch, 3)()
     assert head.calls[-1] == (batch * 3, (batch * 3, 24), 3, batch)
     lay = TreeLayout.get(topk, steps, nodes)
@@ -1050,6 +1104,9 @@ def test_drafting_bodies_are_shape_static(topk, steps, nodes, batch):
     assert out["packed"].shape == (batch, 3 * n + 2 * lay.num_slots)
     capped = st._tree_body(lay, batch, capped=True)()  # per-request depth / node caps (their own graph)
     assert {k: v.shape for k, v in capped.items() if v is not None} == {k: v.shape for k, v in out.items() if v is not None}
+    st.drafter.tree_confidence = 0.1  # the confidence cut: the kept counts too, packed's last column
+    cut = st._tree_body(lay, batch, capped=True)()
+    assert cut["kept"].shape == (batch,) and cut["packed"].shape == (batch, 3 * n + 2 * lay.num_slots + 1)
 
 
 # -- the real SmolLM2 ---------------------------------------------------------------------------------------

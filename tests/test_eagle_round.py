@@ -99,6 +99,41 @@ def test_device_round_greedy_equals_plain(setup, budget):
     assert calls["device"] > 0 or budget
 
 
+def test_confidence_cut_rounds_equal_plain_with_fewer_rows(setup):
+    """SpecConfig.confidence_threshold on an EAGLE tree (the drafter's tree_confidence): greedy output still plain
+    greedy through the device path, and the rounds verify fewer nodes than the full trees, yet some (this random
+    head's depth-1 candidates reach 0.005 and none of the deeper ones: 4 nodes of 8); with 0.02 none (every round
+    plain, still the same output); a sampled request beside greedy ones keeps its static tree and its output is the
+    host path's. (Ragged cuts within one batch: tests/test_eagle.py's confidence tests.)"""
+    hf, head = setup
+    greedy = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    full, _ = _run(_engine(hf, head, budget=False), [greedy] * len(PROMPTS))
+    eng_full = _engine(hf, head, budget=False)
+    _run(eng_full, [greedy] * len(PROMPTS))
+    nodes = {}
+    for conf in (0.005, 0.02):
+        cut = replace(eng_full.spec, confidence_threshold=conf)
+        eng = Engine.from_model(eng_full.runner.model, tiny_tokenizer(hf.config.vocab_size), spec=cut, device="cpu",
+                                check_invariants=True, cache=CacheConfig(block_size=4, num_blocks=2048))
+        eng.drafter.budget = None
+        assert eng.drafter.tree_confidence == conf
+        got, calls = _run(eng, [greedy] * len(PROMPTS))
+        assert got == full == _plain(hf, greedy)
+        assert calls["device"] > 0 or conf == 0.02
+        nodes[conf] = eng.stats().spec_num_draft_tokens
+    assert 0 == nodes[0.02] < nodes[0.005] < eng_full.stats().spec_num_draft_tokens
+    mixed = [SamplingParams(temperature=1.0 if i % 2 else 0.0, max_tokens=12, ignore_eos=True) for i in range(4)]
+    cut = replace(eng_full.spec, confidence_threshold=0.005)
+    outs = []
+    for host_only in (False, True):
+        e = Engine.from_model(eng_full.runner.model, tiny_tokenizer(hf.config.vocab_size), spec=cut, device="cpu",
+                              check_invariants=True, cache=CacheConfig(block_size=4, num_blocks=2048))
+        e.drafter.budget = None
+        torch.manual_seed(0)
+        outs.append(_run(e, mixed, host_only=host_only)[0])
+    assert outs[0] == outs[1]
+
+
 @pytest.mark.parametrize("kind", ["greedy", "seeded", "sampled", "mixed"])
 def test_device_round_equals_host_round(setup, kind):
     """The same requests (same seeds, same generators) through the device path and the host path: identical

@@ -7,7 +7,7 @@ import torch
 
 from forerun.config import CacheConfig
 from forerun.drafters.eagle import EagleDrafter
-from forerun.eagle.tree_sim import accepted_in_chain, accepted_in_tree, decode_ids, parse_shapes, replay
+from forerun.eagle.tree_sim import accepted_in_chain, accepted_in_tree, decode_ids, parse_shapes, parse_tree_rows, replay
 
 from test_eagle import _request, random_head, run_rounds
 from tiny import hf_model, ours_from_hf
@@ -23,6 +23,9 @@ def test_accepted_counts():
     assert accepted_in_chain([1, 2, 3], [1, 2, 4]) == 2
     assert accepted_in_chain([1, 2], [1, 2, 4]) == 2
     assert parse_shapes("4,4,16; 2,3,5") == [(4, 4, 16), (2, 3, 5)]
+    assert parse_tree_rows("3,4,8; 3,4,12@0.1") == [((3, 4, 8), None), ((3, 4, 12), 0.1)]
+    with pytest.raises(ValueError, match="after @"):
+        parse_tree_rows("3,4,12@0")
 
 
 def half_right_head(target):
@@ -65,6 +68,10 @@ def test_replay_matches_real_rounds(tree):
     # each prompt's tokens per round after its prefill: its accepted drafts plus one a round, the last cut at n
     assert got["per_prompt_tokens_per_round"] == [round((n - 1) / len(t), 3) for t in trace]
     assert len(set(got["per_prompt_tokens_per_round"])) > 1
+    if tree:  # a confidence cut verifies fewer nodes a round (mean_verify_rows) and accepts no more
+        cut = replay(target, head, samples, shape=(3, 3, 8), cache=CacheConfig(block_size=4, num_blocks=512),
+                     confidence=0.2)
+        assert cut["mean_verify_rows"] < got["mean_verify_rows"] and cut["accepted"] <= got["accepted"]
 
 
 def test_engine_tail_decodes_the_end_plainly():

@@ -109,7 +109,8 @@ class EagleDrafter(Drafter):
     def __init__(self, target: ModelRunner, head: EagleHead | str | Path, *, cache: CacheConfig | None = None,
                  dtype: torch.dtype | None = None, tree_topk: int = 4, tree_steps: int = 4, tree_nodes: int = 16,
                  max_seqs: int = 256, max_batch_tokens: int = 8192, adaptive_budget: bool = False,
-                 target_cost=None, cuda_graphs: bool | None = None, quantize: str | None = None) -> None:
+                 target_cost=None, cuda_graphs: bool | None = None, quantize: str | None = None,
+                 tree_confidence: float = 0.0) -> None:
         """target: the target's runner (its model supplies embedding, final norm and, for EAGLE-1 heads,
         the lm_head). head: a loaded EagleHead or a checkpoint folder. cache: the head's KV pool (default
         sized like a 1-layer slice of the target's). Tree budget: tree_steps levels, tree_topk children per
@@ -121,7 +122,15 @@ class EagleDrafter(Drafter):
         quantize: the head's linears on the CPU (`head_layout`): None / "auto" (default; FORERUN_EAGLE_QUANTIZE in
         the environment overrides it) = the target's layout when the target is a quantized CPU model (int4 / int8,
         forerun.models.quant, the same modules and kernels), else as loaded; "none" keeps the head as loaded (fp32);
-        "int4" / "int8" pick one. A head passed in as a module is quantized in place."""
+        "int4" / "int8" pick one. A head passed in as a module is quantized in place.
+        tree_confidence: 0 (default) verifies every kept node; c > 0 keeps, in each greedy tree, only the nodes whose
+        cumulative draft probability (the product of the head's probabilities along the path from the root) is at
+        least c, at most tree_nodes (the root always): each round's tree as large as the head's confidence makes
+        it worth verifying, where every verify row costs (a CPU). What llama.cpp's --draft-p-min does for a chain.
+        Sampled trees keep their static slots (the exact rule fixes them before any draw). The kept count is read
+        on the host before the verify step (a synchronisation on a GPU, where the option has little to gain)."""
+        if not 0.0 <= tree_confidence < 1.0:
+            raise ValueError(f"EAGLE tree_confidence must be in [0, 1), got {tree_confidence}")
         if isinstance(head, (str, Path)):
             head = load_eagle_head(head, target.model, dtype=dtype or target.dtype, device=target.device)
         self.head_layout = head_layout(target, quantize)
@@ -139,6 +148,7 @@ class EagleDrafter(Drafter):
         self.target_hidden_layers = tuple(head.eagle.aux_layers)
         self.eager_rows = 64  # observe_target feeds at once when this many rows are pending
         self.tree_topk, self.tree_steps, self.tree_nodes = tree_topk, tree_steps, tree_nodes
+        self.tree_confidence = float(tree_confidence)
         self.budget: TreeBudgetPolicy | None = None
         if adaptive_budget or target_cost is not None:
             self.use_target_cost(target_cost)
@@ -424,6 +434,8 @@ class EagleDrafter(Drafter):
                 marks.mark()  # 0: drafting starts (1: launched)
                 tree = self._draft_tree(group, [ranges[i] for i in live], lay, caps)
                 marks.mark()
+                if tree.kept is not None:  # the confidence cut: each tree's kept nodes (a prefix of its columns)
+                    live_sizes = [min(n, int(row[-1])) for n, row in zip(live_sizes, tree.host)]
             tree.start_host_copy()
             self._settle(group)
             for i, n in zip(live, live_sizes):
@@ -500,8 +512,9 @@ class EagleDrafter(Drafter):
 
         Returns the path rows' features [R, s + 1, F] (for `observe_target_batch`), or None when nothing was
         queued: overlap off, a sampled or grammar-constrained request, a head cache not at roots[i] - 1, a
-        budget that may cap the next tree, or too few free head-cache blocks."""
-        if not self._overlap_on() or self.static is None or not requests:
+        budget that may cap the next tree, a confidence cut (its tree size is read on the host), or too few free
+        head-cache blocks."""
+        if not self._overlap_on() or self.static is None or not requests or self.tree_confidence > 0:
             return None
         if any(r.params.temperature > 0 or grammar_of(r) is not None for r in requests):
             return None
@@ -923,6 +936,9 @@ class DeviceTree:
         self.nodes, self.tokens, self.parents = (out[k][:batch] for k in ("nodes", "tokens", "parents"))
         self.packed = out["packed"][:batch]
         self.probs = out["probs"][:batch] if out.get("probs") is not None else None
+        # kept nodes per request, root included, under the drafter's tree_confidence (None without one): also the
+        # last column of `packed`, so the host reads it with the tree
+        self.kept = out["kept"][:batch] if out.get("kept") is not None else None
         self.steps_run = steps_run
         self._host = None
         # (mask, depth) when the drafting computed them (the static drafting's graphs do), else made on first use
@@ -935,7 +951,7 @@ class DeviceTree:
         mask, depth = self.mask, self.depth
         t = DeviceTree({"nodes": pick(self.nodes), "tokens": pick(self.tokens), "parents": pick(self.parents),
                         "packed": pick(self.packed), "probs": pick(self.probs), "mask": pick(mask),
-                        "depth": pick(depth)}, len(rows), self.steps_run)
+                        "depth": pick(depth), "kept": pick(self.kept)}, len(rows), self.steps_run)
         return t
 
     @property
@@ -996,7 +1012,8 @@ def _first(chosen: torch.Tensor, count: int, first: torch.Tensor | None = None) 
 def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root_logits: torch.Tensor,
               ctx: torch.Tensor, tables: torch.Tensor, block_size: int, max_seq_len: int,
               sample: _Sampling | None = None,
-              caps: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+              caps: tuple[torch.Tensor, torch.Tensor] | None = None,
+              min_score: float | None = None) -> dict[str, torch.Tensor]:
     """The dynamic tree of R requests, with fixed-shape device ops only (no host reads, no data-dependent shapes):
     capturable in one CUDA graph when `sample` is None (every request greedy, no grammar).
 
@@ -1010,6 +1027,9 @@ def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root
     caps (depth [R], nodes [R], root included; `EagleDrafter._tree_caps`): request i keeps at most nodes[i] nodes
     of depth <= depth[i] (greedy: its best such candidates; sampled: the first nodes[i] of its static slots); the
     columns past nodes[i] of every output hold no node (id M) and are never read.
+    min_score (log of the drafter's tree_confidence): greedy requests keep only candidates whose cumulative
+    log-probability is >= min_score (ancestor-closed too: a child never scores above its parent); `kept` [R] (also
+    packed's last column) then holds each request's kept node count, root included.
     Greedy trees on CUDA whose shape fits (`fused_tree_kernels`) keep the bookkeeping between the head's steps in
     forerun/kernels/eagle_tree.py's few Triton launches (the same arithmetic) and return the verify step's mask and
     depth too (`mask` / `depth`)."""
@@ -1019,7 +1039,7 @@ def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root
     m_, hid = lay.num_slots, root_out.shape[1]
     rows_max = max((s - 1) * k, 1)
     full_path = sample is not None
-    if sample is None and fused_tree_kernels(dev, lay):
+    if sample is None and min_score is None and fused_tree_kernels(dev, lay):
         return _grow_tree_fused(head, kv, lay, root_out, root_logits, ctx, tables, block_size, max_seq_len, caps)
     steps_run = lay.s_steps if sample is not None and sample.all_sampled else s - 1
     tok, score, par, bank, anc, front, fpar = _tree_buffers(lay, root_out, torch.bool)
@@ -1097,7 +1117,7 @@ def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root
         expand(t, lo + sel, logits)
 
     # final selection: greedy trees keep the n - 1 best candidates (SGLang's), sampled trees every valid slot
-    nodes = _greedy_kept(score, lay, c, caps)
+    nodes = _greedy_kept(score, lay, c, caps, min_score)
     n_out = lay.greedy_nodes
     if sample is not None:
         ns = len(lay.s_nodes)
@@ -1107,6 +1127,10 @@ def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root
         if caps is not None:  # sampled trees: the first ncap slots (breadth first: ancestor-closed)
             nodes = torch.where(c["ar"][None, :n_out] < caps[1][:, None], nodes, torch.full_like(nodes, m_))
     nodes_c, tokens, parents, packed = _kept_tree(nodes, tok, par, score)
+    kept = None
+    if min_score is not None:
+        kept = (nodes < m_).sum(1)
+        packed = torch.cat([packed, kept.double()[:, None]], 1)
     probs = None
     if qbank is not None:
         fslot = torch.full((r_, m_ + 1), -1, dtype=torch.long, device=dev)
@@ -1123,7 +1147,7 @@ def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root
             has = has & has_child[:, :n_out]
         probs = qbank.gather(1, bslot.clamp_min(0)[:, :, None].expand(r_, n_out, qbank.shape[-1]))
         probs = probs * has[:, :, None]
-    return dict(nodes=nodes, tokens=tokens, parents=parents, probs=probs, packed=packed)
+    return dict(nodes=nodes, tokens=tokens, parents=parents, probs=probs, packed=packed, kept=kept)
 
 
 def _tree_buffers(lay: "TreeLayout", root_out: torch.Tensor, anc_dtype: torch.dtype, init: bool = True):
@@ -1161,19 +1185,27 @@ def cache_slots(tables: torch.Tensor, pos: torch.Tensor, block_size: int) -> tor
     return tables.gather(1, pos // block_size) * block_size + pos % block_size
 
 
-def _greedy_kept(score: torch.Tensor, lay: "TreeLayout", c: dict, caps) -> torch.Tensor:
+def _greedy_kept(score: torch.Tensor, lay: "TreeLayout", c: dict, caps, min_score: float | None = None
+                 ) -> torch.Tensor:
     """grow_tree's greedy final selection: [R, n] node ids (root first, then the n - 1 best candidates ascending;
-    with caps, columns past a request's node cap hold M and deeper candidates rank last)."""
+    with caps, columns past a request's node cap hold M and deeper candidates rank last; with min_score, only
+    candidates scoring >= it are kept, the columns past them M)."""
     r_, m_ = score.shape
     key = -score[:, 1:] + 0.0
     tri = c["ar"][None, : m_ - 1] < c["ar"][: m_ - 1, None]
     ng = lay.greedy_nodes
-    if caps is None:
+    if caps is None and min_score is None:
         kept = _first(_rank(key, tri[None]) < ng - 1, ng - 1) + 1  # [R, n - 1] ascending ids
-    else:  # candidates deeper than the request's cap rank last (their ids are higher: ties keep them last too)
-        dcap, ncap = caps
-        key = torch.where(c["depth"][None, 1:] <= dcap[:, None], key, torch.full_like(key, float("inf")))
-        want = ncap.clamp_max(ng)[:, None] - 1  # [R, 1] candidates kept
+    else:  # candidates deeper than the request's cap (or below min_score) rank last (ties keep them last too)
+        inf = torch.full_like(key, float("inf"))
+        want = torch.full((r_, 1), ng - 1, dtype=torch.long, device=score.device)  # [R, 1] candidates kept
+        if caps is not None:
+            dcap, ncap = caps
+            key = torch.where(c["depth"][None, 1:] <= dcap[:, None], key, inf)
+            want = ncap.clamp_max(ng)[:, None] - 1
+        if min_score is not None:
+            key = torch.where(score[:, 1:] >= min_score, key, inf)
+            want = torch.minimum(want, (key < float("inf")).sum(1, keepdim=True))
         kept = _first(_rank(key, tri[None]) < want, ng - 1) + 1
         kept = torch.where(c["ar"][None, : ng - 1] < want, kept, torch.full_like(kept, m_))
     return torch.cat([torch.zeros(r_, 1, dtype=torch.long, device=score.device), kept], 1)
@@ -1338,11 +1370,13 @@ class _StaticDrafting:
                    capped: bool = False):
         """capped: per-request depth and node caps from `dcap` / `ncap` (set_caps)."""
         hops = (lay.s_steps if sample is not None and sample.all_sampled else lay.steps - 1) + 1
+        conf = self.drafter.tree_confidence
+        min_score = math.log(conf) if conf > 0 else None
 
         def body() -> dict[str, torch.Tensor]:
             out = grow_tree(self.head, self.kv, lay, self.root_out[:b], self.root_logits[:b], self.ctx[:b],
                             self.tables[:b], self.bs, max_seq_len or self.max_seq_len, sample,
-                            (self.dcap[:b], self.ncap[:b]) if capped else None)
+                            (self.dcap[:b], self.ncap[:b]) if capped else None, min_score)
             # the verify step's tree mask and depths in the same graph (~30 small kernels launched for free; the
             # fused kernels make them with the final selection)
             if out.get("mask") is None:

@@ -35,6 +35,13 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     return out
 
 
+def parse_tree_rows(text: str) -> list[tuple[tuple[int, int, int], float | None]]:
+    """'3,4,8;3,4,12@0.1' -> [((3, 4, 8), None), ((3, 4, 12), 0.1)]: tree rows, each with its confidence cut."""
+    from ..config import parse_eagle_tree_row
+
+    return [parse_eagle_tree_row(p.strip()) for p in text.split(";") if p.strip()]
+
+
 def accepted_in_tree(tokens: list[int], parents: list[int], truth: list[int]) -> int:
     """Drafts a greedy tree verification accepts: the longest path from the root (node 0) whose tokens equal
     `truth` (the target's greedy continuation after the root) in order."""
@@ -135,13 +142,14 @@ class TableCost:
 
 def replay(target, head, samples: list[dict], *, k: int | None = None, shape: tuple[int, int, int] | None = None,
            quantize: str | None = None, cache: "CacheConfig | None" = None, trace: list | None = None,
-           budget_cost=None, engine_tail: bool = False) -> dict:
+           budget_cost=None, engine_tail: bool = False, confidence: float = 0.0) -> dict:
     """One chain (k) or fixed tree (shape) replayed over every sample (a head folder or module); see the module
     docstring. trace: a list that receives, per sample, the accepted drafts of each round after the prefill.
     budget_cost: a tree with the per-round budget (shape its maximum) fed this target cost (TableCost).
     engine_tail: as the engine's `_k_for` did before session 10: a tree round only while the request has room for
     the whole tree's depth (remaining - 1 >= steps), plain rounds after that. Without it a tree's steps are capped
-    at remaining - 1 (`tree_depth_cap`, what the engine does now)."""
+    at remaining - 1 (`tree_depth_cap`, what the engine does now). confidence: the tree's cut (EagleDrafter's
+    tree_confidence): only nodes of cumulative draft probability >= it are verified (`mean_verify_rows`)."""
     from ..config import CacheConfig
     from ..drafters.eagle import EagleDrafter
     from ..request import Request
@@ -149,7 +157,7 @@ def replay(target, head, samples: list[dict], *, k: int | None = None, shape: tu
 
     topk, steps, nodes = shape or (4, 4, 16)
     d = EagleDrafter(target, head, cache=cache or CacheConfig(block_size=16, num_blocks=128), quantize=quantize,
-                     tree_topk=topk, tree_steps=steps, tree_nodes=nodes)
+                     tree_topk=topk, tree_steps=steps, tree_nodes=nodes, tree_confidence=confidence)
     if budget_cost is not None:
         d.use_target_cost(budget_cost)
     rounds = emitted = accepted = 0
@@ -234,7 +242,8 @@ def main(argv=None) -> int:
     p.add_argument("--quantize", default="auto", help="the target's layout (as forerun bench's --quantize)")
     p.add_argument("--head-quantize", default=None, help="EagleDrafter quantize (default: as the bench)")
     p.add_argument("--ks", default="2,3,4", help="chain rows")
-    p.add_argument("--shapes", default="4,4,16", help="tree rows TOPK,STEPS,NODES;...")
+    p.add_argument("--shapes", default="4,4,16", help="tree rows TOPK,STEPS,NODES;... (TOPK,STEPS,NODES@C: only "
+                   "nodes of cumulative draft probability >= C verified, EagleDrafter's tree_confidence)")
     p.add_argument("--budget-shapes", default="", help="tree rows with the per-round budget (TableCost of the "
                    "measured verify times + --overhead-ms), the shape its maximum")
     p.add_argument("--engine-tail", action="store_true", help="trees: plain rounds once a request has less room "
@@ -263,23 +272,24 @@ def main(argv=None) -> int:
     samples = decode_prompts(target, tok, list(CODE_PROMPTS[: a.prompts]), a.max_tokens, layers)
     res: dict = {"model": a.model, "head": head_dir, "threads": a.threads, "prompts": a.prompts,
                  "max_tokens": a.max_tokens, "decode_s": round(time.perf_counter() - t, 1), "rows": []}
-    shapes = parse_shapes(a.shapes)
+    shapes = parse_tree_rows(a.shapes)
     ks = [int(x) for x in a.ks.split(",") if x]
     bshapes = parse_shapes(a.budget_shapes)
-    sizes = sorted({1, 2, *(k + 1 for k in ks), *(n for _, _, n in shapes + bshapes)})
+    sizes = sorted({1, 2, *(k + 1 for k in ks), *(s[2] for s, _ in shapes), *(n for _, _, n in bshapes)})
     cost = verify_costs(target, samples[0], sizes, a.reps)
     res["verify_ms"] = {n: round(v, 2) for n, v in cost.items()}
     print(json.dumps({"verify_ms": res["verify_ms"]}), file=sys.stderr, flush=True)
     plain_round = cost[1] + a.overhead_ms
-    configs = [(f"eagle k={k}", k, None, k + 1, None) for k in ks] + \
-              [(f"eagle tree {','.join(map(str, s))}", None, s, s[2], None) for s in shapes] + \
-              [(f"eagle tree <={','.join(map(str, s))} budget", None, s, None, TableCost(cost, a.overhead_ms))
+    configs = [(f"eagle k={k}", k, None, k + 1, None, 0.0) for k in ks] + \
+              [(f"eagle tree {','.join(map(str, s))}" + ("" if c is None else f" p>={c:g}"), None, s,
+                s[2] if c is None else None, None, c or 0.0) for s, c in shapes] + \
+              [(f"eagle tree <={','.join(map(str, s))} budget", None, s, None, TableCost(cost, a.overhead_ms), 0.0)
                for s in bshapes]
-    for label, k, shape, rows, bcost in configs:
+    for label, k, shape, rows, bcost, conf in configs:
         t = time.perf_counter()
         row = {"config": label, **replay(target, head_dir, samples, k=k, shape=shape, quantize=a.head_quantize,
-                                         budget_cost=bcost, engine_tail=a.engine_tail)}
-        if rows is None:  # budget rows: the mean verify rows, at the measured cost line
+                                         budget_cost=bcost, engine_tail=a.engine_tail, confidence=conf)}
+        if rows is None:  # budget rows and confidence cuts: the mean verify rows, at the measured cost line
             rows = row["mean_verify_rows"]
             verify = 1000 * TableCost(cost).target_time(rows)
         else:

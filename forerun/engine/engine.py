@@ -378,7 +378,8 @@ class Engine:
             tk, steps, nodes = s.eagle_tree or (4, 4, 16)
             return EagleDrafter(self.runner, os.path.expanduser(s.eagle_head), cache=self.draft_cache if self.draft_cache is not self.cache else None,
                                 tree_topk=tk, tree_steps=steps, tree_nodes=nodes, max_seqs=self.max_num_seqs,
-                                max_batch_tokens=self.runner.buffers.max_tokens)
+                                max_batch_tokens=self.runner.buffers.max_tokens,
+                                tree_confidence=s.confidence_threshold if s.eagle_tree is not None else 0.0)
         if s.method == "draft":
             dmodel, _ = self._draft_loaded
             ddtype = next(dmodel.parameters()).dtype

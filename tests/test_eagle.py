@@ -976,12 +976,17 @@ def test_confidence_cut_keeps_only_confident_nodes():
     """The cut on one greedy tree: with c above every draft's probability the tree is its root alone (a plain
     round); otherwise exactly the nodes whose path probability reaches c (c = 0.3: 0.7, 0.49, 0.343 along the top-1
     chain, not 0.2401 or the rank-2 child 0.2; c = 0.19: those two too; c = 0.1: also 0.7 * 0.2 and 0.2 * 0.7, not
-    0.098); c must be in [0, 1)."""
+    0.098); c must be in [0, 1). Growing stops at the first level with nothing at or above c (on the CPU): the
+    head runs the extend alone at c = 0.75, the extend and 2 of the 3 tree steps at c = 0.45 (level 3's best is
+    0.343), all of them below."""
     hf = hf_model("qwen2")
     target = ours_from_hf(hf, num_blocks=512)
     head = random_head(target.model, 3, draft_vocab=50)
     calibrate(head, [0.7, 0.2, 0.06])
-    for conf, want in [(0.75, 1), (0.3, 4), (0.19, 6), (0.1, 8)]:
+    calls = []
+    forward = head.forward
+    head.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    for conf, want, steps in [(0.75, 1, 1), (0.45, 3, 3), (0.3, 4, 4), (0.19, 6, 4), (0.1, 8, 4)]:
         d = EagleDrafter(target, head, cache=CacheConfig(block_size=4, num_blocks=512), tree_topk=3, tree_steps=4,
                          tree_nodes=12, tree_confidence=conf)
         r = _request(0, [5, 6, 7, 8, 9])
@@ -989,8 +994,10 @@ def test_confidence_cut_keeps_only_confident_nodes():
         out, _ = target.forward([Chunk(0, r.all_tokens)], hidden_layers=d.target_hidden_layers)
         r.output_token_ids.append(int(out.logits[-1].argmax()))
         d.observe_target([r], [out.hidden_states], [0])
+        calls.clear()
         prop = d.propose_tree([r])
         assert len(prop.tokens[0]) == want, (conf, prop.parents[0])
+        assert len(calls) == steps, conf
         target.kv.free(0)
         d.release(r)
     with pytest.raises(ValueError, match="tree_confidence"):

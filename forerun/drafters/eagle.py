@@ -1029,7 +1029,8 @@ def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root
     columns past nodes[i] of every output hold no node (id M) and are never read.
     min_score (log of the drafter's tree_confidence): greedy requests keep only candidates whose cumulative
     log-probability is >= min_score (ancestor-closed too: a child never scores above its parent); `kept` [R] (also
-    packed's last column) then holds each request's kept node count, root included.
+    packed's last column) then holds each request's kept node count, root included. On the CPU a greedy batch
+    stops growing at the first level where no candidate reaches it (the slots not grown score -inf).
     Greedy trees on CUDA whose shape fits (`fused_tree_kernels`) keep the bookkeeping between the head's steps in
     forerun/kernels/eagle_tree.py's few Triton launches (the same arithmetic) and return the verify step's mask and
     depth too (`mask` / `depth`)."""
@@ -1083,8 +1084,15 @@ def grow_tree(head: EagleHead, kv, lay: TreeLayout, root_out: torch.Tensor, root
     if steps_run:
         pos_all, slots_all = _frontier_rows(lay, ctx, tables, block_size)
         ar_r = torch.arange(r_ + 1, device=dev)
+    # a confidence cut on the CPU: once no candidate of a level reaches min_score none deeper can (a child never
+    # scores above its parent), so the head's remaining steps are skipped (a host read a step: nothing is captured
+    # in a graph there; greedy batches only, a sampled tree's slots are static)
+    stop_early = min_score is not None and sample is None and dev.type == "cpu"
     for t in range(1, steps_run + 1):
         lo, size = lay.lo[t], lay.size[t]
+        if stop_early and not bool((score[:, lo: lo + size] >= min_score).any()):
+            score[:, lo:] = float("-inf")  # (this level and the ones never grown: all below the cut)
+            break
         key = -score[:, lo: lo + size] + 0.0  # + 0.0: no -0.0
         ok = None
         if valid is not None:

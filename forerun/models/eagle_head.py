@@ -222,9 +222,11 @@ class EagleHead(nn.Module):
         """Writes the rows' keys/values into the head's cache; returns (out [R, H], draft logits [R, Vd])."""
         t = self.target
         x, residual = self._input(input_ids, feats, from_target, t.ops)
-        a = self.layer.self_attn(x, positions, self.rope, meta, kv, t.backend, t.ops)
-        if rows is not None:  # the MLP only for the rows whose outputs are wanted (rows are independent there)
-            a, residual = a[rows], residual[rows]
+        attn = self.layer.self_attn
+        # the o-projection and the MLP only for the rows whose outputs are wanted (rows are independent there)
+        a = attn.attend(t.ops.linear(x, attn.qkv_proj), positions, self.rope, meta, kv, t.backend, t.ops, rows=rows)
+        if rows is not None:
+            residual = residual[rows]
         out = self._mlp_tail(a, residual, t.ops)
         return out, self.logits(out, t.ops)
 

@@ -47,15 +47,17 @@ class Attention(nn.Module):
         return self.attend(ops.linear(x, self.qkv_proj), positions, rope, meta, kv, backend, ops)
 
     def attend(self, qkv, positions, rope: RotaryEmbedding, meta: AttnMetadata, kv: KVPool, backend: AttentionBackend,
-               ops: LayerOps):
-        """qkv: [T, (Hq + 2 Hkv) D] (the projection's output) -> the o-projection's output [T, H]."""
+               ops: LayerOps, rows: torch.Tensor | None = None):
+        """qkv: [T, (Hq + 2 Hkv) D] (the projection's output) -> the o-projection's output [T, H] (rows given: of
+        those rows only, [R, H]; every row's keys and values are written all the same)."""
         t, cfg = qkv.shape[0], self.cfg
         norms = (self.q_norm, self.k_norm) if cfg.qk_norm else (None, None)
         q = ops.qkv_to_cache(qkv, positions, rope, *norms, self.layer, meta, kv,
                              cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)  # [T, Hq, D]; k, v now in the cache
         out = backend.forward(q, kv.k[self.layer], kv.v[self.layer], meta, self.scale,
                               window=cfg.sliding_window)  # [T, Hq, D]
-        return ops.linear(out.reshape(t, -1), self.o_proj)
+        out = out.reshape(t, -1)
+        return ops.linear(out if rows is None else out[rows], self.o_proj)
 
 
 class DecoderLayer(nn.Module):

@@ -61,10 +61,10 @@ def _eagle_configs(args) -> list[tuple[str, str, str, str | None]]:
 
         shape, conf = parse_eagle_tree_row(tree)
         text = ",".join(map(str, shape))
-        cut = "" if conf is None else f" p>={conf:g}"  # (run_forerun reads the confidence back from the label)
-        out.append((f"eagle tree {text}{cut}", spec, "auto", text))
+        cut, row = ("", text) if conf is None else (f" p>={conf:g}", f"{text}@{conf:g}")  # (the cut rides along)
+        out.append((f"eagle tree {text}{cut}", spec, "auto", row))
         if args.eagle_budget:
-            out.append((f"eagle tree <={text}{cut} budget", spec, "auto", text))
+            out.append((f"eagle tree <={text}{cut} budget", spec, "auto", row))
     return out
 
 
@@ -120,7 +120,12 @@ def run_forerun(args, prompts) -> tuple[list[dict], dict]:
     rows, plain_ids = [], None
     for label, dname, k, tree in _configs(args):
         vocab = int(label.rpartition("vocab=")[2]) if " vocab=" in label else None
-        conf = float(label.partition(" p>=")[2].split()[0]) if " p>=" in label else None  # an EAGLE tree's cut
+        conf = None
+        if tree and dname.startswith("eagle:"):  # an EAGLE tree row: TOPK,STEPS,NODES[@C], C its confidence cut
+            from .config import parse_eagle_tree_row
+
+            shape, conf = parse_eagle_tree_row(tree)
+            tree = ",".join(map(str, shape))
         spec = SpecConfig.from_flags(dname, k, conf if dname.startswith("eagle:") else 0.0,
                                      None if tree else "auto", tree=tree, draft_vocab=vocab)
         if spec.method == "draft":

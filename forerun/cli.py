@@ -59,6 +59,9 @@ def spec_label(spec) -> str:
         return "plain"
     if spec.tree is not None:
         return f"speculative ({spec.method}, {tree_label(spec.tree)})"
+    if spec.eagle_tree is not None:  # (its k is not used: the tree's shape and confidence cut set the drafts)
+        cut = f", confidence {spec.confidence_threshold:g}" if spec.confidence_threshold > 0 else ""
+        return f"speculative (eagle, tree {','.join(map(str, spec.eagle_tree))}{cut})"
     k = f"k=auto (adaptive, k_max {spec.k_max})" if spec.adaptive else f"k={spec.k}"
     return f"speculative ({spec.method}, {k})"
 

@@ -199,6 +199,13 @@ def test_stats_label_names_the_tree_shape():
     assert cli.spec_label(SpecConfig(method="ngram", k=3)) == "speculative (ngram, k=3)"
     assert cli.spec_label(SpecConfig(method="ngram", adaptive=True)) == "speculative (ngram, k=auto (adaptive, k_max 8))"
     assert cli.spec_label(SpecConfig()) == "plain"
+    cut = SpecConfig.from_flags("eagle:/h", None, 0.1, None, tree="3,4,12")  # an EAGLE tree with its cut
+    assert cut.eagle_tree == (3, 4, 12) and cut.confidence_threshold == 0.1
+    assert cli.spec_label(cut) == "speculative (eagle, tree 3,4,12, confidence 0.1)"
+    assert cli.spec_label(SpecConfig.from_flags("eagle:/h", None, None, None, tree="4,4,16")) == \
+        "speculative (eagle, tree 4,4,16)"
+    with pytest.raises(ValueError, match="needs eagle_tree"):
+        SpecConfig(method="eagle", eagle_head="/h", confidence_threshold=0.1)
 
 
 # ---------------------------------------------------------------- subcommands with their own parsers

@@ -194,11 +194,13 @@ def test_bench_eagle_rows_and_their_skip_message(tmp_path, capsys):
     assert "skipping the EAGLE rows: no EAGLE head in" in capsys.readouterr().err
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"")
-    rows = _configs(_bench_args(tmp_path))
+    rows = _configs(_bench_args(tmp_path, eagle_trees="4,4,16;2,3,6;3,4,12@0.10"))
     assert [r[0] for r in rows][2:] == ["eagle k=4", "eagle k=auto", "eagle tree 4,4,16", "eagle tree <=4,4,16 budget",
-                                        "eagle tree 2,3,6", "eagle tree <=2,3,6 budget"]
+                                        "eagle tree 2,3,6", "eagle tree <=2,3,6 budget", "eagle tree 3,4,12 p>=0.1",
+                                        "eagle tree <=3,4,12 p>=0.1 budget"]
     assert all(r[1] == f"eagle:{tmp_path}" for r in rows[2:])
     assert rows[4][3] == "4,4,16" and rows[2][3] is None
+    assert rows[8][3] == "3,4,12@0.1"  # the confidence cut travels with the shape (run_forerun's SpecConfig)
     # --draft-vocabs: each draft-model row again with the draft ranking part of the vocabulary
     rows = _configs(_bench_args(tmp_path / "missing", ks="4,auto", draft_vocabs="32768,100"))
     assert [r[0] for r in rows] == ["plain", "draft k=4", "draft k=4 vocab=32768", "draft k=4 vocab=100",

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from .config import VERIFY_RULES
+from .config import CONFIDENCE_HELP, VERIFY_RULES
 from .usage import ArgumentParser, UsageError  # noqa: F401 - UsageError is part of this module's interface
 
 DEFAULT_MODEL = "qwen2.5-coder-1.5b-instruct"
@@ -229,9 +229,7 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--rule", default=None, choices=list(VERIFY_RULES),
                    help="verification rule (default auto: greedy at temperature 0, exact sampling otherwise)")
     g.add_argument("--tree", default=None, help="tree drafting with the draft model: children per depth, e.g. 2,2,1")
-    g.add_argument("--confidence", type=float, default=None,
-                   help="stop a draft when its top probability is below this; with --draft eagle:DIR --tree, verify "
-                        "only the nodes whose cumulative draft probability is at least this")
+    g.add_argument("--confidence", type=float, default=None, help=CONFIDENCE_HELP)
     g.add_argument("--draft-vocab", type=int, default=None,
                    help="the draft model ranks only the first N token ids and the special tokens (a faster draft head)")
     g.add_argument("--temperature", type=float, default=0.0)

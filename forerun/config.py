@@ -139,6 +139,9 @@ class CacheConfig:
 
 
 SPEC_METHODS = ("none", "draft", "early-exit", "ngram", "eagle")
+# --confidence (forerun generate and forerun serve)
+CONFIDENCE_HELP = ("stop a draft when its top probability is below this; with --draft eagle:DIR --tree, verify only the "
+                   "nodes whose cumulative draft probability is at least this")
 VERIFY_RULES = ("auto", "greedy", "rejection", "penalty", "typical")
 
 

@@ -17,7 +17,7 @@ import socket
 import sys
 import time
 
-from ..config import VERIFY_RULES
+from ..config import CONFIDENCE_HELP, VERIFY_RULES
 from ..usage import ArgumentParser, run as run_main
 
 
@@ -28,9 +28,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--k", default=None, help="drafts per round, or 'auto' (adaptive; the default with a drafter)")
     p.add_argument("--rule", default=None, choices=list(VERIFY_RULES))
     p.add_argument("--tree", default=None, help="tree drafting with the draft model: children per depth, e.g. 2,2,1")
-    p.add_argument("--confidence", type=float, default=None,
-                   help="stop a draft when its top probability is below this; with --draft eagle:DIR --tree, verify "
-                        "only the nodes whose cumulative draft probability is at least this")
+    p.add_argument("--confidence", type=float, default=None, help=CONFIDENCE_HELP)
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="the draft model ranks only the first N token ids and the special tokens (a faster draft head)")
     p.add_argument("--host", default="127.0.0.1")

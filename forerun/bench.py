@@ -499,7 +499,7 @@ def main(argv=None) -> int:
     ap.add_argument("--eagle-head", default=DEFAULT_EAGLE_HEAD,
                     help="EAGLE head folder for the eagle rows (forerun train-eagle output or a published head)")
     ap.add_argument("--eagle-ks", default="4,auto", help="EAGLE chain rows: comma list of k (or auto)")
-    ap.add_argument("--eagle-trees", default="4,4,16",
+    ap.add_argument("--eagle-trees", default="2,4,10@0.1",
                     help="EAGLE dynamic-tree rows: ';'-separated TOPK,STEPS,NODES shapes ('' for none); "
                          "TOPK,STEPS,NODES@C verifies only nodes of cumulative draft probability >= C (--confidence)")
     ap.add_argument("--eagle-budget", action="store_true",

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -135,8 +136,6 @@ def flat_row_plan(meta: AttnMetadata, block_size: int, window: int | None
     tree rows get their own. Cached by content with `_row_plan`'s key."""
     if window is not None:
         return _flat_plan(_row_plan(meta, block_size, window), meta.num_tokens)
-    import numpy as np
-
     qsl, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
     nb = -(-max(lens) // block_size) if lens else 0
     tables = meta.block_tables[:, :nb].cpu().numpy()

@@ -78,6 +78,9 @@ from forerun.devices import to_host_async  # noqa: E402
 from forerun.verify.tree import GreedyTreeVerdict, deepest_picked_path  # noqa: E402
 from forerun.engine.sampler import RoundSampler, Verdict  # noqa: E402
 
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+from gpu_gaps import print_gaps, traced_gaps  # noqa: E402
+
 QWEN3_8B = dict(arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
                 num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=True, rope_theta=1e6,
                 max_position_embeddings=40960, tie_word_embeddings=False)
@@ -319,6 +322,24 @@ class SyntheticTreeSampler(RoundSampler):
         self.cumq = torch.tensor(np.cumsum(q).tolist(), dtype=torch.float64, device=device)
         self.trees: list[list[list[int]]] = []  # parents of every tree verified since the last reset
         self.kernel = False  # draw with forerun/kernels/tree_verdict.py off CUDA too (Triton's interpreter: tests)
+        # the caught ranks of POOL rounds drawn at once (a round takes a slice: no kernels of its own), so the stand-in
+        # for the target's verdict adds one path kernel and one host copy to a round, as the real greedy verdict does
+        # (until session 48 it drew per round and copied the real verdict too: ~4 more small device ops a round)
+        self._pool: torch.Tensor | None = None
+        self._at = 0
+
+    POOL = 256
+
+    def _want(self, b: int, levels: int, dev: torch.device) -> torch.Tensor:
+        """[b, levels + 1] the sibling rank caught at each depth (len(q): none; column 0, the root's, unread)."""
+        if self._pool is None or self._pool.shape[1:] != (b, levels + 1) or self._at == self._pool.shape[0]:
+            u = torch.rand(self.POOL, b, levels + 1, generator=self.gen, device=dev, dtype=torch.float64)
+            self._pool, self._at = torch.searchsorted(self.cumq, u, right=True), 0
+        self._at += 1
+        return self._pool[self._at - 1]
+
+    def packed_to_host(self, packed):
+        return None, None  # (the real greedy verdict is not read: the drawn one replaces it in tree_launch)
 
     @property
     def expect(self) -> float:
@@ -335,9 +356,7 @@ class SyntheticTreeSampler(RoundSampler):
         if layout is not None:  # all levels at once: the path = the nodes whose every ancestor has its level's rank
             mask, depth = layout
             levels = min(n - 1, self.max_depth)
-            # [b, levels + 1]: the sibling rank caught at each depth (len(q): none; column 0, the root's, unread)
-            u = torch.rand(b, levels + 1, generator=self.gen, device=dev, dtype=torch.float64)
-            want = torch.searchsorted(self.cumq, u, right=True)
+            want = self._want(b, levels, dev)
             if isinstance(pending.res, GreedyTreeVerdict) and (dev.type == "cuda" or self.kernel):
                 from forerun.kernels.tree_verdict import drawn_tree_verdict_packed
                 packed = drawn_tree_verdict_packed(pending.res.packed, want, tok, par, mask, depth)
@@ -396,21 +415,35 @@ def tree_round(tr: TreeRound, reqs: list[Request], nodes: int) -> tuple[int, flo
 
 def count_syncs(fn, device: torch.device) -> int | None:
     """Synchronising CUDA calls (a blocking copy, .item(), .tolist() of a device tensor, ...) that torch's sync debug
-    mode flags while fn runs (the round's deliberate waits on CUDA events are not flagged); None on the CPU."""
+    mode flags while fn runs (the round's deliberate waits on CUDA events are not flagged); None on the CPU.
+    `count_syncs.where`: per flagged call of the last run, the innermost repository frames of the Python stack that
+    made it (the warning's own file and line are torch's)."""
     if device.type != "cuda":
         return None
+    import traceback
     import warnings
 
+    found: list[str] = []
+
+    def hook(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message).lower():
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(REPO)]
+        found.append(" < ".join(f"{os.path.relpath(f.filename, REPO)}:{f.lineno} {f.name}"
+                                for f in reversed(frames[-3:])) or f"{filename}:{lineno}")
+
     sync(device)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
+    # (switched on outside the capture: the first switch in a process warns once by itself, which until session 48
+    # counted as a synchronising call of the first row measured: "1 flagged" in every run's first row)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = hook
             fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    found = [w for w in caught if "synchroniz" in str(w.message).lower()]
-    count_syncs.where = [f"{os.path.relpath(w.filename, REPO)}:{w.lineno}" for w in found]  # (the last call's)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    count_syncs.where = found
     return len(found)
 
 
@@ -665,6 +698,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="also profile a few rounds and drafting calls (the first drafting mode) with torch.profiler: "
                          "kernels by name, GPU busy / idle time, widest idle gaps (JSON key `profiles`)")
+    ap.add_argument("--gaps", action="store_true",
+                    help="also trace 24 rounds per tree row (the first drafting mode; 4 left out) under torch.profiler "
+                         "with Python stacks: the GPU's idle gaps named by the code whose launch ended them "
+                         "(benchmarks/gpu_gaps.py; JSON key `gaps`)")
     ap.add_argument("--modes", default=None,
                     help="drafting modes, comma list of graph,forced,prelaunch,serial,eager (default graph,eager on CUDA)")
     args = ap.parse_args()
@@ -733,7 +770,7 @@ def main() -> None:
     log(f"target {res['target']}, head {res['head']}, graphs {runner.graphs is not None}")
 
     next_id = 0
-    rows_out, costs, head_costs, drafts, profiles, host_profiles = [], {}, [], [], [], []
+    rows_out, costs, head_costs, drafts, profiles, host_profiles, gaps = [], {}, [], [], [], [], []
     for b in batches:
         # plain decoding (the baseline) and the target's isolated costs at this batch
         reqs = make_requests(b, context, shape["vocab_size"], seed=b, first_id=next_id)
@@ -841,6 +878,9 @@ def main() -> None:
                 if args.profile and mode == modes[0]:
                     profiles.append(dict(profiled, what="tree_round",
                                          **profile_calls(lambda: tree_round(tr, reqs, shape_t.nodes), device)))
+                if args.gaps and mode == modes[0]:
+                    gaps.append(dict(batch=b, tree=[shape_t.topk, shape_t.steps, shape_t.nodes], mode=mode,
+                                     **traced_gaps(lambda: tree_round(tr, reqs, shape_t.nodes), device, 24, 4)))
                 tok_round = committed / (rounds * b)
                 exp_round = expect / (rounds * b)
                 round_ms = tv[shape_t.nodes] + head_ms
@@ -873,6 +913,7 @@ def main() -> None:
             res["draft_graphs"] = len(drafter.static.graphs)
         res.update(costs={str(k): v for k, v in costs.items()}, head_step=head_costs, trees=rows_out,
                    drafting=drafts, **({"profiles": profiles} if profiles else {}),
+                   **({"gaps": gaps} if gaps else {}),
                    **({"host_profiles": host_profiles} if host_profiles else {}))
         save(res, args.out)
 
@@ -909,6 +950,8 @@ def main() -> None:
     print_table(res)
     for p in res.get("profiles", []):
         print_profile(f"b={p['batch']} tree {p['tree']} {p['what']} [{p['mode']}]", p)
+    for g in res.get("gaps", []):
+        print_gaps(f"b={g['batch']} tree {g['tree']} round [{g['mode']}]", g)
 
 
 class _Measured:

@@ -374,6 +374,21 @@ def setup_llama(tmp_path_factory):
     return hf, random_eagle_head_dir(model_from_hf(hf), tmp_path_factory.mktemp("head_llama") / "head")
 
 
+def test_round_prep_kernels_commit_what_the_torch_ops_commit(setup_llama, monkeypatch):
+    """forerun/kernels/round_prep.py in the round (here under Triton's interpreter; CUDA runs them by default): the
+    queued verify steps' inputs and the head's extend after a verdict, laid out by the two kernels, give the trees
+    drafted, the paths, the commits and the queued-step counts that the torch ops give (the drafter's bucketed
+    buffers, a join). The llama's continuations vary, so a bonus token in the wrong extend row changes the next
+    trees' drafts (with the qwen2 one, whose bonus token is mostly the root's, it would not)."""
+    hf, head = setup_llama
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("FORERUN_PREP_KERNELS", flag)
+        runs[flag] = _overlap_run(hf, head, True, False, graphs=True, monkeypatch=monkeypatch, preverify=True)
+    assert runs["1"][3]["used"] >= 8 and runs["1"][3] == runs["0"][3]
+    assert runs["1"][1] == runs["0"][1] and runs["1"][0] == runs["0"][0]
+
+
 @pytest.mark.parametrize("which", ["qwen2", "llama"])
 def test_preverified_rounds_keep_greedy_output(setup, setup_llama, which):
     """The real greedy verdict with the next round's drafting and verify step queued ahead: output identical to plain

@@ -165,6 +165,7 @@ class EagleDrafter(Drafter):
         self._pre: _Prelaunch | None = None
         # used: taken by the next proposal (partial: for some of its requests, the others having finished)
         self.prelaunch_stats = {"launched": 0, "used": 0, "discarded": 0, "partial": 0}
+        self._zero_row: torch.Tensor | None = None  # a greedy tree's draft probabilities (never read), broadcast
 
     def use_target_cost(self, cost=None) -> TreeBudgetPolicy:
         """Turn on the per-round tree budget (the configured tree is its maximum). cost: the target's measured
@@ -483,11 +484,11 @@ class EagleDrafter(Drafter):
                     rows = sum(n - lo for lo, n in (ranges[i] for i in live)) + len(live) * lay.topk * sum(
                         range(1, tree.steps_run + 1))
                     self.budget.record_head_step(rows / steps, marks.seconds(0, 1) / steps)
-            zero = None
             for i in range(len(requests)):
-                if probs[i] is None:  # greedy (never read): one zero row, broadcast, on the device
-                    zero = torch.zeros(1, v, device=self.cache.device) if zero is None else zero
-                    probs[i] = zero.expand(len(toks[i]), v)
+                if probs[i] is None:  # greedy (never read): one zero row, broadcast, on the device (made once)
+                    if self._zero_row is None or self._zero_row.shape[1] != v:
+                        self._zero_row = torch.zeros(1, v, device=self.cache.device)
+                    probs[i] = self._zero_row.expand(len(toks[i]), v)
             return TreeProposal(toks, parents, probs)
 
         return TreeDraft(finish, dev_batch, None if marks is None else (lambda: marks.seconds(0, 1)), prelaunched=used)
@@ -554,16 +555,9 @@ class EagleDrafter(Drafter):
         dev = self.cache.device
         feats = self._batch_features(states)  # [R, s + 1, F]
         with torch.inference_mode():
-            acc = verdict.num_accepted.long()  # [R]
-            nodes = verdict.accepted_nodes[:, : s + 1].clamp(min=0)  # [R, s + 1]; past the path: the root (unused)
-            path = tree.tokens.gather(1, nodes)  # [R, s + 1], the root's token first
-            ids = torch.cat([path, path[:, :1]], 1)  # [R, s + 2]
-            ids.scatter_(1, acc[:, None] + 1, verdict.output_token_ids.gather(1, acc[:, None]).to(ids.dtype))
-            rows = torch.cat([torch.stack(prev_rows)[:, None], feats], 1)  # [R, s + 2, F]
-            ctx = h2d(roots, dev, torch.long) + acc + 1
             marks = Marks(dev)
             marks.mark()
-            st.extend_from_device(requests, [root - 1 for root in roots], ids, rows, acc + 1, ctx, graphs)
+            st.extend_from_verdict(requests, roots, tree.tokens, verdict, torch.stack(prev_rows), feats, graphs)
             max_len = max(ends)
             out = st.tree_graph(lay, b, max_len) if graphs else st.tree_eager(lay, b, None, max_len)
             marks.mark()
@@ -1521,29 +1515,41 @@ class _StaticDrafting:
         else:
             self._replay(cap)
 
-    def extend_from_device(self, reqs: list[Request], lo: list[int], ids: torch.Tensor, feats: torch.Tensor,
-                           nlast: torch.Tensor, ctx: torch.Tensor, graphs: bool) -> None:
-        """`extend` with its rows already on the device (EagleDrafter.prelaunch): ids [n, qe], feats [n, qe, F]
-        (request i's rows from position lo[i], padding past its last), nlast [n] (its last row), ctx [n] (its
-        length after the extend). The caller checked qe <= max_extend and, with graphs, the bucket."""
-        n, qe = ids.shape
+    def extend_from_verdict(self, reqs: list[Request], roots: list[int], tree_tokens: torch.Tensor, verdict,
+                            prev: torch.Tensor, feats: torch.Tensor, graphs: bool) -> None:
+        """`extend` over each request's accepted path, its rows laid out on the device from the verdict
+        (EagleDrafter.prelaunch): request i feeds s + 2 rows from position roots[i] - 1 (the kept root row, the
+        path, the bonus token, padding past it) and ends at roots[i] + a_i + 1. tree_tokens [n, >= s + 1] (this
+        round's trees, the root's token first), verdict: num_accepted [n], accepted_nodes [n, >= s + 1],
+        output_token_ids [n, >= s + 1]; prev [n, F] the features at roots[i] - 1, feats [n, s + 1, F] the path rows'.
+        Ids, features, lengths and block tables go into the static buffers in one launch on CUDA
+        (forerun/kernels/round_prep.py `extend_inputs`). The caller checked s + 2 <= max_extend and, with graphs,
+        the bucket."""
+        n, qe = feats.shape[0], feats.shape[1] + 1
         b = self.bucket(n) if graphs else n
         cap = self._get(("extend", b, qe), self._extend_body(b, qe), b, qe) if graphs else None  # (a capture
         self.writes += 1  # runs over dummy inputs: before the inputs go in)
-        self.ids[: n * qe].copy_(ids.reshape(-1))
-        self.feats[: n * qe].copy_(feats.reshape(n * qe, -1))
-        if b > n:
+        tables = [self.kv.blocks(r.req_id) for r in reqs]
+        w = max(len(t) for t in tables)
+        stage = h2d(list(roots) + [root - 1 for root in roots] + [x for t in tables for x in t + [0] * (w - len(t))],
+                    self.device, torch.long)  # one copy: roots, lo, block tables
+        if kernels_on("FORERUN_PREP_KERNELS", self.device):
+            from ..kernels.round_prep import extend_inputs as prep
+        else:
+            from ..kernels.round_prep import extend_inputs_torch as prep
+        prep(tree_tokens, verdict.accepted_nodes, verdict.output_token_ids, verdict.num_accepted, stage, prev, feats,
+             self.ids, self.feats, self.lo, self.nlast, self.ctx, self.tables)
+        if b > n:  # padding sequences: block 0 only
             self.ids[n * qe: b * qe].zero_()
             self.feats[n * qe: b * qe].zero_()
-        self._fill_ints(n, b, lo, [0] * n, [0] * n, reqs)  # lo and the tables (nlast / ctx from the device below)
-        self.nlast[:n].copy_(nlast)
-        self.ctx[:n].copy_(ctx)
-        if b > n:
+            self.tables[n:b].zero_()
+            self.lo[n:b].zero_()
+            self.ctx[n:b].fill_(1)
             self.nlast[n:b].fill_(qe - 1)
         if cap is not None:
             self._replay(cap)
         else:
-            self._extend_body(b, qe, max(lo) + qe)()
+            self._extend_body(b, qe, max(roots) - 1 + qe)()
 
     def tree_graph(self, lay: TreeLayout, n: int, max_len: int | None = None, capped: bool = False) -> DeviceTree:
         """The greedy tree of n requests from the static buffers: a graph replay (bucket padded; eager beyond the

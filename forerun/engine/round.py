@@ -461,16 +461,12 @@ class TreeRound(Round):
             return None
         for r, e in zip(reqs, ends):
             kv.reserve(r.req_id, e)
-        dev = self.target.device
         with torch.inference_mode():
-            acc = res.num_accepted.long()  # [B]
-            bonus = res.output_token_ids.gather(1, acc[:, None]).long()  # [B, 1]: the next root's token
-            ctx = h2d(roots, dev, torch.int64) + acc + 1  # [B]: the next root's position
-            tokens = torch.cat([bonus, tree.tokens[:, 1:n].long()], 1)  # [B, n]
-            self.target.load_block_tables([r.req_id for r in reqs])
-            vmarks = Marks(dev)
+            vmarks = Marks(self.target.device)
             vmarks.mark()
-            out, slots = graphs.replay_tree(tokens, ctx, tree.depth[:, :n], tree.mask[:, :n, :n],
+            # node 0: the bonus token at roots[i] + a_i + 1; nodes 1..n - 1: the prelaunched tree's drafts
+            out, slots = graphs.replay_tree(res.output_token_ids, res.num_accepted, roots, [r.req_id for r in reqs],
+                                            tree.tokens, tree.depth[:, :n], tree.mask[:, :n, :n],
                                             self.drafter.target_hidden_layers)
             vmarks.mark()
         self.preverify_stats["launched"] += 1

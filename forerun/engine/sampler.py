@@ -166,7 +166,7 @@ class RoundSampler:
                 and all(r.params.temperature == 0 for r in requests)):
             res = greedy_tree_verdict(logits, tokens.view(b, n), parents.view(b, n), layout[0], layout[1])
             bad = res.bad
-            host, event = to_host_async(res.packed)
+            host, event = self.packed_to_host(res.packed)
             return TreePending(res, host, event, raw, logits, requests, starts, rows, tokens, parents, None, None,
                                None, n, bad)
         coupled = [is_coupled(r, self.rule) for r in requests]
@@ -186,6 +186,11 @@ class RoundSampler:
         host, event = self.verdict_to_host(res, bad)
         return TreePending(res, host, event, raw, logits, requests, starts, rows, tokens, parents, st, coins, q, width,
                            bad)
+
+    @staticmethod
+    def packed_to_host(packed: torch.Tensor):
+        """Queue the copy of a greedy tree verdict (`GreedyTreeVerdict.packed`) to the host: (host tensor, event)."""
+        return to_host_async(packed)
 
     @staticmethod
     def verdict_to_host(res, bad: torch.Tensor):

@@ -40,7 +40,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..attention.metadata import AttnMetadata
-from ..devices import h2d
+from ..devices import h2d, kernels_on
 from ..models.layers import RMSNorm, RotaryEmbedding, SwiGLU
 from ..models.llama import ForwardOutput
 from .runner import Chunk, ModelRunner, PreparedStep
@@ -480,31 +480,35 @@ class GraphRunner:
         return self._replay(cap).logits[: b * logits_per_seq]
 
 
-    def replay_tree(self, tokens: torch.Tensor, context_lens: torch.Tensor, depth: torch.Tensor, mask: torch.Tensor,
+    def replay_tree(self, out_tokens: torch.Tensor, num_accepted: torch.Tensor, roots: list[int], seq_ids: list[int],
+                    tree_tokens: torch.Tensor, depth: torch.Tensor, mask: torch.Tensor,
                     hidden_layers=()) -> tuple[ForwardOutput, torch.Tensor]:
-        """A tree verify step laid out from device tensors (no host values): B sequences of n nodes each.
+        """The next round's tree verify step laid out on the device from this round's verdict and the tree drafted
+        from it (TreeRound._queue_verify): B sequences of n nodes each, sequence i = seq_ids[i].
 
-        tokens [B, n] int64 (node 0 the root); context_lens [B] int64: cached tokens before the root (node j's
-        key goes to cache position context_lens + j, its RoPE position is context_lens + depth[:, j]);
-        depth [B, n]; mask [B, n, n] bool (ancestor-or-self). Sequence b is row b of the runner's block tables
-        (the caller reserved the blocks and loaded the rows; the KVPool's host lengths are the caller's to set).
-        Replays the same bucket as `execute` of the host-prepared step (one graph for both). Returns (output:
-        logits [B * n, V] and hidden states [B * n, H], static memory; the step's cache slots [B * n])."""
-        b, n = tokens.shape
+        out_tokens [B, >= a + 1] and num_accepted [B]: the verdict (accepted drafts then the bonus token, which is
+        node 0 of the step); roots: each request's root position in this round (the next root sits at roots[i] +
+        a_i + 1; node j's key goes to cache position next root + j, its RoPE position is next root + depth[i, j]);
+        tree_tokens [B, >= n] (column 0 unread), depth [B, n], mask [B, n, n] bool (ancestor-or-self). The caller
+        reserved the blocks; the KVPool's host lengths are the caller's to set. Inputs, block tables and the tree
+        mask go into the static buffers in one launch on CUDA (forerun/kernels/round_prep.py). Replays the same
+        bucket as `execute` of the host-prepared step (one graph for both). Returns (output: logits [B * n, V] and
+        hidden states [B * n, H], static memory; the step's cache slots [B * n])."""
+        b, n = depth.shape
         key = GraphKey(self.bucket(b) or 0, n, n, True, None, tuple(hidden_layers))
         if key.num_seqs == 0 or n > self.max_q_len:
             raise ValueError(f"replay_tree: no bucket for {b} sequences x {n} nodes")
         cap = self._get(key, create=True)
-        buf, bs, t = self.runner.buffers, self.block_size, b * n
-        cache_pos = context_lens[:, None] + self._ar[None, :n]  # [B, n]
-        pages = torch.gather(buf.block_tables[:b], 1, cache_pos // bs)
-        slots = (pages * bs + cache_pos % bs).reshape(-1)  # [B * n]
-        buf.input_ids[:t].copy_(tokens.reshape(-1))
-        buf.positions[:t].copy_((context_lens[:, None] + depth).reshape(-1))
-        buf.slot_mapping[:t].copy_(slots)
-        buf.seq_lens[:b].copy_(context_lens + n)
-        buf.query_start_loc[: b + 1].copy_(self._ar[: b + 1] * n)
-        self._tree[:t, :n].copy_(mask.reshape(t, n))
+        buf, dev = self.runner.buffers, self.runner.device
+        table = self.runner.kv.block_table(seq_ids)  # [B, W]
+        stage = h2d(torch.cat([torch.tensor(roots, dtype=torch.int64), table.reshape(-1)]), dev)  # one copy
+        if kernels_on("FORERUN_PREP_KERNELS", dev):
+            from ..kernels.round_prep import verify_inputs as prep
+        else:
+            from ..kernels.round_prep import verify_inputs_torch as prep
+        slots = prep(out_tokens, num_accepted, stage, tree_tokens, depth, mask, self.block_size, buf.input_ids,
+                     buf.positions, buf.slot_mapping, buf.seq_lens, buf.query_start_loc, buf.block_tables, self._tree)
+        t = b * n
         self._fill_padding(b, t, key.num_seqs, n)
         out = self._replay(cap)
         return ForwardOutput(out.logits[:t], {i: h[:t] for i, h in out.hidden_states.items()}), slots

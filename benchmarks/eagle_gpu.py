@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 from dataclasses import replace
 from types import SimpleNamespace
 import json
@@ -411,6 +412,28 @@ def tree_round(tr: TreeRound, reqs: list[Request], nodes: int) -> tuple[int, flo
         r.output_token_ids.extend(e)
         committed += len(e)
     return committed, res.draft_seconds
+
+
+class GcClock:
+    """Time spent in Python's garbage collections while the block runs (gc.callbacks), and how many ran."""
+
+    def __init__(self) -> None:
+        self.seconds, self.count, self._t = 0.0, 0, None
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        elif self._t is not None:
+            self.seconds += time.perf_counter() - self._t
+            self.count += 1
+            self._t = None
+
+    def __enter__(self) -> "GcClock":
+        gc.callbacks.append(self._cb)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._cb)
 
 
 def count_syncs(fn, device: torch.device) -> int | None:
@@ -850,14 +873,22 @@ def main() -> None:
                 sampler.trees.clear()
                 pre0 = dict(drafter.prelaunch_stats)
                 pv0 = dict(tr.preverify_stats)
+                # what `forerun serve` does after its warm-up (since session 48 here too): the objects made so far
+                # out of the collector's way, and the collections that still run timed (a full collection of this
+                # process's heap can stall a round by ~0.1 s: session 48's one-off batch-64 dip is a suspect)
+                gc.collect()
+                gc.freeze()
+                gc_s = GcClock()
                 t = time.perf_counter()
                 committed, draft_s = 0, 0.0
-                for _ in range(rounds):
-                    c_, d_ = tree_round(tr, reqs, shape_t.nodes)
-                    committed += c_
-                    draft_s += d_
-                sync(device)
+                with gc_s:
+                    for _ in range(rounds):
+                        c_, d_ = tree_round(tr, reqs, shape_t.nodes)
+                        committed += c_
+                        draft_s += d_
+                    sync(device)
                 secs = time.perf_counter() - t
+                gc.unfreeze()
                 prelaunched = {k: v - pre0[k] for k, v in drafter.prelaunch_stats.items()}
                 preverified = {k: v - pv0[k] for k, v in tr.preverify_stats.items()}
                 expect = sampler.expect
@@ -899,14 +930,17 @@ def main() -> None:
                            fraction_of_kernel_ideal=committed / secs / (b * exp_round / (kernel_round_ms * 1e-3)),
                            fraction_realized_kernels=kernel_round_ms / (1e3 * secs / rounds),
                            speedup_vs_plain=committed / secs / costs[b]["plain_tok_s"],
-                           prelaunch=prelaunched, preverify=preverified, sync_sites=sync_where)
+                           prelaunch=prelaunched, preverify=preverified, sync_sites=sync_where,
+                           gc_ms=round(1e3 * gc_s.seconds, 3), gc_collections=gc_s.count)
                 rows_out.append(row)
                 log(f"b={b} tree {shape_t.topk},{shape_t.steps},{shape_t.nodes} [{mode}]: {row['tok_s']:.1f} tok/s, "
                     f"{row['round_ms']:.2f} ms/round (ideal {round_ms:.2f}; drafting {row['draft_ms']:.2f}, ideal "
                     f"{head_ms:.2f}), {tok_round:.2f} tok/round (E {exp_round:.2f}); "
                     f"{100 * row['fraction_realized']:.1f}% of ideal ({100 * row['fraction_realized_kernels']:.1f}% of "
                     f"the kernels-alone ideal {kernel_round_ms:.2f} ms), {row['speedup_vs_plain']:.2f}x plain"
-                    + (f"; {syncs} synchronising calls flagged in a round" if syncs is not None else ""))
+                    + (f"; {syncs} synchronising calls flagged in a round" if syncs is not None else "")
+                    + (f"; {row['gc_collections']} garbage collections timed, {row['gc_ms']:.1f} ms"
+                       if row["gc_collections"] else ""))
             drafter.cuda_graphs = None
         release(runner, drafter, reqs)
         if drafter.static is not None:

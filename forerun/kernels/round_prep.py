@@ -57,9 +57,9 @@ _EXTEND_INTS = ("tok_stride", "nodes_stride", "out_stride", "acc_stride", "prev_
 
 
 @triton.jit(do_not_specialize=_VERIFY_INTS)
-def _verify_inputs_kernel(Out, out_stride, Acc, acc_stride, Stage, Tok, tok_stride, Depth, depth_stride, Mask, mask_s0, mask_s1,
-                          Ids, Pos, SlotMap, Slots, SeqLens, Qsl, Tables, tables_stride, max_blocks, Rows, rows_stride,
-                          B, n, W, bs, NP: tl.constexpr, WB: tl.constexpr):
+def _verify_inputs_kernel(Out, out_stride, Acc, acc_stride, Stage, Tok, tok_stride, Depth, depth_stride, Mask,
+                          mask_s0, mask_s1, Ids, Pos, SlotMap, Slots, SeqLens, Qsl, Tables, tables_stride, max_blocks,
+                          Rows, rows_stride, B, n, W, bs, NP: tl.constexpr, WB: tl.constexpr):
     i = tl.program_id(0)
     j = tl.arange(0, NP)
     live = j < n
@@ -110,8 +110,8 @@ def verify_inputs(out_tokens: torch.Tensor, num_accepted: torch.Tensor, stage: t
     assert mask.dtype == torch.bool and tree_rows.dtype == torch.bool
     slots = torch.empty(b * n, dtype=torch.int64, device=depth.device)
     _verify_inputs_kernel[(b,)](
-        out_tokens, out_tokens.stride(0), num_accepted, num_accepted.stride(0), stage, tree_tokens, tree_tokens.stride(0), depth,
-        depth.stride(0), mask.view(torch.uint8), mask.stride(0), mask.stride(1), input_ids, positions, slot_mapping,
+        out_tokens, out_tokens.stride(0), num_accepted, num_accepted.stride(0), stage, tree_tokens,
+        tree_tokens.stride(0), depth, depth.stride(0), mask.view(torch.uint8), mask.stride(0), mask.stride(1), input_ids, positions, slot_mapping,
         slots, seq_lens, query_start_loc, block_tables, block_tables.stride(0), block_tables.shape[1],
         tree_rows.view(torch.uint8), tree_rows.stride(0), b, n, w, block_size,
         NP=triton.next_power_of_2(max(n, 2)), WB=min(1024, triton.next_power_of_2(block_tables.shape[1])), num_warps=1)

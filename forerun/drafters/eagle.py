@@ -1529,9 +1529,8 @@ class _StaticDrafting:
         b = self.bucket(n) if graphs else n
         cap = self._get(("extend", b, qe), self._extend_body(b, qe), b, qe) if graphs else None  # (a capture
         self.writes += 1  # runs over dummy inputs: before the inputs go in)
-        tables = [self.kv.blocks(r.req_id) for r in reqs]
-        w = max(len(t) for t in tables)
-        stage = h2d(list(roots) + [root - 1 for root in roots] + [x for t in tables for x in t + [0] * (w - len(t))],
+        table = self.kv.block_table([r.req_id for r in reqs])  # [n, W], padded with block 0
+        stage = h2d(torch.cat([torch.tensor(list(roots) + [root - 1 for root in roots]), table.reshape(-1)]),
                     self.device, torch.long)  # one copy: roots, lo, block tables
         if kernels_on("FORERUN_PREP_KERNELS", self.device):
             from ..kernels.round_prep import extend_inputs as prep

@@ -11,6 +11,7 @@ import torch
 
 from forerun.eagle import capture as C
 from forerun.eagle import data as D
+from forerun.models.cpu_linear import pack_linears
 from forerun.sampling_params import SamplingParams
 
 from test_eagle_train_distill import _fake_prompts
@@ -18,11 +19,17 @@ from tiny import chat_tokenizer, hf_model, sharpen, tiny_llm
 
 
 def _tiny(monkeypatch, seqs: int):
-    """The tiny sharpened qwen2 behind an engine of `seqs` sequences, its chat tokenizer, the fake prompt stream."""
+    """The tiny sharpened qwen2 behind an engine of `seqs` sequences, its chat tokenizer, the fake prompt stream.
+    Its linears packed for oneDNN as `build_model` packs every float32 CPU model (models/cpu_linear.py): the bit
+    equality checked here rests on the products' batch invariance, which the packed products give on every CPU
+    (a one-row product runs as two rows), while torch's plain fp32 `linear` gives it on some only (on an AMD EPYC,
+    session 49, a row's bits depended on how many rows were multiplied with it, one row or 2-40)."""
     if monkeypatch is not None:
         monkeypatch.setattr(D, "distill_prompts", _fake_prompts)
     tok = chat_tokenizer()
-    return tiny_llm(sharpen(hf_model("qwen2", seed=3), 4.0), tokenizer=tok, max_num_seqs=seqs), tok
+    llm = tiny_llm(sharpen(hf_model("qwen2", seed=3), 4.0), tokenizer=tok, max_num_seqs=seqs)
+    assert pack_linears(llm.model) > 0
+    return llm, tok
 
 
 def _shards(folder, split="train"):

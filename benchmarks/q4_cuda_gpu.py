@@ -119,6 +119,9 @@ def step(bw: float, layers: int | None, repeats: int, name: str, triton: dict, c
     ctx = torch.full((1,), ctx0, dtype=torch.int64, device=G.DEV)
     variants = {"engine, Triton products": ((), "0", triton), "engine, CUDA 1-row products": ((), "1", cuda_all),
                 "engine, CUDA where it won alone": ((), "1", cuda_won),
+                # a card without a table: each product's default, the CUDA kernel's (quant_cuda.default_c_config)
+                # where NVRTC runs, Triton's where it does not
+                "engine, no table: CUDA defaults": ((), "1", {}), "engine, no table: Triton defaults": ((), "0", {}),
                 "products only, Triton": (("norm", "rope", "attn"), "0", triton),
                 "products only, CUDA": (("norm", "rope", "attn"), "1", cuda_all)}
     runs: dict[str, list[float]] = {nm: [] for nm in variants}

@@ -7,7 +7,7 @@ it waits on the kernel before, so the best (rows per warp, warps, depth) there c
 Qwen3-8B-shape int4 decode step (batch 1, 512 cached tokens, graph replays) with one product's configuration
 changed at a time, the tuned table between each candidate (the card's clocks drift), then every product's best
 together against the table, interleaved. Prints a table, writes JSON (+ PNG) and, with --write, the winners into
-the H200 entry of q4_configs.json (only those that beat the table in the final comparison).
+this card's entry of q4_configs.json (only those that beat the table in the final comparison).
 
     python benchmarks/q4_step_configs_gpu.py --out benchmarks/results/q4_step_configs_h200.json
 """

@@ -402,9 +402,15 @@ def test_cuda_c_kernel_falls_back_to_triton_configs_where_it_cannot_run(monkeypa
     assert quant_cuda.tuned(1, 64, 256, False) == v
     quant_cuda.set_configs("test card", {key: c})
     assert quant_cuda.tuned(1, 64, 256, False) == quant_cuda.default_config(1)
+    assert quant_cuda.tuned(1, 4096, 12288, False) == quant_cuda.default_config(1)  # untuned, no NVRTC: Triton
     monkeypatch.setattr(quant_cuda, "q4c_available", lambda: True)
     assert quant_cuda.tuned(1, 64, 256, False) == c
     assert quant_cuda.tuned(2, 64, 256, False) != c  # one row only
+    # an untuned 1-row shape (a card without a table) where the kernel runs: the CUDA kernel's default
+    for n, k, glu, rows, depth in ((4096, 12288, False, 1, 4), (6144, 4096, False, 2, 2), (12288, 4096, True, 1, 2),
+                                     (151936, 4096, False, 1, 2)):
+        got = quant_cuda.tuned(1, n, k, glu)
+        assert got == dict(kernel="c", block_n=rows, block_k=k, use_dot=False, num_warps=16, num_stages=depth), got
     monkeypatch.setenv("FORERUN_Q4_CUDA", "0")
     from forerun.kernels import q4_cuda
     assert not q4_cuda.available()

@@ -90,6 +90,16 @@ def default_config(m: int, bits: int = 4) -> dict:
         dict(kernel="v", block_n=8, block_k=4096, use_dot=False, num_warps=4, num_stages=2)
 
 
+def default_c_config(n: int, k: int, glu: bool) -> dict:
+    """The 1-row CUDA C++ kernel's configuration for a shape or card the table lacks: what won most often where it
+    was tuned (q4_cuda_gpu.py on the H200 and the H100, 8B and 0.6B shapes: 16 warps, two rows a warp for plain
+    matrices up to 8192 x 4096, one for SwiGLU pairs, longer and wider ones, more groups in flight for long rows). On the
+    H100 before its table existed, the Triton default it replaces took 1.07-1.19x the time of each tuned winner
+    (q4_cuda_h100.json)."""
+    rows = 1 if glu or n > 8192 or k > 4096 else 2
+    return dict(kernel="c", block_n=rows, block_k=k, use_dot=False, num_warps=16, num_stages=4 if k > 4096 else 2)
+
+
 def set_configs(name: str, table: dict) -> None:
     """Use this table (config_key -> config) for card `name` from now on (the tuning benchmark)."""
     _tables[name] = table
@@ -127,6 +137,8 @@ def tuned(m: int, n: int, k: int, glu: bool, bits: int = 4) -> dict:
             if got["kernel"] == "m" and opt in got:  # (the tuner tries both ways; absent: lane scales read, direct
                 cfg[opt] = got[opt]  # activation loads)
         return cfg
+    if bits == 4 and m == 1 and NVRTC_KERNELS["c"]():  # an untuned shape or card: the CUDA C++ kernel
+        return default_c_config(n, k, glu)
     if bits == 4 and m >= 2 and q4m_fits(m, n, k) and NVRTC_KERNELS["m"]():  # an untuned shape (a draft model's):
         # the tensor-core kernel beat every tuned Triton entry at 2-16 rows on the 8B shapes (q4_mma_h200.json)
         return dict(kernel="m", block_n=16, block_k=k, use_dot=True, num_warps=q4m_default_warps(k), num_stages=4)

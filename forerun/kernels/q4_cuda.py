@@ -46,6 +46,7 @@ _SRC = r"""
 #define PDL {PDL}
 #define NORM {NORM}
 #define NW (GLU ? 2 * R_ : R_)
+#define T_ ((4 * G_ + WARPS * 32 - 1) / (WARPS * 32))  // words of the activation row per thread
 
 __device__ __forceinline__ float bf2f(unsigned short h) {{ return __uint_as_float(((unsigned int)h) << 16); }}
 
@@ -125,8 +126,7 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
     uint4* xq = smem;                        // [4][G_]: pairs of word c of group g at xq[c * G_ + g]
     float* gsum = (float*)(smem + 4 * G_);   // [G_]
 #if NORM
-    uint4* xs = smem + 4 * G_ + (G_ + 3) / 4;  // [4 G_]: the words of x + res
-    float* red = (float*)(xs + 4 * G_);        // [WARPS]
+    float* red = (float*)(smem + 4 * G_ + (G_ + 3) / 4);  // [WARPS]
 #endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int row0 = (blockIdx.x * WARPS + warp) * R_;
@@ -153,24 +153,43 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
             }}
         }}
     }}
+#if NORM
+    // the norm weight is a constant of the model: this thread's words of it are fetched before the wait too
+    uint4 nwr[T_];
+    #pragma unroll
+    for (int t = 0; t < T_; t++) {{
+        const int i = t * WARPS * 32 + threadIdx.x;
+        nwr[t] = i < 4 * G_ ? __ldg(nw + i) : make_uint4(0u, 0u, 0u, 0u);
+    }}
+#endif
 #if PDL
     asm volatile("griddepcontrol.launch_dependents;");
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 #if NORM
     // x <- rmsnorm(x + res) * nw, as kernels/fused_norm.py's add_rmsnorm (sum rounded to bf16, then the
-    // normalised value, then the product with the weight); block 0 writes the sum (the residual stream)
+    // normalised value, then the product with the weight); block 0 writes the sum (the residual stream). Each
+    // thread keeps its words of the sum in registers for the conversion below (same words, same thread), so the
+    // prologue adds to the plain kernel's one load of the row only the residual's load (issued together) and one
+    // block reduction.
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < 4 * G_; i += WARPS * 32) {{
-        uint4 v = __ldca(x + i);  // (coherent loads: see the note on the activations below)
-        if (res) {{
-            const uint4 r = __ldca(res + i);
-            v.x = add2(v.x, r.x, ss); v.y = add2(v.y, r.y, ss); v.z = add2(v.z, r.z, ss); v.w = add2(v.w, r.w, ss);
-            if (blockIdx.x == 0) s_out[i] = v;
-        }} else {{
-            ss = sq2(v.x, sq2(v.y, sq2(v.z, sq2(v.w, ss))));
+    uint4 vr[T_];
+    #pragma unroll
+    for (int t = 0; t < T_; t++) {{
+        const int i = t * WARPS * 32 + threadIdx.x;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (i < 4 * G_) {{
+            v = __ldca(x + i);  // (coherent loads: see the note on the activations below)
+            if (res) {{
+                const uint4 r = __ldca(res + i);
+                v.x = add2(v.x, r.x, ss); v.y = add2(v.y, r.y, ss);
+                v.z = add2(v.z, r.z, ss); v.w = add2(v.w, r.w, ss);
+                if (blockIdx.x == 0) s_out[i] = v;
+            }} else {{
+                ss = sq2(v.x, sq2(v.y, sq2(v.z, sq2(v.w, ss))));
+            }}
         }}
-        xs[i] = v;
+        vr[t] = v;
     }}
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
@@ -182,12 +201,15 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
     const float inv = 1.0f / sqrtf(tot / (float)K_ + eps);
 #endif
     // the activation row -> pre-scaled f16 pairs and group sums (4 consecutive threads hold a group's words)
-    for (int base = 0; base < 4 * G_; base += WARPS * 32) {{  // whole warps stay together for the shuffles
-        const int i = base + threadIdx.x;
+#if NORM
+    #pragma unroll
+#endif
+    for (int t = 0; t < T_; t++) {{  // whole warps stay together for the shuffles
+        const int i = t * WARPS * 32 + threadIdx.x;
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
 #if NORM
-        uint4 wn = make_uint4(0u, 0u, 0u, 0u);
-        if (i < 4 * G_) {{ v = xs[i]; wn = nw[i]; }}
+        uint4 wn = nwr[t];
+        v = vr[t];
 #define NV(h, c) bfr(bfr(bf2f(h) * inv) * bf2f(c))
         float a0 = NV(v.x & 0xFFFF, wn.x & 0xFFFF), a1 = NV(v.x >> 16, wn.x >> 16);
         float a2 = NV(v.y & 0xFFFF, wn.y & 0xFFFF), a3 = NV(v.y >> 16, wn.y >> 16);
@@ -287,8 +309,8 @@ def dequant_available(t: torch.Tensor | None = None) -> bool:
 
 def smem_bytes(k: int, norm: bool = False) -> int:
     g = k // GROUP
-    if norm:  # the pairs, the group sums (padded to 16 bytes), the words of x + res, a float per warp
-        return 16 * (8 * g + (g + 3) // 4) + 4 * 32
+    if norm:  # the pairs, the group sums (padded to 16 bytes), a float per warp
+        return 16 * (4 * g + (g + 3) // 4) + 4 * 32
     return g * (4 * 16 + 4)
 
 

@@ -32,8 +32,9 @@ class FusedLayerOps(LayerOps):
         weights before waiting; None: kernels/fused_norm.py's default). fuse_norms: 1-row add + RMSNorm done in the
         prologue of the product after it where that product can (quantized matrices with `norm_product`: the
         CUDA C++ int4 kernel); None: off unless FORERUN_FUSE_NORMS=1. Off because it measured slower on the H200
-        (8B-shape int4 step 1.998 -> 2.076 ms, docs/performance.md): the norm's own kernel runs while the product
-        after it fetches its weights, whereas in the prologue every block repeats it after its wait."""
+        (8B-shape int4 step 1.998 -> 2.076 ms, docs/performance.md; on the H100, session 49, with the row kept in
+        registers: 2.143 -> 2.203 ms, docs/quantization.md): the norm's own kernel runs while the product after it
+        fetches its weights, whereas in the prologue every block repeats it after its wait."""
         self.max_skinny_rows = min(max_skinny_rows, MAX_ROWS)
         self.pdl_norms = pdl_norms
         self.fuse_norms = os.environ.get("FORERUN_FUSE_NORMS", "0") == "1" if fuse_norms is None else fuse_norms

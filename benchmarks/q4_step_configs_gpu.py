@@ -109,7 +109,7 @@ def main() -> int:
         for key, (r, w, d) in best.items():  # (its time alone and error were the old configuration's)
             entry = {f: v for f, v in base[key].items() if f not in ("us", "rel_err")}
             entries[key] = dict(entry, block_n=r, num_warps=w, num_stages=d,
-                                step_tuned=os.path.relpath(args.out, G.REPO))
+                                step_tuned="benchmarks/results/" + os.path.basename(args.out))  # (where it is committed)
         quant_cuda.save_configs(name, entries)
         print(f"wrote {sorted(best)} into {quant_cuda.CONFIGS}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -31,6 +31,20 @@ REPO = Path(__file__).resolve().parent.parent
 SRC = "forerun/kernels/cpu_q4.c"
 
 
+def random_packs(n: int, k: int, mb: float, g: torch.Generator) -> list[torch.Tensor]:
+    """Copies of random int4 weights [n, k] packed for cpu_q4 (codes 0..15, fp16 scales, offset -8 * scale), about
+    `mb` megabytes in all and at least 5, so that calls taking turns over them never find their weights in cache."""
+    from forerun.kernels import cpu_q4
+
+    copies = max(5, int(mb * 1e6 // (n * k * 5 / 8)))  # (odd or >= 5: consecutive calls never share one)
+    packs = []
+    for _ in range(copies):
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+        s = (torch.rand(n, k // 32, generator=g) * 0.01).half()
+        packs.append(cpu_q4.pack_weights(q, s, -8 * s))
+    return packs
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--against", required=True, help="git revision whose cpu_q4.c is the baseline")
@@ -68,13 +82,9 @@ def main() -> int:
         print(f"{'N x K':>12} {'rows':>5} {'before ms':>10} {'now ms':>8} {'now/before':>10}")
     for shape in ([] if a.q6k else a.shapes.split(",")):
         n, k = (int(x) for x in shape.split("x"))
-        copies = max(5, int(a.mb * 1e6 // (n * k * 5 / 8)))  # (odd or >= 5: consecutive calls never share one)
         g = torch.Generator().manual_seed(0)
-        packs = []
-        for _ in range(copies):
-            q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
-            s = (torch.rand(n, k // 32, generator=g) * 0.01).half()
-            packs.append(cpu_q4.pack_weights(q, s, -8 * s))
+        packs = random_packs(n, k, a.mb, g)
+        copies = len(packs)
         for m in rows_list:
             xq, xs, isum = cpu_q4.quantize_activations_c(torch.randn(m, k, generator=g))
             ys = {v: torch.empty(m, n) for v in libs}

@@ -25,6 +25,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+from cpu_q4_ab import random_packs  # noqa: E402
 
 # (text in group_rows, its knock-out form under #ifdef): the float epilogue, the activation loads, the dot products
 EPILOGUE = ('''                const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));  // lane l: group 16 c + l
@@ -98,13 +100,9 @@ def main() -> int:
     print(f"{'N x K':>12} {'rows':>5} " + " ".join(f"{v[:14]:>14}" for v in names))
     for shape in a.shapes.split(","):
         n, k = (int(x) for x in shape.split("x"))
-        copies = max(5, int(a.mb * 1e6 // (n * k * 5 / 8)))
         g = torch.Generator().manual_seed(0)
-        packs = []
-        for _ in range(copies):
-            q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
-            s = (torch.rand(n, k // 32, generator=g) * 0.01).half()
-            packs.append(cpu_q4.pack_weights(q, s, -8 * s))
+        packs = random_packs(n, k, a.mb, g)
+        copies = len(packs)
         for m in (int(x) for x in a.rows.split(",")):
             xq, xs, isum = cpu_q4.quantize_activations_c(torch.randn(m, k, generator=g))
             y = torch.empty(m, n)

@@ -83,6 +83,39 @@ INLINE void group_rows(const uint8_t *g, int64_t k, const int8_t *xq, const floa
             xsv[i] = _mm512_loadu_ps(xs + i * sstride + 16 * c);
             isv[i] = _mm512_loadu_ps(isum + i * sstride + 16 * c);
         }
+        if (mb == 2) {  // two activation rows: two weight rows at a time share each activation load (one load, two
+            // dot products; session 49, gate/up 0.86-0.91x the time). From 3 rows the codes of two weight rows, the
+            // activations and the 4 x mb accumulators no longer fit the 32 registers: the loop below.
+            for (int r = 0; r < 4; r += 2) {
+                __m512i lo[2][4], hi[2][4];
+                for (int u = 0; u < 2; u++)
+                    for (int j = 0; j < 4; j++) {
+                        const __m512i v = _mm512_maskz_loadu_epi32(mk, cp + ((r + u) * 4 + j) * 4 * ng);
+                        lo[u][j] = _mm512_and_si512(v, low);
+                        hi[u][j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                    }
+                for (int i = 0; i < 2; i++) {
+                    const int8_t *xa = xq + i * astride + c * 512;
+                    __m512i d0[2], d1[2];
+                    for (int j = 0; j < 4; j++) {
+                        const __m512i a0 = _mm512_loadu_si512(xa + 128 * j), a1 = _mm512_loadu_si512(xa + 128 * j + 64);
+                        for (int u = 0; u < 2; u++) {
+                            d0[u] = _mm512_dpbusd_epi32(j ? d0[u] : _mm512_setzero_si512(), lo[u][j], a0);
+                            d1[u] = _mm512_dpbusd_epi32(j ? d1[u] : _mm512_setzero_si512(), hi[u][j], a1);
+                        }
+                    }
+                    for (int u = 0; u < 2; u++) {  // (the same integers and float operations, in the same order, as below)
+                        const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hdr + 16 * (r + u))));
+                        const __m512 ow = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hdr + 64 + 16 * (r + u))));
+                        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(d0[u], d1[u]));
+                        acc[r + u][i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sw, xsv[i]), acc[r + u][i]);
+                        acc[r + u][i] = _mm512_fmadd_ps(ow, isv[i], acc[r + u][i]);
+                    }
+                }
+            }
+            p = cp + 64 * ng;
+            continue;
+        }
         for (int r = 0; r < 4; r++) {
             const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hdr + 16 * r)));
             const __m512 ow = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hdr + 64 + 16 * r)));

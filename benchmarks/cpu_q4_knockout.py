@@ -1,9 +1,9 @@
 """Where the CPU int4 product's time goes at several activation rows, by knock-out (issue 12, session 49).
 
 A copy of forerun/kernels/cpu_q4.c is built several times, each with one piece of the 512-bit VNNI inner loop
-(`group_rows`) replaced by a cheaper stand-in: the float epilogue (convert the int32 dot products, scale, offset),
-three of every four activation loads, the `vpdpbusd` dot products (an and + add instead), or all three. The
-stand-ins give wrong numbers on purpose: only the times mean anything. All builds run interleaved in one process on
+(`group_rows`) replaced by a cheaper stand-in: the float epilogue (`fold_dots`: convert the int32 dot products,
+scale, offset), three of every four activation loads, the `vpdpbusd` dot products (an and + add instead), or all
+three. The stand-ins give wrong numbers on purpose: only the times mean anything. All builds run interleaved in one process on
 the same packed random weights (copies rotate so that no call finds its weights in cache), median ms per product.
 Needs an AVX-512 VNNI CPU (the AVX2 build has another inner loop). Prints a table, writes JSON.
 
@@ -28,13 +28,12 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 from cpu_q4_ab import random_packs  # noqa: E402
 
-# (text in group_rows, its knock-out form under #ifdef): the float epilogue, the activation loads, the dot products
-EPILOGUE = ('''                const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));  // lane l: group 16 c + l
-                acc[r][i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sw, xsv[i]), acc[r][i]);
-                acc[r][i] = _mm512_fmadd_ps(ow, isv[i], acc[r][i]);''',
+# (text in fold_dots / group_rows, its knock-out form under #ifdef): the float epilogue, the activation loads, the dot products
+EPILOGUE = ('''    const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
+    acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(sw, xs), acc);
+    return _mm512_fmadd_ps(ow, is, acc);''',
             '''#ifdef KO_EPI
-                acc[r][i] = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(acc[r][i]),
-                                                                 _mm512_add_epi32(d0, d1)));
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(acc), _mm512_add_epi32(d0, d1)));
 #else
 {orig}
 #endif''')

@@ -63,6 +63,22 @@ INLINE __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+// weight row r's codes in a chunk of ng groups (4 loads), split into low and high nibbles
+INLINE void unpack_row(const uint8_t *cp, __mmask16 mk, int r, int ng, __m512i low, __m512i lo[4], __m512i hi[4]) {
+    for (int j = 0; j < 4; j++) {
+        const __m512i v = _mm512_maskz_loadu_epi32(mk, cp + (r * 4 + j) * 4 * ng);
+        lo[j] = _mm512_and_si512(v, low);
+        hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+}
+
+// acc + one chunk of (weight row, activation row): lane l of d0 + d1 is group 16 c + l's int32 dot product
+INLINE __m512 fold_dots(__m512 acc, __m512i d0, __m512i d1, __m512 sw, __m512 xs, __m512 ow, __m512 is) {
+    const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));
+    acc = _mm512_fmadd_ps(dot, _mm512_mul_ps(sw, xs), acc);
+    return _mm512_fmadd_ps(ow, is, acc);
+}
+
 // one row group (4 weight rows) x mb activation rows -> out[i * 4 + r]
 INLINE void group_rows(const uint8_t *g, int64_t k, const int8_t *xq, const float *xs, const float *isum,
                        const int mb, float *out) {
@@ -88,12 +104,7 @@ INLINE void group_rows(const uint8_t *g, int64_t k, const int8_t *xq, const floa
             // activations and the 4 x mb accumulators no longer fit the 32 registers: the loop below.
             for (int r = 0; r < 4; r += 2) {
                 __m512i lo[2][4], hi[2][4];
-                for (int u = 0; u < 2; u++)
-                    for (int j = 0; j < 4; j++) {
-                        const __m512i v = _mm512_maskz_loadu_epi32(mk, cp + ((r + u) * 4 + j) * 4 * ng);
-                        lo[u][j] = _mm512_and_si512(v, low);
-                        hi[u][j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-                    }
+                for (int u = 0; u < 2; u++) unpack_row(cp, mk, r + u, ng, low, lo[u], hi[u]);
                 for (int i = 0; i < 2; i++) {
                     const int8_t *xa = xq + i * astride + c * 512;
                     __m512i d0[2], d1[2];
@@ -107,9 +118,7 @@ INLINE void group_rows(const uint8_t *g, int64_t k, const int8_t *xq, const floa
                     for (int u = 0; u < 2; u++) {  // (the same integers and float operations, in the same order, as below)
                         const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hdr + 16 * (r + u))));
                         const __m512 ow = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hdr + 64 + 16 * (r + u))));
-                        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(d0[u], d1[u]));
-                        acc[r + u][i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sw, xsv[i]), acc[r + u][i]);
-                        acc[r + u][i] = _mm512_fmadd_ps(ow, isv[i], acc[r + u][i]);
+                        acc[r + u][i] = fold_dots(acc[r + u][i], d0[u], d1[u], sw, xsv[i], ow, isv[i]);
                     }
                 }
             }
@@ -120,11 +129,7 @@ INLINE void group_rows(const uint8_t *g, int64_t k, const int8_t *xq, const floa
             const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hdr + 16 * r)));
             const __m512 ow = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(hdr + 64 + 16 * r)));
             __m512i lo[4], hi[4];
-            for (int j = 0; j < 4; j++) {
-                const __m512i v = _mm512_maskz_loadu_epi32(mk, cp + (r * 4 + j) * 4 * ng);
-                lo[j] = _mm512_and_si512(v, low);
-                hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            }
+            unpack_row(cp, mk, r, ng, low, lo, hi);
             for (int i = 0; i < mb; i++) {
                 const int8_t *xa = xq + i * astride + c * 512;
                 __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], _mm512_loadu_si512(xa));
@@ -133,9 +138,7 @@ INLINE void group_rows(const uint8_t *g, int64_t k, const int8_t *xq, const floa
                     d0 = _mm512_dpbusd_epi32(d0, lo[j], _mm512_loadu_si512(xa + 128 * j));
                     d1 = _mm512_dpbusd_epi32(d1, hi[j], _mm512_loadu_si512(xa + 128 * j + 64));
                 }
-                const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(d0, d1));  // lane l: group 16 c + l
-                acc[r][i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(sw, xsv[i]), acc[r][i]);
-                acc[r][i] = _mm512_fmadd_ps(ow, isv[i], acc[r][i]);
+                acc[r][i] = fold_dots(acc[r][i], d0, d1, sw, xsv[i], ow, isv[i]);
             }
         }
         p = cp + 64 * ng;

@@ -25,7 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gpu as G  # noqa: E402
 from forerun.attention import cuda_decode  # noqa: E402
 from forerun.attention.triton_backend import TritonPagedAttention  # noqa: E402
-from forerun.models.quant_cuda import l2_prefetch_plan  # noqa: E402
 from forerun.runtime.cuda_graph import GraphRunner  # noqa: E402
 
 # variant -> (operations knocked out, attention KV splits (None: the backend's own choice)[, decode attention in
@@ -33,20 +32,6 @@ from forerun.runtime.cuda_graph import GraphRunner  # noqa: E402
 VARIANTS = {
     "engine": ((), None),
     "engine, add+norm fused into the products": (("fused",), None),
-    "engine, L2 prefetch of the next product's first 4 MB": (("pf4",), None),
-    "engine, L2 prefetch of the next product's first 8 MB": (("pf8",), None),
-    "engine, L2 prefetch of the next product's first 16 MB": (("pf16",), None),
-    "engine, L2 prefetch at the end of 4 MB": (("pf4", "end"), None),
-    "engine, L2 prefetch at the end of 8 MB": (("pf8", "end"), None),
-    "engine, L2 prefetch at the end of 16 MB": (("pf16", "end"), None),
-    "engine, L2 prefetch at the end of 32 MB": (("pf32", "end"), None),
-    "engine, side-stream L2 prefetch of o + gate/up, 16 MB": (("side16",), None),
-    "engine, side-stream L2 prefetch of o + gate/up, 24 MB": (("side24",), None),
-    "engine, side-stream L2 line prefetch of o + gate/up, 24 MB": (("side24", "lines"), None),
-    "engine, L2 line prefetch of the next product's first 8 MB": (("pf8", "lines"), None),
-    "engine, L2 line prefetch of the next product's first 16 MB": (("pf16", "lines"), None),
-    "engine, L2 line prefetch at the end of 8 MB": (("pf8", "end", "lines"), None),
-    "engine, L2 line prefetch at the end of 16 MB": (("pf16", "end", "lines"), None),
     "engine, CUDA C++ decode attention (4 warps)": ((), None, (4, 0)),
     "engine, CUDA C++ decode attention (8 warps)": ((), None, (8, 0)),
     "attention 1 split": ((), 1),
@@ -70,12 +55,6 @@ def install(model, knocked: tuple[str, ...], splits: int | None, originals: dict
         cuda_decode.WARPS, cuda_decode.TRIGGER = cuda_attention
     bufs: dict = {}
     ops.fuse_norms = "fused" in knocked
-    caps = [int(w[2:]) for w in knocked if w.startswith("pf")]
-    l2_prefetch_plan(model, caps[0] << 20 if caps else None)
-    os.environ["FORERUN_L2PF_AT"] = str((2 if "end" in knocked else 1) + (4 if "lines" in knocked else 0))
-    sides = [int(w[4:]) for w in knocked if w.startswith("side")]
-    if sides:  # a prefetch kernel on a side stream after each qkv product: o's weights, then gate/up's first bytes
-        side_prefetch(model, sides[0] << 20, "lines" in knocked)
     if "norm" in knocked:
         ops.add_rmsnorm = lambda x, residual, norm: (x, x if residual is None else residual)
         ops.norm_linear = lambda x, residual, norm, layer, out_dtype=None: (
@@ -90,51 +69,6 @@ def install(model, knocked: tuple[str, ...], splits: int | None, originals: dict
         ops.qkv_to_cache = qkv_to_cache
     if "attn" in knocked:
         model.backend.forward = lambda q, k, v, meta, scale, window=None: q
-
-
-def side_prefetch(model, cap: int, lines: bool) -> None:
-    """After each layer's qkv product, fork a side stream that runs one L2 prefetch kernel (q4_cuda.l2_prefetch)
-    of the layer's o weights and the first (cap - o) bytes of its gate/up weights, while RoPE and attention run
-    on the main stream; joined before the next layer's RoPE (long done by then) and before the head. The main
-    stream's kernels never wait on a prefetch that is still running (the kernel that issues them would not end
-    before its bulk prefetches land, a 1-row product's own prefetch slowed the step: the pf variants)."""
-    from forerun.kernels import q4_cuda
-    from forerun.models.quant_cuda import _head_ranges
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    layers = model.model.layers
-    plans = []
-    for lay in layers:
-        o, gu = lay.self_attn.o_proj, lay.mlp.gate_up_proj
-        r = _head_ranges(o, False, 1 << 40)
-        rest = cap - o.weight_bytes
-        if rest > 0:
-            r += _head_ranges(gu, True, rest)
-        plans.append(q4_cuda.prefetch_plan(r, sms))
-    stream = torch.cuda.Stream()
-    ops = model.ops
-    qkv_to_cache, norm_linear = ops.qkv_to_cache, ops.norm_linear
-
-    forked = [False]  # a prefetch of this forward not joined yet (a capture must join every fork it made)
-    q4_cuda.l2_prefetch(plans[0], sms, lines)  # (compiled before any capture)
-
-    def fork(qkv, positions, rope, q_norm, k_norm, layer, *a):
-        cur = torch.cuda.current_stream()
-        if forked[0]:
-            cur.wait_stream(stream)  # (the previous layer's prefetch: done long ago)
-        stream.wait_stream(cur)  # after the qkv product
-        with torch.cuda.stream(stream):
-            q4_cuda.l2_prefetch(plans[layer], sms, lines)
-        forked[0] = True
-        return qkv_to_cache(qkv, positions, rope, q_norm, k_norm, layer, *a)
-
-    def join(x, residual, norm, layer, out_dtype=None):
-        if forked[0]:
-            torch.cuda.current_stream().wait_stream(stream)
-            forked[0] = False
-        return norm_linear(x, residual, norm, layer, out_dtype)
-
-    ops.qkv_to_cache, ops.norm_linear = fork, join
 
 
 def plot(res: dict, path: str) -> None:

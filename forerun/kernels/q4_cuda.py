@@ -45,8 +45,6 @@ _SRC = r"""
 #define GLU {GLU}
 #define PDL {PDL}
 #define NORM {NORM}
-#define PF {PF}
-#define PF_LINES {PF_LINES}
 #define NW (GLU ? 2 * R_ : R_)
 #define T_ ((4 * G_ + WARPS * 32 - 1) / (WARPS * 32))  // words of the activation row per thread
 
@@ -119,42 +117,10 @@ __device__ __forceinline__ unsigned int word_dot(unsigned int w, uint4 xp, unsig
     return acc;
 }}
 
-// L2 prefetch of weights a later kernel reads (models/quant_cuda.py, l2_prefetch_plan): pf = [ranges, their
-// bytes in all, blocks to share them, (address, bytes) per range]; block b < blocks requests bytes
-// [b * share, (b + 1) * share) of the ranges laid end to end, 4 KB per cp.async.bulk.prefetch, from its
-// last warp. Constants of the
-// model, so before the wait: the kernels between this one and that one (attention, norms) read little, and
-// the memory would idle while they run.
-
-#define PREFETCH_L2(FROM_END) \
-    if (warp == WARPS - 1) {{ \
-        const int nr = (int)pf[0]; \
-        const long long total = pf[1], nb = min((long long)gridDim.x, pf[2]); \
-        const long long share = ((total + nb - 1) / nb + 4095) & ~4095LL; \
-        const long long lo = (long long)(FROM_END ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * share, hi = min(lo + share, total); \
-        long long at = 0; \
-        for (int r = 0; r < nr && at < hi; r++) {{ \
-            const char* base = (const char*)pf[3 + 2 * r]; \
-            const long long len = pf[4 + 2 * r]; \
-            const long long b = min(hi, at + len); \
-            if (PF_LINES) {{ \
-                for (long long c = max(lo, at) + 128LL * lane; c < b; c += 128LL * 32) \
-                    asm volatile("prefetch.global.L2 [%0];" :: "l"(base + (c - at))); \
-            }} else {{ \
-                for (long long c = max(lo, at) + 4096LL * lane; c < b; c += 4096LL * 32) {{ \
-                    const unsigned int sz = (unsigned int)min(4096LL, b - c); \
-                    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(base + (c - at)), "r"(sz) : "memory"); \
-                }} \
-            }} \
-            at += len; \
-        }} \
-    }}
-
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsigned short* __restrict__ S,
          const unsigned short* __restrict__ Z, unsigned short* __restrict__ y, int n_out, int glu_off,
-         const uint4* __restrict__ res, const uint4* __restrict__ nw, uint4* __restrict__ s_out, float eps,
-         const long long* __restrict__ pf)
+         const uint4* __restrict__ res, const uint4* __restrict__ nw, uint4* __restrict__ s_out, float eps)
 {{
     extern __shared__ uint4 smem[];
     uint4* xq = smem;                        // [4][G_]: pairs of word c of group g at xq[c * G_ + g]
@@ -195,9 +161,6 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
         const int i = t * WARPS * 32 + threadIdx.x;
         nwr[t] = i < 4 * G_ ? __ldg(nw + i) : make_uint4(0u, 0u, 0u, 0u);
     }}
-#endif
-#if PF == 1
-    PREFETCH_L2(0)
 #endif
 #if PDL
     asm volatile("griddepcontrol.launch_dependents;");
@@ -326,9 +289,6 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
             y[row0 + r] = b;
         }}
     }}
-#if PF == 2
-    PREFETCH_L2(1)
-#endif
 }}
 """
 
@@ -354,10 +314,8 @@ def smem_bytes(k: int, norm: bool = False) -> int:
     return g * (4 * 16 + 4)
 
 
-def source(k: int, rows: int, warps: int, depth: int, glu: bool, pdl: bool, norm: bool = False,
-           prefetch: bool = False) -> str:
-    return _SRC.format(K=k, R=rows, WARPS=warps, DEPTH=depth, GLU=int(glu), PDL=int(pdl), NORM=int(norm),
-                       PF=int(prefetch) % 4, PF_LINES=int(prefetch) // 4)  # (0 none, 1 before the wait, 2 at the end)
+def source(k: int, rows: int, warps: int, depth: int, glu: bool, pdl: bool, norm: bool = False) -> str:
+    return _SRC.format(K=k, R=rows, WARPS=warps, DEPTH=depth, GLU=int(glu), PDL=int(pdl), NORM=int(norm))
 
 
 @functools.lru_cache(maxsize=None)
@@ -365,20 +323,18 @@ def _kernel_on(device: int, *config):
     return nvrtc.kernel(source(*config), "q4c_gemv")
 
 
-def _kernel(k: int, rows: int, warps: int, depth: int, glu: bool, pdl: bool, norm: bool = False,
-            prefetch: bool = False):
-    return _kernel_on(torch.cuda.current_device(), k, rows, warps, depth, glu, pdl, norm, prefetch)
+def _kernel(k: int, rows: int, warps: int, depth: int, glu: bool, pdl: bool, norm: bool = False):
+    return _kernel_on(torch.cuda.current_device(), k, rows, warps, depth, glu, pdl, norm)
 
 
 def q4c_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, glu: bool = False,
                rows: int | None = None, warps: int | None = None, depth: int | None = None,
-               pdl: bool | None = None, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+               pdl: bool | None = None) -> torch.Tensor:
     """y = x @ W^T for one contiguous bf16 row x [1, K] and W in quant_gemm's int4 word layout (glu: W holds gate
     rows then up rows, y = silu(x @ gate^T) * (x @ up^T)); bf16 [1, N] (or N / 2). The result matches
     `q4v_linear` up to f16 rounding of the group sums. rows: output rows per warp; warps per block; depth:
-    groups of weights in flight per lane ahead of the arithmetic. prefetch: an int64 plan on the device
-    (`prefetch_plan`) of bytes to request into L2 before the wait (Hopper: with PDL), for a later kernel."""
-    return _launch(x, None, qw32, scale, zero, glu, rows, warps, depth, pdl, prefetch)[0]
+    groups of weights in flight per lane ahead of the arithmetic."""
+    return _launch(x, None, qw32, scale, zero, glu, rows, warps, depth, pdl)[0]
 
 
 def q4c_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -402,50 +358,7 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:  # the kernel reads rows 16 bytes
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-_PF_SRC = r"""
-#define WARPS 1
-#define PF_LINES {PF_LINES}
-{MACRO}
-extern "C" __global__ void l2_prefetch(const long long* __restrict__ pf)
-{{
-    const int lane = threadIdx.x & 31, warp = 0;
-    PREFETCH_L2(0)
-}}
-"""
-
-
-@functools.lru_cache(maxsize=None)
-def _pf_kernel_on(device: int, lines: bool):
-    a = _SRC.index("#define PREFETCH_L2")
-    macro = _SRC[a: _SRC.index("extern \"C\"", a)].replace("{{", "{").replace("}}", "}")
-    return nvrtc.kernel(_PF_SRC.format(PF_LINES=int(lines), MACRO=macro), "l2_prefetch")
-
-
-def l2_prefetch(plan: torch.Tensor, blocks: int, lines: bool = False) -> None:
-    """A kernel of `blocks` one-warp blocks that requests the plan's bytes into L2 (bulk prefetches of 4 KB, or
-    one prefetch per 128-byte line) and does nothing else (an experiment: benchmarks/q4_l2_gpu.py)."""
-    with torch.cuda.device(plan.device):
-        nvrtc.launch(_pf_kernel_on(torch.cuda.current_device(), lines), blocks, 32, 0, [plan], False)
-
-
-def prefetch_plan(ranges: list[tuple[torch.Tensor, int, int]], blocks: int) -> torch.Tensor:
-    """The device plan `q4c_linear(prefetch=...)` reads: ranges (tensor, byte offset, bytes) of CUDA tensors that
-    must outlive it, offsets and lengths multiples of 16 bytes; shared among at most `blocks` blocks of the
-    launch (the first ones: resident early)."""
-    if not ranges or blocks < 1:
-        raise ValueError("prefetch_plan: at least one range and one block")
-    flat = []
-    for t, off, n in ranges:
-        if off % 16 or n % 16 or n <= 0 or off + n > t.numel() * t.element_size() or (t.data_ptr() + off) % 16:
-            raise ValueError(f"prefetch_plan: range at {off} of {n} bytes is not 16-byte aligned or not inside "
-                             f"its tensor of {t.numel() * t.element_size()} bytes")
-        flat += [t.data_ptr() + off, n]
-    return torch.tensor([len(ranges), sum(n for _, _, n in ranges), blocks] + flat, dtype=torch.int64,
-                        device=ranges[0][0].device)
-
-
-def _launch(x, norm, qw32, scale, zero, glu, rows, warps, depth, pdl, prefetch=None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch(x, norm, qw32, scale, zero, glu, rows, warps, depth, pdl) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     n = qw32.shape[0]
     if m != 1 or x.dtype != torch.bfloat16 or not x.is_contiguous() or qw32.shape[1] * 8 != k or k % GROUP \
@@ -467,12 +380,10 @@ def _launch(x, norm, qw32, scale, zero, glu, rows, warps, depth, pdl, prefetch=N
         extra = [null if residual is None else residual, _aligned(weight), s if residual is not None else null,
                  ctypes.c_float(eps)]
     with torch.cuda.device(x.device):  # x's device: its module, its current stream
-        kern = _kernel(k, rows, warps, depth, glu, pdl, norm is not None,
-                       0 if prefetch is None else int(os.environ.get("FORERUN_L2PF_AT", "1")))  # (+4: lines)
+        kern = _kernel(k, rows, warps, depth, glu, pdl, norm is not None)
         per_block = rows * warps
         nvrtc.launch(kern, (n_out + per_block - 1) // per_block, 32 * warps, smem_bytes(k, norm is not None),
-                     [x, qw32, scale, zero, y, n_out, n_out] + extra + [null if prefetch is None else prefetch],
-                     pdl)
+                     [x, qw32, scale, zero, y, n_out, n_out] + extra, pdl)
     return y, s
 
 

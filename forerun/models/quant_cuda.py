@@ -35,20 +35,18 @@ from torch import nn
 from ..kernels.quant_gemm import (GROUP, MAX_ROWS, Q8_MAX_ROWS, dequantize_int4_w32, dequantize_int8_w32,
                                   pack_int4_w32, pack_int8_w32, q4r_linear, q4t_linear, q4v_linear, q4w2_linear,
                                   q4w_linear, q8v_linear, unpack_int8_w32)
-from ..kernels.q4_cuda import available as q4c_available, dequant_available, prefetch_plan, q4c_dequant, \
-    q4c_linear, q4c_norm_linear, q8c_dequant
+from ..kernels.q4_cuda import available as q4c_available, dequant_available, q4c_dequant, q4c_linear, \
+    q4c_norm_linear, q8c_dequant
 from ..kernels.q4_mma import MAX_ROWS as Q4M_MAX_ROWS, SUPER as Q4M_SUPER, available as q4m_available, \
     default_warps as q4m_default_warps, fits as q4m_fits, packed_scales as q4m_packed_scales, q4m_linear
 from .quant import quantize_groups_int4
 
 
 
-def _q4c(x, qw32, scale, zero, glu, block_n, block_k, use_dot, num_warps, num_stages, prefetch=None):
+def _q4c(x, qw32, scale, zero, glu, block_n, block_k, use_dot, num_warps, num_stages):
     """The CUDA C++ decode kernel under the Triton kernels' configuration names: block_n = output rows per warp,
-    num_stages = groups of weights in flight per lane; it walks the whole of K (block_k, use_dot unused);
-    prefetch: its L2 prefetch plan (`l2_prefetch_plan`) or None."""
-    return q4c_linear(x, qw32, scale, zero, glu=glu, rows=block_n, warps=num_warps, depth=num_stages,
-                      prefetch=prefetch)
+    num_stages = groups of weights in flight per lane; it walks the whole of K (block_k, use_dot unused)."""
+    return q4c_linear(x, qw32, scale, zero, glu=glu, rows=block_n, warps=num_warps, depth=num_stages)
 
 
 def _q4m(x, qw32, scale, zero, glu, block_n, block_k, use_dot, num_warps, num_stages, packed=None, x_staged=False):
@@ -147,12 +145,10 @@ def tuned(m: int, n: int, k: int, glu: bool, bits: int = 4) -> dict:
     return default_config(m, bits)
 
 
-def q4_product(x: torch.Tensor, qw32, scale, zero, glu: bool, cfg: dict, packed=None, prefetch=None
-               ) -> torch.Tensor:
+def q4_product(x: torch.Tensor, qw32, scale, zero, glu: bool, cfg: dict, packed=None) -> torch.Tensor:
     """x @ W^T through the kernel cfg names; packed: the tensor-core kernel's copy of the scales and offsets
     (CudaQ4Linear.lane_scales), used by that kernel only, unless its entry says ``lane_scales: false``; an entry's
-    ``x_staged: true`` stages that kernel's activations through shared memory (q4_mma.q4m_linear); prefetch: an
-    L2 prefetch plan, taken by the 1-row CUDA kernel only."""
+    ``x_staged: true`` stages that kernel's activations through shared memory (q4_mma.q4m_linear)."""
     cfg = dict(cfg)
     k = x.shape[-1]
     while k % cfg["block_k"]:  # K steps must divide K (and stay powers of two): 896 -> 128, 1536 -> 512
@@ -161,8 +157,6 @@ def q4_product(x: torch.Tensor, qw32, scale, zero, glu: bool, cfg: dict, packed=
     lane_scales, x_staged = cfg.pop("lane_scales", True), cfg.pop("x_staged", False)
     if kernel == "m":
         cfg.update(packed=packed if lane_scales else None, x_staged=x_staged)
-    if kernel == "c" and prefetch is not None:
-        cfg.update(prefetch=prefetch)
     return KERNELS[kernel](x, qw32, scale, zero, glu=glu, **cfg)
 
 
@@ -230,7 +224,6 @@ class CudaQ4Linear(CudaQuantLinear):
         self.register_buffer("lane_scales", packed, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.to(dtype), requires_grad=False)
         self.dtype = dtype
-        self.l2_prefetch: torch.Tensor | None = None  # 1-row products: weights to fetch into L2 (l2_prefetch_plan)
 
     @classmethod
     def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None) -> "CudaQ4Linear":
@@ -282,46 +275,8 @@ class CudaQ4Linear(CudaQuantLinear):
         for at in range(0, x.shape[0], step):
             xs = x[at: at + step]
             parts.append(q4_product(xs, self.qw32, self.scale, self.zero, glu,
-                                    tuned(xs.shape[0], n, self.in_features, glu), self.lane_scales,
-                                    self.l2_prefetch if xs.shape[0] == 1 else None))
+                                    tuned(xs.shape[0], n, self.in_features, glu), self.lane_scales))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _head_ranges(lin: CudaQ4Linear, glu: bool, cap: int) -> list[tuple[torch.Tensor, int, int]]:
-    """The first bytes (at most about cap) that lin's product reads: its first rows of codes, scales and offsets
-    (glu: of the gate rows and of the up rows they pair with)."""
-    n, k = lin.out_features, lin.in_features
-    halves = [0, n // 2] if glu else [0]
-    row_bytes = k // 2 + 2 * (k // GROUP) * lin.scale.element_size()
-    rows = min(n // len(halves), max(1, cap // (row_bytes * len(halves))))
-    out = []
-    for start in halves:
-        for t in (lin.qw32, lin.scale, lin.zero):  # (whole 16-byte pieces around the rows: the plan's unit)
-            rb, size = t.shape[1] * t.element_size(), t.numel() * t.element_size()
-            lo, hi = start * rb // 16 * 16, min(-(-(start + rows) * rb // 16) * 16, size // 16 * 16)
-            if hi > lo:
-                out.append((t, lo, hi - lo))
-    return out
-
-
-def l2_prefetch_plan(model: nn.Module, cap_bytes: int | None, glu_names: tuple[str, ...] = ("gate_up_proj",),
-                     blocks: int | None = None) -> int:
-    """Let each int4 linear's 1-row product request into L2, before its PDL wait, the first cap_bytes of the
-    weights of the int4 linear after it in the model's order (decoder layers' qkv, o, gate/up, down, then the
-    head; the last one the first again: the next step's). The kernels between two products (RoPE, attention, the
-    norms) read little, so the memory would idle while they run. cap_bytes None clears the plans. Hopper and
-    later (cp.async.bulk.prefetch); returns how many linears got a plan."""
-    lins = [(name, m) for name, m in model.named_modules() if isinstance(m, CudaQ4Linear)]
-    for _, m in lins:
-        m.l2_prefetch = None
-    if cap_bytes is None or not lins or not lins[0][1].qw32.is_cuda             or torch.cuda.get_device_capability(lins[0][1].qw32.device)[0] < 9:
-        return 0
-    blocks = blocks or torch.cuda.get_device_properties(lins[0][1].qw32.device).multi_processor_count
-    for i, (_, m) in enumerate(lins):
-        name, nxt = lins[(i + 1) % len(lins)]
-        glu = name.split(".")[-1] in glu_names
-        m.l2_prefetch = prefetch_plan(_head_ranges(nxt, glu, cap_bytes), blocks)
-    return len(lins)
 
 
 def q8_product(x: torch.Tensor, qw8, scale, glu: bool, cfg: dict) -> torch.Tensor:

@@ -106,11 +106,24 @@ def steps(model, label: str, res: dict, ctx0: int = 512, shapes=STEPS, inner: in
 
 
 def main() -> int:
+    global ROWS, STEPS
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/q4_mma.json")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (a smoke run)")
     ap.add_argument("--write", action="store_true", help="write the winners into q4_configs.json")
+    ap.add_argument("--rows", default=None, help="comma list of row counts (default: %s; 1 compares the tensor-core "
+                    "kernel with the 1-row CUDA kernel)" % ",".join(map(str, ROWS)))
+    ap.add_argument("--steps", default=None, help="comma list of BxT steps (default: %s)"
+                    % ",".join(f"{b}x{t}" for b, t in STEPS))
+    ap.add_argument("--shapes", default=None, help="comma list of products (default: all)")
     args = ap.parse_args()
+    if args.rows:
+        ROWS = tuple(int(r) for r in args.rows.split(","))
+    if args.steps:
+        STEPS = tuple(tuple(int(v) for v in s.split("x")) for s in args.steps.split(","))
+    if args.shapes:
+        for name in [n for n in SHAPES if n not in args.shapes.split(",")]:
+            del SHAPES[name]
     from quant_decode_gpu import quantize_as_engine
 
     name = torch.cuda.get_device_name()
@@ -122,18 +135,18 @@ def main() -> int:
                if r["speedup"] > 1.0 and r["best_mma"]["rel_err"] < 1e-2 and r["rows"] <= 16}
     model = G.build_model(G.QWEN3_8B, args.layers, seed=1)
     model.ops = G.FusedLayerOps()
-    steps(model, "bf16", res["steps"])
+    steps(model, "bf16", res["steps"], shapes=STEPS)
     os.environ["FORERUN_Q4_MMA"] = "1"  # (so that CudaQ4Linear builds the tensor-core kernel's packed scales)
     quantize_as_engine(model)
     os.environ["FORERUN_Q4_MMA"] = "0"
-    steps(model, "int4 table", res["steps"])
+    steps(model, "int4 table", res["steps"], shapes=STEPS)
     base = json.loads(quant_cuda.CONFIGS.read_text()).get(name, {})
     table = dict(base)
     for key, cfg in winners.items():
         table[key] = dict(cfg, us=res["products"][key]["best_mma"]["us"], rel_err=res["products"][key]["best_mma"]["rel_err"])
     quant_cuda.set_configs(name, table)
     os.environ["FORERUN_Q4_MMA"] = "1"
-    steps(model, "int4 mma", res["steps"])
+    steps(model, "int4 mma", res["steps"], shapes=STEPS)
     os.environ["FORERUN_Q4_MMA"] = "0"
     quant_cuda.set_configs(name, base)
     res["winners"] = sorted(winners)

@@ -5,7 +5,8 @@ variant saves is the most that fusing that operation away could save; "products 
 when every one of them is gone. Also: attention with fewer KV splits, and decode attention in the one-launch CUDA
 kernel (attention/cuda_decode.py, an experiment) instead of the Triton split + merge kernels.
 A variant fuses each add + RMSNorm into the int4 product after it (FusedLayerOps.fuse_norms, off in the engine:
-measured slower). Variants run interleaved (the card's clocks drift); best of the runs. Prints a table, writes JSON (+ PNG).
+measured slower); one splits it across the products around it (FusedLayerOps.split_norms, off: measured slower),
+one only moves the adds into the epilogues of the products before them (an experiment). Variants run interleaved (the card's clocks drift); best of the runs. Prints a table, writes JSON (+ PNG).
 
     python benchmarks/q4_step_budget.py --out benchmarks/results/q4_step_budget_h200.json
 
@@ -32,6 +33,9 @@ from forerun.runtime.cuda_graph import GraphRunner  # noqa: E402
 VARIANTS = {
     "engine": ((), None),
     "engine, add+norm fused into the products": (("fused",), None),
+    "engine, norms split across the products around them": (("split",), None),
+    "engine, norm kernels (norms not split)": (("apart",), None),
+    "engine, adds in the epilogues, norms apart": (("addonly",), None),
     "engine, CUDA C++ decode attention (4 warps)": ((), None, (4, 0)),
     "engine, CUDA C++ decode attention (8 warps)": ((), None, (8, 0)),
     "attention 1 split": ((), 1),
@@ -55,6 +59,9 @@ def install(model, knocked: tuple[str, ...], splits: int | None, originals: dict
         cuda_decode.WARPS, cuda_decode.TRIGGER = cuda_attention
     bufs: dict = {}
     ops.fuse_norms = "fused" in knocked
+    default = ops.__dict__.setdefault("_split_default", ops.split_norms)  # (the card's default: the engine's)
+    ops.split_norms = "add" if "addonly" in knocked else True if "split" in knocked else False if {
+        "apart", "fused", "norm"} & set(knocked) else default
     if "norm" in knocked:
         ops.add_rmsnorm = lambda x, residual, norm: (x, x if residual is None else residual)
         ops.norm_linear = lambda x, residual, norm, layer, out_dtype=None: (

@@ -151,3 +151,20 @@ def test_chain_sample_realigns_unaligned_views():
     fixed = _aligned(view)
     assert fixed.data_ptr() % 16 == 0 and torch.equal(fixed, view)
     assert _aligned(both[0]) is both[0] or _aligned(both[0]).data_ptr() == both[0].data_ptr()
+
+
+def test_split_norms_default_follows_the_card_and_the_environment(monkeypatch):
+    """FusedLayerOps.split_norms: on by default only on the cards where it measured faster, FORERUN_SPLIT_NORMS=0/1
+    overrides, anything else is refused with a one-line error (not ignored)."""
+    monkeypatch.delenv("FORERUN_SPLIT_NORMS", raising=False)
+    monkeypatch.setattr(FusedLayerOps, "SPLIT_NORMS_CARDS", ("NVIDIA H100 80GB HBM3",))
+    assert FusedLayerOps(device_name="NVIDIA H100 80GB HBM3").split_norms is True
+    assert FusedLayerOps(device_name="NVIDIA H200").split_norms is False
+    assert FusedLayerOps(device_name="NVIDIA H200", split_norms=True).split_norms is True
+    monkeypatch.setenv("FORERUN_SPLIT_NORMS", "1")
+    assert FusedLayerOps(device_name="NVIDIA H200").split_norms is True
+    monkeypatch.setenv("FORERUN_SPLIT_NORMS", "0")
+    assert FusedLayerOps(device_name="NVIDIA H100 80GB HBM3").split_norms is False
+    monkeypatch.setenv("FORERUN_SPLIT_NORMS", "yes")
+    with pytest.raises(ValueError, match="FORERUN_SPLIT_NORMS must be 0 or 1"):
+        FusedLayerOps(device_name="NVIDIA H200")

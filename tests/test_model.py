@@ -135,3 +135,42 @@ def test_packed_cpu_linears_match():
     a = plain.forward([Chunk(0, ids, logits="all")])[0].logits
     b = packed.forward([Chunk(0, ids, logits="all")])[0].logits
     assert rel_err(b, a) <= 1e-5
+
+
+def test_a_product_that_adds_the_residual_itself_changes_nothing():
+    """LayerOps.linear_add may add the residual in the product and return (the sum, None) (the CUDA int4 kernels
+    do, FusedLayerOps.split_norms): a forward whose o and down products do so gives the same logits, bit for bit,
+    as the default (the add left to the norm after), and the same hidden states of the layers asked for."""
+    from forerun.models.ops import LayerOps
+
+    class Adding(LayerOps):
+        def __init__(self):
+            self.adds = 0
+
+        def linear_add(self, x, layer, residual):
+            if residual is None:
+                return super().linear_add(x, layer, residual)
+            self.adds += 1
+            return self.linear(x, layer) + residual, None
+
+        def norm_mlp(self, x, residual, norm, mlp):  # down through linear_add too: a layer returns (x, None)
+            h, s = self.add_rmsnorm(x, residual, norm)
+            return self.linear_add(mlp.activation(mlp.gate_up_proj(h)), mlp.down_proj, s)
+
+    hf = hf_model("qwen3", num_hidden_layers=3)
+    runner = ours_from_hf(hf)
+    prompt = torch.randint(2, 97, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    outs = []
+    for ops in (LayerOps(), Adding()):
+        runner.model.ops = ops
+        runner.kv.add_sequence(0)
+        got = [runner.forward([Chunk(0, prompt, logits="all")], hidden_layers=(0, 2))]
+        got.append(runner.forward([Chunk(0, [7], logits="last")], hidden_layers=(1,)))
+        runner.kv.free(0)
+        outs.append(got)
+    assert runner.model.ops.adds == 2 * 3 * 2
+    for (ref, _), (out, _) in zip(*outs):
+        assert torch.equal(ref.logits, out.logits)
+        assert ref.hidden_states.keys() == out.hidden_states.keys()
+        for i in ref.hidden_states:
+            assert torch.equal(ref.hidden_states[i], out.hidden_states[i])

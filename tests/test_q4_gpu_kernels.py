@@ -254,7 +254,7 @@ def test_products_of_more_than_16_rows_on_gpu():
 
 def test_cuda_c_kernel_source_compiles_for_every_shape_it_takes():
     """The NVRTC kernel's source, instantiated for K below, at and past a multiple of 32 groups (tails of the lane
-    loop), SwiGLU, PDL and the add + RMSNorm prologue, compiles with nvcc where a CUDA toolkit is installed (this CPU machine has one; the GPU
+    loop), SwiGLU, PDL, the add + RMSNorm prologue and the split norm's two halves, compiles with nvcc where a CUDA toolkit is installed (this CPU machine has one; the GPU
     machine compiles it with NVRTC in the tests below) and uses no local memory (a spill would mean the register
     ring of weights in flight did not fit)."""
     import shutil
@@ -265,13 +265,15 @@ def test_cuda_c_kernel_source_compiles_for_every_shape_it_takes():
     if nvcc is None:
         pytest.skip("no nvcc here")
     with tempfile.TemporaryDirectory() as d:
-        for k, r, w, depth, glu, pdl, norm in ((896, 1, 4, 2, 0, 0, 0), (1536, 2, 4, 2, 1, 1, 0),
-                                               (4096, 4, 8, 4, 0, 1, 0), (12288, 2, 8, 4, 0, 1, 0),
-                                               (4096, 2, 16, 2, 0, 1, 1), (4096, 1, 16, 2, 1, 1, 1),
-                                               (896, 1, 4, 2, 0, 0, 1)):
+        for k, r, w, depth, glu, pdl, norm, split, add in (
+                (896, 1, 4, 2, 0, 0, 0, 0, 0), (1536, 2, 4, 2, 1, 1, 0, 0, 0), (4096, 4, 8, 4, 0, 1, 0, 0, 0),
+                (12288, 2, 8, 4, 0, 1, 0, 0, 0), (4096, 2, 16, 2, 0, 1, 1, 0, 0), (4096, 1, 16, 2, 1, 1, 1, 0, 0),
+                (896, 1, 4, 2, 0, 0, 1, 0, 0), (4096, 2, 16, 2, 0, 1, 0, 1, 0), (4096, 1, 16, 2, 1, 1, 0, 1, 0),
+                (896, 1, 4, 2, 0, 0, 0, 1, 0), (4096, 2, 16, 4, 0, 1, 0, 0, 1), (12288, 1, 16, 4, 0, 1, 0, 0, 1),
+                (1536, 4, 8, 2, 0, 0, 0, 0, 1)):
             src = os.path.join(d, "k.cu")
             with open(src, "w") as f:
-                f.write(q4_cuda.source(k, r, w, depth, bool(glu), bool(pdl), bool(norm)))
+                f.write(q4_cuda.source(k, r, w, depth, bool(glu), bool(pdl), bool(norm), 256 * split, bool(add)))
             out = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", os.path.join(d, "k.cubin"), src,
                                   "-Xptxas", "-v"], capture_output=True, text=True, timeout=300)
             assert out.returncode == 0, out.stderr[-2000:]
@@ -564,11 +566,77 @@ def test_cuda_c_norm_prologue_equals_add_rmsnorm_then_the_product():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (run on the GPU machine)")
+def test_cuda_c_split_norm_equals_add_then_add_rmsnorm_then_the_product():
+    """The add + RMSNorm split across two products: q4c_add_linear's sum is bit for bit the product rounded to
+    bf16 plus the residual (add_rmsnorm's add), its partial sums of squares add up to the sum's; then
+    q4c_split_norm_linear equals add_rmsnorm + q4c_linear within bf16 rounding of the normalised row (the sum of
+    squares adds in another order), plain and SwiGLU, several configurations, N not a multiple of a block's rows,
+    K with lane tails, large activations, chained in a CUDA graph under PDL; wrong partial sums, norm weight or eps
+    fail."""
+    from forerun.kernels.fused_norm import add_rmsnorm
+    from forerun.kernels.q4_cuda import q4c_add_linear, q4c_linear, q4c_split_norm_linear
+    assert _q4c_ok()
+    torch.manual_seed(2)
+    for n, k in ((4096, 1024), (1056, 1536), (896, 896)):  # (the add product's N is the norm's width and the
+        # K of the product after it: 1056 leaves a block's rows part-filled and a lane tail)
+        wa = torch.randn(n, k, device="cuda") * 0.05
+        qa, sa, za = quantize_groups_int4(wa)
+        qa, sa, za = pack_int4_w32(qa), sa.to(torch.bfloat16), za.to(torch.bfloat16)
+        wb = torch.randn(2 * 40, n, device="cuda") * 0.05  # the product after the norm (SwiGLU: 40 of each half)
+        qb, sb, zb = quantize_groups_int4(wb)
+        qb, sb, zb = pack_int4_w32(qb), sb.to(torch.bfloat16), zb.to(torch.bfloat16)
+        nw = (1 + 0.3 * torch.randn(n, device="cuda")).to(torch.bfloat16)
+        for amp in (1.0, 100.0):
+            x = (torch.randn(1, k, device="cuda") * amp).to(torch.bfloat16)
+            res = (torch.randn(1, n, device="cuda") * amp * 3).to(torch.bfloat16)
+            for rows, warps, depth in ((1, 4, 2), (2, 16, 2), (4, 8, 4), (1, 16, 6)):
+                s, parts = q4c_add_linear(x, res, qa, sa, za, rows=rows, warps=warps, depth=depth)
+                y0 = q4c_linear(x, qa, sa, za, rows=rows, warps=warps, depth=depth)
+                assert torch.equal(s, (y0.float() + res.float()).to(torch.bfloat16)), (n, k, rows, warps)
+                assert parts.shape == (-(-n // (rows * warps)),) and parts.dtype == torch.float32
+                ss = (s.double() ** 2).sum()
+                assert abs(parts.double().sum() - ss) <= 1e-5 * ss, (n, k, rows, warps)
+                h, _ = add_rmsnorm(s, None, nw, 1e-6)
+                for glu in (False, True):
+                    ref = q4c_linear(h, qb, sb, zb, glu=glu, rows=rows, warps=warps, depth=depth).float()
+                    y = q4c_split_norm_linear(s, parts, nw, 1e-6, qb, sb, zb, glu=glu, rows=rows, warps=warps,
+                                              depth=depth).float()
+                    err = ((y - ref).abs().max() / ref.abs().max()).item()
+                    assert err < 1e-2, (n, k, amp, glu, rows, warps, depth, err)
+    # the checks can fail: other partial sums, another norm weight, another eps (where it matters: a tiny row)
+    ref = q4c_linear(add_rmsnorm(s, None, nw, 1e-6)[0], qb, sb, zb).float()
+    for args in ((s, parts * 4, nw, 1e-6), (s, parts, torch.ones_like(nw), 1e-6)):
+        y = q4c_split_norm_linear(*args, qb, sb, zb).float()
+        assert ((y - ref).abs().max() / ref.abs().max()).item() > 0.05
+    tiny = (torch.randn(1, n, device="cuda") * 1e-3).to(torch.bfloat16)
+    tiny_parts = (tiny.float() ** 2).sum().reshape(1)
+    ref = q4c_linear(add_rmsnorm(tiny, None, nw, 1e-6)[0], qb, sb, zb).float()
+    y = q4c_split_norm_linear(tiny, tiny_parts, nw, 1e-2, qb, sb, zb).float()
+    assert ((y - ref).abs().max() / ref.abs().max()).item() > 0.05
+    y = q4c_split_norm_linear(tiny, tiny_parts, nw, 1e-6, qb, sb, zb).float()
+    assert ((y - ref).abs().max() / ref.abs().max()).item() < 1e-2
+    # chained in a CUDA graph under PDL (the split product reads what the add product wrote), new inputs each replay
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        sg, pg = q4c_add_linear(x, res, qa, sa, za, pdl=True)
+        yg = q4c_split_norm_linear(sg, pg, nw, 1e-6, qb, sb, zb, glu=True, pdl=True)
+    for _ in range(3):
+        x.copy_(torch.randn(1, k, device="cuda").to(torch.bfloat16))
+        g.replay()
+        s, parts = q4c_add_linear(x, res, qa, sa, za)
+        ref = q4c_linear(add_rmsnorm(s, None, nw, 1e-6)[0], qb, sb, zb, glu=True).float()
+        assert torch.equal(sg, s) and torch.equal(pg, parts)
+        assert ((yg.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (run on the GPU machine)")
 def test_int4_model_forward_with_norms_fused_into_the_products(monkeypatch):
     """A random 4-layer Qwen3-shape model quantized to int4 on the GPU: the 1-row forward with add + RMSNorm fused
     into the CUDA C++ products (FusedLayerOps.fuse_norms; off by default: measured slower) gives the logits of the unfused
     forward (bf16 rounding apart) and of the torch LayerOps over the same quantized matrices, and every fused
-    product ran the fused kernel (2 per layer + the head)."""
+    product ran the fused kernel (2 per layer + the head); so does the forward with each norm split between the
+    products around it (FusedLayerOps.split_norms, off by default: measured slower), every product in its place
+    taking its half."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     import gpu as G
     from forerun.kernels import q4_cuda
@@ -594,20 +662,38 @@ def test_int4_model_forward_with_norms_fused_into_the_products(monkeypatch):
     side.runner.forward([Chunk(seq_id=0, token_ids=ids[:39], logits="none")])  # prefill (many rows: unfused)
     logits = {}
     calls = []
-    real = q4_cuda.q4c_norm_linear
-    for name, ops in (("torch", LayerOps()), ("unfused", FusedLayerOps(fuse_norms=False)),
-                      ("fused", FusedLayerOps(fuse_norms=True))):
+    real = {f: getattr(q4_cuda, f) for f in ("q4c_norm_linear", "q4c_add_linear", "q4c_split_norm_linear")}
+    for name, ops in (("torch", LayerOps()), ("unfused", FusedLayerOps(fuse_norms=False, split_norms=False)),
+                      ("fused", FusedLayerOps(fuse_norms=True, split_norms=False)),
+                      ("split", FusedLayerOps(split_norms=True))):
         model.ops = ops
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr("forerun.models.quant_cuda.q4c_norm_linear", lambda *a, **kw: calls.append(name) or real(*a, **kw))
+            for f, fn in real.items():
+                mp.setattr(f"forerun.models.quant_cuda.{f}",
+                           lambda *a, _f=f, _fn=fn, _n=name, **kw: calls.append((_n, _f)) or _fn(*a, **kw))
             out, _ = side.runner.forward([Chunk(seq_id=0, token_ids=ids[39:], logits="last")])
         logits[name] = out.logits.float()
         side.runner.kv.truncate(0, 39)
-    assert calls == ["fused"] * (2 * 4 + 1)
-    for name in ("unfused", "fused"):
+    # fused: a prologue per norm (2 per layer + the head's); split: o and down add (2 per layer), gate/up, the
+    # next layers' qkv and the head normalise (layer 0's qkv follows the embedding: its norm runs apart)
+    assert calls == [("fused", "q4c_norm_linear")] * (2 * 4 + 1) + [
+        ("split", f) for _ in range(4) for f in ("q4c_add_linear", "q4c_split_norm_linear", "q4c_add_linear",
+                                                  "q4c_split_norm_linear")], calls
+    # a product of too many blocks (the head's, here made so) keeps the norm apart and still gets the same logits
+    monkeypatch.setattr(quant_cuda.CudaQ4Linear, "SPLIT_MAX_BLOCKS_PER_SM", 0)
+    calls.clear()
+    model.ops = FusedLayerOps(split_norms=True)
+    with pytest.MonkeyPatch.context() as mp:
+        for f, fn in real.items():
+            mp.setattr(f"forerun.models.quant_cuda.{f}", lambda *a, _f=f, _fn=fn, **kw: calls.append(_f) or _fn(*a, **kw))
+        out, _ = side.runner.forward([Chunk(seq_id=0, token_ids=ids[39:], logits="last")])
+    assert calls == ["q4c_add_linear"] * (2 * 4), calls
+    assert ((out.logits.float() - logits["split"]).abs().max() / logits["split"].abs().max()).item() < 3e-2
+    for name in ("unfused", "fused", "split"):
         err = ((logits[name] - logits["torch"]).abs().max() / logits["torch"].abs().max()).item()
         assert err < 5e-2, (name, err)
-    assert ((logits["fused"] - logits["unfused"]).abs().max() / logits["unfused"].abs().max()).item() < 3e-2
+    for name in ("fused", "split"):
+        assert ((logits[name] - logits["unfused"]).abs().max() / logits["unfused"].abs().max()).item() < 3e-2
 
 
 # ====================================================================== int8 (GGUF Q8_0) word layout: CudaQ8Linear

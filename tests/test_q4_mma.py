@@ -72,7 +72,8 @@ def _activations_after_the_wait(sass: str) -> bool:
 
 
 def test_activations_are_read_after_the_wait_in_the_machine_code():
-    """Both NVRTC int4 kernels (this one and kernels/q4_cuda.py, plain and with the add + RMSNorm prologue), in the
+    """Both NVRTC int4 kernels (this one and kernels/q4_cuda.py, plain, with the add + RMSNorm prologue and with the
+    split norm's halves: the residual and the partial sums are written by kernels before too), in the
     configurations the H200 table uses, with PDL; the old read-only load of the activations is caught."""
     from forerun.kernels import q4_cuda
     sources = [q4_mma.source(k, w, d, nt, glu, True, packed, xst) for k, w, d, nt, glu, packed, xst in
@@ -81,7 +82,9 @@ def test_activations_are_read_after_the_wait_in_the_machine_code():
                 (4096, 8, 4, 4, True, True, False), (4096, 8, 4, 2, True, True, True),
                 (12288, 8, 4, 1, False, True, True))]
     sources += [q4_cuda.source(4096, 2, 16, 2, False, True, False), q4_cuda.source(4096, 1, 16, 2, True, True, False),
-                q4_cuda.source(12288, 1, 16, 4, False, True, False), q4_cuda.source(4096, 2, 16, 2, False, True, True)]
+                q4_cuda.source(12288, 1, 16, 4, False, True, False), q4_cuda.source(4096, 2, 16, 2, False, True, True),
+                q4_cuda.source(4096, 1, 16, 2, True, True, split=128), q4_cuda.source(4096, 2, 16, 2, False, True, split=256),
+                q4_cuda.source(4096, 2, 16, 4, False, True, add=True), q4_cuda.source(12288, 1, 16, 4, False, True, add=True)]
     for src in sources:
         assert _activations_after_the_wait(_sass(src)), src[:200]
     old = q4_mma.source(4096, 8, 4, 1, False, True).replace("__ldca(x +", "__ldg(x +")

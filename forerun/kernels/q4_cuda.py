@@ -45,6 +45,9 @@ _SRC = r"""
 #define GLU {GLU}
 #define PDL {PDL}
 #define NORM {NORM}
+#define SPLIT {SPLIT}  // the prologue normalises x with the sums of squares an ADD kernel left (split_norm_linear)
+#define NP_ {NP}       // SPLIT: partial sums per lane (n_part <= 32 * NP_)
+#define ADD {ADD}      // the epilogue adds the residual and leaves the block's sum of squares (add_linear)
 #define NW (GLU ? 2 * R_ : R_)
 #define T_ ((4 * G_ + WARPS * 32 - 1) / (WARPS * 32))  // words of the activation row per thread
 
@@ -120,13 +123,17 @@ __device__ __forceinline__ unsigned int word_dot(unsigned int w, uint4 xp, unsig
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsigned short* __restrict__ S,
          const unsigned short* __restrict__ Z, unsigned short* __restrict__ y, int n_out, int glu_off,
-         const uint4* __restrict__ res, const uint4* __restrict__ nw, uint4* __restrict__ s_out, float eps)
+         const uint4* __restrict__ res, const uint4* __restrict__ nw, uint4* __restrict__ s_out, float eps,
+         float* __restrict__ part_out, const float* __restrict__ part_in, int n_part)
 {{
     extern __shared__ uint4 smem[];
     uint4* xq = smem;                        // [4][G_]: pairs of word c of group g at xq[c * G_ + g]
     float* gsum = (float*)(smem + 4 * G_);   // [G_]
 #if NORM
     float* red = (float*)(smem + 4 * G_ + (G_ + 3) / 4);  // [WARPS]
+#endif
+#if ADD
+    float* red_add = (float*)(smem + 4 * G_ + (G_ + 3) / 4);  // [WARPS] (the same place: NORM and ADD exclude)
 #endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int row0 = (blockIdx.x * WARPS + warp) * R_;
@@ -153,7 +160,7 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
             }}
         }}
     }}
-#if NORM
+#if NORM || SPLIT
     // the norm weight is a constant of the model: this thread's words of it are fetched before the wait too
     uint4 nwr[T_];
     #pragma unroll
@@ -165,6 +172,38 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
 #if PDL
     asm volatile("griddepcontrol.launch_dependents;");
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+#if ADD
+    // lane r of a warp adds the residual of the warp's row r to it in the epilogue: fetched now, off the tail
+    float resv = 0.0f;
+    if (lane < R_ && row0 + lane < n_out) resv = bf2f(__ldca((const unsigned short*)res + row0 + lane));
+#endif
+#if SPLIT
+    // x is the residual stream s that the ADD product before this one wrote, one partial sum of squares per block
+    // of it in part_in: warp 0 adds them up (lane l takes l, l + 32, ... in order; an xor butterfly leaves every
+    // lane the same float), so every block normalises with the same 1 / rms -- as add_rmsnorm does, up to the
+    // order of that sum -- and hands it to the other warps through shared memory. (Every warp reading the
+    // partials itself made their few lines a hot spot of the L2: +1.5 us for the qkv product on the H200.)
+    uint4 vr[T_];  // (the row's loads issued first: they and the partials' travel together)
+    #pragma unroll
+    for (int t = 0; t < T_; t++) {{
+        const int i = t * WARPS * 32 + threadIdx.x;
+        vr[t] = i < 4 * G_ ? __ldca(x + i) : make_uint4(0u, 0u, 0u, 0u);  // (coherent: see the activations below)
+    }}
+    float* inv_s = (float*)(smem + 4 * G_ + (G_ + 3) / 4);
+    if (warp == 0) {{
+        float pv[NP_];  // (all loads in flight at once, then added in order)
+        #pragma unroll
+        for (int j = 0; j < NP_; j++) pv[j] = lane + 32 * j < n_part ? __ldcg(part_in + lane + 32 * j) : 0.0f;
+        float tot = 0.0f;
+        #pragma unroll
+        for (int j = 0; j < NP_; j++) tot += pv[j];
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, o);
+        if (lane == 0) inv_s[0] = 1.0f / sqrtf(tot / (float)K_ + eps);
+    }}
+    __syncthreads();
+    const float inv = inv_s[0];
 #endif
 #if NORM
     // x <- rmsnorm(x + res) * nw, as kernels/fused_norm.py's add_rmsnorm (sum rounded to bf16, then the
@@ -201,16 +240,16 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
     const float inv = 1.0f / sqrtf(tot / (float)K_ + eps);
 #endif
     // the activation row -> pre-scaled f16 pairs and group sums (4 consecutive threads hold a group's words)
-#if NORM
+#if NORM || SPLIT
     #pragma unroll
 #endif
     for (int t = 0; t < T_; t++) {{  // whole warps stay together for the shuffles
         const int i = t * WARPS * 32 + threadIdx.x;
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
-#if NORM
+#define NV(h, c) bfr(bfr(bf2f(h) * inv) * bf2f(c))
+#if NORM || SPLIT
         uint4 wn = nwr[t];
         v = vr[t];
-#define NV(h, c) bfr(bfr(bf2f(h) * inv) * bf2f(c))
         float a0 = NV(v.x & 0xFFFF, wn.x & 0xFFFF), a1 = NV(v.x >> 16, wn.x >> 16);
         float a2 = NV(v.y & 0xFFFF, wn.y & 0xFFFF), a3 = NV(v.y >> 16, wn.y >> 16);
         float a4 = NV(v.z & 0xFFFF, wn.z & 0xFFFF), a5 = NV(v.z >> 16, wn.z >> 16);
@@ -277,6 +316,9 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
         #pragma unroll
         for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
     }}
+#if ADD
+    float ss = 0.0f;
+#endif
     #pragma unroll
     for (int r = 0; r < R_; r++) {{
         if (lane == r && row0 + r < n_out) {{
@@ -286,9 +328,28 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
 #endif
             unsigned short b;
             asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(v));
+#if ADD
+            // s = product + residual in bf16 (the product rounded first), as add_rmsnorm adds
+            const float sv = bfr(bf2f(b) + resv);
+            ss = sv * sv;
+            asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(b) : "f"(sv));
+#endif
             y[row0 + r] = b;
         }}
     }}
+#if ADD
+    // the block's sum of squares of s, in a fixed order: lanes (xor butterfly), then warps
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) red_add[warp] = ss;
+    __syncthreads();
+    if (threadIdx.x == 0) {{
+        float t = 0.0f;
+        #pragma unroll
+        for (int w = 0; w < WARPS; w++) t += red_add[w];
+        part_out[blockIdx.x] = t;
+    }}
+#endif
 }}
 """
 
@@ -308,14 +369,19 @@ def dequant_available(t: torch.Tensor | None = None) -> bool:
 
 
 def smem_bytes(k: int, norm: bool = False) -> int:
+    """Shared memory of a launch: the pairs, the group sums; with NORM, ADD or SPLIT (norm=True) the group sums
+    padded to 16 bytes and a float per warp after them."""
     g = k // GROUP
-    if norm:  # the pairs, the group sums (padded to 16 bytes), a float per warp
+    if norm:
         return 16 * (4 * g + (g + 3) // 4) + 4 * 32
     return g * (4 * 16 + 4)
 
 
-def source(k: int, rows: int, warps: int, depth: int, glu: bool, pdl: bool, norm: bool = False) -> str:
-    return _SRC.format(K=k, R=rows, WARPS=warps, DEPTH=depth, GLU=int(glu), PDL=int(pdl), NORM=int(norm))
+def source(k: int, rows: int, warps: int, depth: int, glu: bool, pdl: bool, norm: bool = False, split: int = 0,
+           add: bool = False) -> str:
+    """split: 0, or the number of partial sums of squares the prologue reads (SPLIT)."""
+    return _SRC.format(K=k, R=rows, WARPS=warps, DEPTH=depth, GLU=int(glu), PDL=int(pdl), NORM=int(norm),
+                       SPLIT=int(split > 0), NP=max(1, -(-split // 32)), ADD=int(add))
 
 
 @functools.lru_cache(maxsize=None)
@@ -323,8 +389,9 @@ def _kernel_on(device: int, *config):
     return nvrtc.kernel(source(*config), "q4c_gemv")
 
 
-def _kernel(k: int, rows: int, warps: int, depth: int, glu: bool, pdl: bool, norm: bool = False):
-    return _kernel_on(torch.cuda.current_device(), k, rows, warps, depth, glu, pdl, norm)
+def _kernel(k: int, rows: int, warps: int, depth: int, glu: bool, pdl: bool, norm: bool = False,
+            split: int = 0, add: bool = False):
+    return _kernel_on(torch.cuda.current_device(), k, rows, warps, depth, glu, pdl, norm, split, add)
 
 
 def q4c_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, glu: bool = False,
@@ -352,13 +419,42 @@ def q4c_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, weight: torc
     return _launch(x, (residual, weight, eps), qw32, scale, zero, glu, rows, warps, depth, pdl)
 
 
+def q4c_add_linear(x: torch.Tensor, residual: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor,
+                   zero: torch.Tensor, rows: int | None = None, warps: int | None = None, depth: int | None = None,
+                   pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first half of an add + RMSNorm split across the products around it: s = x @ W^T + residual (the product
+    rounded to bf16, then added in float32 and rounded, as `fused_norm.add_rmsnorm` adds), and each block's sum of
+    the squares of its outputs of s. Returns (s [1, N] bf16, partial sums [blocks] float32); the product after
+    the norm takes both (`q4c_split_norm_linear`), so no kernel reduces the whole row between them."""
+    if residual.dtype != torch.bfloat16 or residual.numel() != qw32.shape[0]:
+        raise ValueError(f"q4c_add_linear: a bf16 residual of the product's {qw32.shape[0]} outputs; got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
+    return _launch(x, None, qw32, scale, zero, False, rows, warps, depth, pdl, add=residual)
+
+
+def q4c_split_norm_linear(s: torch.Tensor, partials: torch.Tensor, weight: torch.Tensor, eps: float,
+                          qw32: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, glu: bool = False,
+                          rows: int | None = None, warps: int | None = None, depth: int | None = None,
+                          pdl: bool | None = None) -> torch.Tensor:
+    """The second half: rmsnorm(s) * weight @ W^T (glu: SwiGLU), with mean(s^2) from the partial sums that
+    `q4c_add_linear` left (added in a fixed order: every block gets the same scale), s normalised as each block
+    converts it. Equal to `add_rmsnorm` + `q4c_linear` up to the order of the sum of squares."""
+    if weight.dtype != torch.bfloat16 or weight.shape != (s.shape[-1],) or partials.dtype != torch.float32 \
+            or partials.dim() != 1 or not partials.is_contiguous():
+        raise ValueError(f"q4c_split_norm_linear: a bf16 norm weight [K] and float32 partial sums [blocks]; got "
+                         f"weight {tuple(weight.shape)} {weight.dtype}, partials {tuple(partials.shape)} "
+                         f"{partials.dtype}")
+    return _launch(s, None, qw32, scale, zero, glu, rows, warps, depth, pdl, split=(partials, weight, eps))[0]
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:  # the kernel reads rows 16 bytes at a time (fresh copies are aligned)
     if not t.is_contiguous():
         return t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def _launch(x, norm, qw32, scale, zero, glu, rows, warps, depth, pdl) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch(x, norm, qw32, scale, zero, glu, rows, warps, depth, pdl, add=None, split=None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     n = qw32.shape[0]
     if m != 1 or x.dtype != torch.bfloat16 or not x.is_contiguous() or qw32.shape[1] * 8 != k or k % GROUP \
@@ -369,6 +465,8 @@ def _launch(x, norm, qw32, scale, zero, glu, rows, warps, depth, pdl) -> tuple[t
     rows, warps, depth = rows or DEFAULT["rows"], warps or DEFAULT["warps"], depth or DEFAULT["depth"]
     pdl = pdl_enabled(x) if pdl is None else pdl
     n_out = n // 2 if glu else n
+    per_block = rows * warps
+    blocks = (n_out + per_block - 1) // per_block
     y = torch.empty(1, n_out, dtype=x.dtype, device=x.device)
     null = ctypes.c_void_p(0)
     if norm is None:
@@ -379,11 +477,20 @@ def _launch(x, norm, qw32, scale, zero, glu, rows, warps, depth, pdl) -> tuple[t
         s = x if residual is None else torch.empty_like(x)
         extra = [null if residual is None else residual, _aligned(weight), s if residual is not None else null,
                  ctypes.c_float(eps)]
+    parts = [null, null, 0]
+    if add is not None:  # the residual in place of res; the partial sums out
+        s = torch.empty(blocks, dtype=torch.float32, device=x.device)
+        extra[0] = add.contiguous()
+        parts[0] = s
+    if split is not None:  # the norm weight in place of nw, eps; the partial sums in
+        partials, weight, eps = split
+        extra[1], extra[3] = _aligned(weight), ctypes.c_float(eps)
+        parts[1:] = [partials, partials.numel()]
     with torch.cuda.device(x.device):  # x's device: its module, its current stream
-        kern = _kernel(k, rows, warps, depth, glu, pdl, norm is not None)
-        per_block = rows * warps
-        nvrtc.launch(kern, (n_out + per_block - 1) // per_block, 32 * warps, smem_bytes(k, norm is not None),
-                     [x, qw32, scale, zero, y, n_out, n_out] + extra, pdl)
+        kern = _kernel(k, rows, warps, depth, glu, pdl, norm is not None, 0 if split is None else split[0].numel(),
+                       add is not None)
+        nvrtc.launch(kern, blocks, 32 * warps, smem_bytes(k, norm is not None or add is not None or split is not None),
+                     [x, qw32, scale, zero, y, n_out, n_out] + extra + parts, pdl)
     return y, s
 
 

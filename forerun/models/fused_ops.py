@@ -24,23 +24,42 @@ from .vocab_subset import SubsetHead
 
 class FusedLayerOps(LayerOps):
     PDL_NORM_ROWS = 8  # pdl_norms applies to steps of up to this many tokens
+    # split_norms on by default: a card whose step measured faster with it (q4_step_budget.py) and whose GPU tests
+    # pass with FORERUN_SPLIT_NORMS=1. None yet: faster on the H100 (session 50), but tests/test_gpu.py has not run
+    # with it on there (no device time left); slower on the H200.
+    SPLIT_NORMS_CARDS: tuple[str, ...] = ()
 
     def __init__(self, max_skinny_rows: int = MAX_ROWS, devices: tuple[str, ...] = ("cuda",),
-                 device_name: str | None = None, pdl_norms: bool | None = None, fuse_norms: bool | None = None
-                 ) -> None:
+                 device_name: str | None = None, pdl_norms: bool | None = None, fuse_norms: bool | None = None,
+                 split_norms: bool | None = None) -> None:
         """pdl_norms: add + RMSNorm launched with PDL (True for models whose products are int4 kernels, which fetch
         weights before waiting; None: kernels/fused_norm.py's default). fuse_norms: 1-row add + RMSNorm done in the
         prologue of the product after it where that product can (quantized matrices with `norm_product`: the
         CUDA C++ int4 kernel); None: off unless FORERUN_FUSE_NORMS=1. Off because it measured slower on the H200
         (8B-shape int4 step 1.998 -> 2.076 ms, docs/performance.md; on the H100, session 49, with the row kept in
         registers: 2.143 -> 2.203 ms, docs/quantization.md): the norm's own kernel runs while the product after it
-        fetches its weights, whereas in the prologue every block repeats it after its wait."""
+        fetches its weights, whereas in the prologue every block repeats it after its wait.
+        split_norms: in 1-row steps, each add + RMSNorm between two int4 products on the CUDA C++ kernel is split
+        between them: the product before (o, down) adds the residual in its epilogue and leaves one sum of squares
+        per block, the product after (gate/up, the next qkv, the head) adds those up and normalises its row as
+        it converts it (`linear_add`; kernels/q4_cuda.q4c_add_linear / q4c_split_norm_linear), and no norm kernel
+        runs between them. None: FORERUN_SPLIT_NORMS=1 / 0 if set, else on for the cards in SPLIT_NORMS_CARDS
+        (none yet). Measured (session 50, docs/quantization.md): the 8B-shape int4 step on the H100 2.122-2.126 ->
+        2.089-2.096 ms, on the H200 1.790 -> 1.812 ms (its products wait longer for the partial sums than its norm
+        kernels took)."""
         self.max_skinny_rows = min(max_skinny_rows, MAX_ROWS)
         self.pdl_norms = pdl_norms
         self.fuse_norms = os.environ.get("FORERUN_FUSE_NORMS", "0") == "1" if fuse_norms is None else fuse_norms
-        self.devices = devices
         if device_name is None and torch.cuda.is_available():
             device_name = torch.cuda.get_device_name()
+        if split_norms is None:
+            env = os.environ.get("FORERUN_SPLIT_NORMS")
+            if env not in (None, "0", "1"):
+                raise ValueError(f"FORERUN_SPLIT_NORMS must be 0 or 1 (unset: by card), got {env!r}")
+            split_norms = env == "1" if env else device_name in self.SPLIT_NORMS_CARDS
+        self.split_norms = split_norms
+        self._sums: tuple[torch.Tensor, torch.Tensor] | None = None  # (s, its partial sums of squares): linear_add
+        self.devices = devices
         # tuned configurations for this card: a config, or None where cuBLAS measured faster
         self.configs = load_configs(device_name) if device_name else {}
 
@@ -96,7 +115,27 @@ class FusedLayerOps(LayerOps):
             return None
         return layer.norm_product(x, residual, norm.weight, norm.eps, glu)
 
+    def _partials(self, x, residual):
+        """The partial sums of squares of x where x is the stream the last `linear_add` wrote, else None."""
+        got = self._sums
+        if self.split_norms == "add":  # (an experiment: the adds in the epilogues, the norms still apart)
+            return None
+        return got[1] if residual is None and got is not None and got[0] is x else None
+
+    def linear_add(self, x, layer, residual):
+        if self.split_norms and residual is not None and self._on(x) and hasattr(layer, "add_product"):
+            got = layer.add_product(x, residual)
+            if got is not None:
+                self._sums = got
+                return got[0], None
+        return super().linear_add(x, layer, residual)
+
     def norm_linear(self, x, residual, norm, layer, out_dtype=None):
+        parts = self._partials(x, residual)
+        if parts is not None and hasattr(layer, "split_norm_product"):
+            y = layer.split_norm_product(x, parts, norm.weight, norm.eps)
+            if y is not None:
+                return (y if out_dtype is None else y.to(out_dtype)), x
         got = self._norm_product(x, residual, norm, layer, False)
         if got is None:
             return super().norm_linear(x, residual, norm, layer, out_dtype)
@@ -104,6 +143,16 @@ class FusedLayerOps(LayerOps):
         return (y if out_dtype is None else y.to(out_dtype)), s
 
     def norm_mlp(self, x, residual, norm, mlp):
+        gate_up = mlp.gate_up_proj
+        parts = self._partials(x, residual)
+        if parts is not None and hasattr(gate_up, "split_norm_product"):
+            act = gate_up.split_norm_product(x, parts, norm.weight, norm.eps, glu=True)
+            if act is not None:  # SwiGLU in the product's epilogue; down adds x in its own where it can
+                return self.linear_add(act, mlp.down_proj, x)
+        if self.split_norms and not self.fuse_norms and self._on(x) and x.shape[0] == 1 \
+                and hasattr(mlp.down_proj, "add_product") and hasattr(gate_up, "glu"):  # the norm apart, the add after down in its epilogue
+            h, s = self.add_rmsnorm(x, residual, norm)
+            return self.linear_add(gate_up.glu(h), mlp.down_proj, s)
         got = self._norm_product(x, residual, norm, mlp.gate_up_proj, True)
         if got is None:
             return super().norm_mlp(x, residual, norm, mlp)

@@ -50,14 +50,20 @@ class Attention(nn.Module):
                ops: LayerOps, rows: torch.Tensor | None = None):
         """qkv: [T, (Hq + 2 Hkv) D] (the projection's output) -> the o-projection's output [T, H] (rows given: of
         those rows only, [R, H]; every row's keys and values are written all the same)."""
+        out = self.attention(qkv, positions, rope, meta, kv, backend, ops)
+        return ops.linear(out if rows is None else out[rows], self.o_proj)
+
+    def attention(self, qkv, positions, rope: RotaryEmbedding, meta: AttnMetadata, kv: KVPool,
+                  backend: AttentionBackend, ops: LayerOps) -> torch.Tensor:
+        """qkv: [T, (Hq + 2 Hkv) D] -> the heads' outputs before the o-projection, [T, Hq D]; the keys and values
+        written into the cache."""
         t, cfg = qkv.shape[0], self.cfg
         norms = (self.q_norm, self.k_norm) if cfg.qk_norm else (None, None)
         q = ops.qkv_to_cache(qkv, positions, rope, *norms, self.layer, meta, kv,
                              cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)  # [T, Hq, D]; k, v now in the cache
         out = backend.forward(q, kv.k[self.layer], kv.v[self.layer], meta, self.scale,
                               window=cfg.sliding_window)  # [T, Hq, D]
-        out = out.reshape(t, -1)
-        return ops.linear(out if rows is None else out[rows], self.o_proj)
+        return out.reshape(t, -1)
 
 
 class DecoderLayer(nn.Module):
@@ -71,9 +77,11 @@ class DecoderLayer(nn.Module):
     def forward(self, h, residual, positions, rope, meta, kv, backend, ops: LayerOps):
         """The residual stream is carried as (h, residual) with x = h + residual (residual None: x = h), so
         each add is fused with the norm that follows it (and the norm with the product after it where the kernels
-        can: LayerOps.norm_linear / norm_mlp). Returns the new (h, residual)."""
+        can: LayerOps.norm_linear / norm_mlp), or with the product before it (LayerOps.linear_add, which may
+        return (x, None)). Returns the new (h, residual)."""
         qkv, residual = ops.norm_linear(h, residual, self.input_layernorm, self.self_attn.qkv_proj)
-        h = self.self_attn.attend(qkv, positions, rope, meta, kv, backend, ops)
+        out = self.self_attn.attention(qkv, positions, rope, meta, kv, backend, ops)
+        h, residual = ops.linear_add(out, self.self_attn.o_proj, residual)  # (h, residual): x = h + residual
         return ops.norm_mlp(h, residual, self.post_attention_layernorm, self.mlp)
 
 
@@ -136,11 +144,13 @@ class LlamaForCausalLM(nn.Module):
             for i in range(n):
                 h, res = self.model.layers[i](h, res, positions, self.rope, meta, kv, self.backend, self.ops)
                 if i in wanted:
-                    hidden[i] = h + res
+                    hidden[i] = h if res is None else h + res
         if logits_indices is not None:
             if logits_indices.numel() == 0:  # no logits wanted (a prefill chunk): skip the norm and the head
                 return ForwardOutput(torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=h.device), hidden)
-            h, res = h[logits_indices], res[logits_indices]
+            if not (logits_indices.numel() == h.shape[0] == 1):  # (one row wanted of one: h itself, which the
+                h = h[logits_indices]                                # ops may know the sums of squares of)
+                res = None if res is None else res[logits_indices]
         logits, _ = self.ops.norm_linear(h, res, self.model.norm, self.lm_head, out_dtype=torch.float32)  # [R, V]
         return ForwardOutput(logits, hidden)
 

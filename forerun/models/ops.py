@@ -27,6 +27,13 @@ class LayerOps:
         y = layer(x)
         return y if out_dtype is None else y.to(out_dtype)
 
+    def linear_add(self, x: torch.Tensor, layer: nn.Module, residual: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A product whose output is added to the residual stream: (h, residual) with h + residual the new stream
+        (residual None: h is it). Here (layer(x), residual): the add is left to the norm after it; kernels may add
+        in the product's epilogue and return (the sum, None)."""
+        return self.linear(x, layer), residual
+
     def mlp(self, x: torch.Tensor, mlp: SwiGLU) -> torch.Tensor:
         """x: [T, H] -> down(silu(gate(x)) * up(x)): [T, H]."""
         return mlp(x)

@@ -35,8 +35,8 @@ from torch import nn
 from ..kernels.quant_gemm import (GROUP, MAX_ROWS, Q8_MAX_ROWS, dequantize_int4_w32, dequantize_int8_w32,
                                   pack_int4_w32, pack_int8_w32, q4r_linear, q4t_linear, q4v_linear, q4w2_linear,
                                   q4w_linear, q8v_linear, unpack_int8_w32)
-from ..kernels.q4_cuda import available as q4c_available, dequant_available, q4c_dequant, q4c_linear, \
-    q4c_norm_linear, q8c_dequant
+from ..kernels.q4_cuda import available as q4c_available, dequant_available, q4c_add_linear, q4c_dequant, \
+    q4c_linear, q4c_norm_linear, q4c_split_norm_linear, q8c_dequant
 from ..kernels.q4_mma import MAX_ROWS as Q4M_MAX_ROWS, SUPER as Q4M_SUPER, available as q4m_available, \
     default_warps as q4m_default_warps, fits as q4m_fits, packed_scales as q4m_packed_scales, q4m_linear
 from .quant import quantize_groups_int4
@@ -264,6 +264,41 @@ class CudaQ4Linear(CudaQuantLinear):
             return None
         return q4c_norm_linear(x, residual, norm_weight, eps, self.qw32, self.scale, self.zero, glu=glu,
                                rows=cfg["block_n"], warps=cfg["num_warps"], depth=cfg["num_stages"])
+
+    def _c_config(self, x: torch.Tensor, glu: bool) -> dict | None:
+        """This shape's 1-row configuration where it names the CUDA C++ kernel and x is one row it takes, else None."""
+        if x.shape[0] != 1 or self.bias is not None or not self._kernel_ok(x) or not x.is_contiguous():
+            return None
+        cfg = tuned(1, self.out_features // 2 if glu else self.out_features, self.in_features, glu)
+        return cfg if cfg["kernel"] == "c" else None
+
+    def add_product(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(x @ W^T + residual, its partial sums of squares) in one launch (kernels/q4_cuda.q4c_add_linear), for
+        one row where this shape's kernel is the CUDA C++ one; None elsewhere (the caller adds apart)."""
+        cfg = self._c_config(x, False)
+        if cfg is None or residual.dtype != x.dtype or residual.shape != (1, self.out_features):
+            return None
+        return q4c_add_linear(x, residual, self.qw32, self.scale, self.zero, rows=cfg["block_n"],
+                              warps=cfg["num_warps"], depth=cfg["num_stages"])
+
+    SPLIT_MAX_BLOCKS_PER_SM = 8  # split_norm_product: launches of more blocks (the head's) keep the norm kernel
+
+    def split_norm_product(self, s: torch.Tensor, partials: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                           glu: bool = False) -> torch.Tensor | None:
+        """rmsnorm(s) * norm_weight @ W^T (glu: SwiGLU) with the sums of squares an `add_product` left
+        (kernels/q4_cuda.q4c_split_norm_linear); None where this shape's kernel is not the CUDA C++ one, or where
+        its launch has more than SPLIT_MAX_BLOCKS_PER_SM blocks per SM: every block pays the prologue's wait for
+        the partial sums, and the head's ~70 blocks an SM measured 8 us slower than the norm kernel before it
+        (benchmarks/q4_split_norm_gpu.py, H100 and H200)."""
+        cfg = self._c_config(s, glu)
+        if cfg is None or norm_weight.dtype != s.dtype:
+            return None
+        n = self.out_features // 2 if glu else self.out_features
+        blocks = -(-n // (cfg["block_n"] * cfg["num_warps"]))
+        if blocks > self.SPLIT_MAX_BLOCKS_PER_SM * torch.cuda.get_device_properties(s.device).multi_processor_count:
+            return None
+        return q4c_split_norm_linear(s, partials, norm_weight, eps, self.qw32, self.scale, self.zero, glu=glu,
+                                     rows=cfg["block_n"], warps=cfg["num_warps"], depth=cfg["num_stages"])
 
     def _product(self, x: torch.Tensor, glu: bool) -> torch.Tensor:
         """x [M, K] through the kernels, 16 rows per call (32 where the tensor-core kernel takes more than 16)."""

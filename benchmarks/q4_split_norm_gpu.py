@@ -85,7 +85,8 @@ def main() -> int:
         row["rel_err"] = ((got - ref).abs().max() / ref.abs().max()).item()
         rows.append(row)
         G.log(f"{name:8s}: plain {row['plain_us']:7.2f} us, split {row['split_us']:7.2f}, norm alone "
-              f"{row['norm_alone_us']:.2f}; chain apart {row['chain_apart_us']:7.2f}, split {row['chain_split_us']:7.2f}"
+              f"{row['norm_alone_us']:.2f}; chain apart {row['chain_apart_us']:7.2f}, "
+              f"split {row['chain_split_us']:7.2f}"
               f" (err {row['rel_err']:.1e})")
         del A, B, after, before
         torch.cuda.empty_cache()

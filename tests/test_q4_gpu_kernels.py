@@ -685,7 +685,8 @@ def test_int4_model_forward_with_norms_fused_into_the_products(monkeypatch):
     model.ops = FusedLayerOps(split_norms=True)
     with pytest.MonkeyPatch.context() as mp:
         for f, fn in real.items():
-            mp.setattr(f"forerun.models.quant_cuda.{f}", lambda *a, _f=f, _fn=fn, **kw: calls.append(_f) or _fn(*a, **kw))
+            mp.setattr(f"forerun.models.quant_cuda.{f}",
+                       lambda *a, _f=f, _fn=fn, **kw: calls.append(_f) or _fn(*a, **kw))
         out, _ = side.runner.forward([Chunk(seq_id=0, token_ids=ids[39:], logits="last")])
     assert calls == ["q4c_add_linear"] * (2 * 4), calls
     assert ((out.logits.float() - logits["split"]).abs().max() / logits["split"].abs().max()).item() < 3e-2

@@ -150,7 +150,8 @@ class FusedLayerOps(LayerOps):
             if act is not None:  # SwiGLU in the product's epilogue; down adds x in its own where it can
                 return self.linear_add(act, mlp.down_proj, x)
         if self.split_norms and not self.fuse_norms and self._on(x) and x.shape[0] == 1 \
-                and hasattr(mlp.down_proj, "add_product") and hasattr(gate_up, "glu"):  # the norm apart, the add after down in its epilogue
+                and hasattr(mlp.down_proj, "add_product") and hasattr(gate_up, "glu"):
+            # the norm apart (x came without partial sums), the add after down in its epilogue
             h, s = self.add_rmsnorm(x, residual, norm)
             return self.linear_add(gate_up.glu(h), mlp.down_proj, s)
         got = self._norm_product(x, residual, norm, mlp.gate_up_proj, True)

@@ -433,6 +433,12 @@ def test_cuda_c_launch_structures_match_the_driver_abi():
     assert (_LaunchConfig.hStream.offset, _LaunchConfig.attrs.offset, _LaunchConfig.numAttrs.offset) == (32, 40, 48)
 
 
+def _q4_word_layout(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random weights [n, k] on the GPU in the word layout with bf16 scales and offsets (qw32, scale, zero)."""
+    q, sc, z = quantize_groups_int4(torch.randn(n, k, device="cuda") * 0.05)
+    return pack_int4_w32(q), sc.to(torch.bfloat16), z.to(torch.bfloat16)
+
+
 def _q4c_ok() -> bool:
     from forerun.kernels import q4_cuda
     return q4_cuda.available()
@@ -526,9 +532,7 @@ def test_cuda_c_norm_prologue_equals_add_rmsnorm_then_the_product():
     assert _q4c_ok()
     torch.manual_seed(1)
     for n, k in ((96, 4096), (50, 1536), (40, 896)):
-        w = torch.randn(n, k, device="cuda") * 0.05
-        q, sc, z = quantize_groups_int4(w)
-        q32, sc, z = pack_int4_w32(q), sc.to(torch.bfloat16), z.to(torch.bfloat16)
+        q32, sc, z = _q4_word_layout(n, k)
         nw = (1 + 0.3 * torch.randn(k, device="cuda")).to(torch.bfloat16)
         for amp in (1.0, 200.0):
             x = (torch.randn(1, k, device="cuda") * amp).to(torch.bfloat16)
@@ -579,12 +583,8 @@ def test_cuda_c_split_norm_equals_add_then_add_rmsnorm_then_the_product():
     torch.manual_seed(2)
     for n, k in ((4096, 1024), (1056, 1536), (896, 896)):  # (the add product's N is the norm's width and the
         # K of the product after it: 1056 leaves a block's rows part-filled and a lane tail)
-        wa = torch.randn(n, k, device="cuda") * 0.05
-        qa, sa, za = quantize_groups_int4(wa)
-        qa, sa, za = pack_int4_w32(qa), sa.to(torch.bfloat16), za.to(torch.bfloat16)
-        wb = torch.randn(2 * 40, n, device="cuda") * 0.05  # the product after the norm (SwiGLU: 40 of each half)
-        qb, sb, zb = quantize_groups_int4(wb)
-        qb, sb, zb = pack_int4_w32(qb), sb.to(torch.bfloat16), zb.to(torch.bfloat16)
+        qa, sa, za = _q4_word_layout(n, k)
+        qb, sb, zb = _q4_word_layout(2 * 40, n)  # the product after the norm (SwiGLU: 40 of each half)
         nw = (1 + 0.3 * torch.randn(n, device="cuda")).to(torch.bfloat16)
         for amp in (1.0, 100.0):
             x = (torch.randn(1, k, device="cuda") * amp).to(torch.bfloat16)

@@ -250,27 +250,23 @@ class CudaQ4Linear(CudaQuantLinear):
         q = torch.stack([lo, hi], -1).reshape(n, -1, GROUP).to(self.dtype)
         return (q * self.scale[..., None] + self.zero[..., None]).reshape(n, -1)
 
-    def norm_product(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                     glu: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rmsnorm(x + residual) * norm_weight @ W^T (glu: SwiGLU of the gate and up halves), x + residual) in one
-        launch, for one row where this shape's tuned kernel is the CUDA C++ one; None elsewhere (the caller runs
-        add + RMSNorm and the product apart)."""
-        if x.shape[0] != 1 or self.bias is not None or not self._kernel_ok(x) or not x.is_contiguous() \
-                or norm_weight.dtype != x.dtype or (residual is not None and not residual.is_contiguous()):
-            return None
-        n = self.out_features // 2 if glu else self.out_features
-        cfg = tuned(1, n, self.in_features, glu)
-        if cfg["kernel"] != "c":
-            return None
-        return q4c_norm_linear(x, residual, norm_weight, eps, self.qw32, self.scale, self.zero, glu=glu,
-                               rows=cfg["block_n"], warps=cfg["num_warps"], depth=cfg["num_stages"])
-
     def _c_config(self, x: torch.Tensor, glu: bool) -> dict | None:
         """This shape's 1-row configuration where it names the CUDA C++ kernel and x is one row it takes, else None."""
         if x.shape[0] != 1 or self.bias is not None or not self._kernel_ok(x) or not x.is_contiguous():
             return None
         cfg = tuned(1, self.out_features // 2 if glu else self.out_features, self.in_features, glu)
         return cfg if cfg["kernel"] == "c" else None
+
+    def norm_product(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                     glu: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rmsnorm(x + residual) * norm_weight @ W^T (glu: SwiGLU of the gate and up halves), x + residual) in one
+        launch, for one row where this shape's tuned kernel is the CUDA C++ one; None elsewhere (the caller runs
+        add + RMSNorm and the product apart)."""
+        cfg = self._c_config(x, glu)
+        if cfg is None or norm_weight.dtype != x.dtype or (residual is not None and not residual.is_contiguous()):
+            return None
+        return q4c_norm_linear(x, residual, norm_weight, eps, self.qw32, self.scale, self.zero, glu=glu,
+                               rows=cfg["block_n"], warps=cfg["num_warps"], depth=cfg["num_stages"])
 
     def add_product(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(x @ W^T + residual, its partial sums of squares) in one launch (kernels/q4_cuda.q4c_add_linear), for

@@ -76,6 +76,12 @@ __device__ __forceinline__ float sq2(unsigned int a, float ss) {{
     return fmaf(lo, lo, fmaf(hi, hi, ss));
 }}
 
+__device__ __forceinline__ float warp_sum(float v) {{  // xor butterfly: every lane ends with the same float
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}}
+
 __device__ __forceinline__ unsigned int f2h2(float lo, float hi) {{
     unsigned int r;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
@@ -198,8 +204,7 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
         float tot = 0.0f;
         #pragma unroll
         for (int j = 0; j < NP_; j++) tot += pv[j];
-        #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) tot += __shfl_xor_sync(0xffffffffu, tot, o);
+        tot = warp_sum(tot);
         if (lane == 0) inv_s[0] = 1.0f / sqrtf(tot / (float)K_ + eps);
     }}
     __syncthreads();
@@ -230,8 +235,7 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
         }}
         vr[t] = v;
     }}
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    ss = warp_sum(ss);
     if (lane == 0) red[warp] = ss;
     __syncthreads();
     float tot = 0.0f;
@@ -313,8 +317,7 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
     }}
     #pragma unroll
     for (int r = 0; r < NW; r++) {{
-        #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], o);
+        acc[r] = warp_sum(acc[r]);
     }}
 #if ADD
     float ss = 0.0f;
@@ -339,8 +342,7 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
     }}
 #if ADD
     // the block's sum of squares of s, in a fixed order: lanes (xor butterfly), then warps
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    ss = warp_sum(ss);
     if (lane == 0) red_add[warp] = ss;
     __syncthreads();
     if (threadIdx.x == 0) {{
@@ -478,7 +480,7 @@ def _launch(x, norm, qw32, scale, zero, glu, rows, warps, depth, pdl, add=None, 
         extra = [null if residual is None else residual, _aligned(weight), s if residual is not None else null,
                  ctypes.c_float(eps)]
     parts = [null, null, 0]
-    if add is not None:  # the residual in place of res; the partial sums out
+    if add is not None:  # the residual in place of res; the partial sums out (returned in place of s)
         s = torch.empty(blocks, dtype=torch.float32, device=x.device)
         extra[0] = add.contiguous()
         parts[0] = s
@@ -487,8 +489,8 @@ def _launch(x, norm, qw32, scale, zero, glu, rows, warps, depth, pdl, add=None, 
         extra[1], extra[3] = _aligned(weight), ctypes.c_float(eps)
         parts[1:] = [partials, partials.numel()]
     with torch.cuda.device(x.device):  # x's device: its module, its current stream
-        kern = _kernel(k, rows, warps, depth, glu, pdl, norm is not None, 0 if split is None else split[0].numel(),
-                       add is not None)
+        kern = _kernel(k, rows, warps, depth, glu, pdl, norm is not None,  # (SPLIT: one build per 32 partials)
+                       0 if split is None else -(-split[0].numel() // 32) * 32, add is not None)
         nvrtc.launch(kern, blocks, 32 * warps, smem_bytes(k, norm is not None or add is not None or split is not None),
                      [x, qw32, scale, zero, y, n_out, n_out] + extra + parts, pdl)
     return y, s

@@ -60,8 +60,11 @@ def install(model, knocked: tuple[str, ...], splits: int | None, originals: dict
     bufs: dict = {}
     ops.fuse_norms = "fused" in knocked
     default = ops.__dict__.setdefault("_split_default", ops.split_norms)  # (the card's default: the engine's)
-    ops.split_norms = "add" if "addonly" in knocked else True if "split" in knocked else False if {
+    ops.split_norms = True if {"split", "addonly"} & set(knocked) else False if {
         "apart", "fused", "norm"} & set(knocked) else default
+    ops.__dict__.pop("_partials", None)
+    if "addonly" in knocked:  # the adds in the epilogues, but no product takes the partial sums: norms apart
+        ops._partials = lambda x, residual: None
     if "norm" in knocked:
         ops.add_rmsnorm = lambda x, residual, norm: (x, x if residual is None else residual)
         ops.norm_linear = lambda x, residual, norm, layer, out_dtype=None: (

@@ -118,8 +118,6 @@ class FusedLayerOps(LayerOps):
     def _partials(self, x, residual):
         """The partial sums of squares of x where x is the stream the last `linear_add` wrote, else None."""
         got = self._sums
-        if self.split_norms == "add":  # (an experiment: the adds in the epilogues, the norms still apart)
-            return None
         return got[1] if residual is None and got is not None and got[0] is x else None
 
     def linear_add(self, x, layer, residual):

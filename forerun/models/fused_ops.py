@@ -25,9 +25,10 @@ from .vocab_subset import SubsetHead
 class FusedLayerOps(LayerOps):
     PDL_NORM_ROWS = 8  # pdl_norms applies to steps of up to this many tokens
     # split_norms on by default: a card whose step measured faster with it (q4_step_budget.py) and whose GPU tests
-    # pass with FORERUN_SPLIT_NORMS=1. None yet: faster on the H100 (session 50), but tests/test_gpu.py has not run
-    # with it on there (no device time left); slower on the H200.
-    SPLIT_NORMS_CARDS: tuple[str, ...] = ()
+    # pass with FORERUN_SPLIT_NORMS=1. The H100: faster (session 50), and tests/test_gpu.py, test_q4_gpu_kernels.py
+    # and test_gguf_cuda.py pass with it on (session 51, benchmarks/results/gpu_tests_session51_split_h100.txt).
+    # Not the H200: slower there.
+    SPLIT_NORMS_CARDS: tuple[str, ...] = ("NVIDIA H100 80GB HBM3",)
 
     def __init__(self, max_skinny_rows: int = MAX_ROWS, devices: tuple[str, ...] = ("cuda",),
                  device_name: str | None = None, pdl_norms: bool | None = None, fuse_norms: bool | None = None,
@@ -44,7 +45,7 @@ class FusedLayerOps(LayerOps):
         per block, the product after (gate/up, the next qkv, the head) adds those up and normalises its row as
         it converts it (`linear_add`; kernels/q4_cuda.q4c_add_linear / q4c_split_norm_linear), and no norm kernel
         runs between them. None: FORERUN_SPLIT_NORMS=1 / 0 if set, else on for the cards in SPLIT_NORMS_CARDS
-        (none yet). Measured (session 50, docs/quantization.md): the 8B-shape int4 step on the H100 2.122-2.126 ->
+        (the H100). Measured (session 50, docs/quantization.md): the 8B-shape int4 step on the H100 2.122-2.126 ->
         2.089-2.096 ms, on the H200 1.790 -> 1.812 ms (its products wait longer for the partial sums than its norm
         kernels took)."""
         self.max_skinny_rows = min(max_skinny_rows, MAX_ROWS)

@@ -5,8 +5,9 @@ variant saves is the most that fusing that operation away could save; "products 
 when every one of them is gone. Also: attention with fewer KV splits, and decode attention in the one-launch CUDA
 kernel (attention/cuda_decode.py, an experiment) instead of the Triton split + merge kernels.
 A variant fuses each add + RMSNorm into the int4 product after it (FusedLayerOps.fuse_norms, off in the engine:
-measured slower); one splits it across the products around it (FusedLayerOps.split_norms, off: measured slower),
-one only moves the adds into the epilogues of the products before them (an experiment). Variants run interleaved (the card's clocks drift); best of the runs. Prints a table, writes JSON (+ PNG).
+measured slower); one splits it across the products around it (FusedLayerOps.split_norms: on by default on the
+H100, off on the H200, where it measured slower), one does so with the split's products 4 groups deep (measured
+slower), one only moves the adds into the epilogues of the products before them (an experiment). Variants run interleaved (the card's clocks drift); best of the runs. Prints a table, writes JSON (+ PNG).
 
     python benchmarks/q4_step_budget.py --out benchmarks/results/q4_step_budget_h200.json
 
@@ -26,7 +27,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gpu as G  # noqa: E402
 from forerun.attention import cuda_decode  # noqa: E402
 from forerun.attention.triton_backend import TritonPagedAttention  # noqa: E402
+from forerun.models import quant_cuda  # noqa: E402
 from forerun.runtime.cuda_graph import GraphRunner  # noqa: E402
+
+SPLIT_PRODUCT = quant_cuda.q4c_split_norm_linear
 
 # variant -> (operations knocked out, attention KV splits (None: the backend's own choice)[, decode attention in
 # the one-launch CUDA kernel (an experiment, off in the engine) instead of the Triton split + merge kernels])
@@ -34,6 +38,7 @@ VARIANTS = {
     "engine": ((), None),
     "engine, add+norm fused into the products": (("fused",), None),
     "engine, norms split across the products around them": (("split",), None),
+    "engine, norms split, their products 4 groups deep": (("split", "deep"), None),
     "engine, norm kernels (norms not split)": (("apart",), None),
     "engine, adds in the epilogues, norms apart": (("addonly",), None),
     "engine, CUDA C++ decode attention (4 warps)": ((), None, (4, 0)),
@@ -63,6 +68,10 @@ def install(model, knocked: tuple[str, ...], splits: int | None, originals: dict
     ops.split_norms = True if {"split", "addonly"} & set(knocked) else False if {
         "apart", "fused", "norm"} & set(knocked) else default
     ops.__dict__.pop("_partials", None)
+    # "deep": the products that take the partial sums keep 4 groups of weights in flight per lane (the whole row
+    # of a K = 4096 product) instead of their tuned depth, to cover the prologue's wait for the partials
+    quant_cuda.q4c_split_norm_linear = SPLIT_PRODUCT if "deep" not in knocked else (
+        lambda *a, depth=None, **k: SPLIT_PRODUCT(*a, depth=max(depth or 0, 4), **k))
     if "addonly" in knocked:  # the adds in the epilogues, but no product takes the partial sums: norms apart
         ops._partials = lambda x, residual: None
     if "norm" in knocked:

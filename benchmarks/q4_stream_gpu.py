@@ -22,7 +22,9 @@ there is room, and only the arithmetic waits. This benchmark measures that on th
     in the same order, so outputs equal the per-product kernels' bit for bit.
 
 Knock-outs (wrong numbers, true times): KO=1 no grid barrier, KO=2 no arithmetic (copies and barriers only), KO=3
-copies only, KO=4 the grid barriers alone. Against the engine's kernels (q4_cuda.py, tuned table, PDL, one launch per product), interleaved, CUDA
+copies only, KO=4 the grid barriers alone. Then, for the first knock-out configuration, timestamps per barrier and
+block (%globaltimer, thread 0 at arrival and at release): how far apart the blocks arrive, and how long after the
+last arrival each sees the count. Against the engine's kernels (q4_cuda.py, tuned table, PDL, one launch per product), interleaved, CUDA
 graph replays. Prints a table, writes JSON + PNG.
 
     python benchmarks/q4_stream_gpu.py --out benchmarks/results/q4_stream_h200.json
@@ -30,6 +32,7 @@ graph replays. Prints a table, writes JSON + PNG.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import sys
@@ -141,15 +144,24 @@ __device__ __forceinline__ unsigned int ld_acquire(const unsigned int* p) {{
     return v;
 }}
 
-__device__ __forceinline__ void grid_sync(unsigned int* counter, unsigned int target) {{
+__device__ __forceinline__ unsigned long long now_ns() {{
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+    return t;
+}}
+
+// ts (diagnostics, may be null): per barrier and block, the time thread 0 arrived and the time it saw the count
+__device__ __forceinline__ void grid_sync(unsigned int* counter, unsigned int target, unsigned long long* ts) {{
     __syncthreads();
     if (threadIdx.x == 0) {{
+        if (ts) ts[2 * blockIdx.x] = now_ns();
         __threadfence();
         atomicAdd(counter, 1u);
         long spins = 0;
         while (ld_acquire(counter) < target) {{
             if (++spins > (1L << 24)) __trap();  // a block that never arrives: fail instead of hanging
         }}
+        if (ts) ts[2 * blockIdx.x + 1] = now_ns();
     }}
     __syncthreads();
 }}
@@ -182,7 +194,7 @@ __device__ __forceinline__ void load_x(const uint4* xq, const float* gsum, int G
 }}
 
 extern "C" __global__ void __launch_bounds__(SW * 32, 1)
-q4_stream(const SProd* __restrict__ P, int num, unsigned int* counter)
+q4_stream(const SProd* __restrict__ P, int num, unsigned int* counter, unsigned long long* ts)
 {{
     extern __shared__ uint4 smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -202,7 +214,7 @@ q4_stream(const SProd* __restrict__ P, int num, unsigned int* counter)
     Cur cc = {{0, first_row(P, 0, gw, tw), 0}};
     settle(cc, P, num, gw, tw);
 #if KO == 4
-    for (int p = 1; p < num; p++) grid_sync(counter, (unsigned int)p * gridDim.x);
+    for (int p = 1; p < num; p++) grid_sync(counter, (unsigned int)p * gridDim.x, ts ? ts + 2L * p * gridDim.x : ts);
     return;
 #endif
     #pragma unroll
@@ -214,7 +226,7 @@ q4_stream(const SProd* __restrict__ P, int num, unsigned int* counter)
     unsigned int phase = 0;
     for (int p = 0; p < num; p++) {{
 #if KO != 1 && KO != 3
-        if (p > 0) grid_sync(counter, (unsigned int)p * gridDim.x);
+        if (p > 0) grid_sync(counter, (unsigned int)p * gridDim.x, ts ? ts + 2L * p * gridDim.x : ts);
 #endif
         const int kind = kind_of(P, p), n_out = n_of(P, p);
         const int G = kind == 2 ? 384 : 128;
@@ -349,7 +361,7 @@ def main() -> int:
                     y.copy_(prev)
         return run
 
-    def stream(prods, sw, nslot, xreg, tma, ko=0):
+    def stream(prods, sw, nslot, xreg, tma, ko=0, ts=None):
         kern = nvrtc.kernel(stream_source(sw, nslot, xreg, ko, tma), "q4_stream")
         smem = smem_bytes(sw, nslot)
         kern.set_shared_memory_config(smem)
@@ -360,7 +372,8 @@ def main() -> int:
 
         def run():
             counter.zero_()
-            nvrtc.launch(kern, sms, 32 * sw, smem, [desc, len(prods), counter], False)
+            nvrtc.launch(kern, sms, 32 * sw, smem, [desc, len(prods), counter,
+                                                    ctypes.c_void_p(0) if ts is None else ts], False)
         return run
 
     parsed = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",") if c]
@@ -408,8 +421,32 @@ def main() -> int:
         for k, g in graphs.items():
             runs[k].append(G.bench_ms(g.replay, inner=10, outer=3))
             G.log(f"[{rep}] {k:60s} {runs[k][-1]:.4f} ms ({100 * floor / runs[k][-1]:.1f} %)")
+    # where a barrier's time goes: per barrier and block, when thread 0 arrived and when it saw the full count
+    # (%globaltimer); spread = last arrival - first, lag = a block's release - the last arrival
+    timing = {}
+    ts = torch.zeros(len(prods), sms, 2, dtype=torch.int64, device="cuda")
+    for sw, nslot, xreg, tma in kos[:1]:
+        for ko, what in ((0, "full"), (2, "no arithmetic"), (4, "grid barriers only")):
+            run = stream(prods, sw, nslot, xreg, tma, ko, ts=ts)
+            for _ in range(3):
+                ts.zero_()
+                run()
+            torch.cuda.synchronize()
+            t = ts[1:].double()  # [barriers, blocks, 2] ns
+            arrive, release = t[..., 0], t[..., 1]
+            last = arrive.max(dim=1).values
+            spread = (last - arrive.min(dim=1).values) / 1e3
+            lag = (release - last[:, None]) / 1e3
+            gap = (last[1:] - release.max(dim=1).values[:-1]) / 1e3  # last release -> next last arrival
+            lasts = torch.bincount(arrive.argmax(dim=1), minlength=sms)
+            timing[f"{sw}x{nslot}x{xreg}x{tma} {what}"] = dict(
+                spread_us_median=spread.median().item(), spread_us_mean=spread.mean().item(),
+                lag_us_median=lag.median().item(), lag_us_max_median=lag.max(dim=1).values.median().item(),
+                product_us_mean=gap.mean().item(), most_often_last_block_share=lasts.max().item() / lasts.sum().item())
+            G.log(f"barriers, {sw}x{nslot}x{xreg}x{tma} {what}: " + ", ".join(
+                f"{k} {v:.3f}" for k, v in timing[f"{sw}x{nslot}x{xreg}x{tma} {what}"].items()))
     res = dict(device=name, torch=torch.__version__, sms=sms, copy_bw_bytes_per_s=bw, layers=args.layers,
-               products=len(prods), weight_bytes=wbytes, floor_ms=floor, checks=checks,
+               products=len(prods), weight_bytes=wbytes, floor_ms=floor, checks=checks, barrier_timing=timing,
                variants={k: dict(ms=min(t), runs=t, of_floor=floor / min(t)) for k, t in runs.items()})
     print(f"\n{name}: {len(prods)} chained int4 products (1 row), {wbytes / 1e9:.2f} GB, floor {floor:.3f} ms")
     print("| variant | ms | % of floor |\n| --- | --- | --- |")

@@ -15,7 +15,8 @@ there is room, and only the arithmetic waits. This benchmark measures that on th
     warp's next unit as soon as it is read, whichever product that unit belongs to. So the copies run NSLOT units
     (SW x NSLOT x 2.5 KB per SM, up to ~200 KB) ahead of the arithmetic, across the grid barriers;
   * output rows are dealt to warps round-robin, the start rotated per product so that every warp's total over the
-    chain differs by at most one row;
+    chain differs by at most one row (DYN: claimed at run time instead, from 8 atomic counters per product, when a
+    warp refills a slot; each slot records the (product, row) it holds for the arithmetic);
   * a grid barrier between products (an atomic counter, as session 23); after it each block converts the input row
     into pre-scaled f16 pairs in shared memory as q4_cuda.py does (XREG: and each lane then keeps its 4 groups of
     pairs in registers for the K = 4096 products); the per-warp arithmetic is q4_cuda.py's (its helpers reused),
@@ -56,6 +57,8 @@ _STREAM = r"""
 #define XREG {XREG}    // K = 4096 products: a lane's activation pairs in registers
 #define KO {KO}        // knock-out: 1 no grid barrier, 2 no arithmetic, 3 copies only, 4 grid barriers only
 #define TMA {TMA}      // 1: a unit is 3 bulk copies (the TMA unit, completion on an mbarrier per slot), 0: cp.async
+#define DYN {DYN}      // 1: rows claimed at run time (NCLAIM atomic counters per product), 0: dealt round-robin
+#define NCLAIM 8       // DYN: counter j hands out rows j, j + NCLAIM, ... (8 addresses, 128 bytes apart)
 #define UU 160         // uint4 per unit: 128 of codes, 16 of scales, 16 of offsets
 
 struct SProd {{ const uint4* qw; const unsigned short* S; const unsigned short* Z; const uint4* x; unsigned short* y;
@@ -72,18 +75,35 @@ __device__ __forceinline__ int first_row(const SProd* P, int p, int gw, int tw) 
 
 struct Cur {{ int p, n, u; }};  // the next unit to copy: product, output row, unit of the row
 
-__device__ __forceinline__ void settle(Cur& c, const SProd* P, int num, int gw, int tw) {{
+#if DYN
+// the next row of product p from this warp's counter (lane 0 asks, every lane gets it)
+__device__ __forceinline__ int claim(unsigned int* claims, int p, int gw, int lane) {{
+    const int j = gw % NCLAIM;
+    int i = 0;
+    if (lane == 0) i = (int)atomicAdd(claims + ((long)p * NCLAIM + j) * 32, 1u);
+    return j + NCLAIM * __shfl_sync(0xffffffffu, i, 0);
+}}
+#define FIRST(p) claim(claims, (p), gw, lane)
+#define NEXT(c) claim(claims, (c).p, gw, lane)
+#else
+#define FIRST(p) first_row(P, (p), gw, tw)
+#define NEXT(c) ((c).n + tw)
+#endif
+
+__device__ __forceinline__ void settle(Cur& c, const SProd* P, int num, int gw, int tw, unsigned int* claims,
+                                       int lane) {{
     while (c.p < num && c.n >= n_of(P, c.p)) {{
-        if (++c.p < num) c.n = first_row(P, c.p, gw, tw);
+        if (++c.p < num) c.n = FIRST(c.p);
     }}
 }}
 
-__device__ __forceinline__ void advance(Cur& c, const SProd* P, int num, int gw, int tw) {{
+__device__ __forceinline__ void advance(Cur& c, const SProd* P, int num, int gw, int tw, unsigned int* claims,
+                                        int lane) {{
     if (c.p >= num) return;
     if (++c.u < units_of(kind_of(P, c.p))) return;
     c.u = 0;
-    c.n += tw;
-    settle(c, P, num, gw, tw);
+    c.n = NEXT(c);
+    settle(c, P, num, gw, tw, claims, lane);
 }}
 
 __device__ __forceinline__ void cp16(const void* dst, const void* src) {{
@@ -108,7 +128,8 @@ __device__ __forceinline__ void wait_parity(unsigned long long* bar, unsigned in
 
 // copy unit c into the slot (nothing once the chain is done); cp.async: one commit group either way
 __device__ __forceinline__ void issue(const Cur& c, const SProd* P, int num, uint4* slot, unsigned long long* bar,
-                                      int lane) {{
+                                      int2* meta, int lane) {{
+    if (lane == 0) *meta = make_int2(c.p < num ? c.p : num, c.n);  // what the slot will hold, for the consumer
     if (c.p < num) {{
         const int kind = kind_of(P, c.p), n_out = n_of(P, c.p);
         const long G = kind == 2 ? 384 : 128;
@@ -194,7 +215,7 @@ __device__ __forceinline__ void load_x(const uint4* xq, const float* gsum, int G
 }}
 
 extern "C" __global__ void __launch_bounds__(SW * 32, 1)
-q4_stream(const SProd* __restrict__ P, int num, unsigned int* counter, unsigned long long* ts)
+q4_stream(const SProd* __restrict__ P, int num, unsigned int* counter, unsigned long long* ts, unsigned int* claims)
 {{
     extern __shared__ uint4 smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -203,6 +224,7 @@ q4_stream(const SProd* __restrict__ P, int num, unsigned int* counter, unsigned 
     uint4* xq = smem + SW * NSLOT * UU;  // [4][G]: pairs of word c of group g at xq[c * G + g]
     float* gsum = (float*)(xq + 4 * 384);
     unsigned long long* bars = (unsigned long long*)(gsum + 384) + warp * NSLOT;  // TMA: one per slot
+    int2* smeta = (int2*)((unsigned long long*)(gsum + 384) + SW * NSLOT) + warp * NSLOT;  // (product, row) per slot
 #if TMA
     if (lane == 0) {{
         #pragma unroll
@@ -211,16 +233,16 @@ q4_stream(const SProd* __restrict__ P, int num, unsigned int* counter, unsigned 
     }}
     __syncwarp();
 #endif
-    Cur cc = {{0, first_row(P, 0, gw, tw), 0}};
-    settle(cc, P, num, gw, tw);
+    Cur cc = {{0, FIRST(0), 0}};
+    settle(cc, P, num, gw, tw, claims, lane);
 #if KO == 4
     for (int p = 1; p < num; p++) grid_sync(counter, (unsigned int)p * gridDim.x, ts ? ts + 2L * p * gridDim.x : ts);
     return;
 #endif
     #pragma unroll
     for (int s = 0; s < NSLOT; s++) {{
-        issue(cc, P, num, ring + s * UU, bars + s, lane);
-        advance(cc, P, num, gw, tw);
+        issue(cc, P, num, ring + s * UU, bars + s, smeta + s, lane);
+        advance(cc, P, num, gw, tw, claims, lane);
     }}
     int slot = 0;
     unsigned int phase = 0;
@@ -255,7 +277,11 @@ q4_stream(const SProd* __restrict__ P, int num, unsigned int* counter, unsigned 
 #if XREG && KO < 2
         if (kind != 2) load_x(xq, gsum, G, 0, lane, xr, xs);
 #endif
-        for (int n = first_row(P, p, gw, tw); n < n_out; n += tw) {{
+        while (true) {{  // the rows of product p in this warp's ring, in order
+            __syncwarp();
+            const int2 m = smeta[slot];
+            if (m.x != p) break;
+            const int n = m.y;
             float acc = 0.0f, acc2 = 0.0f;
             const int nu = units_of(kind);
             for (int u = 0; u < nu; u++) {{
@@ -272,8 +298,8 @@ q4_stream(const SProd* __restrict__ P, int num, unsigned int* counter, unsigned 
                 else acc = unit_dot(su, xr, xs, lane, acc);
 #endif
                 __syncwarp();
-                issue(cc, P, num, ring + slot * UU, bars + slot, lane);
-                advance(cc, P, num, gw, tw);
+                issue(cc, P, num, ring + slot * UU, bars + slot, smeta + slot, lane);
+                advance(cc, P, num, gw, tw, claims, lane);
                 if (++slot == NSLOT) {{
                     slot = 0;
                     phase ^= 1u;
@@ -302,14 +328,14 @@ q4_stream(const SProd* __restrict__ P, int num, unsigned int* counter, unsigned 
 """
 
 
-def stream_source(sw: int, nslot: int, xreg: bool, ko: int = 0, tma: bool = False) -> str:
+def stream_source(sw: int, nslot: int, xreg: bool, ko: int = 0, tma: bool = False, dyn: bool = False) -> str:
     # K / R / WARPS / ... of the helpers' macros are unused here; set to valid values
     return (_HELPERS.format(K=4096, R=1, WARPS=sw, DEPTH=2, GLU=0, PDL=0, NORM=0, SPLIT=0, NP=1, ADD=0)
-            + _STREAM.format(SW=sw, NSLOT=nslot, XREG=int(xreg), KO=ko, TMA=int(tma)))
+            + _STREAM.format(SW=sw, NSLOT=nslot, XREG=int(xreg), KO=ko, TMA=int(tma), DYN=int(dyn)))
 
 
 def smem_bytes(sw: int, nslot: int) -> int:
-    return sw * nslot * (UNIT_BYTES + 8) + X_BYTES
+    return sw * nslot * (UNIT_BYTES + 16) + X_BYTES  # + an mbarrier and a (product, row) per slot
 
 
 def descriptors(prods, tw: int) -> torch.Tensor:
@@ -328,9 +354,9 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/q4_stream.json")
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--configs", default="16x5x1x0,16x2x1x0,16x5x1x1,16x2x1x1",
-                    help="warps x slots x XREG x TMA, comma-separated")
-    ap.add_argument("--knockouts", default="16x5x1x1,16x2x1x1", help="configs also run with KO = 1, 2, 3")
+    ap.add_argument("--configs", default="16x5x1x0x0,16x2x1x0x0,16x5x1x1x0,16x2x1x1x0,16x5x1x1x1,16x3x1x1x1",
+                    help="warps x slots x XREG x TMA x DYN (rows claimed at run time), comma-separated")
+    ap.add_argument("--knockouts", default="16x5x1x1x0,16x5x1x1x1", help="configs also run with KO = 1, 2, 3, 4")
     args = ap.parse_args()
     if not q4_cuda.available():
         print(f"the CUDA kernels cannot run here: {nvrtc.why_not()}")
@@ -361,8 +387,10 @@ def main() -> int:
                     y.copy_(prev)
         return run
 
-    def stream(prods, sw, nslot, xreg, tma, ko=0, ts=None):
-        kern = nvrtc.kernel(stream_source(sw, nslot, xreg, ko, tma), "q4_stream")
+    claims = torch.zeros(400 * 8 * 32, dtype=torch.int32, device="cuda")  # DYN: NCLAIM counters a product
+
+    def stream(prods, sw, nslot, xreg, tma, dyn=0, ko=0, ts=None):
+        kern = nvrtc.kernel(stream_source(sw, nslot, xreg, ko, tma, dyn), "q4_stream")
         smem = smem_bytes(sw, nslot)
         kern.set_shared_memory_config(smem)
         occ = occupancy(kern, 32 * sw, smem)
@@ -372,8 +400,10 @@ def main() -> int:
 
         def run():
             counter.zero_()
+            if dyn:
+                claims.zero_()
             nvrtc.launch(kern, sms, 32 * sw, smem, [desc, len(prods), counter,
-                                                    ctypes.c_void_p(0) if ts is None else ts], False)
+                                                    ctypes.c_void_p(0) if ts is None else ts, claims], False)
         return run
 
     parsed = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",") if c]
@@ -385,15 +415,15 @@ def main() -> int:
     torch.cuda.synchronize()
     ref = [y.float().clone() for *_, y, _ in p1]
     checks = {}
-    for sw, nslot, xreg, tma in parsed:
+    for sw, nslot, xreg, tma, dyn in parsed:
         for *_, y, _ in p1:
             y.zero_()
-        stream(p1, sw, nslot, xreg, tma)()
+        stream(p1, sw, nslot, xreg, tma, dyn)()
         torch.cuda.synchronize()
         errs = [((y.float() - r).abs().max() / r.abs().max().clamp_min(1e-6)).item() for (*_, y, _), r in zip(p1, ref)]
         same = all(torch.equal(y.float(), r) for (*_, y, _), r in zip(p1, ref))
-        checks[f"{sw}x{nslot}x{xreg}x{tma}"] = dict(rel_errs=errs, bit_identical=same)
-        G.log(f"check {sw} warps x {nslot} slots, xreg {xreg}, tma {tma}: bit-identical {same}, rel errs "
+        checks[f"{sw}x{nslot}x{xreg}x{tma}x{dyn}"] = dict(rel_errs=errs, bit_identical=same)
+        G.log(f"check {sw} warps x {nslot} slots, xreg {xreg}, tma {tma}, dyn {dyn}: bit-identical {same}, rel errs "
               f"{['%.1e' % e for e in errs]}")
         assert max(errs) < 2e-2, errs
     del p1
@@ -402,12 +432,16 @@ def main() -> int:
     wbytes = sum(qw.numel() * 4 + s.numel() * 2 + z.numel() * 2 for qw, s, z, *_ in prods)
     floor = wbytes / bw * 1e3
     variants = {"CUDA C++, one kernel per product, PDL (engine)": per_kernel(h, prods)}
-    for sw, nslot, xreg, tma in parsed:
+    for sw, nslot, xreg, tma, dyn in parsed:
         variants[f"stream, {sw} warps x {nslot} slots{', x in registers' if xreg else ''}, "
-                 f"{'TMA' if tma else 'cp.async'}"] = stream(prods, sw, nslot, xreg, tma)
-    for sw, nslot, xreg, tma in kos:
+                 f"{'TMA' if tma else 'cp.async'}{', rows claimed' if dyn else ''}"] = \
+            stream(prods, sw, nslot, xreg, tma, dyn)
+    for sw, nslot, xreg, tma, dyn in kos:
         for ko, what in ((1, "no grid barrier"), (2, "no arithmetic"), (3, "copies only"), (4, "grid barriers only")):
-            variants[f"stream {sw}x{nslot}x{xreg}x{tma}, {what} (knock-out)"] = stream(prods, sw, nslot, xreg, tma, ko)
+            if ko == 4 and dyn:
+                continue  # (the same barriers)
+            variants[f"stream {sw}x{nslot}x{xreg}x{tma}x{dyn}, {what} (knock-out)"] = \
+                stream(prods, sw, nslot, xreg, tma, dyn, ko)
     graphs = {}
     for k, fn in variants.items():
         fn()
@@ -425,9 +459,11 @@ def main() -> int:
     # (%globaltimer); spread = last arrival - first, lag = a block's release - the last arrival
     timing = {}
     ts = torch.zeros(len(prods), sms, 2, dtype=torch.int64, device="cuda")
-    for sw, nslot, xreg, tma in kos[:1]:
+    for sw, nslot, xreg, tma, dyn in kos:
         for ko, what in ((0, "full"), (2, "no arithmetic"), (4, "grid barriers only")):
-            run = stream(prods, sw, nslot, xreg, tma, ko, ts=ts)
+            if ko == 4 and dyn:
+                continue
+            run = stream(prods, sw, nslot, xreg, tma, dyn, ko, ts=ts)
             for _ in range(3):
                 ts.zero_()
                 run()
@@ -439,12 +475,12 @@ def main() -> int:
             lag = (release - last[:, None]) / 1e3
             gap = (last[1:] - release.max(dim=1).values[:-1]) / 1e3  # last release -> next last arrival
             lasts = torch.bincount(arrive.argmax(dim=1), minlength=sms)
-            timing[f"{sw}x{nslot}x{xreg}x{tma} {what}"] = dict(
+            timing[f"{sw}x{nslot}x{xreg}x{tma}x{dyn} {what}"] = dict(
                 spread_us_median=spread.median().item(), spread_us_mean=spread.mean().item(),
                 lag_us_median=lag.median().item(), lag_us_max_median=lag.max(dim=1).values.median().item(),
                 product_us_mean=gap.mean().item(), most_often_last_block_share=lasts.max().item() / lasts.sum().item())
-            G.log(f"barriers, {sw}x{nslot}x{xreg}x{tma} {what}: " + ", ".join(
-                f"{k} {v:.3f}" for k, v in timing[f"{sw}x{nslot}x{xreg}x{tma} {what}"].items()))
+            G.log(f"barriers, {sw}x{nslot}x{xreg}x{tma}x{dyn} {what}: " + ", ".join(
+                f"{k} {v:.3f}" for k, v in timing[f"{sw}x{nslot}x{xreg}x{tma}x{dyn} {what}"].items()))
     res = dict(device=name, torch=torch.__version__, sms=sms, copy_bw_bytes_per_s=bw, layers=args.layers,
                products=len(prods), weight_bytes=wbytes, floor_ms=floor, checks=checks, barrier_timing=timing,
                variants={k: dict(ms=min(t), runs=t, of_floor=floor / min(t)) for k, t in runs.items()})

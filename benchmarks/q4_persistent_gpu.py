@@ -131,18 +131,7 @@ __device__ void product(const Prod& p, uint4* smem, int gw, int nwt, int lane, R
         if (i < 4 * G) v = __ldcg(p.x + i);  // from L2: written by other SMs since the barrier (no stale L1)
         float a0 = bf2f(v.x & 0xFFFF), a1 = bf2f(v.x >> 16), a2 = bf2f(v.y & 0xFFFF), a3 = bf2f(v.y >> 16);
         float a4 = bf2f(v.z & 0xFFFF), a5 = bf2f(v.z >> 16), a6 = bf2f(v.w & 0xFFFF), a7 = bf2f(v.w >> 16);
-        float s = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7));
-        s += __shfl_xor_sync(0xffffffffu, s, 1);
-        s += __shfl_xor_sync(0xffffffffu, s, 2);
-        if (i < 4 * G) {{
-            uint4 q;
-            q.x = f2h2(a0 * 0.0625f, a1 * 0.0625f);
-            q.y = f2h2(a2 * 0.00390625f, a3 * 0.00390625f);
-            q.z = f2h2(a4 * 0.0625f, a5 * 0.0625f);
-            q.w = f2h2(a6 * 0.00390625f, a7 * 0.00390625f);
-            xq[(i & 3) * G + (i >> 2)] = q;
-            if ((i & 3) == 0) gsum[i >> 2] = s;
-        }}
+        store_word(xq, gsum, G, i, i < 4 * G, a0, a1, a2, a3, a4, a5, a6, a7);
     }}
     __syncthreads();
     for (int w0 = gw; w0 * R_ < n_out; w0 += nwt) {{

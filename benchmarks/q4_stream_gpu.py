@@ -259,16 +259,7 @@ q4_stream(const SProd* __restrict__ P, int num, unsigned int* counter, unsigned 
             const uint4 v = __ldcg(x + i);  // from L2: written by other SMs since the barrier
             float a0 = bf2f(v.x & 0xFFFF), a1 = bf2f(v.x >> 16), a2 = bf2f(v.y & 0xFFFF), a3 = bf2f(v.y >> 16);
             float a4 = bf2f(v.z & 0xFFFF), a5 = bf2f(v.z >> 16), a6 = bf2f(v.w & 0xFFFF), a7 = bf2f(v.w >> 16);
-            float s = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7));
-            s += __shfl_xor_sync(0xffffffffu, s, 1);
-            s += __shfl_xor_sync(0xffffffffu, s, 2);
-            uint4 q;
-            q.x = f2h2(a0 * 0.0625f, a1 * 0.0625f);
-            q.y = f2h2(a2 * 0.00390625f, a3 * 0.00390625f);
-            q.z = f2h2(a4 * 0.0625f, a5 * 0.0625f);
-            q.w = f2h2(a6 * 0.00390625f, a7 * 0.00390625f);
-            xq[(i & 3) * G + (i >> 2)] = q;
-            if ((i & 3) == 0) gsum[i >> 2] = s;
+            store_word(xq, gsum, G, i, true, a0, a1, a2, a3, a4, a5, a6, a7);
         }}
         __syncthreads();
 #endif

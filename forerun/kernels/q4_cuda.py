@@ -115,6 +115,26 @@ __device__ __forceinline__ float h2sum(unsigned int a) {{
     return f0 + f1;
 }}
 
+// word i of the activation row (its 8 values a0..a7) -> its 4 pairs of f16, pre-scaled by 1/16 (even pairs) or 1/256
+// (odd ones), at xq[(i & 3) * G + (i >> 2)], and the sum of its group of 32 (the 4 consecutive threads holding a
+// group's words add theirs; the first writes it) at gsum[i >> 2]. Whole warps call it (shuffles); only `valid`
+// words are stored.
+__device__ __forceinline__ void store_word(uint4* xq, float* gsum, int G, int i, bool valid, float a0, float a1,
+                                           float a2, float a3, float a4, float a5, float a6, float a7) {{
+    float s = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7));
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    if (valid) {{
+        uint4 p;
+        p.x = f2h2(a0 * 0.0625f, a1 * 0.0625f);
+        p.y = f2h2(a2 * 0.00390625f, a3 * 0.00390625f);
+        p.z = f2h2(a4 * 0.0625f, a5 * 0.0625f);
+        p.w = f2h2(a6 * 0.00390625f, a7 * 0.00390625f);
+        xq[(i & 3) * G + (i >> 2)] = p;
+        if ((i & 3) == 0) gsum[i >> 2] = s;
+    }}
+}}
+
 // one word (8 codes) times its 4 activation pairs, accumulated into the f16x2 acc
 __device__ __forceinline__ unsigned int word_dot(unsigned int w, uint4 xp, unsigned int acc) {{
     const unsigned int m = 0x64006400u;
@@ -266,18 +286,7 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
         float a0 = bf2f(v.x & 0xFFFF), a1 = bf2f(v.x >> 16), a2 = bf2f(v.y & 0xFFFF), a3 = bf2f(v.y >> 16);
         float a4 = bf2f(v.z & 0xFFFF), a5 = bf2f(v.z >> 16), a6 = bf2f(v.w & 0xFFFF), a7 = bf2f(v.w >> 16);
 #endif
-        float s = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7));
-        s += __shfl_xor_sync(0xffffffffu, s, 1);
-        s += __shfl_xor_sync(0xffffffffu, s, 2);
-        if (i < 4 * G_) {{
-            uint4 p;
-            p.x = f2h2(a0 * 0.0625f, a1 * 0.0625f);
-            p.y = f2h2(a2 * 0.00390625f, a3 * 0.00390625f);
-            p.z = f2h2(a4 * 0.0625f, a5 * 0.0625f);
-            p.w = f2h2(a6 * 0.00390625f, a7 * 0.00390625f);
-            xq[(i & 3) * G_ + (i >> 2)] = p;
-            if ((i & 3) == 0) gsum[i >> 2] = s;
-        }}
+        store_word(xq, gsum, G_, i, i < 4 * G_, a0, a1, a2, a3, a4, a5, a6, a7);
     }}
     __syncthreads();
 

@@ -5,9 +5,10 @@ variant saves is the most that fusing that operation away could save; "products 
 when every one of them is gone. Also: attention with fewer KV splits, and decode attention in the one-launch CUDA
 kernel (attention/cuda_decode.py, an experiment) instead of the Triton split + merge kernels.
 A variant fuses each add + RMSNorm into the int4 product after it (FusedLayerOps.fuse_norms, off in the engine:
-measured slower); one splits it across the products around it (FusedLayerOps.split_norms: on by default on the
-H100, off on the H200, where it measured slower), one does so with the split's products 4 groups deep (measured
-slower), one only moves the adds into the epilogues of the products before them (an experiment). Variants run interleaved (the card's clocks drift); best of the runs. Prints a table, writes JSON (+ PNG).
+measured slower); one splits it across the products around it (FusedLayerOps.split_norms: on by default on the H100,
+off on the H200, where it measured slower), one does so with the split's products 4 groups deep (measured slower),
+one only moves the adds into the epilogues of the products before them (an experiment). Variants run interleaved
+(the card's clocks drift); best of the runs. Prints a table, writes JSON (+ PNG).
 
     python benchmarks/q4_step_budget.py --out benchmarks/results/q4_step_budget_h200.json
 

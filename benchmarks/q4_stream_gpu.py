@@ -23,10 +23,10 @@ there is room, and only the arithmetic waits. This benchmark measures that on th
     in the same order, so outputs equal the per-product kernels' bit for bit.
 
 Knock-outs (wrong numbers, true times): KO=1 no grid barrier, KO=2 no arithmetic (copies and barriers only), KO=3
-copies only, KO=4 the grid barriers alone. Then, for the first knock-out configuration, timestamps per barrier and
+copies only, KO=4 the grid barriers alone. Then, for each knock-out configuration, timestamps per barrier and
 block (%globaltimer, thread 0 at arrival and at release): how far apart the blocks arrive, and how long after the
-last arrival each sees the count. Against the engine's kernels (q4_cuda.py, tuned table, PDL, one launch per product), interleaved, CUDA
-graph replays. Prints a table, writes JSON + PNG.
+last arrival each sees the count. Against the engine's kernels (q4_cuda.py, tuned table, PDL, one launch per
+product), interleaved, CUDA graph replays. Prints a table, writes JSON + PNG.
 
     python benchmarks/q4_stream_gpu.py --out benchmarks/results/q4_stream_h200.json
 """
@@ -141,7 +141,8 @@ __device__ __forceinline__ void issue(const Cur& c, const SProd* P, int num, uin
             const unsigned short* S = (const unsigned short*)__ldg((const long long*)&P[c.p].S) + g0;
             const unsigned short* Z = (const unsigned short*)__ldg((const long long*)&P[c.p].Z) + g0;
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // (the slot was just read)
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(sptr(bar)), "r"(2560) : "memory");
+            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                         :: "r"(sptr(bar)), "r"(2560) : "memory");
             bulk(slot, qw, 2048, bar);
             bulk(slot + 128, S, 256, bar);
             bulk(slot + 144, Z, 256, bar);
@@ -373,7 +374,8 @@ def main() -> int:
         def run():
             prev = h
             for qw, s, z, x, y, glu in prods:
-                prev = q4_cuda.q4c_linear(prev[:, :x.shape[1]], qw, s, z, glu=glu, **cfgs[(y.shape[1], x.shape[1], glu)])
+                cfg = cfgs[(y.shape[1], x.shape[1], glu)]
+                prev = q4_cuda.q4c_linear(prev[:, :x.shape[1]], qw, s, z, glu=glu, **cfg)
                 if write:
                     y.copy_(prev)
         return run

@@ -635,8 +635,8 @@ def test_int4_model_forward_with_norms_fused_into_the_products(monkeypatch):
     into the CUDA C++ products (FusedLayerOps.fuse_norms; off by default: measured slower) gives the logits of the unfused
     forward (bf16 rounding apart) and of the torch LayerOps over the same quantized matrices, and every fused
     product ran the fused kernel (2 per layer + the head); so does the forward with each norm split between the
-    products around it (FusedLayerOps.split_norms, on by default on the H100 only: measured slower on the H200), every product in its place
-    taking its half."""
+    products around it (FusedLayerOps.split_norms, on by default on the H100 only: measured slower on the H200),
+    every product in its place taking its half."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     import gpu as G
     from forerun.kernels import q4_cuda

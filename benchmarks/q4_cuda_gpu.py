@@ -33,7 +33,13 @@ from forerun.kernels import nvrtc, q4_cuda  # noqa: E402
 from forerun.kernels.quant_gemm import dequantize_int4, quantize_int4, repack_int4_w32  # noqa: E402
 from forerun.models import quant_cuda  # noqa: E402
 
-GRID = [dict(rows=r, warps=w, depth=d) for r in (1, 2, 4) for w in (4, 8, 16) for d in (2, 4, 6)]
+def grid(rows=(1, 2, 4), warps=(4, 8, 16), depths=(2, 4, 6)) -> list[dict]:
+    return [dict(rows=r, warps=w, depth=d) for r in rows for w in warps for d in depths]
+
+
+# the default grid; --rows / --warps widen it (e.g. 3 rows a warp: 48 rows a block of 16 warps, so the qkv
+# product's 6144 rows make 128 blocks, at most one per SM of a 132-SM card, where 2 x 16 gives 60 SMs two blocks)
+GRID = grid()
 # --model 0.6b: the Qwen3-0.6B shape's products (the int4 draft's; its head is tied to the embedding and stays
 # bf16). The table has no 1-row entries for them, so they run the Triton default ("v") until tuned here.
 SHAPES_06B = {"qkv": (4096, 1024, False), "o": (1024, 2048, False), "gate_up": (3072, 1024, True),
@@ -44,7 +50,8 @@ def rel(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.float() - ref).abs().max() / ref.abs().max()).item()
 
 
-def products(bw: float, table: dict, quick: bool, shapes: dict = SHAPES) -> tuple[list[dict], dict]:
+def products(bw: float, table: dict, quick: bool, shapes: dict = SHAPES, configs: list[dict] = GRID
+             ) -> tuple[list[dict], dict]:
     rows, new = [], {}
     for shape, (n, k, glu) in shapes.items():
         nw = 2 * n if glu else n
@@ -67,7 +74,7 @@ def products(bw: float, table: dict, quick: bool, shapes: dict = SHAPES) -> tupl
         y0 = quant_cuda.q4_product(x, q32, s, z, glu, base)
         base_us = graph_us([lambda c=c: quant_cuda.q4_product(x, *c, glu, base) for c in Q])
         best, tried = None, []
-        for cfg in (GRID[:3] if quick else GRID):
+        for cfg in (configs[:3] if quick else configs):
             t0 = time.perf_counter()
             try:
                 y = q4_cuda.q4c_linear(x, q32, s, z, glu=glu, **cfg)
@@ -191,6 +198,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="three configurations per shape")
     ap.add_argument("--write-configs", action="store_true")
+    ap.add_argument("--rows", default="1,2,4", help="rows a warp to try (comma list)")
+    ap.add_argument("--warps", default="4,8,16", help="warps a block to try (comma list)")
+    ap.add_argument("--shapes", default=None, help="only these products (comma list of qkv, o, gate_up, down, head)")
     ap.add_argument("--model", choices=("8b", "0.6b"), default="8b",
                     help="whose products: the Qwen3-8B shape's (default) or the 0.6B draft's (no --step)")
     args = ap.parse_args()
@@ -202,7 +212,14 @@ def main() -> int:
     name = torch.cuda.get_device_name()
     bw = G.copy_bandwidth(2.0)
     table = json.loads(quant_cuda.CONFIGS.read_text()).get(name, {})
-    prod, new = products(bw, table, args.quick, SHAPES if args.model == "8b" else SHAPES_06B)
+    shapes = SHAPES if args.model == "8b" else SHAPES_06B
+    if args.shapes:
+        unknown = set(args.shapes.split(",")) - set(shapes)
+        if unknown:
+            ap.error(f"--shapes: unknown {sorted(unknown)}; choose from {sorted(shapes)}")
+        shapes = {k: v for k, v in shapes.items() if k in args.shapes.split(",")}
+    configs = grid(tuple(int(v) for v in args.rows.split(",")), tuple(int(v) for v in args.warps.split(",")))
+    prod, new = products(bw, table, args.quick, shapes, configs)
     res = dict(device=name, torch=torch.__version__, cuda=torch.version.cuda, copy_bw_bytes_per_s=bw, products=prod,
                new_configs=new)
     print("\n| product (1 row) | floor | Triton (engine) | CUDA C++ | config (rows x warps, depth) |\n"
@@ -212,15 +229,16 @@ def main() -> int:
         print(f"| {r['shape']} | {r['floor_us']:.1f} us | {r['triton_us']:.1f} ({100 * r['triton_of_floor']:.0f} %) "
               f"| {c['us']:.1f} ({100 * r['cuda_of_floor']:.0f} %) | {c['rows']} x {c['warps']}, {c['depth']} |")
     per_layer, layers = ("qkv", "o", "gate_up", "down"), 36 if args.model == "8b" else 28
-    tot = {kk: layers * sum(f(r) for r in prod if r["shape"] in per_layer)
-           + sum(f(r) for r in prod if r["shape"] == "head")
-           for kk, f in (("floor_us", lambda r: r["floor_us"]), ("triton_us", lambda r: r["triton_us"]),
-                         ("cuda_us", lambda r: min(r["cuda"]["us"], r["triton_us"])))}
-    res["step_products"] = tot
-    what = f"{layers} layers" + (" + head" if args.model == "8b" else "")
-    print(f"| {what} | {tot['floor_us'] / 1e3:.3f} ms | {tot['triton_us'] / 1e3:.3f} "
-          f"({100 * tot['floor_us'] / tot['triton_us']:.0f} %) | {tot['cuda_us'] / 1e3:.3f} "
-          f"({100 * tot['floor_us'] / tot['cuda_us']:.0f} %) (the faster per product) | |")
+    if set(shapes) == set(SHAPES if args.model == "8b" else SHAPES_06B):  # (--shapes: no step total)
+        tot = {kk: layers * sum(f(r) for r in prod if r["shape"] in per_layer)
+               + sum(f(r) for r in prod if r["shape"] == "head")
+               for kk, f in (("floor_us", lambda r: r["floor_us"]), ("triton_us", lambda r: r["triton_us"]),
+                             ("cuda_us", lambda r: min(r["cuda"]["us"], r["triton_us"])))}
+        res["step_products"] = tot
+        what = f"{layers} layers" + (" + head" if args.model == "8b" else "")
+        print(f"| {what} | {tot['floor_us'] / 1e3:.3f} ms | {tot['triton_us'] / 1e3:.3f} "
+              f"({100 * tot['floor_us'] / tot['triton_us']:.0f} %) | {tot['cuda_us'] / 1e3:.3f} "
+              f"({100 * tot['floor_us'] / tot['cuda_us']:.0f} %) (the faster per product) | |")
     if args.write_configs and new:
         quant_cuda.save_configs(name, new)
         G.log(f"wrote {len(new) // 2} CUDA entries to {quant_cuda.CONFIGS}")

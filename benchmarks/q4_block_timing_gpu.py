@@ -34,8 +34,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import gpu as G  # noqa: E402
 from forerun.kernels import nvrtc, q4_cuda  # noqa: E402
-from forerun.models import quant_cuda  # noqa: E402
-from q4_persistent_gpu import H, I, QKV, V, build_chain  # noqa: E402
+from q4_persistent_gpu import H, I, QKV, V, build_chain, c_config, card, chain_bytes  # noqa: E402
 
 SLOTS = 10  # u64 per block: globaltimer x 4, clock64 x 4, SM id
 # thread 0 keeps the stamps in shared memory (in registers they cost the SwiGLU build 13 more and half its occupancy)
@@ -72,19 +71,9 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/q4_block_timing.json")
     ap.add_argument("--layers", type=int, default=8)
     args = ap.parse_args()
-    if not q4_cuda.available():
-        print(f"the CUDA kernels cannot run here: {nvrtc.why_not()}")
+    if (dev := card()) is None:
         return 1
-    name = torch.cuda.get_device_name()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    bw = G.copy_bandwidth(2.0)
-    table = json.loads(quant_cuda.CONFIGS.read_text()).get(name, {})
-
-    def cfg_of(n, k, glu):  # the committed CUDA configuration, or the default a card without a table gets
-        c = table.get(quant_cuda.config_key(1, n, k, glu)) or {}
-        if c.get("kernel") != "c":
-            c = quant_cuda.default_c_config(n, k, glu)
-        return c["block_n"], c["num_warps"], c["num_stages"]
+    name, sms, bw, table = dev
 
     h, prods = build_chain(args.layers)
     kinds = {(QKV, H, False): "qkv", (H, H, False): "o", (I, H, True): "gate/up + SwiGLU", (H, I, False): "down",
@@ -93,7 +82,8 @@ def main() -> int:
     null = ctypes.c_void_p(0)
     for qw, s, z, x, y, glu in prods:
         n, k = y.shape[1], x.shape[1]
-        rows, warps, depth = cfg_of(n, k, glu)
+        cfg = c_config(table, n, k, glu)
+        rows, warps, depth = cfg["rows"], cfg["warps"], cfg["depth"]
         kern = nvrtc.kernel(timed_source(k, rows, warps, depth, glu), "q4c_gemv")
         blocks = -(-n // (rows * warps))
         ts = torch.zeros(blocks, SLOTS, dtype=torch.int64, device="cuda")
@@ -113,8 +103,8 @@ def main() -> int:
     got = [y.clone() for *_, y, _ in prods]
     prev = h
     for (qw, s, z, x, y, glu), g in zip(prods, got):
-        rows, warps, depth = cfg_of(y.shape[1], x.shape[1], glu)
-        prev = q4_cuda.q4c_linear(prev[:, :x.shape[1]], qw, s, z, glu=glu, rows=rows, warps=warps, depth=depth)
+        cfg = c_config(table, y.shape[1], x.shape[1], glu)
+        prev = q4_cuda.q4c_linear(prev[:, :x.shape[1]], qw, s, z, glu=glu, **cfg)
         assert torch.equal(prev, g), "the timed kernel's output differs from the engine kernel's"
     G.log("timed chain == the engine's kernels, bit for bit")
 
@@ -150,7 +140,7 @@ def main() -> int:
                 a[k].append(v)
     summary = {kind: {k: sum(v) / len(v) for k, v in a.items()} | dict(n=len(a["duration_us"]))
                for kind, a in agg.items()}
-    wbytes = sum(m["bytes"] for m in meta)
+    wbytes = chain_bytes(prods)
     res = dict(device=name, sms=sms, copy_bw_bytes_per_s=bw, layers=args.layers, chain_ms=ms,
                floor_ms=wbytes / bw * 1e3, cycles_per_ns=ratio, configs=meta, products=rows_out, by_kind=summary)
     print(f"\n{name}: {len(prods)} chained int4 products, {ms:.3f} ms ({100 * wbytes / bw * 1e3 / ms:.1f} % of the "

@@ -296,18 +296,86 @@ def descriptors(prods) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64, device="cuda")
 
 
+def chain_bytes(prods) -> int:
+    """The bytes of the chain's weights (codes, scales, offsets): what its floor streams."""
+    return sum(qw.numel() * 4 + s.numel() * 2 + z.numel() * 2 for qw, s, z, *_ in prods)
+
+
+def card() -> tuple[str, int, float, dict] | None:
+    """(device name, SMs, copy bandwidth, its tuned table from q4_configs.json); None, after saying why, where the
+    CUDA kernels cannot run. (Shared by the chain benchmarks: q4_stream_gpu.py, q4_block_timing_gpu.py.)"""
+    if not q4_cuda.available():
+        print(f"the CUDA kernels cannot run here: {nvrtc.why_not()}")
+        return None
+    name = torch.cuda.get_device_name()
+    return (name, torch.cuda.get_device_properties(0).multi_processor_count, G.copy_bandwidth(2.0),
+            json.loads(quant_cuda.CONFIGS.read_text()).get(name, {}))
+
+
+def c_config(table: dict, n: int, k: int, glu: bool) -> dict:
+    """rows / warps / depth of the 1-row CUDA C++ kernel for an (n, k, glu) product: the table's entry where it names
+    that kernel, else what a card without one runs (quant_cuda.default_c_config)."""
+    c = table.get(quant_cuda.config_key(1, n, k, glu)) or {}
+    if c.get("kernel") != "c":
+        c = quant_cuda.default_c_config(n, k, glu)
+    return dict(rows=c["block_n"], warps=c["num_warps"], depth=c["num_stages"])
+
+
+def time_graphs(variants: dict, repeats: int, floor: float) -> dict[str, list[float]]:
+    """Each variant (a function launching its chain) captured in a CUDA graph, then the graphs replayed in turn,
+    `repeats` rounds (the card's clocks drift): ms per round and variant."""
+    graphs = {}
+    for k, fn in variants.items():
+        fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        graphs[k] = g
+    runs: dict[str, list[float]] = {k: [] for k in variants}
+    for rep in range(repeats):
+        for k, g in graphs.items():
+            runs[k].append(G.bench_ms(g.replay, inner=10, outer=3))
+            G.log(f"[{rep}] {k:60s} {runs[k][-1]:.4f} ms ({100 * floor / runs[k][-1]:.1f} %)")
+    return runs
+
+
+def finish(res: dict, runs: dict[str, list[float]], out: str, title: str) -> None:
+    """The best of each variant's runs into res["variants"], a table printed, the JSON and a bar plot written."""
+    floor = res["floor_ms"]
+    res["variants"] = {k: dict(ms=min(t), runs=t, of_floor=floor / min(t)) for k, t in runs.items()}
+    print(f"\n{title}, {res['weight_bytes'] / 1e9:.2f} GB, floor {floor:.3f} ms")
+    print("| variant | ms | % of floor |\n| --- | --- | --- |")
+    for k, v in res["variants"].items():
+        print(f"| {k} | {v['ms']:.3f} | {100 * v['of_floor']:.1f} % |")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    names = list(res["variants"])
+    ax.barh(names, [100 * res["variants"][k]["of_floor"] for k in names])
+    ax.axvline(75, color="tab:red", ls=":", label="75 % (#12's goal for the whole step)")
+    ax.set_xlabel("% of the weight-streaming floor")
+    ax.set_title(title)
+    ax.invert_yaxis()
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.splitext(out)[0] + ".png", dpi=110)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/q4_persistent.json")
     ap.add_argument("--layers", type=int, default=36)
     args = ap.parse_args()
-    if not q4_cuda.available():
-        print(f"the CUDA kernels cannot run here: {nvrtc.why_not()}")
+    if (dev := card()) is None:
         return 1
-    name = torch.cuda.get_device_name()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    bw = G.copy_bandwidth(2.0)
-    table = json.loads(quant_cuda.CONFIGS.read_text()).get(name, {})
+    name, sms, bw, table = dev
     quant_cuda.set_configs(name, table)
     smem = q4_cuda.smem_bytes(I)
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -352,13 +420,9 @@ def main() -> int:
 
     # correctness on one layer + head: persistent == per-product CUDA kernel (same arithmetic, same order)
     h1, p1 = build_chain(1)
-    def tuned_cuda(n, k, glu):  # the committed CUDA configuration (q4_configs.json, kernel "c") or a default
-        c = table.get(quant_cuda.config_key(1, n, k, glu), {})
-        return dict(rows=c["block_n"], warps=c["num_warps"], depth=c["num_stages"]) if c.get("kernel") == "c" \
-            else dict(rows=1, warps=16, depth=2)
-    cuda_cfg = {(H, False, False): tuned_cuda(QKV, H, False), (H, True, False): tuned_cuda(I, H, True),
-                (I, False, False): tuned_cuda(H, I, False), (H, False, True): tuned_cuda(V, H, False)}
-    cuda_cfg_o = tuned_cuda(H, H, False)
+    cuda_cfg = {(H, False, False): c_config(table, QKV, H, False), (H, True, False): c_config(table, I, H, True),
+                (I, False, False): c_config(table, H, I, False), (H, False, True): c_config(table, V, H, False)}
+    cuda_cfg_o = c_config(table, H, H, False)
     reference(p1, cuda_cfg)
     ref = [y.float().clone() for *_, y, _ in p1]
     checks = {}
@@ -376,7 +440,7 @@ def main() -> int:
     del p1
 
     h, prods = build_chain(args.layers)
-    wbytes = sum(qw.numel() * 4 + s.numel() * 2 + z.numel() * 2 for qw, s, z, *_ in prods)
+    wbytes = chain_bytes(prods)
     floor = wbytes / bw * 1e3
     variants = {"Triton, one kernel per product (engine until now)": per_kernel_fn(h, prods, True),
                 "CUDA C++, one kernel per product (engine now)": per_kernel_fn(h, prods, False, cuda_cfg)}
@@ -397,44 +461,10 @@ def main() -> int:
             variants[label], info[label] = persistent_fn(prods, cfg)
         except Exception as e:
             G.log(f"{label}: {type(e).__name__}: {str(e)[:300]}")
-    runs: dict[str, list[float]] = {k: [] for k in variants}
-    graphs = {}
-    for k, fn in variants.items():
-        fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        graphs[k] = g
-    for rep in range(3):
-        for k, g in graphs.items():
-            runs[k].append(G.bench_ms(g.replay, inner=10, outer=3))
-            G.log(f"[{rep}] {k:60s} {runs[k][-1]:.4f} ms ({100 * floor / runs[k][-1]:.1f} %)")
+    runs = time_graphs(variants, 3, floor)
     res = dict(device=name, torch=torch.__version__, sms=sms, copy_bw_bytes_per_s=bw, layers=args.layers,
-               products=len(prods), weight_bytes=wbytes, floor_ms=floor, checks=checks, launch=info,
-               variants={k: dict(ms=min(t), runs=t, of_floor=floor / min(t)) for k, t in runs.items()})
-    print(f"\n{len(prods)} chained int4 products (1 row), {wbytes / 1e9:.2f} GB, floor {floor:.3f} ms")
-    print("| variant | ms | % of floor |\n| --- | --- | --- |")
-    for k, v in res["variants"].items():
-        print(f"| {k} | {v['ms']:.3f} | {100 * v['of_floor']:.1f} % |")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 4))
-    names = list(res["variants"])
-    ax.barh(names, [100 * res["variants"][k]["of_floor"] for k in names])
-    ax.axvline(75, color="tab:red", ls=":", label="75 % (#12's goal for the whole step)")
-    ax.set_xlabel("% of the weight-streaming floor")
-    ax.set_title(f"{len(prods)} chained int4 decode products (8B shape)")
-    ax.invert_yaxis()
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.splitext(args.out)[0] + ".png", dpi=110)
+               products=len(prods), weight_bytes=wbytes, floor_ms=floor, checks=checks, launch=info)
+    finish(res, runs, args.out, f"{len(prods)} chained int4 decode products (8B shape, 1 row), {name}")
     return 0
 
 

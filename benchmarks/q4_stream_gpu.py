@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import os
 import sys
 
@@ -45,8 +44,8 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import gpu as G  # noqa: E402
 from forerun.kernels import nvrtc, q4_cuda  # noqa: E402
-from forerun.models import quant_cuda  # noqa: E402
-from q4_persistent_gpu import H, I, KIND, QKV, V, build_chain, occupancy  # noqa: E402
+from q4_persistent_gpu import (H, I, KIND, QKV, V, build_chain, c_config, card, chain_bytes, finish,  # noqa: E402
+                               occupancy, time_graphs)
 
 UNIT_BYTES = 2560  # 128 groups: codes 2048 B, scales 256 B, offsets 256 B
 X_BYTES = 4 * 384 * 16 + 384 * 4  # the input row's f16 pairs and group sums, K up to 12288
@@ -350,23 +349,13 @@ def main() -> int:
                     help="warps x slots x XREG x TMA x DYN (rows claimed at run time), comma-separated")
     ap.add_argument("--knockouts", default="16x5x1x1x0,16x5x1x1x1", help="configs also run with KO = 1, 2, 3, 4")
     args = ap.parse_args()
-    if not q4_cuda.available():
-        print(f"the CUDA kernels cannot run here: {nvrtc.why_not()}")
+    if (dev := card()) is None:
         return 1
-    name = torch.cuda.get_device_name()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    bw = G.copy_bandwidth(2.0)
-    table = json.loads(quant_cuda.CONFIGS.read_text()).get(name, {})
+    name, sms, bw, table = dev
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
 
-    def tuned_cuda(n, k, glu):  # the committed CUDA configuration (q4_configs.json, kernel "c") or its default
-        c = table.get(quant_cuda.config_key(1, n, k, glu)) or quant_cuda.default_c_config(n, k, glu)
-        if c.get("kernel") != "c":
-            c = quant_cuda.default_c_config(n, k, glu)
-        return dict(rows=c["block_n"], warps=c["num_warps"], depth=c["num_stages"])
-    cfgs = {(QKV, H, False): tuned_cuda(QKV, H, False), (H, H, False): tuned_cuda(H, H, False),
-            (I, H, True): tuned_cuda(I, H, True), (H, I, False): tuned_cuda(H, I, False),
-            (V, H, False): tuned_cuda(V, H, False)}
+    cfgs = {(n, k, glu): c_config(table, n, k, glu) for n, k, glu in
+            ((QKV, H, False), (H, H, False), (I, H, True), (H, I, False), (V, H, False))}
 
     def per_kernel(h, prods, write: bool = False):
         """The engine's kernels: one launch per product (PDL), each reading the output of the one before (o: the
@@ -422,7 +411,7 @@ def main() -> int:
     del p1
 
     h, prods = build_chain(args.layers)
-    wbytes = sum(qw.numel() * 4 + s.numel() * 2 + z.numel() * 2 for qw, s, z, *_ in prods)
+    wbytes = chain_bytes(prods)
     floor = wbytes / bw * 1e3
     variants = {"CUDA C++, one kernel per product, PDL (engine)": per_kernel(h, prods)}
     for sw, nslot, xreg, tma, dyn in parsed:
@@ -435,19 +424,7 @@ def main() -> int:
                 continue  # (the same barriers)
             variants[f"stream {sw}x{nslot}x{xreg}x{tma}x{dyn}, {what} (knock-out)"] = \
                 stream(prods, sw, nslot, xreg, tma, dyn, ko)
-    graphs = {}
-    for k, fn in variants.items():
-        fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        graphs[k] = g
-    runs: dict[str, list[float]] = {k: [] for k in variants}
-    for rep in range(args.repeats):
-        for k, g in graphs.items():
-            runs[k].append(G.bench_ms(g.replay, inner=10, outer=3))
-            G.log(f"[{rep}] {k:60s} {runs[k][-1]:.4f} ms ({100 * floor / runs[k][-1]:.1f} %)")
+    runs = time_graphs(variants, args.repeats, floor)
     # where a barrier's time goes: per barrier and block, when thread 0 arrived and when it saw the full count
     # (%globaltimer); spread = last arrival - first, lag = a block's release - the last arrival
     timing = {}
@@ -475,30 +452,8 @@ def main() -> int:
             G.log(f"barriers, {sw}x{nslot}x{xreg}x{tma}x{dyn} {what}: " + ", ".join(
                 f"{k} {v:.3f}" for k, v in timing[f"{sw}x{nslot}x{xreg}x{tma}x{dyn} {what}"].items()))
     res = dict(device=name, torch=torch.__version__, sms=sms, copy_bw_bytes_per_s=bw, layers=args.layers,
-               products=len(prods), weight_bytes=wbytes, floor_ms=floor, checks=checks, barrier_timing=timing,
-               variants={k: dict(ms=min(t), runs=t, of_floor=floor / min(t)) for k, t in runs.items()})
-    print(f"\n{name}: {len(prods)} chained int4 products (1 row), {wbytes / 1e9:.2f} GB, floor {floor:.3f} ms")
-    print("| variant | ms | % of floor |\n| --- | --- | --- |")
-    for k, v in res["variants"].items():
-        print(f"| {k} | {v['ms']:.3f} | {100 * v['of_floor']:.1f} % |")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    names = list(res["variants"])
-    ax.barh(names, [100 * res["variants"][k]["of_floor"] for k in names])
-    ax.axvline(75, color="tab:red", ls=":", label="75 % (#12's goal for the whole step)")
-    ax.set_xlabel("% of the weight-streaming floor")
-    ax.set_title(f"{len(prods)} chained int4 decode products (8B shape), {name}")
-    ax.invert_yaxis()
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(os.path.splitext(args.out)[0] + ".png", dpi=110)
+               products=len(prods), weight_bytes=wbytes, floor_ms=floor, checks=checks, barrier_timing=timing)
+    finish(res, runs, args.out, f"{len(prods)} chained int4 decode products (8B shape, 1 row), {name}")
     return 0
 
 

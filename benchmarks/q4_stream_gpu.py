@@ -48,6 +48,7 @@ from q4_persistent_gpu import (H, I, KIND, QKV, V, build_chain, c_config, card, 
                                occupancy, time_graphs)
 
 UNIT_BYTES = 2560  # 128 groups: codes 2048 B, scales 256 B, offsets 256 B
+NCLAIM = 8  # DYN: row counters per product
 X_BYTES = 4 * 384 * 16 + 384 * 4  # the input row's f16 pairs and group sums, K up to 12288
 _HELPERS = q4_cuda._SRC[: q4_cuda._SRC.index('extern "C"')]
 _STREAM = r"""
@@ -57,7 +58,7 @@ _STREAM = r"""
 #define KO {KO}        // knock-out: 1 no grid barrier, 2 no arithmetic, 3 copies only, 4 grid barriers only
 #define TMA {TMA}      // 1: a unit is 3 bulk copies (the TMA unit, completion on an mbarrier per slot), 0: cp.async
 #define DYN {DYN}      // 1: rows claimed at run time (NCLAIM atomic counters per product), 0: dealt round-robin
-#define NCLAIM 8       // DYN: counter j hands out rows j, j + NCLAIM, ... (8 addresses, 128 bytes apart)
+#define NCLAIM {NCLAIM}  // DYN: counter j hands out rows j, j + NCLAIM, ... (addresses 128 bytes apart)
 #define UU 160         // uint4 per unit: 128 of codes, 16 of scales, 16 of offsets
 
 struct SProd {{ const uint4* qw; const unsigned short* S; const unsigned short* Z; const uint4* x; unsigned short* y;
@@ -322,7 +323,7 @@ q4_stream(const SProd* __restrict__ P, int num, unsigned int* counter, unsigned 
 def stream_source(sw: int, nslot: int, xreg: bool, ko: int = 0, tma: bool = False, dyn: bool = False) -> str:
     # K / R / WARPS / ... of the helpers' macros are unused here; set to valid values
     return (_HELPERS.format(K=4096, R=1, WARPS=sw, DEPTH=2, GLU=0, PDL=0, NORM=0, SPLIT=0, NP=1, ADD=0)
-            + _STREAM.format(SW=sw, NSLOT=nslot, XREG=int(xreg), KO=ko, TMA=int(tma), DYN=int(dyn)))
+            + _STREAM.format(SW=sw, NSLOT=nslot, XREG=int(xreg), KO=ko, TMA=int(tma), DYN=int(dyn), NCLAIM=NCLAIM))
 
 
 def smem_bytes(sw: int, nslot: int) -> int:
@@ -369,8 +370,6 @@ def main() -> int:
                     y.copy_(prev)
         return run
 
-    claims = torch.zeros(400 * 8 * 32, dtype=torch.int32, device="cuda")  # DYN: NCLAIM counters a product
-
     def stream(prods, sw, nslot, xreg, tma, dyn=0, ko=0, ts=None):
         kern = nvrtc.kernel(stream_source(sw, nslot, xreg, ko, tma, dyn), "q4_stream")
         smem = smem_bytes(sw, nslot)
@@ -379,6 +378,7 @@ def main() -> int:
         if occ < 1:
             raise RuntimeError(f"{sw} warps x {nslot} slots do not fit on an SM ({smem} B of shared memory)")
         desc = descriptors(prods, sms * sw)
+        claims = torch.zeros(len(prods) * NCLAIM * 32, dtype=torch.int32, device="cuda")  # DYN, 128 B apart
 
         def run():
             counter.zero_()

@@ -840,3 +840,34 @@ def test_int8_kernel_on_gpu():
     ref = x.float() @ wd.t()
     raw = q.contiguous().view(torch.int32)  # the codes without the +128 bias
     assert ((q8v_linear(x, raw, s).float() - ref).abs().max() / ref.abs().max()).item() > 0.05
+
+
+def test_the_chain_benchmarks_kernels_still_build_from_this_source():
+    """The chain benchmarks build their kernels from q4_cuda.py's source (its helpers, or the kernel itself with
+    timestamps added by text edits): each must still find what it edits and compile with nvcc without local
+    memory. (Session 23's q4_persistent_gpu.py stopped running when the source gained format keys, unnoticed until
+    session 51.)"""
+    import shutil
+    import tempfile
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc here")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import q4_block_timing_gpu as BT
+    import q4_persistent_gpu as PG
+    import q4_stream_gpu as SG
+    sources = [BT.timed_source(4096, 2, 16, 2, False), BT.timed_source(4096, 1, 16, 2, True),
+               SG.stream_source(16, 5, True, 0, True, True), SG.stream_source(16, 2, True, 2, False, False),
+               PG._HELPERS.format(K=4096, R=2, WARPS=8, DEPTH=4, GLU=0, PDL=0, NORM=0, SPLIT=0, NP=1, ADD=0)
+               + PG._PERSIST.format(PF=2)]
+    assert "%globaltimer" in sources[0] and sources[0].count("_ts[") >= 9
+    with tempfile.TemporaryDirectory() as d:
+        for i, text in enumerate(sources):
+            src = os.path.join(d, f"k{i}.cu")
+            with open(src, "w") as f:
+                f.write(text)
+            out = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", os.path.join(d, f"k{i}.cubin"), src,
+                                  "-Xptxas", "-v"], capture_output=True, text=True, timeout=300)
+            assert out.returncode == 0, out.stderr[-2000:]
+            assert "0 bytes spill stores" in out.stderr, (i, out.stderr[-500:])

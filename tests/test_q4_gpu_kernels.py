@@ -845,8 +845,8 @@ def test_int8_kernel_on_gpu():
 def test_the_chain_benchmarks_kernels_still_build_from_this_source():
     """The chain benchmarks build their kernels from q4_cuda.py's source (its helpers, or the kernel itself with
     timestamps added by text edits): each must still find what it edits and compile with nvcc without local
-    memory. (Session 23's q4_persistent_gpu.py stopped running when the source gained format keys, unnoticed until
-    session 51.)"""
+    memory (q4_block_timing_gpu, q4_smem_prefetch_gpu, q4_stream_gpu, q4_persistent_gpu). (Session 23's
+    q4_persistent_gpu.py stopped running when the source gained format keys, unnoticed until session 51.)"""
     import shutil
     import tempfile
 
@@ -856,8 +856,11 @@ def test_the_chain_benchmarks_kernels_still_build_from_this_source():
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     import q4_block_timing_gpu as BT
     import q4_persistent_gpu as PG
+    import q4_smem_prefetch_gpu as SP
     import q4_stream_gpu as SG
     sources = [BT.timed_source(4096, 2, 16, 2, False), BT.timed_source(4096, 1, 16, 2, True),
+               SP.smem_source(4096, 2, 16, False), SP.smem_source(12288, 1, 16, False),
+               SP.smem_source(4096, 1, 16, True),
                SG.stream_source(16, 5, True, 0, True, True), SG.stream_source(16, 2, True, 2, False, False),
                PG._HELPERS.format(K=4096, R=2, WARPS=8, DEPTH=4, GLU=0, PDL=0, NORM=0, SPLIT=0, NP=1, ADD=0)
                + PG._PERSIST.format(PF=2)]

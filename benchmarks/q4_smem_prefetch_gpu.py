@@ -143,7 +143,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--configs", default="2x16,1x16,2x8,4x8",
-                    help="rows a warp x warps a block, comma list (each run for every product that fits)")
+                    help="rows a warp x warps a block, comma list (fewer for a product whose slice would not fit)")
     args = ap.parse_args()
     if (dev := card()) is None:
         return 1
@@ -165,26 +165,22 @@ def main() -> int:
         return run
 
     def smem_chain(prods, rows, warps):
-        """The chain with this kernel at rows x warps (where a product's slice fits the shared memory, else the
-        engine's kernel for that product), each writing the buffer the next one reads."""
-        launches = []
+        """The chain with this kernel at rows x warps, each product writing the buffer the next one reads; where a
+        product's slice does not fit the shared memory, fewer rows a warp (then fewer warps) for that product."""
+        launches, used = [], []
         for qw, s, z, x, y, glu in prods:
             n, k = y.shape[1], x.shape[1]
-            smem = smem_bytes(k, rows, warps, glu)
-            if smem > max_smem:
-                launches.append((None, (qw, s, z, x, y, glu)))
-                continue
-            kern = nvrtc.kernel(smem_source(k, rows, warps, glu), "q4s_gemv")
-            launches.append((kern, (-(-n // (rows * warps)), 32 * warps, smem, [x, qw, s, z, y, n, n])))
+            r, w = rows, warps
+            while smem_bytes(k, r, w, glu) > max_smem and (r > 1 or w > 1):
+                r, w = (r // 2, w) if r > 1 else (r, w // 2)
+            kern = nvrtc.kernel(smem_source(k, r, w, glu), "q4s_gemv")
+            launches.append((kern, -(-n // (r * w)), 32 * w, smem_bytes(k, r, w, glu), [x, qw, s, z, y, n, n]))
+            used.append(f"{r}x{w}")
 
         def run():
-            for kern, a in launches:
-                if kern is None:
-                    qw, s, z, x, y, glu = a
-                    y.copy_(q4_cuda.q4c_linear(x, qw, s, z, glu=glu, **cfgs[(y.shape[1], x.shape[1], glu)]))
-                else:
-                    nvrtc.launch(kern, a[0], a[1], a[2], a[3], True)
-        return run, sum(k is not None for k, _ in launches)
+            for kern, blocks, threads, smem, a in launches:
+                nvrtc.launch(kern, blocks, threads, smem, a, True)
+        return run, used
 
     # correctness: one layer + the head, bit for bit against the engine's kernels
     h1, p1 = build_chain(1)
@@ -209,12 +205,12 @@ def main() -> int:
     variants = {"engine's kernels (registers, tuned depth), PDL": engine(h, prods)}
     taken = {}
     for rows, warps in parsed:
-        run, n = smem_chain(prods, rows, warps)
+        run, used = smem_chain(prods, rows, warps)
         variants[f"whole slice in shared memory before the wait, {rows} rows x {warps} warps"] = run
-        taken[f"{rows}x{warps}"] = n
+        taken[f"{rows}x{warps}"] = sorted(set(used))
     runs = time_graphs(variants, args.repeats, floor)
     res = dict(device=name, torch=torch.__version__, sms=sms, copy_bw_bytes_per_s=bw, layers=args.layers,
-               products=len(prods), weight_bytes=wbytes, floor_ms=floor, checks=checks, products_taken=taken)
+               products=len(prods), weight_bytes=wbytes, floor_ms=floor, checks=checks, configs_used=taken)
     finish(res, runs, args.out, f"{len(prods)} chained int4 decode products (8B shape, 1 row), {name}")
     return 0
 

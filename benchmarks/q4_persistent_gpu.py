@@ -321,6 +321,22 @@ def c_config(table: dict, n: int, k: int, glu: bool) -> dict:
     return dict(rows=c["block_n"], warps=c["num_warps"], depth=c["num_stages"])
 
 
+def engine_chain(h: torch.Tensor, prods, table: dict, write: bool = False):
+    """The chain through the engine's 1-row kernel (q4_cuda.q4c_linear at the table's configurations, PDL as the
+    engine launches it), one launch per product, each reading the output of the one before (o: the first H of
+    qkv's); write: also copy each output into the product's buffer (what the other kernels write: the check)."""
+    cfgs = {(n, k, glu): c_config(table, n, k, glu) for n, k, glu in
+            ((QKV, H, False), (H, H, False), (I, H, True), (H, I, False), (V, H, False))}
+
+    def run():
+        prev = h
+        for qw, s, z, x, y, glu in prods:
+            prev = q4_cuda.q4c_linear(prev[:, :x.shape[1]], qw, s, z, glu=glu, **cfgs[(y.shape[1], x.shape[1], glu)])
+            if write:
+                y.copy_(prev)
+    return run
+
+
 def time_graphs(variants: dict, repeats: int, floor: float) -> dict[str, list[float]]:
     """Each variant (a function launching its chain) captured in a CUDA graph, then the graphs replayed in turn,
     `repeats` rounds (the card's clocks drift): ms per round and variant."""

@@ -29,8 +29,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import gpu as G  # noqa: E402
 from forerun.kernels import nvrtc, q4_cuda  # noqa: E402
-from q4_persistent_gpu import (H, I, QKV, V, build_chain, c_config, card, chain_bytes, finish,  # noqa: E402
-                               time_graphs)
+from q4_persistent_gpu import build_chain, card, chain_bytes, engine_chain, finish, time_graphs  # noqa: E402
 
 _HELPERS = q4_cuda._SRC[: q4_cuda._SRC.index('extern "C"')]
 _SMEM = r"""
@@ -149,20 +148,7 @@ def main() -> int:
         return 1
     name, sms, bw, table = dev
     parsed = [tuple(int(v) for v in c.split("x")) for c in args.configs.split(",") if c]
-    cfgs = {(n, k, glu): c_config(table, n, k, glu) for n, k, glu in
-            ((QKV, H, False), (H, H, False), (I, H, True), (H, I, False), (V, H, False))}
     max_smem = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", 227 * 1024)
-
-    def engine(h, prods, write: bool = False):
-        """The engine's kernels, one launch per product (PDL), each reading the output of the one before."""
-        def run():
-            prev = h
-            for qw, s, z, x, y, glu in prods:
-                prev = q4_cuda.q4c_linear(prev[:, :x.shape[1]], qw, s, z, glu=glu,
-                                          **cfgs[(y.shape[1], x.shape[1], glu)])
-                if write:
-                    y.copy_(prev)
-        return run
 
     def smem_chain(prods, rows, warps):
         """The chain with this kernel at rows x warps, each product writing the buffer the next one reads; where a
@@ -184,7 +170,7 @@ def main() -> int:
 
     # correctness: one layer + the head, bit for bit against the engine's kernels
     h1, p1 = build_chain(1)
-    engine(h1, p1, write=True)()
+    engine_chain(h1, p1, table, write=True)()
     torch.cuda.synchronize()
     ref = [y.clone() for *_, y, _ in p1]
     checks = {}
@@ -202,7 +188,7 @@ def main() -> int:
     h, prods = build_chain(args.layers)
     wbytes = chain_bytes(prods)
     floor = wbytes / bw * 1e3
-    variants = {"engine's kernels (registers, tuned depth), PDL": engine(h, prods)}
+    variants = {"engine's kernels (registers, tuned depth), PDL": engine_chain(h, prods, table)}
     taken = {}
     for rows, warps in parsed:
         run, used = smem_chain(prods, rows, warps)

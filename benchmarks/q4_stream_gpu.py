@@ -44,8 +44,8 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import gpu as G  # noqa: E402
 from forerun.kernels import nvrtc, q4_cuda  # noqa: E402
-from q4_persistent_gpu import (H, I, KIND, QKV, V, build_chain, c_config, card, chain_bytes, finish,  # noqa: E402
-                               occupancy, time_graphs)
+from q4_persistent_gpu import (KIND, build_chain, card, chain_bytes, engine_chain, finish, occupancy,  # noqa: E402
+                               time_graphs)
 
 UNIT_BYTES = 2560  # 128 groups: codes 2048 B, scales 256 B, offsets 256 B
 NCLAIM = 8  # DYN: row counters per product
@@ -355,21 +355,6 @@ def main() -> int:
     name, sms, bw, table = dev
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
 
-    cfgs = {(n, k, glu): c_config(table, n, k, glu) for n, k, glu in
-            ((QKV, H, False), (H, H, False), (I, H, True), (H, I, False), (V, H, False))}
-
-    def per_kernel(h, prods, write: bool = False):
-        """The engine's kernels: one launch per product (PDL), each reading the output of the one before (o: the
-        first H of qkv's); write: also copy each output into the buffer the stream kernel writes (the check)."""
-        def run():
-            prev = h
-            for qw, s, z, x, y, glu in prods:
-                cfg = cfgs[(y.shape[1], x.shape[1], glu)]
-                prev = q4_cuda.q4c_linear(prev[:, :x.shape[1]], qw, s, z, glu=glu, **cfg)
-                if write:
-                    y.copy_(prev)
-        return run
-
     def stream(prods, sw, nslot, xreg, tma, dyn=0, ko=0, ts=None):
         kern = nvrtc.kernel(stream_source(sw, nslot, xreg, ko, tma, dyn), "q4_stream")
         smem = smem_bytes(sw, nslot)
@@ -393,7 +378,7 @@ def main() -> int:
 
     # correctness: one layer + the head, every stream config against the engine's per-product kernels
     h1, p1 = build_chain(1)
-    per_kernel(h1, p1, write=True)()
+    engine_chain(h1, p1, table, write=True)()
     torch.cuda.synchronize()
     ref = [y.float().clone() for *_, y, _ in p1]
     checks = {}
@@ -413,7 +398,7 @@ def main() -> int:
     h, prods = build_chain(args.layers)
     wbytes = chain_bytes(prods)
     floor = wbytes / bw * 1e3
-    variants = {"CUDA C++, one kernel per product, PDL (engine)": per_kernel(h, prods)}
+    variants = {"CUDA C++, one kernel per product, PDL (engine)": engine_chain(h, prods, table)}
     for sw, nslot, xreg, tma, dyn in parsed:
         variants[f"stream, {sw} warps x {nslot} slots{', x in registers' if xreg else ''}, "
                  f"{'TMA' if tma else 'cp.async'}{', rows claimed' if dyn else ''}"] = \

@@ -136,6 +136,29 @@ def smem_bytes(k: int, rows: int, warps: int, glu: bool) -> int:
     return (2 if glu else 1) * rows * warps * g * (16 + 2 + 2) + 4 * g * 16 + 4 * g
 
 
+def fit(k: int, rows: int, warps: int, glu: bool, max_smem: int) -> tuple[int, int]:
+    """rows x warps, halved (rows first, then warps) until the block's slice fits max_smem bytes."""
+    while smem_bytes(k, rows, warps, glu) > max_smem and (rows > 1 or warps > 1):
+        rows, warps = (rows // 2, warps) if rows > 1 else (rows, warps // 2)
+    return rows, warps
+
+
+def smem_linear(rows: int = 2, warps: int = 16):
+    """A stand-in for quant_cuda.KERNELS["c"] (the engine's 1-row kernel under the Triton configuration names)
+    that runs this kernel at rows x warps instead (q4_step_budget.py's "smem" variant)."""
+    max_smem = getattr(torch.cuda.get_device_properties(0), "shared_memory_per_block_optin", 227 * 1024)
+
+    def q4c(x, qw32, scale, zero, glu, block_n, block_k, use_dot, num_warps, num_stages):
+        n_out = qw32.shape[0] // 2 if glu else qw32.shape[0]
+        k = x.shape[1]
+        r, w = fit(k, rows, warps, glu, max_smem)
+        y = torch.empty(1, n_out, dtype=x.dtype, device=x.device)
+        nvrtc.launch(nvrtc.kernel(smem_source(k, r, w, glu), "q4s_gemv"), -(-n_out // (r * w)), 32 * w,
+                     smem_bytes(k, r, w, glu), [q4_cuda._aligned(x), qw32, scale, zero, y, n_out, n_out], True)
+        return y
+    return q4c
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/q4_smem_prefetch.json")
@@ -156,9 +179,7 @@ def main() -> int:
         launches, used = [], []
         for qw, s, z, x, y, glu in prods:
             n, k = y.shape[1], x.shape[1]
-            r, w = rows, warps
-            while smem_bytes(k, r, w, glu) > max_smem and (r > 1 or w > 1):
-                r, w = (r // 2, w) if r > 1 else (r, w // 2)
+            r, w = fit(k, rows, warps, glu, max_smem)
             kern = nvrtc.kernel(smem_source(k, r, w, glu), "q4s_gemv")
             launches.append((kern, -(-n // (r * w)), 32 * w, smem_bytes(k, r, w, glu), [x, qw, s, z, y, n, n]))
             used.append(f"{r}x{w}")

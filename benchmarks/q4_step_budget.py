@@ -7,8 +7,9 @@ kernel (attention/cuda_decode.py, an experiment) instead of the Triton split + m
 A variant fuses each add + RMSNorm into the int4 product after it (FusedLayerOps.fuse_norms, off in the engine:
 measured slower); one splits it across the products around it (FusedLayerOps.split_norms: on by default on the H100,
 off on the H200, where it measured slower), one does so with the split's products 4 groups deep (measured slower),
-one only moves the adds into the epilogues of the products before them (an experiment). Variants run interleaved
-(the card's clocks drift); best of the runs. Prints a table, writes JSON (+ PNG).
+one only moves the adds into the epilogues of the products before them (an experiment), two run the 1-row products
+with their whole weight slice copied into shared memory before the PDL wait (q4_smem_prefetch_gpu.py, norm kernels
+apart). Variants run interleaved (the card's clocks drift); best of the runs. Prints a table, writes JSON (+ PNG).
 
     python benchmarks/q4_step_budget.py --out benchmarks/results/q4_step_budget_h200.json
 
@@ -32,6 +33,7 @@ from forerun.models import quant_cuda  # noqa: E402
 from forerun.runtime.cuda_graph import GraphRunner  # noqa: E402
 
 SPLIT_PRODUCT = quant_cuda.q4c_split_norm_linear
+C_KERNEL = quant_cuda.KERNELS["c"]
 
 # variant -> (operations knocked out, attention KV splits (None: the backend's own choice)[, decode attention in
 # the one-launch CUDA kernel (an experiment, off in the engine) instead of the Triton split + merge kernels])
@@ -42,6 +44,8 @@ VARIANTS = {
     "engine, norms split, their products 4 groups deep": (("split", "deep"), None),
     "engine, norm kernels (norms not split)": (("apart",), None),
     "engine, adds in the epilogues, norms apart": (("addonly",), None),
+    "engine, norm kernels, products' slices in shared memory (2x16)": (("apart", "smem2x16"), None),
+    "engine, norm kernels, products' slices in shared memory (1x16)": (("apart", "smem1x16"), None),
     "engine, CUDA C++ decode attention (4 warps)": ((), None, (4, 0)),
     "engine, CUDA C++ decode attention (8 warps)": ((), None, (8, 0)),
     "attention 1 split": ((), 1),
@@ -69,6 +73,15 @@ def install(model, knocked: tuple[str, ...], splits: int | None, originals: dict
     ops.split_norms = True if {"split", "addonly"} & set(knocked) else False if {
         "apart", "fused", "norm"} & set(knocked) else default
     ops.__dict__.pop("_partials", None)
+    # "smemRxW": the 1-row products copy their whole weight slice into shared memory before the PDL wait
+    # (q4_smem_prefetch_gpu.py's kernel at R rows a warp x W warps a block), so they stream it during the kernel
+    # before them (attention, a norm) instead of DEPTH groups a lane
+    smem = [w for w in knocked if w.startswith("smem")]
+    if smem:
+        from q4_smem_prefetch_gpu import smem_linear
+        quant_cuda.KERNELS["c"] = smem_linear(*(int(v) for v in smem[0][4:].split("x")))
+    else:
+        quant_cuda.KERNELS["c"] = C_KERNEL
     # "deep": the products that take the partial sums keep 4 groups of weights in flight per lane (the whole row
     # of a K = 4096 product) instead of their tuned depth, to cover the prologue's wait for the partials
     quant_cuda.q4c_split_norm_linear = SPLIT_PRODUCT if "deep" not in knocked else (

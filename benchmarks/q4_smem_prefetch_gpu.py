@@ -1,5 +1,6 @@
 """The 1-row int4 product with its whole weight slice copied into shared memory before the PDL wait (issue 12,
-session 51; built, first run pending).
+session 51; measured in session 52 on the H100 and ruled out: the 145-product chain 2.008-2.224 ms against the
+engine's 1.788, the step 2.389-2.685 against 2.107, q4_smem_prefetch_h100_s52.json, docs/quantization.md).
 
 The engine's kernel (kernels/q4_cuda.py) requests DEPTH groups of weights per lane into registers before
 `griddepcontrol.wait`; more depth costs registers and residency (4 groups deep made the split norm's products 20 %

@@ -115,6 +115,7 @@ def main() -> int:
         check["pdl" if pdl else "no pdl"] = dict(identical=not bad, first_differences=bad[:5])
         G.log(f"timed chain ({'PDL' if pdl else 'no PDL'}) == the engine's kernels: {not bad}"
               + (f"; first (product, kind, elements): {bad[:5]}" if bad else ""))
+    assert all(c["identical"] for c in check.values()), f"the timed kernel's outputs differ from the engine's: {check}"
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
@@ -149,7 +150,8 @@ def main() -> int:
                for kind, a in agg.items()}
     wbytes = chain_bytes(prods)
     res = dict(device=name, sms=sms, copy_bw_bytes_per_s=bw, layers=args.layers, chain_ms=ms,
-               floor_ms=wbytes / bw * 1e3, cycles_per_ns=ratio, check=check, configs=meta, products=rows_out, by_kind=summary)
+               floor_ms=wbytes / bw * 1e3, cycles_per_ns=ratio, check=check, configs=meta, products=rows_out,
+               by_kind=summary)
     print(f"\n{name}: {len(prods)} chained int4 products, {ms:.3f} ms ({100 * wbytes / bw * 1e3 / ms:.1f} % of the "
           f"{wbytes / bw * 1e3:.3f} ms floor); clock {ratio:.2f} cycles/ns; means per product kind, us")
     cols = ["floor_us", "duration_us", "first_start_us", "release_us", "wait_spread_us", "convert_us", "dots_us",

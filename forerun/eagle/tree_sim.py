@@ -23,8 +23,12 @@ import json
 import statistics
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ..config import CacheConfig
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int]]:

@@ -133,7 +133,7 @@ def extend_inputs_torch(tree_tokens: torch.Tensor, accepted_nodes: torch.Tensor,
     feats [B, s + 1, F] (the path rows' features). Writes ids[:B qe], rows[:B qe] (features), lo / nlast (= a_i +
     1, the last real row) / ctx (= roots_i + a_i + 1) [:B], tables[:B, :W]."""
     b, s1 = feats.shape[:2]
-    s, qe = s1 - 1, s1 + 1
+    qe = s1 + 1
     w = (stage.numel() - 2 * b) // b
     acc = num_accepted.long()
     nodes = accepted_nodes[:, :s1].clamp(min=0)  # [B, s + 1]; past the path: the root (unused)

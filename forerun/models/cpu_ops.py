@@ -134,7 +134,7 @@ class CpuLayerOps(LayerOps):
         p = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
         rows, eps, in_c = [], [], []
         for li, layer in enumerate(layers):
-            att, mlp = layer.self_attn, layer.mlp
+            att = layer.self_attn
             ok = _in_c(layer)
             in_c.append(ok)
             qn, kn = (att.q_norm, att.k_norm) if cfg.qk_norm else (None, None)

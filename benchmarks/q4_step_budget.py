@@ -9,6 +9,7 @@ measured slower); one splits it across the products around it (FusedLayerOps.spl
 off on the H200, where it measured slower), one does so with the split's products 4 groups deep (measured slower),
 one only moves the adds into the epilogues of the products before them (an experiment), two run the 1-row products
 with their whole weight slice copied into shared memory before the PDL wait (q4_smem_prefetch_gpu.py, norm kernels
+apart), two as one grid per product whose warps claim their rows from a counter (q4_claim_gpu.py, norm kernels
 apart). Variants run interleaved (the card's clocks drift); best of the runs. Prints a table, writes JSON (+ PNG).
 
     python benchmarks/q4_step_budget.py --out benchmarks/results/q4_step_budget_h200.json
@@ -46,6 +47,8 @@ VARIANTS = {
     "engine, adds in the epilogues, norms apart": (("addonly",), None),
     "engine, norm kernels, products' slices in shared memory (2x16)": (("apart", "smem2x16"), None),
     "engine, norm kernels, products' slices in shared memory (1x16)": (("apart", "smem1x16"), None),
+    "engine, norm kernels, products as one grid each, rows claimed (1 block an SM)": (("apart", "claims1"), None),
+    "engine, norm kernels, products as one grid each, rows claimed (2 blocks an SM)": (("apart", "claims2"), None),
     "engine, CUDA C++ decode attention (4 warps)": ((), None, (4, 0)),
     "engine, CUDA C++ decode attention (8 warps)": ((), None, (8, 0)),
     "attention 1 split": ((), 1),
@@ -77,7 +80,13 @@ def install(model, knocked: tuple[str, ...], splits: int | None, originals: dict
     # (q4_smem_prefetch_gpu.py's kernel at R rows a warp x W warps a block), so they stream it during the kernel
     # before them (attention, a norm) instead of DEPTH groups a lane
     smem = [w for w in knocked if w.startswith("smem")]
-    if smem:
+    # "claimsN": the 1-row products (not the head) as q4_claim_gpu.py's kernel: one grid of N blocks an SM per
+    # product, the warps claiming rows from a counter as they go, the row converted once a block
+    claims = [w for w in knocked if w.startswith("claims")]
+    if claims:
+        from q4_claim_gpu import claim_linear
+        quant_cuda.KERNELS["c"] = claim_linear(int(claims[0][6:]), engine=C_KERNEL)
+    elif smem:
         from q4_smem_prefetch_gpu import smem_linear
         quant_cuda.KERNELS["c"] = smem_linear(*(int(v) for v in smem[0][4:].split("x")))
     else:

@@ -9,15 +9,20 @@ at run time were claimed a ring (2-5 rows) ahead of their arithmetic, so the bal
 
 This kernel keeps one launch per product (PDL's hardware hand-over between products) and changes how a product's
 rows meet the SMs: a grid of BLOCKS_PER_SM x SMs blocks (never more than the rows need), each converting the row
-once; a warp takes its first unit of R rows from its place in the grid, then claims the next units one at a time
-from a counter in global memory (an atomicAdd one unit ahead of its arithmetic: the claim for the unit after the
-next is issued when a unit starts, its answer used when that unit's last DEPTH groups refill the ring), so the
-warps of all SMs finish within about one unit of each other whatever share of the bandwidth each SM gets. The last
-warp to finish resets the counter (a second counter counts the warps done), so CUDA graph replays need no memset.
-With one block an SM, the next product's blocks fit beside it from the start and request their first weights
-while this one streams. Per unit the arithmetic is the engine's (q4_cuda.py): same lanes, same order, same
-epilogue, so outputs are bit-identical (checked, also after the timed replays). "static" variants deal the units
-round-robin instead (no counter): the knock-out that says what the claims buy.
+once; a warp takes its first chunk of CH rows from its place in the grid, then claims the next chunks one at a time
+from a counter in global memory (a claim is issued when the warp enters a chunk and answered when it reaches the
+chunk's last row, where that row's last DEPTH groups refill the ring with the next chunk's first), so the warps of
+all SMs finish within about one chunk of each other whatever share of the bandwidth each SM gets. The last warp to
+finish resets the counter (a second counter counts the warps done), so CUDA graph replays need no memset. With one
+block an SM, the next product's blocks fit beside it from the start and request their first weights while this
+one streams. Per row the arithmetic is the engine's (q4_cuda.py): same lanes, same order, same epilogue, so
+outputs are bit-identical (checked, also after the timed replays). "static" variants deal the chunks round-robin
+instead (no counter): the knock-out that says what the claims buy.
+
+Session 53 on the H100: the first build claimed with an integer atomicAdd, which ptxas aggregates across the warp
+and whose answer it shuffles right after the atomic (the warp waits the round trip at every claim): 2.40-2.85 ms
+for the chain against the engine's 1.79 (round-robin 1.84-1.90; q4_claim_*_h100_s53_intatomic.json). Claims are
+now float adds, which ptxas leaves alone (see `claim` in the source); not yet run.
 
 One row a unit, 16 warps a block, 4 groups in flight per lane (2 per row for SwiGLU): at 64 registers (two blocks an
 SM) the table's 2-row, 4-deep configurations spill (nvcc). The head keeps the engine's kernel. Prints a table,
@@ -49,7 +54,8 @@ _CLAIM = r"""
 #define NWARP {NWARP}
 #define DEP {DEP}              // groups in flight per lane and row; divides NJJ (the ring wraps onto the next unit)
 #define SGLU {SGLU}
-#define DYN {DYN}              // 1: units claimed from ctr[0]; 0: dealt round-robin
+#define DYN {DYN}              // 1: chunks claimed from ctr[0]; 0: dealt round-robin
+#define CH {CH}                // units a chunk (a claim)
 #define MINB {MINB}            // blocks an SM the registers must leave room for (this one and the next product's)
 #define NWR (SGLU ? 2 * RW : RW)
 #define TT ((4 * GG + NWARP * 32 - 1) / (NWARP * 32))
@@ -65,6 +71,17 @@ __device__ __forceinline__ void unit_rows(int* ro, int u, int n_out, int glu_off
     }}
 }}
 
+// one claim: the counter (a float: whole numbers are exact up to 2^24) plus 1, its old value returned as a float
+// and converted only where it is used, a chunk later. Why not atomicAdd on an unsigned int: ptxas aggregates
+// integer atomics across the warp, and its aggregated form broadcasts the answer with a shuffle right after the
+// atomic, which stalls the warp for the whole round trip at every claim (the SASS; the first H100 run, 2.5 ms
+// against 1.8); a float add it leaves alone (its order would change sums).
+__device__ __forceinline__ float claim(unsigned int* p) {{
+    float r;
+    asm volatile("atom.global.add.f32 %0, [%1], 0f3F800000;" : "=f"(r) : "l"(p));
+    return r;
+}}
+
 extern "C" __global__ void __launch_bounds__(NWARP * 32, MINB)
 q4d_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsigned short* __restrict__ S,
          const unsigned short* __restrict__ Z, unsigned short* __restrict__ y, int n_out, int glu_off,
@@ -75,7 +92,8 @@ q4d_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
     float* gsum = (float*)(smem + 4 * GG);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int n_units = (n_out + RW - 1) / RW, nwarps = gridDim.x * NWARP;
-    int cur = blockIdx.x * NWARP + warp;  // the first unit: the warp's place in the grid
+    // chunks of CH consecutive units: the first the warp's place in the grid, the next ones claimed (or dealt)
+    int cur = (blockIdx.x * NWARP + warp) * CH, cend = min(cur + CH, n_units), nxt = n_units, nend = n_units;
     int ro[NWR], rn[NWR];
     unit_rows(ro, cur, n_out, glu_off);
     uint4 wbuf[DEP][NWR];
@@ -95,8 +113,18 @@ q4d_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
         }}
     }}
 #if DYN
-    unsigned int cl = 0;  // lane 0: the claim in flight (the unit after the next is nwarps + cl)
-    if (lane == 0 && cur < n_units) cl = atomicAdd(ctr, 1u);
+    float cl = 0.0f;  // lane 0: the claim in flight (the chunk after the current one is nwarps + cl)
+    if (lane == 0 && cur < n_units) cl = claim(ctr);
+#endif
+    // nxt, nend <- the unit after cur and the end of its chunk: cur + 1 within the chunk, else the claimed chunk's
+    // first unit (answering the claim in flight, a chunk old, and issuing the next one)
+#if DYN
+#define ADVANCE() do {{ if (cur + 1 < cend) {{ nxt = cur + 1; nend = cend; }} else {{ \
+        nxt = (nwarps + (int)__shfl_sync(0xffffffffu, cl, 0)) * CH; nend = min(nxt + CH, n_units); \
+        if (lane == 0 && nxt < n_units) cl = claim(ctr); }} }} while (0)
+#else
+#define ADVANCE() do {{ if (cur + 1 < cend) {{ nxt = cur + 1; nend = cend; }} else {{ \
+        nxt = (cur / CH + nwarps) * CH; nend = min(nxt + CH, n_units); }} }} while (0)
 #endif
     asm volatile("griddepcontrol.launch_dependents;");
     asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -109,13 +137,7 @@ q4d_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
         store_word(xq, gsum, GG, i, i < 4 * GG, a0, a1, a2, a3, a4, a5, a6, a7);
     }}
     __syncthreads();
-    int nxt = cur + nwarps;
-#if DYN
-    if (cur < n_units) {{
-        nxt = nwarps + __shfl_sync(0xffffffffu, cl, 0);
-        if (lane == 0 && nxt < n_units) cl = atomicAdd(ctr, 1u);
-    }}
-#endif
+    if (cur < n_units) ADVANCE();
     while (cur < n_units) {{
         const bool more = nxt < n_units;
         unit_rows(rn, nxt, n_out, glu_off);
@@ -178,16 +200,10 @@ q4d_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
             }}
         }}
         cur = nxt;
+        cend = nend;
         #pragma unroll
         for (int r = 0; r < NWR; r++) ro[r] = rn[r];
-#if DYN
-        if (more) {{  // the claim issued when this unit started: the unit after the next
-            nxt = nwarps + __shfl_sync(0xffffffffu, cl, 0);
-            if (lane == 0 && nxt < n_units) cl = atomicAdd(ctr, 1u);
-        }}
-#else
-        nxt = cur + nwarps;
-#endif
+        if (more) ADVANCE();
     }}
 #if DYN
     // every claim of this warp has been answered: count it done; the last warp resets both counters
@@ -203,11 +219,11 @@ q4d_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
 """
 
 
-def claim_source(k: int, rows: int, warps: int, depth: int, glu: bool, dyn: bool, minb: int = 2) -> str:
+def claim_source(k: int, rows: int, warps: int, depth: int, glu: bool, dyn: bool, minb: int = 2, ch: int = 1) -> str:
     # the helpers' own macros are unused here; set to valid values
     return (_HELPERS.format(K=k, R=1, WARPS=warps, DEPTH=2, GLU=0, PDL=1, NORM=0, SPLIT=0, NP=1, ADD=0)
             + _CLAIM.format(KK=k, RW=rows, NWARP=warps, DEP=depth, SGLU=int(glu), DYN=int(dyn),
-                             MINB=minb))
+                             MINB=minb, CH=ch))
 
 
 def ring_depth(k: int, depth: int) -> int:
@@ -219,7 +235,7 @@ def ring_depth(k: int, depth: int) -> int:
 _COUNTERS: dict[int, torch.Tensor] = {}  # claim_linear's counters, per weight (data pointer)
 
 
-def claim_linear(blocks_per_sm: int = 1, dyn: bool = True, head_rows: int = 100_000, engine=None):
+def claim_linear(blocks_per_sm: int = 1, dyn: bool = True, head_rows: int = 100_000, engine=None, ch: int = 1):
     """A stand-in for quant_cuda.KERNELS["c"] (the engine's 1-row kernel under the Triton configuration names) that
     runs this kernel instead (q4_step_budget.py's "claims" variants): 1 row a unit, 16 warps, 4 groups in flight a
     lane; one pair of counters per weight (allocated on its first call, the warm-up before a graph capture);
@@ -240,7 +256,7 @@ def claim_linear(blocks_per_sm: int = 1, dyn: bool = True, head_rows: int = 100_
             assert not torch.cuda.is_current_stream_capturing(), "claim_linear's first call must come before capture"
             ctr = _COUNTERS[qw32.data_ptr()] = torch.zeros(2, dtype=torch.int32, device=x.device)
         y = torch.empty(1, n_out, dtype=x.dtype, device=x.device)
-        nvrtc.launch(nvrtc.kernel(claim_source(k, 1, 16, d, glu, dyn), "q4d_gemv"),
+        nvrtc.launch(nvrtc.kernel(claim_source(k, 1, 16, d, glu, dyn, ch=ch), "q4d_gemv"),
                      min(sms * blocks_per_sm, -(-n_out // 16)), 512, q4_cuda.smem_bytes(k),
                      [q4_cuda._aligned(x), qw32, scale, zero, y, n_out, n_out, ctr], True)
         return y
@@ -253,15 +269,18 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--blocks-per-sm", default="1,2", help="comma list: grids of that many blocks an SM")
+    ap.add_argument("--chunks", default="1", help="comma list: units a claim (a chunk of consecutive rows)")
     ap.add_argument("--static", action="store_true", help="also the round-robin (no counter) variants")
     args = ap.parse_args()
     if (dev := card()) is None:
         return 1
     name, sms, bw, table = dev
     per_sm = [int(v) for v in args.blocks_per_sm.split(",") if v]
-    modes = [(b, True) for b in per_sm] + ([(b, False) for b in per_sm] if args.static else [])
+    chunks = [int(v) for v in args.chunks.split(",") if v]
+    modes = [(b, True, c) for b in per_sm for c in chunks] + ([(b, False, c) for b in per_sm for c in chunks]
+                                                              if args.static else [])
 
-    def claim_chain(prods, bps: int, dyn: bool, write: bool = False):
+    def claim_chain(prods, bps: int, dyn: bool, ch: int, write: bool = False):
         """The chain with this kernel, each product writing the buffer the next one reads, one pair of counters per
         product: 1 row a unit, 16 warps, 4 groups of weights in flight per lane (2 per row with SwiGLU) -- what
         fits 64 registers without spilling (nvcc), so that two blocks fit an SM. The head keeps the engine's
@@ -280,7 +299,7 @@ def main() -> int:
                 continue
             assert qw.shape[0] * (k // 32) < 2 ** 31, "the kernel's row offsets are int32"
             r, w, d = 1, 16, ring_depth(k, 2 if glu else 4)
-            kern = nvrtc.kernel(claim_source(k, r, w, d, glu, dyn), "q4d_gemv")
+            kern = nvrtc.kernel(claim_source(k, r, w, d, glu, dyn, ch=ch), "q4d_gemv")
             grid = min(sms * bps, -(-(-(-n // r)) // w))
             args_ = [x, qw, s, z, y, n, n, ctr[i]]
             launches.append(lambda kern=kern, grid=grid, w=w, k=k, a=args_:
@@ -292,8 +311,9 @@ def main() -> int:
                 launch()
         return run, sorted(used), ctr
 
-    def label(bps: int, dyn: bool) -> str:
-        return f"one grid a product, {bps} block(s) an SM, units {'claimed' if dyn else 'dealt round-robin'}"
+    def label(bps: int, dyn: bool, ch: int) -> str:
+        return (f"one grid a product, {bps} block(s) an SM, {ch} row(s) a chunk, chunks "
+                f"{'claimed' if dyn else 'dealt round-robin'}")
 
     def bits(t: torch.Tensor) -> torch.Tensor:  # random layers without norms overflow: compare bit patterns
         return t.view(torch.int16)
@@ -304,8 +324,8 @@ def main() -> int:
     torch.cuda.synchronize()
     ref = [bits(y).clone() for *_, y, _ in p1]
     checks = {}
-    for bps, dyn in modes:
-        run, _, ctr = claim_chain(p1, bps, dyn, write=True)
+    for bps, dyn, ch in modes:
+        run, _, ctr = claim_chain(p1, bps, dyn, ch, write=True)
         same = []
         for _ in range(2):
             for *_, y, _ in p1:
@@ -313,8 +333,8 @@ def main() -> int:
             run()
             torch.cuda.synchronize()
             same.append([torch.equal(bits(y), r) for (*_, y, _), r in zip(p1, ref)])
-        checks[label(bps, dyn)] = dict(same=same, counters_after=ctr.tolist())
-        G.log(f"check {label(bps, dyn)}: bit-identical per product {same}, counters after {ctr.tolist()}")
+        checks[label(bps, dyn, ch)] = dict(same=same, counters_after=ctr.tolist())
+        G.log(f"check {label(bps, dyn, ch)}: bit-identical per product {same}, counters after {ctr.tolist()}")
         assert all(all(s) for s in same) and not ctr.any(), (same, ctr.tolist())
     del p1
 
@@ -323,11 +343,11 @@ def main() -> int:
     floor = wbytes / bw * 1e3
     variants = {"engine's kernels (one block per row slice, tuned), PDL": engine_chain(h, prods, table)}
     configs, counters = {}, {}
-    for bps, dyn in modes:
-        run, used, ctr = claim_chain(prods, bps, dyn)
-        variants[label(bps, dyn)] = run
-        configs[label(bps, dyn)] = used
-        counters[label(bps, dyn)] = ctr
+    for bps, dyn, ch in modes:
+        run, used, ctr = claim_chain(prods, bps, dyn, ch)
+        variants[label(bps, dyn, ch)] = run
+        configs[label(bps, dyn, ch)] = used
+        counters[label(bps, dyn, ch)] = ctr
     runs = time_graphs(variants, args.repeats, floor)
     # after the replays: the counters back at zero, the last layer's output the engine's, bit for bit
     engine_chain(h, prods, table, write=True)()

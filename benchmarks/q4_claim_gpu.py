@@ -22,7 +22,8 @@ instead (no counter): the knock-out that says what the claims buy.
 Session 53 on the H100: the first build claimed with an integer atomicAdd, which ptxas aggregates across the warp
 and whose answer it shuffles right after the atomic (the warp waits the round trip at every claim): 2.40-2.85 ms
 for the chain against the engine's 1.79 (round-robin 1.84-1.90; q4_claim_*_h100_s53_intatomic.json). Claims are
-now float adds, which ptxas leaves alone (see `claim` in the source); not yet run.
+now float adds, which ptxas leaves alone (see `claim` in the source): measured at 2.56-3.48 ms, worse, and the
+round-robin variants of this build 2.00-2.13 (q4_claim_f32_h100_s53.json). Dropped; kept as the record.
 
 One row a unit, 16 warps a block, 4 groups in flight per lane (2 per row for SwiGLU): at 64 registers (two blocks an
 SM) the table's 2-row, 4-deep configurations spill (nvcc). The head keeps the engine's kernel. Prints a table,

@@ -842,10 +842,29 @@ def test_int8_kernel_on_gpu():
     assert ((q8v_linear(x, raw, s).float() - ref).abs().max() / ref.abs().max()).item() > 0.05
 
 
+def test_the_l2_prefetchers_chunk_table_covers_the_chain_in_order():
+    """q4_l2_prefetcher_gpu's table (CPU): every byte of every range once, in chunks of at most CHUNK and of 16-byte
+    units, and each chunk released once the products' counted progress is within `ahead` bytes of its end."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import q4_l2_prefetcher_gpu as LP
+    # product A: 4 blocks (2 warps each) of a 32 KB and a 4 KB range; product B: 2 blocks (4 warps) of 64 KB
+    ranges = [([(1 << 20, 32768), (2 << 20, 4096)] * 4, 8), ([(3 << 20, 65536)] * 2, 8)]
+    addr, size, need = LP.chunk_table(ranges, 40000, "cpu")
+    assert int(size.sum()) == 4 * 36864 + 2 * 65536 and int(size.max()) <= LP.CHUNK and int((size % 16).sum()) == 0
+    assert addr[:3].tolist() == [1 << 20, (1 << 20) + 16384, 2 << 20]
+    ends = size.cumsum(0).double()
+    # bytes consumed after P warps: A's 147456 over its 8 warps, then B's 131072 over its 8
+    consumed = [min(p, 8) * 18432 + max(p - 8, 0) * 16384 for p in range(17)]
+    for e, n in zip(ends.tolist(), need.tolist()):
+        assert consumed[n] >= e - 40000 and (n == 0 or consumed[n - 1] < e - 40000), (e, n)
+    assert need.tolist() == sorted(need.tolist()) and need[0] == 0 and int(need.max()) <= 16
+
+
 def test_the_chain_benchmarks_kernels_still_build_from_this_source():
     """The chain benchmarks build their kernels from q4_cuda.py's source (its helpers, or the kernel itself with
     timestamps added by text edits): each must still find what it edits and compile with nvcc without local
-    memory (q4_block_timing_gpu, q4_smem_prefetch_gpu, q4_stream_gpu, q4_persistent_gpu). (Session 23's
+    memory (q4_block_timing_gpu, q4_smem_prefetch_gpu, q4_stream_gpu, q4_persistent_gpu, q4_l2_prefetcher_gpu).
+    (Session 23's
     q4_persistent_gpu.py stopped running when the source gained format keys, unnoticed until session 51.)"""
     import shutil
     import tempfile
@@ -855,6 +874,7 @@ def test_the_chain_benchmarks_kernels_still_build_from_this_source():
         pytest.skip("no nvcc here")
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     import q4_block_timing_gpu as BT
+    import q4_l2_prefetcher_gpu as LP
     import q4_persistent_gpu as PG
     import q4_smem_prefetch_gpu as SP
     import q4_stream_gpu as SG
@@ -863,7 +883,8 @@ def test_the_chain_benchmarks_kernels_still_build_from_this_source():
                SP.smem_source(4096, 1, 16, True),
                SG.stream_source(16, 5, True, 0, True, True), SG.stream_source(16, 2, True, 2, False, False),
                PG._HELPERS.format(K=4096, R=2, WARPS=8, DEPTH=4, GLU=0, PDL=0, NORM=0, SPLIT=0, NP=1, ADD=0)
-               + PG._PERSIST.format(PF=2)]
+               + PG._PERSIST.format(PF=2),
+               LP.counting_source(4096, 2, 16, 2, False), LP.counting_source(12288, 1, 16, 4, False), LP._PREFETCHER]
     assert "%globaltimer" in sources[0] and sources[0].count("_ts[") >= 9
     with tempfile.TemporaryDirectory() as d:
         for i, text in enumerate(sources):

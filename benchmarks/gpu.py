@@ -77,6 +77,58 @@ def bench_ms(fn, inner: int, outer: int = 5, warmup: int = 2) -> float:
 
 
 # -- setup -------------------------------------------------------------------------------------------------
+def kernel_functions() -> list[tuple[str, int]]:
+    """(name, CUfunction handle) of every kernel loaded so far that forerun launches itself: the NVRTC kernels
+    (kernels/nvrtc.py's cache) and Triton's compiled kernels (of every JITFunction a loaded module holds, autotuned
+    or not). torch's own kernels are not among them."""
+    import ctypes
+    import types
+
+    from forerun.kernels import nvrtc
+    out = [(key[1], k.func.value if isinstance(k.func, ctypes.c_void_p) else int(k.func))
+           for key, k in nvrtc._kernels.items()]
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return out
+    seen: set[int] = set()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ours = tuple(os.path.join(repo, d) + os.sep for d in ("forerun", "benchmarks"))
+    for mod in list(sys.modules.values()):  # forerun's modules and the benchmarks'
+        if not (getattr(mod, "__file__", None) or "").startswith(ours):
+            continue
+        for v in list(vars(mod).values()):
+            for _ in range(4):  # Autotuner / Heuristics wrap the JITFunction in .fn
+                if isinstance(v, JITFunction) or v is None:
+                    break
+                v = getattr(v, "fn", None) if not isinstance(v, (type, types.ModuleType)) else None
+            if not isinstance(v, JITFunction) or id(v) in seen:
+                continue
+            seen.add(id(v))
+            for entry in v.device_caches.values():
+                for ck in entry[0].values():
+                    if getattr(ck, "function", None):
+                        out.append((v.__name__, int(ck.function)))
+    return out
+
+
+def set_carveout(percent: int) -> int:
+    """Every kernel_functions() kernel's preferred shared-memory carveout (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_
+    CARVEOUT: 0-100 % of the SM's unified L1 / shared memory, -1 the driver's choice); returns how many were set.
+    What it tests (session 55): if an SM's split between L1 and shared memory can change only while no block is
+    resident on it, a kernel whose blocks need a larger split than the one running cannot start its blocks beside
+    it (PDL's early start lost) until that SM drains; one setting for every kernel keeps one split."""
+    import ctypes
+
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    funcs = kernel_functions()
+    for name, h in funcs:
+        rc = lib.cuFuncSetAttribute(ctypes.c_void_p(h), ctypes.c_int(9), ctypes.c_int(percent))
+        if rc != 0:
+            raise RuntimeError(f"cuFuncSetAttribute(carveout={percent}) on {name} failed with CUresult {rc}")
+    return len(funcs)
+
+
 def copy_bandwidth(gib: float = 2.0) -> float:
     """Device-to-device copy bandwidth (bytes read + written per second)."""
     n = int(gib * (1 << 30)) // 2

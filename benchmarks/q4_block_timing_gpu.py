@@ -70,6 +70,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/q4_block_timing.json")
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--carveout", type=int, default=None,
+                    help="every kernel's preferred shared-memory carveout, %% (gpu.set_carveout; default: driver's)")
     args = ap.parse_args()
     if (dev := card()) is None:
         return 1
@@ -116,6 +118,8 @@ def main() -> int:
         G.log(f"timed chain ({'PDL' if pdl else 'no PDL'}) == the engine's kernels: {not bad}"
               + (f"; first (product, kind, elements): {bad[:5]}" if bad else ""))
     assert all(c["identical"] for c in check.values()), f"the timed kernel's outputs differ from the engine's: {check}"
+    if args.carveout is not None:  # (every kernel is compiled by now)
+        G.log(f"shared-memory carveout {args.carveout} % on {G.set_carveout(args.carveout)} kernels")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
@@ -149,7 +153,7 @@ def main() -> int:
     summary = {kind: {k: sum(v) / len(v) for k, v in a.items()} | dict(n=len(a["duration_us"]))
                for kind, a in agg.items()}
     wbytes = chain_bytes(prods)
-    res = dict(device=name, sms=sms, copy_bw_bytes_per_s=bw, layers=args.layers, chain_ms=ms,
+    res = dict(device=name, sms=sms, copy_bw_bytes_per_s=bw, layers=args.layers, chain_ms=ms, carveout=args.carveout,
                floor_ms=wbytes / bw * 1e3, cycles_per_ns=ratio, check=check, configs=meta, products=rows_out,
                by_kind=summary)
     print(f"\n{name}: {len(prods)} chained int4 products, {ms:.3f} ms ({100 * wbytes / bw * 1e3 / ms:.1f} % of the "

@@ -161,6 +161,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ahead", default="2,4,8,16", help="MB the prefetcher runs ahead of the products")
     ap.add_argument("--blocks", default="32,132", help="prefetcher blocks (one warp each)")
+    ap.add_argument("--carveout", type=int, default=None,
+                    help="every kernel's preferred shared-memory carveout, %% (gpu.set_carveout; default: driver's)")
     args = ap.parse_args()
     if (dev := card()) is None:
         return 1
@@ -218,6 +220,8 @@ def main() -> int:
     engine_chain(h, prods, table, write=True)()  # (their outputs copied into the products' buffers)
     torch.cuda.synchronize()
     ref = [y.clone() for *_, y, _ in prods]
+    if args.carveout is not None:  # (every kernel is compiled by now)
+        G.log(f"shared-memory carveout {args.carveout} % on {G.set_carveout(args.carveout)} kernels")
     ahead_mb = [int(v) for v in args.ahead.split(",")]
     pf_blocks = [int(v) for v in args.blocks.split(",")]
     variants = {"engine's kernels": engine_run, "counting kernels": chain_fn(None),
@@ -252,6 +256,7 @@ def main() -> int:
     assert int(prog.sum()) in (0, total_warps), int(prog.sum())
     res = dict(device=name, torch=torch.__version__, sms=sms, copy_bw_bytes_per_s=bw, layers=args.layers,
                products=len(prods), weight_bytes=wbytes, floor_ms=floor, chunk_bytes=CHUNK, checks=checks,
+               carveout=args.carveout,
                chunks=int(tables[(0, pf_blocks[0])][0].numel()))
     finish(res, runs, args.out, f"{len(prods)} chained int4 products (8B shape, 1 row) + an L2 prefetcher, {name}")
     return 0

@@ -10,7 +10,8 @@ off on the H200, where it measured slower), one does so with the split's product
 one only moves the adds into the epilogues of the products before them (an experiment), two run the 1-row products
 with their whole weight slice copied into shared memory before the PDL wait (q4_smem_prefetch_gpu.py, norm kernels
 apart), two as one grid per product whose warps claim their rows from a counter (q4_claim_gpu.py, norm kernels
-apart). Variants run interleaved (the card's clocks drift); best of the runs. Prints a table, writes JSON (+ PNG).
+apart), and four with every kernel's preferred shared-memory carveout set to one value (gpu.set_carveout).
+Variants run interleaved (the card's clocks drift); best of the runs. Prints a table, writes JSON (+ PNG).
 
     python benchmarks/q4_step_budget.py --out benchmarks/results/q4_step_budget_h200.json
 
@@ -57,6 +58,12 @@ VARIANTS = {
     "no qk-norm/rope/cache write": (("rope",), None),
     "no attention": (("attn",), None),
     "products only": (("norm", "rope", "attn"), None),
+    # "carveNN": every kernel's preferred shared-memory carveout set to NN % (gpu.set_carveout), one L1 / shared
+    # split for the whole step, so no kernel's blocks wait for an SM to drain before the split can change
+    "engine, every kernel's shared-memory carveout at 100 %": (("carve100",), None),
+    "engine, every kernel's shared-memory carveout at 50 %": (("carve50",), None),
+    "no attention, carveout 100 %": (("attn", "carve100"), None),
+    "products only, carveout 100 %": (("norm", "rope", "attn", "carve100"), None),
 }
 
 
@@ -71,6 +78,10 @@ def install(model, knocked: tuple[str, ...], splits: int | None, originals: dict
     if cuda_attention is not None:
         cuda_decode.WARPS, cuda_decode.TRIGGER = cuda_attention
     bufs: dict = {}
+    carve = [w for w in knocked if w.startswith("carve")]
+    n_set = G.set_carveout(int(carve[0][5:]) if carve else -1)
+    if carve:
+        G.log(f"shared-memory carveout {carve[0][5:]} % on {n_set} kernels")
     ops.fuse_norms = "fused" in knocked
     default = ops.__dict__.setdefault("_split_default", ops.split_norms)  # (the card's default: the engine's)
     ops.split_norms = True if {"split", "addonly"} & set(knocked) else False if {

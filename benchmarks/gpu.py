@@ -77,14 +77,20 @@ def bench_ms(fn, inner: int, outer: int = 5, warmup: int = 2) -> float:
 
 
 # -- setup -------------------------------------------------------------------------------------------------
-def kernel_functions() -> list[tuple[str, int]]:
-    """(name, CUfunction handle) of every kernel loaded so far that forerun launches itself: the NVRTC kernels
-    (kernels/nvrtc.py's cache) and Triton's compiled kernels (of every JITFunction a loaded module holds, autotuned
-    or not). torch's own kernels are not among them."""
+_ROOTS = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), d) + os.sep
+               for d in ("forerun", "benchmarks"))
+
+
+def kernel_functions(roots: tuple[str, ...] | None = None) -> list[tuple[str, int]]:
+    """(name, CUfunction handle) of every kernel compiled so far that forerun or a benchmark launches itself: the
+    NVRTC cache (kernels/nvrtc.py) and the compiled kernels of every Triton JITFunction (autotuned or not) held by
+    a module whose file lies under `roots` (forerun/ and benchmarks/ by default); torch's own kernels are not
+    among them."""
     import ctypes
     import types
 
     from forerun.kernels import nvrtc
+    roots = roots or _ROOTS
     out = [(key[1], k.func.value if isinstance(k.func, ctypes.c_void_p) else int(k.func))
            for key, k in nvrtc._kernels.items()]
     try:
@@ -92,40 +98,42 @@ def kernel_functions() -> list[tuple[str, int]]:
     except ImportError:
         return out
     seen: set[int] = set()
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ours = tuple(os.path.join(repo, d) + os.sep for d in ("forerun", "benchmarks"))
-    for mod in list(sys.modules.values()):  # forerun's modules and the benchmarks'
-        if not (getattr(mod, "__file__", None) or "").startswith(ours):
+    for mod in list(sys.modules.values()):
+        if not (getattr(mod, "__file__", None) or "").startswith(roots):
             continue
         for v in list(vars(mod).values()):
-            for _ in range(4):  # Autotuner / Heuristics wrap the JITFunction in .fn
+            for _ in range(4):  # Autotuner / Heuristics hold the JITFunction in .fn
                 if isinstance(v, JITFunction) or v is None:
                     break
                 v = getattr(v, "fn", None) if not isinstance(v, (type, types.ModuleType)) else None
             if not isinstance(v, JITFunction) or id(v) in seen:
                 continue
             seen.add(id(v))
-            for entry in v.device_caches.values():
-                for ck in entry[0].values():
-                    if getattr(ck, "function", None):
-                        out.append((v.__name__, int(ck.function)))
+            for entry in v.device_caches.values():  # (kernel cache, ...) per device
+                for compiled in entry[0].values():
+                    if getattr(compiled, "function", None):
+                        out.append((v.__name__, int(compiled.function)))
     return out
 
 
-def set_carveout(percent: int) -> int:
+def set_carveout(percent: int, roots: tuple[str, ...] | None = None) -> int:
     """Every kernel_functions() kernel's preferred shared-memory carveout (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_
-    CARVEOUT: 0-100 % of the SM's unified L1 / shared memory, -1 the driver's choice); returns how many were set.
-    What it tests (session 55): if an SM's split between L1 and shared memory can change only while no block is
-    resident on it, a kernel whose blocks need a larger split than the one running cannot start its blocks beside
-    it (PDL's early start lost) until that SM drains; one setting for every kernel keeps one split."""
+    CARVEOUT: 0-100 % of the most shared memory an SM can have, -1 the driver's choice); the number set.
+    RuntimeError if the driver refuses one. What it tested (session 55): whether one L1 / shared-memory split for
+    every kernel, so that no kernel's blocks wait for an SM to drain before the split can change, makes the int4
+    step faster. It does not (every value lost to the driver's own choices, q4_step_budget.py); it does explain
+    why a resident kernel beside the chain stalled it (q4_l2_prefetcher_gpu.py)."""
     import ctypes
 
+    if not -1 <= percent <= 100:
+        raise ValueError(f"carveout {percent}: give a percentage 0-100, or -1 for the driver's choice")
     lib = torch.cuda._utils._get_gpu_runtime_library()
-    funcs = kernel_functions()
-    for name, h in funcs:
-        rc = lib.cuFuncSetAttribute(ctypes.c_void_p(h), ctypes.c_int(9), ctypes.c_int(percent))
+    funcs = kernel_functions(roots)
+    for name, handle in funcs:
+        # 9: CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+        rc = lib.cuFuncSetAttribute(ctypes.c_void_p(handle), ctypes.c_int(9), ctypes.c_int(percent))
         if rc != 0:
-            raise RuntimeError(f"cuFuncSetAttribute(carveout={percent}) on {name} failed with CUresult {rc}")
+            raise RuntimeError(f"cuFuncSetAttribute(preferred carveout {percent}) on kernel {name}: CUresult {rc}")
     return len(funcs)
 
 

@@ -10,7 +10,8 @@ off on the H200, where it measured slower), one does so with the split's product
 one only moves the adds into the epilogues of the products before them (an experiment), two run the 1-row products
 with their whole weight slice copied into shared memory before the PDL wait (q4_smem_prefetch_gpu.py, norm kernels
 apart), two as one grid per product whose warps claim their rows from a counter (q4_claim_gpu.py, norm kernels
-apart), and four with every kernel's preferred shared-memory carveout set to one value (gpu.set_carveout).
+apart), and six with every kernel's preferred shared-memory carveout set to one value (gpu.set_carveout; every
+value measured slower than the driver's own choices, session 55).
 Variants run interleaved (the card's clocks drift); best of the runs. Prints a table, writes JSON (+ PNG).
 
     python benchmarks/q4_step_budget.py --out benchmarks/results/q4_step_budget_h200.json
@@ -62,6 +63,8 @@ VARIANTS = {
     # split for the whole step, so no kernel's blocks wait for an SM to drain before the split can change
     "engine, every kernel's shared-memory carveout at 100 %": (("carve100",), None),
     "engine, every kernel's shared-memory carveout at 50 %": (("carve50",), None),
+    "engine, every kernel's shared-memory carveout at 0 %": (("carve0",), None),
+    "products only, carveout 0 %": (("norm", "rope", "attn", "carve0"), None),
     "no attention, carveout 100 %": (("attn", "carve100"), None),
     "products only, carveout 100 %": (("norm", "rope", "attn", "carve100"), None),
 }

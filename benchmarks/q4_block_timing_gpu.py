@@ -70,8 +70,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/q4_block_timing.json")
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--carveout", type=int, default=None,
-                    help="every kernel's preferred shared-memory carveout, %% (gpu.set_carveout; default: driver's)")
+    ap.add_argument("--carveout", type=int, default=-1,
+                    help="every kernel's preferred shared-memory carveout, %% (gpu.set_carveout; -1: the driver's)")
     args = ap.parse_args()
     if (dev := card()) is None:
         return 1
@@ -118,7 +118,7 @@ def main() -> int:
         G.log(f"timed chain ({'PDL' if pdl else 'no PDL'}) == the engine's kernels: {not bad}"
               + (f"; first (product, kind, elements): {bad[:5]}" if bad else ""))
     assert all(c["identical"] for c in check.values()), f"the timed kernel's outputs differ from the engine's: {check}"
-    if args.carveout is not None:  # (every kernel is compiled by now)
+    if args.carveout != -1:  # (every kernel is compiled by now)
         G.log(f"shared-memory carveout {args.carveout} % on {G.set_carveout(args.carveout)} kernels")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

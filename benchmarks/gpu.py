@@ -371,6 +371,8 @@ def kernel_breakdown(fn, reps: int = 5, top: int = 25) -> dict:
             return "matmul (quantized Triton)"
         if low.startswith("q4c_"):
             return "matmul (quantized CUDA C++)"
+        if "fused_decode_attention" in low:
+            return "attention + RoPE (fused CUDA C++)"
         if low.startswith("decode_attention"):
             return "attention (CUDA C++)"
         if "_add_rmsnorm" in low or "_qk_norm_rope" in low:

@@ -30,12 +30,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gpu as G  # noqa: E402
-from forerun.attention import cuda_decode  # noqa: E402
+from forerun.attention import cuda_decode, fused_decode  # noqa: E402
 from forerun.attention.triton_backend import TritonPagedAttention  # noqa: E402
 from forerun.models import quant_cuda  # noqa: E402
 from forerun.runtime.cuda_graph import GraphRunner  # noqa: E402
 
 SPLIT_PRODUCT = quant_cuda.q4c_split_norm_linear
+FUSED_WARPS, FUSED_SPLITS, FUSED_DEFAULT = fused_decode.WARPS, fused_decode.MAX_SPLITS, fused_decode.enabled()
 C_KERNEL = quant_cuda.KERNELS["c"]
 
 # variant -> (operations knocked out, attention KV splits (None: the backend's own choice)[, decode attention in
@@ -67,6 +68,24 @@ VARIANTS = {
     "products only, carveout 0 %": (("norm", "rope", "attn", "carve0"), None),
     "no attention, carveout 100 %": (("attn", "carve100"), None),
     "products only, carveout 100 %": (("norm", "rope", "attn", "carve100"), None),
+    # the Triton decode attention's own shape: "bnNN" keys a tile (engine 64), "awN" warps (engine 4), "msNN" the
+    # most KV splits (engine 16). At 512 cached tokens the engine's 16 splits of 64-key tiles leave 8 splits with no
+    # tile: 64 programs work, each on one tile fetched before its PDL wait; smaller tiles spread the same keys over
+    # more programs with less each (session 56)
+    "attention tiles of 32 keys": (("bn32",), None),
+    "attention tiles of 32 keys, 2 warps": (("bn32", "aw2"), None),
+    "attention tiles of 16 keys, 32 splits": (("bn16", "ms32"), None),
+    "attention tiles of 16 keys, 32 splits, 2 warps": (("bn16", "ms32", "aw2"), None),
+    "attention 2 warps": (("aw2",), None),
+    "attention 8 warps": (("aw8",), None),
+    # the engine runs a decode step's Q/K norm + RoPE + cache write + split attention + merge as one kernel where
+    # it can (attention/fused_decode.py, session 56); "unfused" runs the three kernels instead (as every knock-out
+    # of RoPE or attention and every attention-shape variant does); "fwN" / "fsN": the fused kernel's warps a block
+    # (2) / most KV splits, i.e. blocks a cluster (8); "fusedattn" switches it on where the card's default is off
+    "engine, attention unfused (RoPE, split, merge kernels)": (("unfused",), None),
+    "engine, fused attention (one kernel a layer)": (("fusedattn",), None),
+    "engine, fused attention with 4 warps": (("fusedattn", "fw4"), None),
+    "engine, fused attention with at most 4 splits": (("fusedattn", "fs4"), None),
 }
 
 
@@ -77,7 +96,15 @@ def install(model, knocked: tuple[str, ...], splits: int | None, originals: dict
     ops = model.ops
     for name, fn in originals.items():
         setattr(ops, name, fn)
-    model.backend = TritonPagedAttention(num_splits=splits, cuda_decode=cuda_attention is not None)
+    shape = {w[:2]: int(w[2:]) for w in knocked if w[:2] in ("bn", "aw", "ms") and w[2:].isdigit()}
+    model.backend = TritonPagedAttention(block_n=shape.get("bn", 64), num_warps=shape.get("aw", 4),
+                                         max_splits=shape.get("ms", 16), num_splits=splits,
+                                         cuda_decode=cuda_attention is not None)
+    if shape or {"unfused", "rope", "attn"} & set(knocked):
+        model.backend.fuses_decode = False
+    fused_decode.set_enabled(FUSED_DEFAULT or "fusedattn" in knocked)
+    fused_decode.WARPS = 4 if "fw4" in knocked else FUSED_WARPS
+    fused_decode.MAX_SPLITS = 4 if "fs4" in knocked else FUSED_SPLITS
     if cuda_attention is not None:
         cuda_decode.WARPS, cuda_decode.TRIGGER = cuda_attention
     bufs: dict = {}

@@ -210,6 +210,10 @@ class TritonPagedAttention(AttentionBackend):
         self.num_warps, self.num_stages = num_warps, num_stages
         self.num_splits = num_splits  # fixed split count (tests); None = chosen from the grid size
         self.cuda_decode = cuda_decode
+        # layer ops may run a decode step's attention together with the RoPE before it as one kernel instead of
+        # calling forward (FusedLayerOps.decode_attention, attention/fused_decode.py); not with fixed splits or the
+        # CUDA decode experiment, which ask for these kernels' own shape
+        self.fuses_decode = num_splits is None and not cuda_decode
 
     def _splits(self, programs: int, device: torch.device) -> int:
         return self.num_splits if self.num_splits is not None else kv_splits(programs, device, self.max_splits)

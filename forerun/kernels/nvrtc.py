@@ -63,7 +63,8 @@ class _LaunchConfig(ctypes.Structure):
                 ("attrs", ctypes.POINTER(_LaunchAttr)), ("numAttrs", ctypes.c_uint)]
 
 
-_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+_CLUSTER_DIMENSION = 4  # CUlaunchAttributeID
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
 def pdl_attribute() -> _LaunchAttr:
@@ -74,9 +75,10 @@ def pdl_attribute() -> _LaunchAttr:
     return attr
 
 
-def launch(kern, grid: int | tuple[int, ...], block: int, smem: int, args: list, pdl: bool) -> None:
+def launch(kern, grid: int | tuple[int, ...], block: int, smem: int, args: list, pdl: bool, cluster: int = 1) -> None:
     """cuLaunchKernelEx on the current stream (captured by CUDA graphs like any launch); with pdl the launch may
-    overlap its predecessor's tail (the kernel waits with griddepcontrol.wait)."""
+    overlap its predecessor's tail (the kernel waits with griddepcontrol.wait). cluster > 1: blocks in thread-block
+    clusters of that many along x (Hopper; the grid's x a multiple of it; up to 8 is portable)."""
     lib = torch.cuda._utils._get_gpu_runtime_library()
     vals = []
     for a in args:  # tensors as pointers, Python ints as int32, ctypes values as they are (c_float, c_longlong)
@@ -89,10 +91,18 @@ def launch(kern, grid: int | tuple[int, ...], block: int, smem: int, args: list,
         else:
             raise TypeError(f"launch: argument {a!r}: pass a tensor, an int32 or a ctypes value")
     params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
-    attr = pdl_attribute()
+    attrs = [pdl_attribute()] if pdl else []
     gx, gy, gz = (tuple(grid) + (1, 1))[:3] if isinstance(grid, tuple) else (grid, 1, 1)
+    if cluster > 1:
+        if gx % cluster:
+            raise ValueError(f"launch: grid x {gx} is not a multiple of the cluster size {cluster}")
+        c = _LaunchAttr()
+        c.id = _CLUSTER_DIMENSION
+        c.value[0], c.value[1], c.value[2] = cluster, 1, 1
+        attrs.append(c)
+    arr = (_LaunchAttr * len(attrs))(*attrs) if attrs else None
     cfg = _LaunchConfig(gx, gy, gz, block, 1, 1, smem, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
-                        ctypes.pointer(attr) if pdl else None, 1 if pdl else 0)
+                        ctypes.cast(arr, ctypes.POINTER(_LaunchAttr)) if attrs else None, len(attrs))
     if smem >= 48 * 1024 and getattr(kern, "_max_shared_mem_bytes", 0) < smem:
         kern.set_shared_memory_config(smem)
     rc = lib.cuLaunchKernelEx(ctypes.byref(cfg), kern.func, params, None)

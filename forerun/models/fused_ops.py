@@ -16,6 +16,7 @@ import os
 import torch
 from torch import nn
 
+from ..attention import fused_decode
 from ..kernels.fused_norm import add_rmsnorm, qk_norm_rope_store
 from ..kernels.skinny_gemm import MAX_ROWS, GemmConfig, config_key, default_config, load_configs, skinny_linear
 from .ops import LayerOps
@@ -158,6 +159,19 @@ class FusedLayerOps(LayerOps):
             return super().norm_mlp(x, residual, norm, mlp)
         act, s = got  # SwiGLU in the product's epilogue
         return self.linear(act, mlp.down_proj), s
+
+    def decode_attention(self, qkv, positions, rope, q_norm, k_norm, layer, meta, kv, num_heads, num_kv_heads,
+                         head_dim, backend, scale, window):
+        # decode steps on a backend that lets its decode attention be fused with the RoPE before it: Q/K norm,
+        # RoPE, the cache write, the split attention and its merge in one launch (attention/fused_decode.py)
+        if not (self._on(qkv) and getattr(backend, "fuses_decode", False) and fused_decode.supports(
+                qkv, kv.k[layer], meta, num_heads, num_kv_heads, head_dim, window,
+                q_norm.weight if q_norm is not None else None)):
+            return None
+        return fused_decode.attention(
+            qkv, positions, rope.cos, rope.sin, q_norm.weight if q_norm is not None else None,
+            k_norm.weight if k_norm is not None else None, q_norm.eps if q_norm is not None else 0.0, meta,
+            kv.k[layer], kv.v[layer], num_heads, num_kv_heads, head_dim, scale)
 
     def qkv_to_cache(self, qkv, positions, rope, q_norm, k_norm, layer, meta, kv, num_heads, num_kv_heads, head_dim):
         if not self._on(qkv) or head_dim & (head_dim - 1):

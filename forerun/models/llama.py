@@ -59,10 +59,14 @@ class Attention(nn.Module):
         written into the cache."""
         t, cfg = qkv.shape[0], self.cfg
         norms = (self.q_norm, self.k_norm) if cfg.qk_norm else (None, None)
-        q = ops.qkv_to_cache(qkv, positions, rope, *norms, self.layer, meta, kv,
-                             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)  # [T, Hq, D]; k, v now in the cache
-        out = backend.forward(q, kv.k[self.layer], kv.v[self.layer], meta, self.scale,
-                              window=cfg.sliding_window)  # [T, Hq, D]
+        heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        out = ops.decode_attention(qkv, positions, rope, *norms, self.layer, meta, kv, *heads, backend, self.scale,
+                                   cfg.sliding_window)  # all of it in one kernel where the ops can, else None
+        if out is None:
+            q = ops.qkv_to_cache(qkv, positions, rope, *norms, self.layer, meta, kv,
+                                 *heads)  # [T, Hq, D]; k, v now in the cache
+            out = backend.forward(q, kv.k[self.layer], kv.v[self.layer], meta, self.scale,
+                                  window=cfg.sliding_window)  # [T, Hq, D]
         return out.reshape(t, -1)
 
 

@@ -56,6 +56,15 @@ class LayerOps:
         to have the model run its layers one module at a time with these ops (the default)."""
         return None
 
+    def decode_attention(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                         q_norm: RMSNorm | None, k_norm: RMSNorm | None, layer: int, meta: AttnMetadata, kv: KVPool,
+                         num_heads: int, num_kv_heads: int, head_dim: int, backend, scale: float,
+                         window: int | None) -> torch.Tensor | None:
+        """A layer's whole attention (qkv_to_cache, then the backend) as one fused operation where these ops have
+        one for this step: the heads' outputs [T, Hq, D] with k and v written to the cache; None (the default) to
+        have the model run qkv_to_cache and backend.forward."""
+        return None
+
     def qkv_to_cache(self, qkv: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                      q_norm: RMSNorm | None, k_norm: RMSNorm | None, layer: int, meta: AttnMetadata, kv: KVPool,
                      num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:

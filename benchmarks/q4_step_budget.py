@@ -10,8 +10,10 @@ off on the H200, where it measured slower), one does so with the split's product
 one only moves the adds into the epilogues of the products before them (an experiment), two run the 1-row products
 with their whole weight slice copied into shared memory before the PDL wait (q4_smem_prefetch_gpu.py, norm kernels
 apart), two as one grid per product whose warps claim their rows from a counter (q4_claim_gpu.py, norm kernels
-apart), and six with every kernel's preferred shared-memory carveout set to one value (gpu.set_carveout; every
-value measured slower than the driver's own choices, session 55).
+apart), six with every kernel's preferred shared-memory carveout set to one value (gpu.set_carveout; every
+value measured slower than the driver's own choices, session 55), the Triton decode attention in other shapes, and
+the decode attention fused with its RoPE into one kernel whose KV splits merge in a thread-block cluster
+(attention/fused_decode.py; session 56).
 Variants run interleaved (the card's clocks drift); best of the runs. Prints a table, writes JSON (+ PNG).
 
     python benchmarks/q4_step_budget.py --out benchmarks/results/q4_step_budget_h200.json
@@ -78,10 +80,10 @@ VARIANTS = {
     "attention tiles of 16 keys, 32 splits, 2 warps": (("bn16", "ms32", "aw2"), None),
     "attention 2 warps": (("aw2",), None),
     "attention 8 warps": (("aw8",), None),
-    # the engine runs a decode step's Q/K norm + RoPE + cache write + split attention + merge as one kernel where
-    # it can (attention/fused_decode.py, session 56); "unfused" runs the three kernels instead (as every knock-out
-    # of RoPE or attention and every attention-shape variant does); "fwN" / "fsN": the fused kernel's warps a block
-    # (2) / most KV splits, i.e. blocks a cluster (8); "fusedattn" switches it on where the card's default is off
+    # a decode step's Q/K norm + RoPE + cache write + split attention + merge as one kernel (attention/
+    # fused_decode.py, session 56; the engine's default only where FORERUN_FUSED_ATTENTION=1): "fusedattn" switches
+    # it on, "unfused" runs the three kernels (as every knock-out of RoPE or attention and every attention-shape
+    # variant does); "fwN" / "fsN": the fused kernel's warps a block (2) / most KV splits, i.e. blocks a cluster (8)
     "engine, attention unfused (RoPE, split, merge kernels)": (("unfused",), None),
     "engine, fused attention (one kernel a layer)": (("fusedattn",), None),
     "engine, fused attention with 4 warps": (("fusedattn", "fw4"), None),

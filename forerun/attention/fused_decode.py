@@ -163,7 +163,8 @@ fused_decode_attention(const unsigned short* __restrict__ qkv, const long long* 
     __shared__ float4 sm_q[GROUP][D / 4];       // the group's queries after RoPE, pre-scaled (broadcast reads)
     __shared__ float sm_cos[HALF], sm_sin[HALF];
     __shared__ float sm_w[2][D];                // Q / K norm weights
-    __shared__ __align__(16) unsigned short sm_k[D], sm_v[D];  // the new token's key (after RoPE) and value
+    __shared__ __align__(16) unsigned short sm_k[D];  // the new token's key (after RoPE; the owner's only)
+    __shared__ __align__(16) unsigned short sm_v[D];  // and its value
     __shared__ float sm_acc[WARPS][GROUP][D];
     __shared__ float sm_m[WARPS][GROUP], sm_l[WARPS][GROUP];
     __shared__ float cl_acc[GROUP][D];          // this block's partial: read by the cluster's other blocks
@@ -265,7 +266,8 @@ fused_decode_attention(const unsigned short* __restrict__ qkv, const long long* 
         have = false;
         const int n = min(32, t1 - base);
         const bool ok = lane < n;
-        if (pnew >= base && pnew < base + 32) {{  // the new token: its key and value from shared memory
+        if (owner && pnew >= base && pnew < base + 32) {{  // the new token: its key and value from shared memory
+            // (only the owner wrote them; elsewhere a token past t1 keeps the zeros load_tile gave it)
             if (lane == pnew - base) {{
                 #pragma unroll
                 for (int c = 0; c < KW; c++) kr[c] = ((const uint4*)sm_k)[c];
@@ -376,7 +378,8 @@ fused_decode_attention(const unsigned short* __restrict__ qkv, const long long* 
         for (int s = 0; s < 8; s++) o = fmaf(sm_f[s][g], as[s], o);
         out[(long long)b * stride_ot + (long long)(h * GROUP + g) * stride_oh + d] = to_bf(o);
     }}
-    cluster_sync();  // no block leaves (its shared memory) while another may still read it
+    // no block leaves (its shared memory) while another may still read it: lifetime only, nothing to publish
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
 }}
 """
 
@@ -403,25 +406,37 @@ def enabled() -> bool:
     return _switch[0]
 
 
-def applies(qkv: torch.Tensor, k_cache: torch.Tensor, meta: AttnMetadata, num_heads: int, num_kv_heads: int,
-            head_dim: int, window: int | None, q_norm_weight: torch.Tensor | None) -> bool:
+def applies(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, meta: AttnMetadata,
+            k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+            window: int | None) -> bool:
     """The step is one the kernel computes: pure decode (one new token per sequence, no tree, no sliding window),
-    bf16 rows (16-byte aligned) and cache, D 64 or 128, a GQA group of at most 8, norm weights bf16 if any, int64
-    metadata."""
+    bf16 rows (16-byte aligned) and caches (rows contiguous and 16-byte aligned), D 64 or 128, a GQA group of at
+    most 8, float32 RoPE tables with contiguous rows (an EAGLE head moved to bf16 has bf16 ones: not here), norm
+    weights bf16 if any, int64 positions and metadata."""
+    def aligned(t: torch.Tensor) -> bool:
+        return t.data_ptr() % 16 == 0 and all(st % 8 == 0 for st in t.stride()[:-1]) and t.stride(-1) == 1
+
+    norms = [w for w in (q_norm_weight, k_norm_weight) if w is not None]
     return (meta.max_query_len == 1 and meta.tree_mask is None and window is None
-            and qkv.shape[0] == meta.num_seqs and qkv.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16
-            and head_dim in (64, 128) and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 8
-            and qkv.stride(-1) == 1 and qkv.stride(0) % 8 == 0 and qkv.data_ptr() % 16 == 0 and k_cache.stride(3) == 1
-            and (q_norm_weight is None or q_norm_weight.dtype == torch.bfloat16)
-            and meta.block_tables.dtype == torch.int64 and meta.seq_lens.dtype == torch.int64)
+            and qkv.shape[0] == meta.num_seqs and qkv.dtype == torch.bfloat16 and head_dim in (64, 128)
+            and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 8
+            and k_cache.dtype == v_cache.dtype == torch.bfloat16 and aligned(qkv) and aligned(k_cache)
+            and aligned(v_cache) and cos.dtype == sin.dtype == torch.float32 and cos.stride() == sin.stride()
+            and cos.stride(-1) == 1 and len(norms) in (0, 2) and all(w.dtype == torch.bfloat16 for w in norms)
+            and positions.dtype == meta.slot_mapping.dtype == meta.block_tables.dtype == meta.seq_lens.dtype
+            == torch.int64)
 
 
-def supports(qkv: torch.Tensor, k_cache: torch.Tensor, meta: AttnMetadata, num_heads: int, num_kv_heads: int,
-             head_dim: int, window: int | None, q_norm_weight: torch.Tensor | None) -> bool:
+def supports(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, meta: AttnMetadata,
+             k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+             window: int | None) -> bool:
     """Switched on (FORERUN_FUSED_ATTENTION, set_enabled), a CUDA tensor on a card where NVRTC kernels run
     (compute capability 9: clusters and griddepcontrol), and a step the kernel computes (`applies`)."""
-    return (_switch[0] and qkv.is_cuda and applies(qkv, k_cache, meta, num_heads, num_kv_heads, head_dim, window,
-                                                   q_norm_weight) and nvrtc.available(qkv))
+    return (_switch[0] and qkv.is_cuda and applies(qkv, positions, cos, sin, q_norm_weight, k_norm_weight, meta,
+                                                   k_cache, v_cache, num_heads, num_kv_heads, head_dim, window)
+            and nvrtc.available(qkv))
 
 
 def attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

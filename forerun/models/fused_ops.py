@@ -164,14 +164,14 @@ class FusedLayerOps(LayerOps):
                          head_dim, backend, scale, window):
         # decode steps on a backend that lets its decode attention be fused with the RoPE before it: Q/K norm,
         # RoPE, the cache write, the split attention and its merge in one launch (attention/fused_decode.py)
+        qw, kw = (q_norm.weight, k_norm.weight) if q_norm is not None else (None, None)
         if not (self._on(qkv) and getattr(backend, "fuses_decode", False) and fused_decode.supports(
-                qkv, kv.k[layer], meta, num_heads, num_kv_heads, head_dim, window,
-                q_norm.weight if q_norm is not None else None)):
+                qkv, positions, rope.cos, rope.sin, qw, kw, meta, kv.k[layer], kv.v[layer], num_heads, num_kv_heads,
+                head_dim, window)):
             return None
-        return fused_decode.attention(
-            qkv, positions, rope.cos, rope.sin, q_norm.weight if q_norm is not None else None,
-            k_norm.weight if k_norm is not None else None, q_norm.eps if q_norm is not None else 0.0, meta,
-            kv.k[layer], kv.v[layer], num_heads, num_kv_heads, head_dim, scale)
+        return fused_decode.attention(qkv, positions, rope.cos, rope.sin, qw, kw, q_norm.eps if q_norm is not None
+                                      else 0.0, meta, kv.k[layer], kv.v[layer], num_heads, num_kv_heads, head_dim,
+                                      scale)
 
     def qkv_to_cache(self, qkv, positions, rope, q_norm, k_norm, layer, meta, kv, num_heads, num_kv_heads, head_dim):
         if not self._on(qkv) or head_dim & (head_dim - 1):

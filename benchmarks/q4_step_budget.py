@@ -156,6 +156,20 @@ def install(model, knocked: tuple[str, ...], splits: int | None, originals: dict
         model.backend.forward = lambda q, k, v, meta, scale, window=None: q
 
 
+def build_step(layers: int | None, ctx0: int = 512):
+    """The random 8B-shape int4 model at batch 1 with ctx0 cached tokens: (ctx0, copy bandwidth, model, floor ms,
+    its Side, the ops install() swaps, a function replaying the step from side.graphs, which the caller sets)."""
+    from quant_decode_gpu import int4_8b_model
+
+    bw = G.copy_bandwidth(2.0)
+    model, floor = int4_8b_model(layers, bw)
+    side = G.make_side(model, 1, ctx0 + 64)
+    originals = {n: getattr(model.ops, n) for n in ("add_rmsnorm", "qkv_to_cache", "norm_linear", "norm_mlp")}
+    ids = torch.zeros(1, 1, dtype=torch.int64, device=G.DEV)
+    ctx = torch.full((1,), ctx0, dtype=torch.int64, device=G.DEV)
+    return ctx0, bw, model, floor, side, originals, lambda: side.graphs.run_uniform(ids, ctx, 1)
+
+
 def plot(res: dict, path: str) -> None:
     import matplotlib
 
@@ -188,22 +202,16 @@ def main() -> int:
         words = args.variants.split(",")
         for name in [n for n in VARIANTS if n != "engine" and not any(w in n for w in words)]:
             del VARIANTS[name]
-    from quant_decode_gpu import int4_8b_model, model_bytes
+    from quant_decode_gpu import model_bytes
 
-    ctx0 = 512
-    bw = G.copy_bandwidth(2.0)
-    model, floor = int4_8b_model(args.layers, bw)
-    side = G.make_side(model, 1, ctx0 + 64)
-    originals = {n: getattr(model.ops, n) for n in ("add_rmsnorm", "qkv_to_cache", "norm_linear", "norm_mlp")}
-    ids = torch.zeros(1, 1, dtype=torch.int64, device=G.DEV)
-    ctx = torch.full((1,), ctx0, dtype=torch.int64, device=G.DEV)
+    ctx0, bw, model, floor, side, originals, step = build_step(args.layers)
     runs: dict[str, list[float]] = {n: [] for n in VARIANTS}
     breakdown = {}
     for rep in range(args.repeats):
         for name, (knocked, splits, *cuda_attention) in VARIANTS.items():
             install(model, knocked, splits, originals, *cuda_attention)
             side.graphs = GraphRunner(side.runner, batch_sizes=[1], max_q_len=1)
-            fn = lambda: side.graphs.run_uniform(ids, ctx, 1)  # noqa: E731
+            fn = step
             runs[name].append(G.bench_ms(fn, inner=20, outer=5))
             if rep == 0 and (name in ("engine", "products only") or cuda_attention):
                 breakdown[name] = G.kernel_breakdown(fn)

@@ -135,23 +135,15 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--variants", default="engine", help="comma list of q4_step_budget.py variant names")
     args = ap.parse_args()
-    from q4_step_budget import VARIANTS, install
-    from quant_decode_gpu import int4_8b_model
+    from q4_step_budget import VARIANTS, build_step, install
 
-    ctx0 = 512
-    bw = G.copy_bandwidth(2.0)
-    model, floor = int4_8b_model(args.layers, bw)
-    side = G.make_side(model, 1, ctx0 + 64)
-    originals = {n: getattr(model.ops, n) for n in ("add_rmsnorm", "qkv_to_cache", "norm_linear", "norm_mlp")}
-    ids = torch.zeros(1, 1, dtype=torch.int64, device=G.DEV)
-    ctx = torch.full((1,), ctx0, dtype=torch.int64, device=G.DEV)
+    ctx0, bw, model, floor, side, originals, fn = build_step(args.layers)
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, ctx=ctx0, copy_bw_bytes_per_s=bw,
                floor_ms=floor, variants={})
     for vname in args.variants.split(","):
         knocked, splits, *cuda_attention = VARIANTS[vname]
         install(model, knocked, splits, originals, *cuda_attention)
         side.graphs = GraphRunner(side.runner, batch_sizes=[1], max_q_len=1)
-        fn = lambda: side.graphs.run_uniform(ids, ctx, 1)  # noqa: E731
         ms = G.bench_ms(fn, inner=20, outer=5)
         a = analyse(replay_kernels(fn, args.reps))
         a["replay_ms"] = ms

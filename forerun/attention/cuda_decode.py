@@ -41,18 +41,12 @@ _LOG2E = 1.4426950408889634
 WARPS = 8  # warps per block (a warp takes 32 of the split's tokens at a time)
 TRIGGER = 0  # where a block lets the next kernel launch (PDL): 0 at its start, 1 after its tokens, 2 at its exit
 MAX_SPLITS = 16
-_SRC = r"""
-#define D {D}
-#define GROUP {GROUP}
-#define WARPS {WARPS}
-#define PDL {PDL}
-#define TRIGGER {TRIGGER}  // when the next kernel may launch: 0 at the start, 1 after the tokens, 2 at exit
-#define DPL (D / 32)       // dimensions of a value row per lane
-#define KW (D / 8)         // 16-byte words of a key row
-#define MAXS {MAXS}
-#define FULL 0xffffffffu
-#define NEG_INF __int_as_float(0xff800000)  // (NVRTC has no math.h INFINITY)
-#if DPL == 2
+# CUDA C++ shared with attention/fused_decode.py (format templates: braces doubled). TILE_DEFS: bf16 halves of
+# a word and an 8-wide key-query dot product; TILE_STEP: one 32-token tile of a warp (kw: the lane's key row,
+# vv[j]: token j's values of the lane's dimensions, n tokens, ok: the lane holds one): scores, the online
+# softmax per head, P.V; WARPS_MERGE: the warps' partials into shared memory, then for each (head g, dimension d)
+# of this thread the block's max mx, sum ls and accumulator a
+TILE_DEFS = r"""#if DPL == 2
 typedef unsigned int vrow_t;
 #else
 typedef uint2 vrow_t;
@@ -67,7 +61,82 @@ __device__ __forceinline__ float dot8(uint4 k, float4 a, float4 b, float s) {{
     return s;
 }}
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+"""
+TILE_STEP = r"""        float sc[GROUP];
+        #pragma unroll
+        for (int g = 0; g < GROUP; g++) sc[g] = 0.0f;
+        #pragma unroll
+        for (int c = 0; c < KW; c++) {{
+            #pragma unroll
+            for (int g = 0; g < GROUP; g++) sc[g] = dot8(kw[c], sm_q[g][2 * c], sm_q[g][2 * c + 1], sc[g]);
+        }}
+        float p[GROUP];
+        #pragma unroll
+        for (int g = 0; g < GROUP; g++) {{
+            const float sg = ok ? sc[g] : NEG_INF;
+            float mx = sg;
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, o));
+            const float m_new = fmaxf(m[g], mx);  // finite: lane 0 always holds a token
+            const float alpha = exp2f(m[g] - m_new);
+            p[g] = exp2f(sg - m_new);
+            float ps = p[g];
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) ps += __shfl_xor_sync(FULL, ps, o);
+            l[g] = l[g] * alpha + ps;
+            m[g] = m_new;
+            #pragma unroll
+            for (int d = 0; d < DPL; d++) acc[g][d] *= alpha;
+        }}
+        #pragma unroll
+        for (int j = 0; j < 32; j++) {{
+            float v[DPL];
+#if DPL == 2
+            v[0] = lo(vv[j]); v[1] = hi(vv[j]);
+#else
+            v[0] = lo(vv[j].x); v[1] = hi(vv[j].x); v[2] = lo(vv[j].y); v[3] = hi(vv[j].y);
+#endif
+            #pragma unroll
+            for (int g = 0; g < GROUP; g++) {{
+                const float pj = __shfl_sync(FULL, p[g], j);
+                #pragma unroll
+                for (int d = 0; d < DPL; d++) acc[g][d] = fmaf(pj, v[d], acc[g][d]);
+            }}
+        }}
+"""
+WARPS_MERGE = r"""    #pragma unroll
+    for (int g = 0; g < GROUP; g++) {{
+        if (lane == 0) {{ sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }}
+        #pragma unroll
+        for (int d = 0; d < DPL; d++) sm_acc[warp][g][lane * DPL + d] = acc[g][d];
+    }}
+    __syncthreads();
+    // the block's partial per (head g, dim d): warps merged
+    for (int i = threadIdx.x; i < GROUP * D; i += WARPS * 32) {{
+        const int g = i / D, d = i % D;
+        float mx = NEG_INF;
+        #pragma unroll
+        for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, sm_m[w][g]);
+        float ls = 0.0f, a = 0.0f;
+        #pragma unroll
+        for (int w = 0; w < WARPS; w++) {{
+            const float f = sm_m[w][g] == NEG_INF ? 0.0f : exp2f(sm_m[w][g] - mx);
+            ls += sm_l[w][g] * f;
+            a += sm_acc[w][g][d] * f;
+        }}
+"""
+_SRC = r"""
+#define D {D}
+#define GROUP {GROUP}
+#define WARPS {WARPS}
+#define PDL {PDL}
+#define TRIGGER {TRIGGER}  // when the next kernel may launch: 0 at the start, 1 after the tokens, 2 at exit
+#define DPL (D / 32)       // dimensions of a value row per lane
+#define KW (D / 8)         // 16-byte words of a key row
+#define MAXS {MAXS}
+#define FULL 0xffffffffu
+#define NEG_INF __int_as_float(0xff800000)  // (NVRTC has no math.h INFINITY)
+""" + TILE_DEFS + r"""extern "C" __global__ void __launch_bounds__(WARPS * 32)
 decode_attention(const unsigned short* __restrict__ q, const unsigned short* __restrict__ kc,
                  const unsigned short* __restrict__ vc, unsigned short* __restrict__ out,
                  float* __restrict__ part_acc, float* __restrict__ part_ml, unsigned int* __restrict__ counters,
@@ -137,72 +206,11 @@ decode_attention(const unsigned short* __restrict__ q, const unsigned short* __r
             else vv[j] = make_uint2(0u, 0u);
 #endif
         }}
-        float sc[GROUP];
-        #pragma unroll
-        for (int g = 0; g < GROUP; g++) sc[g] = 0.0f;
-        #pragma unroll
-        for (int c = 0; c < KW; c++) {{
-            #pragma unroll
-            for (int g = 0; g < GROUP; g++) sc[g] = dot8(kw[c], sm_q[g][2 * c], sm_q[g][2 * c + 1], sc[g]);
-        }}
-        float p[GROUP];
-        #pragma unroll
-        for (int g = 0; g < GROUP; g++) {{
-            const float sg = ok ? sc[g] : NEG_INF;
-            float mx = sg;
-            #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, o));
-            const float m_new = fmaxf(m[g], mx);  // finite: lane 0 always holds a token
-            const float alpha = exp2f(m[g] - m_new);
-            p[g] = exp2f(sg - m_new);
-            float ps = p[g];
-            #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) ps += __shfl_xor_sync(FULL, ps, o);
-            l[g] = l[g] * alpha + ps;
-            m[g] = m_new;
-            #pragma unroll
-            for (int d = 0; d < DPL; d++) acc[g][d] *= alpha;
-        }}
-        #pragma unroll
-        for (int j = 0; j < 32; j++) {{
-            float v[DPL];
-#if DPL == 2
-            v[0] = lo(vv[j]); v[1] = hi(vv[j]);
-#else
-            v[0] = lo(vv[j].x); v[1] = hi(vv[j].x); v[2] = lo(vv[j].y); v[3] = hi(vv[j].y);
-#endif
-            #pragma unroll
-            for (int g = 0; g < GROUP; g++) {{
-                const float pj = __shfl_sync(FULL, p[g], j);
-                #pragma unroll
-                for (int d = 0; d < DPL; d++) acc[g][d] = fmaf(pj, v[d], acc[g][d]);
-            }}
-        }}
-    }}
+""" + TILE_STEP + r"""    }}
 #if PDL && TRIGGER == 1
     asm volatile("griddepcontrol.launch_dependents;");
 #endif
-    #pragma unroll
-    for (int g = 0; g < GROUP; g++) {{
-        if (lane == 0) {{ sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }}
-        #pragma unroll
-        for (int d = 0; d < DPL; d++) sm_acc[warp][g][lane * DPL + d] = acc[g][d];
-    }}
-    __syncthreads();
-    // the block's partial per (head g, dim d): warps merged
-    for (int i = threadIdx.x; i < GROUP * D; i += WARPS * 32) {{
-        const int g = i / D, d = i % D;
-        float mx = NEG_INF;
-        #pragma unroll
-        for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, sm_m[w][g]);
-        float ls = 0.0f, a = 0.0f;
-        #pragma unroll
-        for (int w = 0; w < WARPS; w++) {{
-            const float f = sm_m[w][g] == NEG_INF ? 0.0f : exp2f(sm_m[w][g] - mx);
-            ls += sm_l[w][g] * f;
-            a += sm_acc[w][g][d] * f;
-        }}
-        const long long row = (long long)b * num_kv * GROUP + h * GROUP + g;  // query head row b * Hq + head
+""" + WARPS_MERGE + r"""        const long long row = (long long)b * num_kv * GROUP + h * GROUP + g;  // query head row b * Hq + head
         if (num_splits == 1) {{
             const float o = ls > 0.0f ? a / ls : 0.0f;
             unsigned short r;

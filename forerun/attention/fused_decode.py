@@ -35,6 +35,7 @@ import torch
 from ..kernels import nvrtc
 from ..kernels.pdl import attention_waits, enabled as pdl_enabled
 from .base import kv_splits
+from .cuda_decode import TILE_DEFS, TILE_STEP, WARPS_MERGE
 from .metadata import AttnMetadata
 
 _LOG2E = 1.4426950408889634
@@ -55,25 +56,11 @@ _SRC = r"""
 #define RAW_PER_THREAD ((RAW_WORDS + WARPS * 32 - 1) / (WARPS * 32))
 #define FULL 0xffffffffu
 #define NEG_INF __int_as_float(0xff800000)
-#if DPL == 2
-typedef unsigned int vrow_t;
-#else
-typedef uint2 vrow_t;
-#endif
-
-__device__ __forceinline__ float lo(unsigned int w) {{ return __uint_as_float(w << 16); }}
-__device__ __forceinline__ float hi(unsigned int w) {{ return __uint_as_float(w & 0xFFFF0000u); }}
-__device__ __forceinline__ float bf(unsigned short v) {{ return __uint_as_float(((unsigned int)v) << 16); }}
+""" + TILE_DEFS + r"""__device__ __forceinline__ float bf(unsigned short v) {{ return __uint_as_float(((unsigned int)v) << 16); }}
 __device__ __forceinline__ unsigned short to_bf(float f) {{
     unsigned short r; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f)); return r;
 }}
 __device__ __forceinline__ float rbf(float f) {{ return bf(to_bf(f)); }}
-
-__device__ __forceinline__ float dot8(uint4 k, float4 a, float4 b, float s) {{
-    s = fmaf(a.x, lo(k.x), s); s = fmaf(a.y, hi(k.x), s); s = fmaf(a.z, lo(k.y), s); s = fmaf(a.w, hi(k.y), s);
-    s = fmaf(b.x, lo(k.z), s); s = fmaf(b.y, hi(k.z), s); s = fmaf(b.z, lo(k.w), s); s = fmaf(b.w, hi(k.w), s);
-    return s;
-}}
 
 // a float of block `rank`'s shared memory (same cluster), at the address p has in this block's
 __device__ __forceinline__ float cluster_ld(const float* p, unsigned int rank) {{
@@ -125,7 +112,7 @@ __device__ __forceinline__ void norm_rope(const unsigned short* src, const float
 __device__ __forceinline__ void load_tile(const unsigned short* __restrict__ kc, const unsigned short* __restrict__ vc,
                                           const long long* __restrict__ row_tables, int base, int t_old, int page, int h,
                                           long long stride_kb, int stride_kp, int stride_kh, long long stride_vb,
-                                          int stride_vp, int stride_vh, int lane, uint4* kr, vrow_t* vv) {{
+                                          int stride_vp, int stride_vh, int lane, uint4* kw, vrow_t* vv) {{
     const int t = base + lane;
     const bool ok = t < t_old;
     long long krow = 0, vrow = 0;
@@ -136,7 +123,7 @@ __device__ __forceinline__ void load_tile(const unsigned short* __restrict__ kc,
         vrow = pg * stride_vb + (long long)off * stride_vp + h * stride_vh;
     }}
     #pragma unroll
-    for (int c = 0; c < KW; c++) kr[c] = ok ? __ldcg((const uint4*)(kc + krow) + c) : make_uint4(0u, 0u, 0u, 0u);
+    for (int c = 0; c < KW; c++) kw[c] = ok ? __ldcg((const uint4*)(kc + krow) + c) : make_uint4(0u, 0u, 0u, 0u);
     #pragma unroll
     for (int j = 0; j < 32; j++) {{
         const long long r = __shfl_sync(FULL, vrow, j);
@@ -195,11 +182,11 @@ fused_decode_attention(const unsigned short* __restrict__ qkv, const long long* 
     for (int i = threadIdx.x; i < D; i += WARPS * 32) {{ sm_w[0][i] = bf(q_w[i]); sm_w[1][i] = bf(k_w[i]); }}
 #endif
     int base = t0 + warp * 32;
-    uint4 kr[KW];
+    uint4 kw[KW];
     vrow_t vv[32];
 #if WAIT
     load_tile(kc, vc, row_tables, base, t_old, page, h, stride_kb, stride_kp, stride_kh, stride_vb, stride_vp,
-              stride_vh, lane, kr, vv);
+              stride_vh, lane, kw, vv);
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
     // what this block reads of the qkv product's row: the group's queries and the KV head's new key and value,
@@ -258,11 +245,11 @@ fused_decode_attention(const unsigned short* __restrict__ qkv, const long long* 
         #pragma unroll
         for (int d = 0; d < DPL; d++) acc[g][d] = 0.0f;
     }}
-    bool have = WAIT;  // kr / vv hold the tile at base
+    bool have = WAIT;  // kw / vv hold the tile at base
     for (; base < t1; base += WARPS * 32) {{
         if (!have)
             load_tile(kc, vc, row_tables, base, t_old, page, h, stride_kb, stride_kp, stride_kh, stride_vb,
-                      stride_vp, stride_vh, lane, kr, vv);
+                      stride_vp, stride_vh, lane, kw, vv);
         have = false;
         const int n = min(32, t1 - base);
         const bool ok = lane < n;
@@ -270,75 +257,14 @@ fused_decode_attention(const unsigned short* __restrict__ qkv, const long long* 
             // (only the owner wrote them; elsewhere a token past t1 keeps the zeros load_tile gave it)
             if (lane == pnew - base) {{
                 #pragma unroll
-                for (int c = 0; c < KW; c++) kr[c] = ((const uint4*)sm_k)[c];
+                for (int c = 0; c < KW; c++) kw[c] = ((const uint4*)sm_k)[c];
             }}
             #pragma unroll
             for (int j = 0; j < 32; j++)
                 if (base + j == pnew) vv[j] = ((const vrow_t*)sm_v)[lane];
         }}
-        float sc[GROUP];
-        #pragma unroll
-        for (int g = 0; g < GROUP; g++) sc[g] = 0.0f;
-        #pragma unroll
-        for (int c = 0; c < KW; c++) {{
-            #pragma unroll
-            for (int g = 0; g < GROUP; g++) sc[g] = dot8(kr[c], sm_q[g][2 * c], sm_q[g][2 * c + 1], sc[g]);
-        }}
-        float p[GROUP];
-        #pragma unroll
-        for (int g = 0; g < GROUP; g++) {{
-            const float sg = ok ? sc[g] : NEG_INF;
-            float mx = sg;
-            #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, o));
-            const float m_new = fmaxf(m[g], mx);  // finite: lane 0 always holds a token
-            const float alpha = exp2f(m[g] - m_new);
-            p[g] = exp2f(sg - m_new);
-            float ps = p[g];
-            #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) ps += __shfl_xor_sync(FULL, ps, o);
-            l[g] = l[g] * alpha + ps;
-            m[g] = m_new;
-            #pragma unroll
-            for (int d = 0; d < DPL; d++) acc[g][d] *= alpha;
-        }}
-        #pragma unroll
-        for (int j = 0; j < 32; j++) {{
-            float v[DPL];
-#if DPL == 2
-            v[0] = lo(vv[j]); v[1] = hi(vv[j]);
-#else
-            v[0] = lo(vv[j].x); v[1] = hi(vv[j].x); v[2] = lo(vv[j].y); v[3] = hi(vv[j].y);
-#endif
-            #pragma unroll
-            for (int g = 0; g < GROUP; g++) {{
-                const float pj = __shfl_sync(FULL, p[g], j);
-                #pragma unroll
-                for (int d = 0; d < DPL; d++) acc[g][d] = fmaf(pj, v[d], acc[g][d]);
-            }}
-        }}
-    }}
-    #pragma unroll
-    for (int g = 0; g < GROUP; g++) {{
-        if (lane == 0) {{ sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }}
-        #pragma unroll
-        for (int d = 0; d < DPL; d++) sm_acc[warp][g][lane * DPL + d] = acc[g][d];
-    }}
-    __syncthreads();
-    // the block's partial per (head g, dimension d): its warps merged
-    for (int i = threadIdx.x; i < GROUP * D; i += WARPS * 32) {{
-        const int g = i / D, d = i % D;
-        float mx = NEG_INF;
-        #pragma unroll
-        for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, sm_m[w][g]);
-        float ls = 0.0f, a = 0.0f;
-        #pragma unroll
-        for (int w = 0; w < WARPS; w++) {{
-            const float f = sm_m[w][g] == NEG_INF ? 0.0f : exp2f(sm_m[w][g] - mx);
-            ls += sm_l[w][g] * f;
-            a += sm_acc[w][g][d] * f;
-        }}
-        if (S == 1) {{
+""" + TILE_STEP + r"""    }}
+""" + WARPS_MERGE + r"""        if (S == 1) {{
             out[(long long)b * stride_ot + (long long)(h * GROUP + g) * stride_oh + d] = to_bf(ls > 0.0f ? a / ls : 0.0f);
         }} else {{
             cl_acc[g][d] = a;

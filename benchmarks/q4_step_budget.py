@@ -83,11 +83,17 @@ VARIANTS = {
     # a decode step's Q/K norm + RoPE + cache write + split attention + merge as one kernel (attention/
     # fused_decode.py, session 56; the engine's default only where FORERUN_FUSED_ATTENTION=1): "fusedattn" switches
     # it on, "unfused" runs the three kernels (as every knock-out of RoPE or attention and every attention-shape
-    # variant does); "fwN" / "fsN": the fused kernel's warps a block (2) / most KV splits, i.e. blocks a cluster (8)
+    # variant does); "fwN" / "fsN": the fused kernel's warps a block (2) / most KV splits, i.e. blocks a cluster (8);
+    # "late": its PDL trigger at its end (the o product launched then) instead of at its start
     "engine, attention unfused (RoPE, split, merge kernels)": (("unfused",), None),
     "engine, fused attention (one kernel a layer)": (("fusedattn",), None),
     "engine, fused attention with 4 warps": (("fusedattn", "fw4"), None),
     "engine, fused attention with at most 4 splits": (("fusedattn", "fs4"), None),
+    "engine, fused attention with 8 warps": (("fusedattn", "fw8"), None),
+    "engine, fused attention with 16 splits (non-portable clusters)": (("fusedattn", "fs16"), None),
+    "engine, fused attention with 16 splits, 4 warps": (("fusedattn", "fs16", "fw4"), None),
+    "engine, fused attention with 16 splits, 8 warps": (("fusedattn", "fs16", "fw8"), None),
+    "engine, fused attention, the o product launched at its end": (("fusedattn", "late"), None),
 }
 
 
@@ -105,8 +111,10 @@ def install(model, knocked: tuple[str, ...], splits: int | None, originals: dict
     if shape or {"unfused", "rope", "attn"} & set(knocked):
         model.backend.fuses_decode = False
     fused_decode.set_enabled(FUSED_DEFAULT or "fusedattn" in knocked)
-    fused_decode.WARPS = 4 if "fw4" in knocked else FUSED_WARPS
-    fused_decode.MAX_SPLITS = 4 if "fs4" in knocked else FUSED_SPLITS
+    fused = {w[:2]: int(w[2:]) for w in knocked if w[:2] in ("fw", "fs") and w[2:].isdigit()}
+    fused_decode.WARPS = fused.get("fw", FUSED_WARPS)
+    fused_decode.MAX_SPLITS = fused.get("fs", FUSED_SPLITS)
+    fused_decode.EARLY_TRIGGER = "late" not in knocked
     if cuda_attention is not None:
         cuda_decode.WARPS, cuda_decode.TRIGGER = cuda_attention
     bufs: dict = {}

@@ -133,14 +133,15 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/q4_step_timeline.json")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (a smoke run)")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--variants", default="engine", help="comma list of q4_step_budget.py variant names")
+    ap.add_argument("--variants", default="engine",
+                    help="q4_step_budget.py variant names separated by ';' (the names hold commas)")
     args = ap.parse_args()
     from q4_step_budget import VARIANTS, build_step, install
 
     ctx0, bw, model, floor, side, originals, fn = build_step(args.layers)
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, ctx=ctx0, copy_bw_bytes_per_s=bw,
                floor_ms=floor, variants={})
-    for vname in args.variants.split(","):
+    for vname in args.variants.split(";"):
         knocked, splits, *cuda_attention = VARIANTS[vname]
         install(model, knocked, splits, originals, *cuda_attention)
         side.graphs = GraphRunner(side.runner, batch_sizes=[1], max_q_len=1)

@@ -86,12 +86,12 @@ def test_source_compiles_without_spills_for_common_shapes():
     if nvcc is None:
         pytest.skip("no nvcc here")
     with tempfile.TemporaryDirectory() as d:
-        for dim, group, trigger, wait, norm, warps in ((128, 4, 1, 1, 1, 2), (128, 8, 1, 0, 0, 2), (64, 1, 0, 0, 1, 2),
+        for dim, group, trigger, wait, norm, warps, *most in ((128, 4, 1, 1, 1, 2), (128, 8, 1, 0, 0, 2), (64, 1, 0, 0, 1, 2),
                                                        (64, 8, 1, 1, 1, 2), (128, 2, 1, 1, 0, 2), (128, 4, 1, 1, 1, 4),
-                                                       (128, 8, 1, 1, 1, 4)):
+                                                       (128, 8, 1, 1, 1, 4), (128, 4, 1, 1, 1, 4, 16)):
             src = os.path.join(d, "a.cu")
             with open(src, "w") as f:
-                f.write(fused_decode.source(dim, group, bool(trigger), bool(wait), bool(norm), warps))
+                f.write(fused_decode.source(dim, group, bool(trigger), bool(wait), bool(norm), warps, *most))
             out = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", os.path.join(d, "a.cubin"), src, "-Xptxas", "-v"],
                                  capture_output=True, text=True, timeout=300)
             assert out.returncode == 0, out.stderr[-2000:]
@@ -152,7 +152,7 @@ def test_fused_matches_rope_then_attention(hq, hkv, d, norm, page):
                 slots = meta.slot_mapping
                 written = torch.zeros(kc.shape[0] * kc.shape[1], dtype=torch.bool, device=DEV)
                 written[slots] = True
-                for splits in range(1, 9):
+                for splits in (*range(1, 9), 12, 16):  # 9-16: non-portable cluster sizes
                     for warps in (2, 4):
                         kc2, vc2 = kc.clone(), vc.clone()
                         torch.cuda.synchronize()  # (a PDL launch may read the caches before its wait)
@@ -171,8 +171,13 @@ def test_fused_matches_rope_then_attention(hq, hkv, d, norm, page):
                         # the new keys after norm + RoPE: bf16 rounding at the same points as the RoPE kernel; the
                         # norm's reciprocal square root may differ in its last float bit (Triton's approximate
                         # one): at most one bf16 step, rarely
+                        # one head's rotation may round apart where its two products nearly cancel (nvcc and Triton
+                        # contract a * cos - b * sin into different fused multiply-adds): a float32 step of the
+                        # head's scale on top, far below what a wrong position, head or token would change
                         new2, new_ref = flat2[written].float(), flat_ref[written].float()
-                        assert ((new2 - new_ref).abs() <= new_ref.abs() * 2 ** -7).all(), case
+                        tol = new_ref.abs() * 2 ** -7 + new_ref.abs().amax(-1, keepdim=True) * 2 ** -16
+                        bad = (new2 - new_ref).abs() > tol
+                        assert not bad.any(), (case, new2[bad][:4].tolist(), new_ref[bad][:4].tolist())
                         assert (new2 == new_ref).float().mean().item() > 0.97, case
     finally:
         pdl.set_attention_waits(*saved)

@@ -13,11 +13,14 @@ KV head) are the blocks of one cluster: each block's partial softmax stays in it
 barrier replaces the kernel boundary, and every block then merges a slice of the outputs reading the others'
 partials over the SM-to-SM network; the first tile of cached keys and values is fetched before the PDL wait.
 
-One cluster of S blocks (S = the KV splits, at most 8, the portable cluster size) per (sequence b, KV head h);
-WARPS warps a block, a warp takes 32 of the split's tokens at a time (a token per lane for Q.K, the value
-dimensions across the lanes for P.V; as cuda_decode.py). After the wait: the group's queries and (in the block
-whose split holds the new token) the new key through RMSNorm and RoPE, rounded to bf16 at the same points as
-kernels/fused_norm.py's kernel; the new key and value written to the cache and used from shared memory.
+One cluster of S blocks (S = the KV splits, at most MAX_SPLITS: 8 is the portable cluster size, 16 the most) per
+(sequence b, KV head h); the splits share the tokens cached before this step; WARPS warps a block, a warp takes 32
+of the split's tokens at a time (a token per lane for Q.K, the value dimensions across the lanes for P.V; as
+cuda_decode.py). After the wait: the group's queries and (in the last split's block) the new key through RMSNorm and
+RoPE, rounded to bf16 at the same points as kernels/fused_norm.py's kernel; the new key and value are written to the
+cache and added by that block's last warp from shared memory, after its tiles (session 57: with the new token
+counted into the splits, 513 tokens in 8 splits of 2 warps made every split's 65th token a second tile, a dependent
+trip to memory after the wait).
 
 Inputs as FusedLayerOps.qkv_to_cache + TritonPagedAttention.forward take them: qkv [B, (Hq + 2 Hkv) D] bf16 (row b:
 sequence b's new token), positions / slot_mapping / seq_lens [B] int64 (seq_lens counting the new token), block
@@ -40,12 +43,14 @@ from .metadata import AttnMetadata
 
 _LOG2E = 1.4426950408889634
 WARPS = 2  # warps per block: few, so that the blocks fit beside the qkv product's and fetch their tile early
-MAX_SPLITS = 8  # the portable cluster size
+MAX_SPLITS = 8  # the portable cluster size (up to 16 launch as non-portable clusters: Hopper allows 16)
+EARLY_TRIGGER = True  # let the next kernel launch at once (PDL); False: at this kernel's end (a benchmark knob)
 _SRC = r"""
 #define D {D}
 #define HALF (D / 2)
 #define GROUP {GROUP}
 #define WARPS {WARPS}
+#define MAXS {MAXS}        // the most splits (cluster blocks) this build merges: 8 or 16
 #define TRIGGER {TRIGGER}  // lets the next kernel (the o product) launch at once (PDL)
 #define WAIT {WAIT}        // launched early (PDL): the first tile of cached keys / values fetched before the wait
 #define QKN {QKN}          // Q / K RMSNorm before RoPE (Qwen3)
@@ -156,7 +161,7 @@ fused_decode_attention(const unsigned short* __restrict__ qkv, const long long* 
     __shared__ float sm_m[WARPS][GROUP], sm_l[WARPS][GROUP];
     __shared__ float cl_acc[GROUP][D];          // this block's partial: read by the cluster's other blocks
     __shared__ float cl_m[GROUP], cl_l[GROUP];
-    __shared__ float sm_f[8][GROUP];            // every split's weight per head (the merge)
+    __shared__ float sm_f[MAXS][GROUP];            // every split's weight per head (the merge)
     __shared__ __align__(16) unsigned short sm_raw[GROUP + 2][D];  // the qkv row's queries, key, value (raw)
 
     const int split = blockIdx.x, S = gridDim.x;
@@ -169,10 +174,13 @@ fused_decode_attention(const unsigned short* __restrict__ qkv, const long long* 
     // RoPE tables, the norm weights, and keys / values cached before this step
     const long long* row_tables = tables + (long long)b * stride_bt;
     const int L = (int)seq_lens[b];
-    const int pnew = L - 1;  // the new token's place
-    const int per = (L + S - 1) / S;
-    const int t0 = split * per, t1 = min(L, t0 + per);
-    const int t_old = min(t1, pnew);
+    // the splits share the tokens cached before this step (tiles fetched before the wait, none after: at 512
+    // cached tokens and 8 splits of 2 warps exactly one tile a warp); the new token is added by the last split's
+    // last warp from shared memory, after its tiles
+    const int cached = max(L - 1, 0);
+    const int per = (cached + S - 1) / S;
+    const int t0 = split * per, t1 = min(cached, t0 + per);
+    const int t_old = t1;
     const long long slot = slots[b], p_rope = pos[b];
     for (int i = threadIdx.x; i < HALF; i += WARPS * 32) {{
         sm_cos[i] = cos_t[p_rope * stride_cos + i];  // (the rows repeat their first half)
@@ -211,7 +219,7 @@ fused_decode_attention(const unsigned short* __restrict__ qkv, const long long* 
         }}
     }}
     __syncthreads();
-    const bool owner = (pnew >= t0 && pnew < t1) || (L <= 0 && split == 0);
+    const bool owner = split == S - 1;  // writes the new key and value (and attends to them if L > 0)
     for (int j = warp; j <= GROUP; j += WARPS) {{
         float lo_o[HPL], hi_o[HPL];
         if (j < GROUP) {{
@@ -251,19 +259,28 @@ fused_decode_attention(const unsigned short* __restrict__ qkv, const long long* 
             load_tile(kc, vc, row_tables, base, t_old, page, h, stride_kb, stride_kp, stride_kh, stride_vb,
                       stride_vp, stride_vh, lane, kw, vv);
         have = false;
-        const int n = min(32, t1 - base);
-        const bool ok = lane < n;
-        if (owner && pnew >= base && pnew < base + 32) {{  // the new token: its key and value from shared memory
-            // (only the owner wrote them; elsewhere a token past t1 keeps the zeros load_tile gave it)
-            if (lane == pnew - base) {{
-                #pragma unroll
-                for (int c = 0; c < KW; c++) kw[c] = ((const uint4*)sm_k)[c];
-            }}
-            #pragma unroll
-            for (int j = 0; j < 32; j++)
-                if (base + j == pnew) vv[j] = ((const vrow_t*)sm_v)[lane];
-        }}
+        const bool ok = lane < t1 - base;
 """ + TILE_STEP + r"""    }}
+    if (owner && L > 0 && warp == WARPS - 1) {{  // the new token: one score per head, the lanes over dimensions
+        const float* qf = (const float*)sm_q;
+        float kf[DPL], vf[DPL];
+        #pragma unroll
+        for (int d = 0; d < DPL; d++) {{ kf[d] = bf(sm_k[lane * DPL + d]); vf[d] = bf(sm_v[lane * DPL + d]); }}
+        #pragma unroll
+        for (int g = 0; g < GROUP; g++) {{
+            float sg = 0.0f;
+            #pragma unroll
+            for (int d = 0; d < DPL; d++) sg = fmaf(qf[g * D + lane * DPL + d], kf[d], sg);
+            #pragma unroll
+            for (int o = 16; o > 0; o >>= 1) sg += __shfl_xor_sync(FULL, sg, o);
+            const float m_new = fmaxf(m[g], sg);
+            const float alpha = exp2f(m[g] - m_new), pg = exp2f(sg - m_new);
+            l[g] = l[g] * alpha + pg;
+            m[g] = m_new;
+            #pragma unroll
+            for (int d = 0; d < DPL; d++) acc[g][d] = fmaf(pg, vf[d], acc[g][d] * alpha);
+        }}
+    }}
 """ + WARPS_MERGE + r"""        if (S == 1) {{
             out[(long long)b * stride_ot + (long long)(h * GROUP + g) * stride_oh + d] = to_bf(ls > 0.0f ? a / ls : 0.0f);
         }} else {{
@@ -275,33 +292,33 @@ fused_decode_attention(const unsigned short* __restrict__ qkv, const long long* 
     cluster_sync();  // every block's partial written (release / acquire across the cluster)
     if (threadIdx.x < GROUP) {{  // each split's weight per head, from the splits' maxima and sums
         const int g = threadIdx.x;
-        float ms[8], ls[8];
+        float ms[MAXS], ls[MAXS];
         float mx = NEG_INF;
         #pragma unroll
-        for (int s = 0; s < 8; s++) {{
+        for (int s = 0; s < MAXS; s++) {{
             ms[s] = s < S ? cluster_ld(&cl_m[g], s) : NEG_INF;
             ls[s] = s < S ? cluster_ld(&cl_l[g], s) : 0.0f;
             mx = fmaxf(mx, ms[s]);
         }}
         float lt = 0.0f;
         #pragma unroll
-        for (int s = 0; s < 8; s++) {{
+        for (int s = 0; s < MAXS; s++) {{
             ms[s] = ms[s] == NEG_INF ? 0.0f : exp2f(ms[s] - mx);
             lt += ls[s] * ms[s];
         }}
         #pragma unroll
-        for (int s = 0; s < 8; s++) sm_f[s][g] = lt > 0.0f ? ms[s] / lt : 0.0f;
+        for (int s = 0; s < MAXS; s++) sm_f[s][g] = lt > 0.0f ? ms[s] / lt : 0.0f;
     }}
     __syncthreads();
     // this block's slice of the outputs (every S-th run of WARPS * 32), every split's partial requested at once
     for (int i = split * WARPS * 32 + threadIdx.x; i < GROUP * D; i += S * WARPS * 32) {{
         const int g = i / D, d = i % D;
-        float as[8];
+        float as[MAXS];
         #pragma unroll
-        for (int s = 0; s < 8; s++) as[s] = s < S ? cluster_ld(&cl_acc[g][d], s) : 0.0f;
+        for (int s = 0; s < MAXS; s++) as[s] = s < S ? cluster_ld(&cl_acc[g][d], s) : 0.0f;
         float o = 0.0f;
         #pragma unroll
-        for (int s = 0; s < 8; s++) o = fmaf(sm_f[s][g], as[s], o);
+        for (int s = 0; s < MAXS; s++) o = fmaf(sm_f[s][g], as[s], o);
         out[(long long)b * stride_ot + (long long)(h * GROUP + g) * stride_oh + d] = to_bf(o);
     }}
     // no block leaves (its shared memory) while another may still read it: lifetime only, nothing to publish
@@ -310,13 +327,14 @@ fused_decode_attention(const unsigned short* __restrict__ qkv, const long long* 
 """
 
 
-def source(d: int, group: int, trigger: bool, wait: bool, qk_norm: bool, warps: int = WARPS) -> str:
-    return _SRC.format(D=d, GROUP=group, WARPS=warps, TRIGGER=int(trigger), WAIT=int(wait), QKN=int(qk_norm))
+def source(d: int, group: int, trigger: bool, wait: bool, qk_norm: bool, warps: int = WARPS, max_splits: int = 8) -> str:
+    return _SRC.format(D=d, GROUP=group, WARPS=warps, TRIGGER=int(trigger), WAIT=int(wait), QKN=int(qk_norm),
+                       MAXS=max_splits)
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device: int, d: int, group: int, trigger: bool, wait: bool, qk_norm: bool, warps: int):
-    return nvrtc.kernel(source(d, group, trigger, wait, qk_norm, warps), "fused_decode_attention")
+def _kernel(device: int, d: int, group: int, trigger: bool, wait: bool, qk_norm: bool, warps: int, max_splits: int):
+    return nvrtc.kernel(source(d, group, trigger, wait, qk_norm, warps, max_splits), "fused_decode_attention")
 
 
 # Off unless FORERUN_FUSED_ATTENTION=1 (or set_enabled): on by default once measured faster on a card
@@ -377,13 +395,14 @@ def attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin
     out = torch.empty(b, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if b == 0:
         return out
-    splits = max(1, min(num_splits or kv_splits(b * num_kv_heads, qkv.device, MAX_SPLITS), MAX_SPLITS))
+    most = 16 if (num_splits or MAX_SPLITS) > 8 else 8  # a cluster holds at most 16 blocks
+    splits = max(1, min(num_splits or kv_splits(b * num_kv_heads, qkv.device, MAX_SPLITS), most))
     wait = attention_waits(qkv, b)  # launched early, waiting on the qkv product (kernels/pdl.py)
-    trigger = pdl_enabled(qkv)
+    trigger = EARLY_TRIGGER and pdl_enabled(qkv)
     norm = q_norm_weight is not None
     tables = meta.block_tables
     with torch.cuda.device(qkv.device):
-        kern = _kernel(torch.cuda.current_device(), head_dim, group, trigger, wait, norm, warps)
+        kern = _kernel(torch.cuda.current_device(), head_dim, group, trigger, wait, norm, warps, most)
         nvrtc.launch(kern, (splits, b * num_kv_heads), 32 * warps, 0, [
             qkv, positions, meta.slot_mapping, meta.seq_lens, tables, cos, sin,
             q_norm_weight if norm else cos, k_norm_weight if norm else cos, k_cache, v_cache, out,

@@ -64,6 +64,7 @@ class _LaunchConfig(ctypes.Structure):
 
 
 _CLUSTER_DIMENSION = 4  # CUlaunchAttributeID
+_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
@@ -78,7 +79,8 @@ def pdl_attribute() -> _LaunchAttr:
 def launch(kern, grid: int | tuple[int, ...], block: int, smem: int, args: list, pdl: bool, cluster: int = 1) -> None:
     """cuLaunchKernelEx on the current stream (captured by CUDA graphs like any launch); with pdl the launch may
     overlap its predecessor's tail (the kernel waits with griddepcontrol.wait). cluster > 1: blocks in thread-block
-    clusters of that many along x (Hopper; the grid's x a multiple of it; up to 8 is portable)."""
+    clusters of that many along x (Hopper; the grid's x a multiple of it; up to 8 is portable, 9-16 are allowed here
+    as non-portable sizes, which Hopper schedules)."""
     lib = torch.cuda._utils._get_gpu_runtime_library()
     vals = []
     for a in args:  # tensors as pointers, Python ints as int32, ctypes values as they are (c_float, c_longlong)
@@ -100,6 +102,11 @@ def launch(kern, grid: int | tuple[int, ...], block: int, smem: int, args: list,
         c.id = _CLUSTER_DIMENSION
         c.value[0], c.value[1], c.value[2] = cluster, 1, 1
         attrs.append(c)
+        if cluster > 8 and not getattr(kern, "_non_portable", False):
+            rc = lib.cuFuncSetAttribute(kern.func, _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+            if rc != 0:
+                raise RuntimeError(f"cuFuncSetAttribute (non-portable cluster size) failed with CUresult {rc}")
+            kern._non_portable = True
     arr = (_LaunchAttr * len(attrs))(*attrs) if attrs else None
     cfg = _LaunchConfig(gx, gy, gz, block, 1, 1, smem, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream),
                         ctypes.cast(arr, ctypes.POINTER(_LaunchAttr)) if attrs else None, len(attrs))

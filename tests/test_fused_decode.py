@@ -86,9 +86,10 @@ def test_source_compiles_without_spills_for_common_shapes():
     if nvcc is None:
         pytest.skip("no nvcc here")
     with tempfile.TemporaryDirectory() as d:
-        for dim, group, trigger, wait, norm, warps, *most in ((128, 4, 1, 1, 1, 2), (128, 8, 1, 0, 0, 2), (64, 1, 0, 0, 1, 2),
-                                                       (64, 8, 1, 1, 1, 2), (128, 2, 1, 1, 0, 2), (128, 4, 1, 1, 1, 4),
-                                                       (128, 8, 1, 1, 1, 4), (128, 4, 1, 1, 1, 4, 16)):
+        shapes = ((128, 4, 1, 1, 1, 2), (128, 8, 1, 0, 0, 2), (64, 1, 0, 0, 1, 2), (64, 8, 1, 1, 1, 2),
+                  (128, 2, 1, 1, 0, 2), (128, 4, 1, 1, 1, 4), (128, 8, 1, 1, 1, 4), (128, 4, 1, 1, 1, 4, 16),
+                  (64, 8, 1, 1, 0, 2, 16))  # (the last: clusters of up to 16 blocks)
+        for dim, group, trigger, wait, norm, warps, *most in shapes:
             src = os.path.join(d, "a.cu")
             with open(src, "w") as f:
                 f.write(fused_decode.source(dim, group, bool(trigger), bool(wait), bool(norm), warps, *most))

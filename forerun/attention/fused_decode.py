@@ -43,7 +43,9 @@ from .metadata import AttnMetadata
 
 _LOG2E = 1.4426950408889634
 WARPS = 2  # warps per block: few, so that the blocks fit beside the qkv product's and fetch their tile early
-MAX_SPLITS = 8  # the portable cluster size (up to 16 launch as non-portable clusters: Hopper allows 16)
+# the portable cluster size; up to 16 launch as non-portable clusters (Hopper allows 16; a cluster whose blocks
+# cannot be placed together in one GPC fails to launch: more than 8 is a benchmark knob, not a default)
+MAX_SPLITS = 8
 EARLY_TRIGGER = True  # let the next kernel launch at once (PDL); False: at this kernel's end (a benchmark knob)
 _SRC = r"""
 #define D {D}
@@ -262,15 +264,26 @@ fused_decode_attention(const unsigned short* __restrict__ qkv, const long long* 
         const bool ok = lane < t1 - base;
 """ + TILE_STEP + r"""    }}
     if (owner && L > 0 && warp == WARPS - 1) {{  // the new token: one score per head, the lanes over dimensions
-        const float* qf = (const float*)sm_q;
-        float kf[DPL], vf[DPL];
-        #pragma unroll
-        for (int d = 0; d < DPL; d++) {{ kf[d] = bf(sm_k[lane * DPL + d]); vf[d] = bf(sm_v[lane * DPL + d]); }}
+        // (whole words a lane, as the tiles read their values: no bank conflicts)
+        const vrow_t kr = ((const vrow_t*)sm_k)[lane], vr = ((const vrow_t*)sm_v)[lane];
+#if DPL == 2
+        const float kf[DPL] = {{lo(kr), hi(kr)}}, vf[DPL] = {{lo(vr), hi(vr)}};
+#else
+        const float kf[DPL] = {{lo(kr.x), hi(kr.x), lo(kr.y), hi(kr.y)}};
+        const float vf[DPL] = {{lo(vr.x), hi(vr.x), lo(vr.y), hi(vr.y)}};
+#endif
         #pragma unroll
         for (int g = 0; g < GROUP; g++) {{
+#if DPL == 2
+            const float2 q2 = ((const float2*)sm_q[g])[lane];
+            const float qv[DPL] = {{q2.x, q2.y}};
+#else
+            const float4 q4 = sm_q[g][lane];
+            const float qv[DPL] = {{q4.x, q4.y, q4.z, q4.w}};
+#endif
             float sg = 0.0f;
             #pragma unroll
-            for (int d = 0; d < DPL; d++) sg = fmaf(qf[g * D + lane * DPL + d], kf[d], sg);
+            for (int d = 0; d < DPL; d++) sg = fmaf(qv[d], kf[d], sg);
             #pragma unroll
             for (int o = 16; o > 0; o >>= 1) sg += __shfl_xor_sync(FULL, sg, o);
             const float m_new = fmaxf(m[g], sg);
@@ -327,7 +340,8 @@ fused_decode_attention(const unsigned short* __restrict__ qkv, const long long* 
 """
 
 
-def source(d: int, group: int, trigger: bool, wait: bool, qk_norm: bool, warps: int = WARPS, max_splits: int = 8) -> str:
+def source(d: int, group: int, trigger: bool, wait: bool, qk_norm: bool, warps: int = WARPS,
+           max_splits: int = 8) -> str:
     return _SRC.format(D=d, GROUP=group, WARPS=warps, TRIGGER=int(trigger), WAIT=int(wait), QKN=int(qk_norm),
                        MAXS=max_splits)
 

@@ -163,7 +163,7 @@ fused_decode_attention(const unsigned short* __restrict__ qkv, const long long* 
     __shared__ float sm_m[WARPS][GROUP], sm_l[WARPS][GROUP];
     __shared__ float cl_acc[GROUP][D];          // this block's partial: read by the cluster's other blocks
     __shared__ float cl_m[GROUP], cl_l[GROUP];
-    __shared__ float sm_f[MAXS][GROUP];            // every split's weight per head (the merge)
+    __shared__ float sm_f[MAXS][GROUP];         // every split's weight per head (the merge)
     __shared__ __align__(16) unsigned short sm_raw[GROUP + 2][D];  // the qkv row's queries, key, value (raw)
 
     const int split = blockIdx.x, S = gridDim.x;

@@ -43,9 +43,9 @@ TRIGGER = 0  # where a block lets the next kernel launch (PDL): 0 at its start, 
 MAX_SPLITS = 16
 # CUDA C++ shared with attention/fused_decode.py (format templates: braces doubled). TILE_DEFS: bf16 halves of
 # a word and an 8-wide key-query dot product; TILE_STEP: one 32-token tile of a warp (kw: the lane's key row,
-# vv[j]: token j's values of the lane's dimensions, n tokens, ok: the lane holds one): scores, the online
-# softmax per head, P.V; WARPS_MERGE: the warps' partials into shared memory, then for each (head g, dimension d)
-# of this thread the block's max mx, sum ls and accumulator a
+# vv[j]: token j's values of the lane's dimensions, ok: the lane holds a token; lane 0 always does): scores, the
+# online softmax per head, P.V; WARPS_MERGE: the warps' partials into shared memory, then for each (head g,
+# dimension d) of this thread the block's max mx, sum ls and accumulator a
 TILE_DEFS = r"""#if DPL == 2
 typedef unsigned int vrow_t;
 #else

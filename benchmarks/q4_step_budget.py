@@ -13,7 +13,8 @@ apart), two as one grid per product whose warps claim their rows from a counter 
 apart), six with every kernel's preferred shared-memory carveout set to one value (gpu.set_carveout; every
 value measured slower than the driver's own choices, session 55), the Triton decode attention in other shapes, and
 the decode attention fused with its RoPE into one kernel whose KV splits merge in a thread-block cluster
-(attention/fused_decode.py; session 56).
+(attention/fused_decode.py; session 56), and the 1-row kernel loading the activation row one word at a time as it
+did before session 58.
 Variants run interleaved (the card's clocks drift); best of the runs. Prints a table, writes JSON (+ PNG).
 
     python benchmarks/q4_step_budget.py --out benchmarks/results/q4_step_budget_h200.json
@@ -34,12 +35,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gpu as G  # noqa: E402
 from forerun.attention import cuda_decode, fused_decode  # noqa: E402
 from forerun.attention.triton_backend import TritonPagedAttention  # noqa: E402
+from forerun.kernels import q4_cuda  # noqa: E402
 from forerun.models import quant_cuda  # noqa: E402
 from forerun.runtime.cuda_graph import GraphRunner  # noqa: E402
 
 SPLIT_PRODUCT = quant_cuda.q4c_split_norm_linear
 FUSED_WARPS, FUSED_SPLITS, FUSED_DEFAULT = fused_decode.WARPS, fused_decode.MAX_SPLITS, fused_decode.enabled()
 C_KERNEL = quant_cuda.KERNELS["c"]
+# "wordwise": the 1-row kernel as before session 58, each of a thread's words of the activation row loaded just
+# before it is converted (after the previous word's shuffles and shared stores: one L2 trip a word in a row on the
+# critical path; the add + RMSNorm prologue, off in the engine, keeps its preloads)
+ENGINE_SRC = q4_cuda._SRC
+WORDWISE_SRC = ENGINE_SRC.replace(
+    "const uint4 v = vr[t];",
+    "const uint4 v = NORM || SPLIT ? vr[t] : i < 4 * G_ ? __ldca(x + i) : make_uint4(0u, 0u, 0u, 0u);")
+assert WORDWISE_SRC != ENGINE_SRC
 
 # variant -> (operations knocked out, attention KV splits (None: the backend's own choice)[, decode attention in
 # the one-launch CUDA kernel (an experiment, off in the engine) instead of the Triton split + merge kernels])
@@ -85,6 +95,7 @@ VARIANTS = {
     # it on, "unfused" runs the three kernels (as every knock-out of RoPE or attention and every attention-shape
     # variant does); "fwN" / "fsN": the fused kernel's warps a block (2) / most KV splits, i.e. blocks a cluster (8);
     # "late": its PDL trigger at its end (the o product launched then) instead of at its start
+    "engine, activation row loaded word by word (the 1-row kernel before session 58)": (("wordwise",), None),
     "engine, attention unfused (RoPE, split, merge kernels)": (("unfused",), None),
     "engine, fused attention (one kernel a layer)": (("fusedattn",), None),
     "engine, fused attention with 4 warps": (("fusedattn", "fw4"), None),
@@ -117,6 +128,10 @@ def install(model, knocked: tuple[str, ...], splits: int | None, originals: dict
     fused_decode.EARLY_TRIGGER = "late" not in knocked
     if cuda_attention is not None:
         cuda_decode.WARPS, cuda_decode.TRIGGER = cuda_attention
+    src = WORDWISE_SRC if "wordwise" in knocked else ENGINE_SRC
+    if q4_cuda._SRC != src:  # (each variant captures its own graph: the kernels are fetched again then)
+        q4_cuda._SRC = src
+        q4_cuda._kernel_on.cache_clear()
     bufs: dict = {}
     carve = [w for w in knocked if w.startswith("carve")]
     n_set = G.set_carveout(int(carve[0][5:]) if carve else -1)

@@ -91,6 +91,37 @@ def test_activations_are_read_after_the_wait_in_the_machine_code():
     assert not _activations_after_the_wait(_sass(old))
 
 
+def _row_requested_at_once(sass: str) -> tuple[int, bool]:
+    """(the coherent 16-byte loads between griddepcontrol.wait and the first barrier, whether every one of them is
+    issued before the first shuffle or store): a thread's words of the activation row (and of the residual) go to
+    the L2 together, one round trip, not one trip per word."""
+    import re
+    post = sass.partition("ACQBULK")[2].partition("BAR.SYNC")[0]
+    ops = re.findall(r"LDG\.E\.128\.STRONG\.\w+|SHFL\.\w+|STS[.\w]*|STG[.\w]*", post)
+    loads = [o.startswith("LDG") for o in ops]
+    first_other = loads.index(False) if False in loads else len(loads)
+    return sum(loads), all(loads[:first_other]) and sum(loads[:first_other]) == sum(loads)
+
+
+def test_the_activation_row_is_requested_at_once_in_the_machine_code():
+    """kernels/q4_cuda.py's 1-row kernel where a thread holds several words of the row (K / 8 > 32 x warps: down's
+    12288-wide row at 16 warps, the 4096-wide rows at 12 or 8 warps; plain, with the add + RMSNorm prologue, the
+    split norm's and the add epilogue's builds) requests them all before converting any. Converted one load at a
+    time they cost one L2 round trip each on the critical path after the wait (session 58: ptxas kept the loads
+    behind the shuffles, shared stores and block 0's store of the sum). The check itself sees interleaving: the
+    staged-activation build of kernels/q4_mma.py stores each piece before loading the next, and fails it."""
+    from forerun.kernels import q4_cuda
+    for args, kw, words in (((12288, 1, 16, 4, False, True), {}, 3), ((4096, 2, 12, 2, False, True), {}, 2),
+                            ((4096, 2, 8, 2, False, True), {}, 2), ((4096, 1, 8, 4, False, True), {}, 2),
+                            ((4096, 2, 12, 2, False, True, True), {}, 4), ((4096, 2, 8, 2, False, True, True), {}, 4),
+                            ((4096, 2, 8, 2, False, True), dict(split=256), 2),
+                            ((12288, 1, 16, 4, False, True), dict(add=True), 3)):
+        n, at_once = _row_requested_at_once(_sass(q4_cuda.source(*args, **kw)))
+        assert n == words and at_once, (args, kw, n)
+    n, at_once = _row_requested_at_once(_sass(q4_mma.source(12288, 8, 4, 1, False, True, True, True)))
+    assert n > 1 and not at_once
+
+
 def _mma(a_regs, b_regs, c):
     """mma.m16n8k16 (row.col) over a warp, by the PTX ISA's fragment layout: a_regs [32, 4, 2] (a0..a7), b_regs
     [32, 2, 2], c [32, 4] float; lane = 4 g + t."""

@@ -235,17 +235,24 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
     // normalised value, then the product with the weight); block 0 writes the sum (the residual stream). Each
     // thread keeps its words of the sum in registers for the conversion below (same words, same thread), so the
     // prologue adds to the plain kernel's one load of the row only the residual's load (issued together) and one
-    // block reduction.
+    // block reduction. Every word is requested before any is added: block 0's store of the sum kept ptxas from
+    // moving the next word's loads above it, one L2 trip a word in a row (the SASS showed it).
     float ss = 0.0f;
-    uint4 vr[T_];
+    uint4 vr[T_], rr[T_];
     #pragma unroll
     for (int t = 0; t < T_; t++) {{
         const int i = t * WARPS * 32 + threadIdx.x;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        // (coherent loads: see the note on the activations below)
+        vr[t] = i < 4 * G_ ? __ldca(x + i) : make_uint4(0u, 0u, 0u, 0u);
+        rr[t] = res && i < 4 * G_ ? __ldca(res + i) : make_uint4(0u, 0u, 0u, 0u);
+    }}
+    #pragma unroll
+    for (int t = 0; t < T_; t++) {{
+        const int i = t * WARPS * 32 + threadIdx.x;
+        uint4 v = vr[t];
         if (i < 4 * G_) {{
-            v = __ldca(x + i);  // (coherent loads: see the note on the activations below)
             if (res) {{
-                const uint4 r = __ldca(res + i);
+                const uint4 r = rr[t];
                 v.x = add2(v.x, r.x, ss); v.y = add2(v.y, r.y, ss);
                 v.z = add2(v.z, r.z, ss); v.w = add2(v.w, r.w, ss);
                 if (blockIdx.x == 0) s_out[i] = v;
@@ -263,26 +270,32 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
     for (int w = 0; w < WARPS; w++) tot += red[w];
     const float inv = 1.0f / sqrtf(tot / (float)K_ + eps);
 #endif
-    // the activation row -> pre-scaled f16 pairs and group sums (4 consecutive threads hold a group's words)
-#if NORM || SPLIT
+#if !(NORM || SPLIT)
+    // 8 bf16 a word: this thread's words of the activation row, all requested before any is converted (converted
+    // one load at a time, a row of T_ words a thread paid T_ trips to the L2 in a row: down's 12288-wide row
+    // took 3, ~1.6 us on the H200's critical path). Written by the kernel before (PDL), so read with a coherent
+    // load: a plain read of a const __restrict__ pointer compiles to ld.global.nc, which ptxas may move above
+    // griddepcontrol.wait (it did in kernels/q4_mma.py, session 31; tests/test_q4_mma.py checks the SASS)
+    uint4 vr[T_];
     #pragma unroll
+    for (int t = 0; t < T_; t++) {{
+        const int i = t * WARPS * 32 + threadIdx.x;
+        vr[t] = i < 4 * G_ ? __ldca(x + i) : make_uint4(0u, 0u, 0u, 0u);
+    }}
 #endif
+    // the activation row -> pre-scaled f16 pairs and group sums (4 consecutive threads hold a group's words)
+    #pragma unroll
     for (int t = 0; t < T_; t++) {{  // whole warps stay together for the shuffles
         const int i = t * WARPS * 32 + threadIdx.x;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        const uint4 v = vr[t];
 #define NV(h, c) bfr(bfr(bf2f(h) * inv) * bf2f(c))
 #if NORM || SPLIT
         uint4 wn = nwr[t];
-        v = vr[t];
         float a0 = NV(v.x & 0xFFFF, wn.x & 0xFFFF), a1 = NV(v.x >> 16, wn.x >> 16);
         float a2 = NV(v.y & 0xFFFF, wn.y & 0xFFFF), a3 = NV(v.y >> 16, wn.y >> 16);
         float a4 = NV(v.z & 0xFFFF, wn.z & 0xFFFF), a5 = NV(v.z >> 16, wn.z >> 16);
         float a6 = NV(v.w & 0xFFFF, wn.w & 0xFFFF), a7 = NV(v.w >> 16, wn.w >> 16);
 #else
-        // 8 bf16: word i's activations. Written by the kernel before (PDL), so read with a coherent load: a plain
-        // read of a const __restrict__ pointer compiles to ld.global.nc, which ptxas may move above
-        // griddepcontrol.wait (it did in kernels/q4_mma.py, session 31; tests/test_q4_mma.py checks the SASS)
-        if (i < 4 * G_) v = __ldca(x + i);
         float a0 = bf2f(v.x & 0xFFFF), a1 = bf2f(v.x >> 16), a2 = bf2f(v.y & 0xFFFF), a3 = bf2f(v.y >> 16);
         float a4 = bf2f(v.z & 0xFFFF), a5 = bf2f(v.z >> 16), a6 = bf2f(v.w & 0xFFFF), a7 = bf2f(v.w >> 16);
 #endif

@@ -68,7 +68,16 @@ def test_quantized_head_logits_close_to_fp32(layout, version):
     from test_eagle import paged_outputs
 
     out, logits = paged_outputs(head, ids[0], feats[0])
-    assert torch.allclose(logits, head.to_target_vocab(got), atol=1e-4, rtol=1e-4)
+    dense = head.to_target_vocab(got)
+    assert torch.equal(torch.isinf(logits), torch.isinf(dense))
+    finite = torch.isfinite(dense)
+    gap = torch.where(finite, (logits - dense).abs(), torch.zeros_like(dense)).amax(-1)
+    # The two forwards' attention sums in different orders (~5e-7). The int4 CPU kernel quantizes its activations
+    # to int8 per 32 values, so such a difference can flip one activation's rounding and move a row by a step of
+    # that grid times a weight (measured 3.5e-3 after gate/up, 7.9e-3 in the logits, on an AVX2 Zen 2); a token
+    # or position read wrongly moves a row by O(1). Most rows must still agree to float rounding.
+    assert gap.max() < 3e-2, gap
+    assert (gap < 1e-4 * (1 + dense.abs().nan_to_num(0, 0, 0).amax(-1))).float().mean() >= 0.8, gap
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -204,18 +204,26 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
     float resv = 0.0f;
     if (lane < R_ && row0 + lane < n_out) resv = bf2f(__ldca((const unsigned short*)res + row0 + lane));
 #endif
+#if !NORM
+    // 8 bf16 a word: this thread's words of the activation row, all requested before any is converted (converted
+    // one load at a time, a row of T_ words a thread paid T_ trips to the L2 in a row: down's 12288-wide row
+    // took 3, ~1.6 us on the H200's critical path; with SPLIT they and the partials' loads travel together).
+    // Written by the kernel before (PDL), so read with a coherent load: a plain read of a const __restrict__
+    // pointer compiles to ld.global.nc, which ptxas may move above griddepcontrol.wait (it did in
+    // kernels/q4_mma.py, session 31; tests/test_q4_mma.py checks the SASS)
+    uint4 vr[T_];
+    #pragma unroll
+    for (int t = 0; t < T_; t++) {{
+        const int i = t * WARPS * 32 + threadIdx.x;
+        vr[t] = i < 4 * G_ ? __ldca(x + i) : make_uint4(0u, 0u, 0u, 0u);
+    }}
+#endif
 #if SPLIT
     // x is the residual stream s that the ADD product before this one wrote, one partial sum of squares per block
     // of it in part_in: warp 0 adds them up (lane l takes l, l + 32, ... in order; an xor butterfly leaves every
     // lane the same float), so every block normalises with the same 1 / rms -- as add_rmsnorm does, up to the
     // order of that sum -- and hands it to the other warps through shared memory. (Every warp reading the
     // partials itself made their few lines a hot spot of the L2: +1.5 us for the qkv product on the H200.)
-    uint4 vr[T_];  // (the row's loads issued first: they and the partials' travel together)
-    #pragma unroll
-    for (int t = 0; t < T_; t++) {{
-        const int i = t * WARPS * 32 + threadIdx.x;
-        vr[t] = i < 4 * G_ ? __ldca(x + i) : make_uint4(0u, 0u, 0u, 0u);  // (coherent: see the activations below)
-    }}
     float* inv_s = (float*)(smem + 4 * G_ + (G_ + 3) / 4);
     if (warp == 0) {{
         float pv[NP_];  // (all loads in flight at once, then added in order)
@@ -269,19 +277,6 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
     #pragma unroll
     for (int w = 0; w < WARPS; w++) tot += red[w];
     const float inv = 1.0f / sqrtf(tot / (float)K_ + eps);
-#endif
-#if !(NORM || SPLIT)
-    // 8 bf16 a word: this thread's words of the activation row, all requested before any is converted (converted
-    // one load at a time, a row of T_ words a thread paid T_ trips to the L2 in a row: down's 12288-wide row
-    // took 3, ~1.6 us on the H200's critical path). Written by the kernel before (PDL), so read with a coherent
-    // load: a plain read of a const __restrict__ pointer compiles to ld.global.nc, which ptxas may move above
-    // griddepcontrol.wait (it did in kernels/q4_mma.py, session 31; tests/test_q4_mma.py checks the SASS)
-    uint4 vr[T_];
-    #pragma unroll
-    for (int t = 0; t < T_; t++) {{
-        const int i = t * WARPS * 32 + threadIdx.x;
-        vr[t] = i < 4 * G_ ? __ldca(x + i) : make_uint4(0u, 0u, 0u, 0u);
-    }}
 #endif
     // the activation row -> pre-scaled f16 pairs and group sums (4 consecutive threads hold a group's words)
     #pragma unroll

@@ -204,20 +204,25 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
     float resv = 0.0f;
     if (lane < R_ && row0 + lane < n_out) resv = bf2f(__ldca((const unsigned short*)res + row0 + lane));
 #endif
-#if !NORM
-    // 8 bf16 a word: this thread's words of the activation row, all requested before any is converted (converted
-    // one load at a time, a row of T_ words a thread paid T_ trips to the L2 in a row: down's 12288-wide row
-    // took 3, ~1.6 us on the H200's critical path; with SPLIT they and the partials' loads travel together).
-    // Written by the kernel before (PDL), so read with a coherent load: a plain read of a const __restrict__
-    // pointer compiles to ld.global.nc, which ptxas may move above griddepcontrol.wait (it did in
+    // 8 bf16 a word: this thread's words of the activation row (with NORM, of the residual too), all requested
+    // before any is converted or added (one load at a time, a row of T_ words a thread paid T_ trips to the L2 in
+    // a row: down's 12288-wide row took 3, ~1.6 us on the H200's critical path; with NORM block 0's store of the
+    // sum kept ptxas from moving the next word's loads above it; with SPLIT they and the partials' loads travel
+    // together). Written by the kernel before (PDL), so read with coherent loads: a plain read of a const
+    // __restrict__ pointer compiles to ld.global.nc, which ptxas may move above griddepcontrol.wait (it did in
     // kernels/q4_mma.py, session 31; tests/test_q4_mma.py checks the SASS)
     uint4 vr[T_];
+#if NORM
+    uint4 rr[T_];
+#endif
     #pragma unroll
     for (int t = 0; t < T_; t++) {{
         const int i = t * WARPS * 32 + threadIdx.x;
         vr[t] = i < 4 * G_ ? __ldca(x + i) : make_uint4(0u, 0u, 0u, 0u);
-    }}
+#if NORM
+        rr[t] = res && i < 4 * G_ ? __ldca(res + i) : make_uint4(0u, 0u, 0u, 0u);
 #endif
+    }}
 #if SPLIT
     // x is the residual stream s that the ADD product before this one wrote, one partial sum of squares per block
     // of it in part_in: warp 0 adds them up (lane l takes l, l + 32, ... in order; an xor butterfly leaves every
@@ -243,17 +248,8 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
     // normalised value, then the product with the weight); block 0 writes the sum (the residual stream). Each
     // thread keeps its words of the sum in registers for the conversion below (same words, same thread), so the
     // prologue adds to the plain kernel's one load of the row only the residual's load (issued together) and one
-    // block reduction. Every word is requested before any is added: block 0's store of the sum kept ptxas from
-    // moving the next word's loads above it, one L2 trip a word in a row (the SASS showed it).
+    // block reduction (the words were requested above).
     float ss = 0.0f;
-    uint4 vr[T_], rr[T_];
-    #pragma unroll
-    for (int t = 0; t < T_; t++) {{
-        const int i = t * WARPS * 32 + threadIdx.x;
-        // (coherent loads: see the note on the activations below)
-        vr[t] = i < 4 * G_ ? __ldca(x + i) : make_uint4(0u, 0u, 0u, 0u);
-        rr[t] = res && i < 4 * G_ ? __ldca(res + i) : make_uint4(0u, 0u, 0u, 0u);
-    }}
     #pragma unroll
     for (int t = 0; t < T_; t++) {{
         const int i = t * WARPS * 32 + threadIdx.x;

@@ -143,8 +143,12 @@ def test_fused_matches_rope_then_attention(hq, hkv, d, norm, page):
                         if probe != "new" else None
                     vc.zero_()
                     if keep is not None:  # cached token `probe` of sequence 0 keeps its value, the new ones none
-                        vc.flatten(0, 1)[meta.block_tables[0, probe // page] * page + probe % page] = keep
+                        # (x 1024, exact in bf16: one of 3000 tokens can weigh ~2e-5, and its share must stand
+                        # above the tolerance; unscaled it did not at d = 64, H100, session 59)
+                        vc.flatten(0, 1)[meta.block_tables[0, probe // page] * page + probe % page] = keep * 1024
                         qkv[:, (hq + hkv) * d:] = 0
+                    else:
+                        qkv[:, (hq + hkv) * d:] *= 1024  # (the new tokens' values: the same, exact in bf16)
                 qw = (1 + 0.3 * torch.randn(d, generator=g)).to(DEV, torch.bfloat16) if norm else None
                 kw = (1 + 0.3 * torch.randn(d, generator=g)).to(DEV, torch.bfloat16) if norm else None
                 pos = torch.tensor(prefixes, device=DEV) + shift

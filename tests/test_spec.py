@@ -505,7 +505,7 @@ def test_choose_k_tries_k1_where_its_cost_is_a_guess_that_loses_narrowly():
     """choose_k: forwards of 1 and 5 tokens timed (40 / 86 ms, a 13 ms draft step), the line between them prices 2
     tokens at 51.5 ms and k = 1 at a = 0.55 loses to plain by ~4 %: k = 1 is tried (the round times 2 tokens). Timed
     at 45 ms (what they cost on the Zen 3), k = 1 wins on the model; timed at 60 ms, plain. Far below plain
-    (a = 0.1), no try."""
+    (a = 0.1: it loses even at the guess's floor, 40 ms), no try."""
     cost = CostModel()
     for tokens, sec in ((1, 0.040), (5, 0.086)):
         cost.record_target(tokens, sec)
@@ -586,6 +586,74 @@ def test_a_catch_up_is_paid_for_only_where_drafting_repays_it():
     for _ in range(3):
         pol.record_plain_round(2, 0.035)
     assert not pol.catch_up_pays(7, 100, 100, 2, k=1, optimistic=True)
+
+
+def _zen2_int4_pair_policy() -> KPolicy:
+    """A policy with the costs the Zen 2 int4 Qwen2.5-Coder pair had timed after two k = 4 rounds (session 59):
+    forwards of 1 and 5 tokens (46.8 / 103.7 ms; the line prices 2 at 61 ms, they cost ~55), a 16.4 ms draft step,
+    plain rounds of 48.2 ms, the draft reading 4.6 ms a token."""
+    pol = KPolicy(SpecConfig(method="draft", draft_model="x", adaptive=True, k_max=4))
+    pol.cost.record_target(1, 0.0468)
+    pol.cost.record_target(5, 0.1037)
+    for _ in range(3):
+        pol.cost.record_draft_step(0.0164, 1)
+        pol.cost.record_round_overhead(0.0014)
+        pol.record_plain_round(1, 0.0482)
+    pol.cost.record_draft_feed(43, 43 * 0.0046)
+    return pol
+
+
+def test_choose_k_tries_k1_where_it_wins_at_its_guessed_costs_floor():
+    """choose_k on the Zen 2 pair's costs: after a warm-up's rejected draft, a first round rejected at once and a
+    second fully accepted, the request's rates are 0.44 / 0.84. On the line's 61 ms for 2 tokens k = 1 loses to plain
+    by 12 % (session 38's 10 % margin did not try it, and adaptive k ran at 0.96x plain where k = 1 ran at 1.20x); at
+    the guess's floor (a forward of 1 token) it wins: tried. Timed at the line's 61 ms, plain."""
+    pol = _zen2_int4_pair_policy()
+    pol.observe(0, 1, 0)  # the warm-up request of 2 tokens (`forerun generate --compare-plain`): rejected
+    pol.observe(1, 4, 0)
+    pol.observe(1, 4, 4)
+    est = pol._estimate(1)
+    assert [round(r, 2) for r in est.rates(2)] == [0.44, 0.84]  # as logged in that run
+    cost = pol.cost
+    rate = [est.expected_tokens(k) / cost.round_seconds(k + 1, k, 1) for k in (0, 1)]
+    assert 0.85 < rate[1] / rate[0] < 0.9  # plain wins on the line by more than session 38's margin
+    assert cost.target_floor(2) == 0.0468 and cost.target_floor(7) == 0.1037  # the largest count timed below
+    assert choose_k(est, 4, 1, cost) == 1
+    cost.record_target(2, 0.061)
+    assert choose_k(est, 4, 1, cost) == 0
+
+
+def test_a_probe_priced_on_a_guessed_verify_cost_is_not_shut_out_for_good():
+    """A probe (k = 1) whose verify forward of 2 tokens a request was never timed is priced at GUESS_MARGIN of the
+    line's guess. On the Zen 2 pair's costs with this request's drafts mostly rejected (choose_k: k = 0 even at the
+    guess's floor), the probe due 16 rounds later, at a typical draft's a = 0.6, does not repay the draft's catch-up
+    over the 17 plain tokens on the line's 61 ms; as every plain round adds to the catch-up and takes from the tokens
+    left, no later probe would either (before session 59: 2 drafting rounds in 96 tokens, 0.96x plain)."""
+    pol = _zen2_int4_pair_policy()
+    pol.observe(0, 1, 0)
+    pol.observe(1, 4, 0)
+    pol.observe(1, 4, 0)
+    assert choose_k(pol._estimate(1), 4, 1, pol.cost) == 0
+    rounds, probe = 0, None
+    for lag in range(2, 94):  # the same request, round after round
+        ks = pol.ks([1], [4], plain_check=False, lags=[lag], remaining=[92 - lag])
+        rounds += 1
+        if ks[0]:
+            probe = (rounds, ks[0], lag)
+            break
+    assert probe is not None and probe[:2] == (KPolicy.PROBE_EVERY, 1), probe  # it probes when due, with k = 1
+    assert pol.catch_up_pays(1, 17, 75, 1, k=1, optimistic=True)
+    pol.GUESS_MARGIN = 1.0  # priced on the line itself (power check: the trap)
+    assert not pol.catch_up_pays(1, 17, 75, 1, k=1, optimistic=True)
+    pol.GUESS_MARGIN = KPolicy.GUESS_MARGIN
+    # once a forward of 2 tokens is timed, the probe is priced on it: at the line's 61 ms it does not repay the
+    # catch-up (the margin is for the guess only), at the ~55 ms measured it does
+    pol.cost.record_target(2, 0.061)
+    assert not pol.catch_up_pays(1, 17, 75, 1, k=1, optimistic=True)
+    pol.cost.target_obs.clear()
+    for tokens, sec in ((1, 0.0468), (2, 0.055), (5, 0.1037)):
+        pol.cost.record_target(tokens, sec)
+    assert pol.catch_up_pays(1, 17, 75, 1, k=1, optimistic=True)
 
 
 def test_the_cpu_path_prices_the_drafts_prompt_reads():

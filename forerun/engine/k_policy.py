@@ -186,6 +186,12 @@ class CostModel:
         (x0, y0), (x1, y1) = pts[-2], pts[-1]
         return max(y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (tokens - x1), 1e-6)
 
+    def target_floor(self, tokens: int) -> float:
+        """The least a forward of `tokens` tokens can cost by what was timed: the time of the largest count timed at
+        or below it (more tokens never cost less); target_time where none was."""
+        pts = [y for x, y in self._cached("target", self.target_obs, self._target_points) if x <= tokens]
+        return pts[-1] if pts else self.target_time(tokens)
+
     def draft_step_time(self, batch: int | None = None) -> float:
         """The median recent draft step (a mean let two slow outliers keep k at 0 on the CPU pair); with a batch
         size, the steps timed at that batch's bucket, else at the nearest bucket timed, else all of them."""
@@ -236,26 +242,28 @@ class CostModel:
         1.1-1.2 s on the H200, and in a mean it kept adaptive k at 0 for the next 64 rounds."""
         return self._cached("overhead", self.overhead_obs, lambda: _median(self.overhead_obs))
 
-    def round_seconds(self, tokens: int, k: int, batch: int | None = None) -> float:
+    def round_seconds(self, tokens: int, k: int, batch: int | None = None, floor: bool = False) -> float:
         """Predicted wall time of a round whose target forward processes `tokens` tokens after k draft steps (for
-        `batch` requests: the draft step timed at that batch size)."""
-        return self.target_time(tokens) + k * self.draft_step_time(batch) + (self.spec_overhead() if k else 0.0) \
-            + self.round_overhead()
+        `batch` requests: the draft step timed at that batch size). floor: its forward at `target_floor`."""
+        return (self.target_floor(tokens) if floor else self.target_time(tokens)) + k * self.draft_step_time(batch) \
+            + (self.spec_overhead() if k else 0.0) + self.round_overhead()
 
 
-# choose_k: where plain decoding wins by less than this factor against k = 1 while a forward of 2 tokens a request
-# was never timed (its cost interpolated), k = 1 is tried: the round times it. Measured on the Zen 3 pair (session
+# choose_k: where a forward of 2 tokens a request was never timed (its cost a guess on the line between the counts
+# timed), k = 1 is tried when it would beat plain decoding at the guess's floor (`CostModel.target_floor`: the time
+# of the largest count timed below, e.g. 1 token a request; more tokens never cost less): the round times it, and
+# the model decides on a measured cost from then on. A try costs one round. Measured on the Zen 3 pair (session
 # 38): the first rounds timed forwards of 1 and 5 tokens, the line between them priced 2 tokens at 50 ms where they
-# cost 45 (1.08x one token), so k = 1 lost by 2 % on paper and adaptive k decoded plainly from the third round of the
-# first request on (6 prompts: 18.8 tok/s against 21.3 for a fixed k = 1)
-EXPLORE_MARGIN = 0.9
-
-
+# cost 45 (1.08x one token), so k = 1 lost by 2 % on paper and adaptive k decoded plainly from the third round of
+# the first request on (6 prompts: 18.8 tok/s against 21.3 for a fixed k = 1). Session 38 tried k = 1 only where it
+# lost by less than 10 % on the line; on the Zen 2 int4 pair (session 59: 1 and 5 tokens at 46.8 and 103.7 ms, the
+# line's 61 ms for 2 where they cost ~55) it lost by 12 % after one rejected first round, and adaptive k ran at
+# 0.96x plain where k = 1 ran at 1.20x (`benchmarks/adaptive_short_cpu.py`).
 def choose_k(acceptance: "float | AcceptanceEstimate", k_max: int, batch_size: int, cost: CostModel) -> int:
     """The k in 0..k_max with the most expected tokens per second, the round being shared by batch_size
     requests that each verify k + 1 tokens (so extra verify tokens get dearer as the batch grows).
     acceptance: one rate for every position (seed 003's model) or per-position estimates. k = 1 instead of 0 where
-    its round's cost is a guess and the guess loses narrowly (EXPLORE_MARGIN)."""
+    its round's cost is a guess and k = 1 wins at the guess's floor (see above)."""
     expected = acceptance.expected_tokens_upto(k_max) if isinstance(acceptance, AcceptanceEstimate) else \
         [expected_tokens_per_round(acceptance, k) for k in range(k_max + 1)]
     best_k, best, rates = 0, 0.0, []
@@ -264,7 +272,8 @@ def choose_k(acceptance: "float | AcceptanceEstimate", k_max: int, batch_size: i
         rates.append(expected[k] / seconds)
         if rates[-1] > best * 1.0001:
             best_k, best = k, rates[-1]
-    if best_k == 0 and k_max >= 1 and not cost.timed(2 * batch_size) and rates[1] >= EXPLORE_MARGIN * best:
+    if best_k == 0 and k_max >= 1 and not cost.timed(2 * batch_size) \
+            and expected[1] / cost.round_seconds(2 * batch_size, 1, batch_size, floor=True) > best:
         return 1
     return best_k
 
@@ -514,7 +523,9 @@ class KPolicy:
         expected = est.expected_tokens_upto(kmax, None if optimistic else self.overall.rates(kmax))
         t_plain = self.cost.round_seconds(n, 0, n)  # a round gives each request one token
         options = range(1, kmax + 1) if k is None else [k]
-        t_draft = min(self.cost.round_seconds(n * (kk + 1), kk, n) / expected[kk] for kk in options)
+        # (k = 1 where a forward of 2 tokens a request was never timed: priced at GUESS_MARGIN of the guess)
+        t_draft = min(self.cost.round_seconds(n * (kk + 1), kk, n) / expected[kk]
+                      * (self.GUESS_MARGIN if kk == 1 and not self.cost.timed(2 * n) else 1.0) for kk in options)
         # what rounds at this batch size measured, where they did, and the model agrees less: the read pays only if
         # drafting saves by both counts (the model's forwards leave out host work and the draft's other catch-ups;
         # on this CPU at 2 requests they predicted a gain the rounds did not give). A probe asks about acceptance,
@@ -535,6 +546,14 @@ class KPolicy:
         if rate is not None:
             t_draft = max(t_draft, 1.0 / rate)
         return remaining * (t_plain - t_draft) > lag * per_token
+
+    # catch_up_pays: k = 1 on a never timed forward of 2 tokens a request is priced at this fraction of the line's
+    # guess (choose_k's try at the guess's floor costs one round; a probe's catch-up costs the draft's read of every
+    # token it missed, so it gets less benefit of the doubt). At 1.0 (before session 59) the trap closed for good on
+    # the Zen 2 int4 pair: after k fell to 0, the probe 16 rounds later at a typical draft's a = 0.6 did not repay
+    # the draft's 17-token catch-up on the line's 61 ms for 2 tokens (they cost ~55), and as every plain round adds to
+    # the catch-up and takes from the tokens left, no later probe did: 2 drafting rounds in 96 tokens, 0.96x plain
+    GUESS_MARGIN = 0.9
 
     # ks: for how many rounds (ks calls), in units of the veto's wait, its trial's realized rate prices the draft's
     # reads at its batch size: 128 rounds after a first veto, doubling with the wait at each veto that follows

@@ -1,8 +1,9 @@
 """Adaptive k on short answers, the CPU pair (session 59): the real Qwen2.5-Coder-1.5B target and 0.5B draft (Q4_K_M
 GGUFs, `forerun models pull`), the 20 bench prompts with the chat template, greedy, 96 new tokens (`forerun
-generate`'s default), batch 1, against plain decoding and fixed k = 1 / k = 4. Each prompt starts a fresh k policy
-after a 2-token warm-up request, as `forerun generate --compare-plain` (scripts/run) does; the configurations run
-interleaved prompt by prompt so they see the same machine. Greedy output must equal plain output in every row.
+generate`'s default), one request at a time (--batch N: N prompts submitted together, a row per group), against
+plain decoding and fixed k = 1 / k = 4. Each prompt starts a fresh k policy after a 2-token warm-up request, as
+`forerun generate --compare-plain` (scripts/run) does; the configurations run interleaved prompt by prompt so they
+see the same machine. Greedy output must equal plain output in every row.
 
 "before": the k policy as it was before session 59 (`forerun/engine/k_policy.py` at --before, read with git and
 loaded beside the current one): k = 1 tried only where it lost by less than 10 % on the line between the forwards
@@ -57,6 +58,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--prompts", type=int, default=len(CODE_PROMPTS))
     ap.add_argument("--out", default="benchmarks/results/adaptive_short_cpu.json")
+    ap.add_argument("--batch", type=int, default=1, help="prompts submitted together (a row: one group of them)")
     ap.add_argument("--before", default="9155285", help="git revision whose k policy the 'before' row runs")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -72,21 +74,26 @@ def main() -> int:
     sp, warm = SamplingParams(temperature=0, max_tokens=args.max_tokens), SamplingParams(temperature=0, max_tokens=2)
     rows = []
     load0 = os.getloadavg()
-    for i, prompt in enumerate(CODE_PROMPTS[:args.prompts]):
+    prompts = CODE_PROMPTS[:args.prompts]
+    for i in range(0, len(prompts), args.batch):
+        group = list(prompts[i:i + args.batch])
         row = dict(prompt=i)
         for name, llm in llms.items():
             eng = llm.engine
             # a fresh process's policy, as `forerun generate` starts with
             eng.k_policy = (before if name == BEFORE else KPolicy)(eng.spec)
-            llm.generate([prompt], warm, chat=True)  # the CLI's warm-up request (--compare-plain)
+            llm.generate(group[:1], warm, chat=True)  # the CLI's warm-up request (--compare-plain)
             llm.reset_prefix_cache()
             t = time.perf_counter()
-            out = llm.generate([prompt], sp, chat=True)[0]
+            outs = llm.generate(group, sp, chat=True)
             sec = time.perf_counter() - t
-            m = out.stats
-            row[name] = dict(seconds=sec, tokens=len(out.token_ids), tok_per_s=len(out.token_ids) / sec,
-                             rounds=m.rounds, drafting_rounds=m.drafted_at[0] if m.drafted_at else 0,
-                             drafted=m.drafted, accepted=m.accepted, ids=out.token_ids)
+            stats = [o.stats for o in outs]
+            tokens = sum(len(o.token_ids) for o in outs)
+            row[name] = dict(seconds=sec, tokens=tokens, tok_per_s=tokens / sec,
+                             rounds=sum(m.rounds for m in stats),
+                             drafting_rounds=sum(m.drafted_at[0] if m.drafted_at else 0 for m in stats),
+                             drafted=sum(m.drafted for m in stats), accepted=sum(m.accepted for m in stats),
+                             ids=[o.token_ids for o in outs])
         base = row["plain"]
         for name in llms:
             row[name]["vs_plain"] = row[name]["tok_per_s"] / base["tok_per_s"]
@@ -108,12 +115,13 @@ def main() -> int:
     for n, s in summary.items():
         print(f"{n:48s} {s['total_vs_plain']:6.3f}x {s['median_vs_plain']:6.3f}x {s['min_vs_plain']:5.2f}x "
               f"{s['below_plain']:>4}/{len(rows)} {str(s['identical']):>9}")
-    res = dict(target=TARGET, draft=DRAFT, threads=args.threads, max_tokens=args.max_tokens, cpu=_cpu(),
+    res = dict(target=TARGET, draft=DRAFT, threads=args.threads, max_tokens=args.max_tokens, batch=args.batch,
+               cpu=_cpu(),
                before=args.before, loadavg_before=load0, loadavg_after=os.getloadavg(), summary=summary, rows=rows)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
-    _plot(rows, names, os.path.splitext(args.out)[0] + ".png")
+    _plot(rows, names, os.path.splitext(args.out)[0] + ".png", args.batch)
     print(f"wrote {args.out}")
     return 0 if all(s["identical"] for s in summary.values()) else 1
 
@@ -127,7 +135,7 @@ def _cpu() -> str:
         return "unknown"
 
 
-def _plot(rows, names, path) -> None:
+def _plot(rows, names, path, batch: int) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -136,9 +144,11 @@ def _plot(rows, names, path) -> None:
     for j, n in enumerate(names):
         ax.bar([i + j * w for i in range(len(rows))], [r[n]["vs_plain"] for r in rows], w, label=n)
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xlabel("prompt")
+    ax.set_xlabel("prompt" if batch == 1 else f"group of {batch} prompts (first prompt's index)")
+    ax.set_xticks([i + (len(names) - 1) * w / 2 for i in range(len(rows))], [str(r["prompt"]) for r in rows])
     ax.set_ylabel("tokens/s over plain")
-    ax.set_title("CPU int4 pair, 96-token answers: adaptive k against fixed k (fresh policy a prompt)")
+    ax.set_ylim(min(0.7, min(r[n]["vs_plain"] for r in rows for n in names) - 0.05), None)
+    ax.set_title(f"CPU int4 pair, {batch} request(s) at once, short answers: adaptive k against fixed k")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

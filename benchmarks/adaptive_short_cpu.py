@@ -26,7 +26,8 @@ from dataclasses import replace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # (REPO)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 from forerun.bench_prompts import CODE_PROMPTS  # noqa: E402
 from forerun.config import SpecConfig  # noqa: E402
 from forerun.engine.engine import draft_dtype, load_draft_model  # noqa: E402
@@ -35,7 +36,6 @@ from forerun.engine.llm import LLM  # noqa: E402
 from forerun.models.registry import load_model  # noqa: E402
 from forerun.sampling_params import SamplingParams  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 ADAPTIVE, BEFORE = "adaptive k", "adaptive k, before session 59"
 

@@ -229,8 +229,7 @@ INLINE void row_chunks(const uint8_t *g, int64_t k, const int8_t *xq, const floa
         const int ng = (int)(groups - 16 * c < 16 ? groups - 16 * c : 16);
         const uint16_t *hdr = (const uint16_t *)p;
         const uint8_t *cp = p + 256;
-        if (r == 0)
-            for (int l = 0; l < 256 + 64 * ng; l += 64) _mm_prefetch((const char *)(p + PFD + l), _MM_HINT_T0);
+        for (int l = 64 * r; l < 256 + 64 * ng; l += 256) _mm_prefetch((const char *)(p + PFD + l), _MM_HINT_T0);
         for (int h = 0; h < 2 && 8 * h < ng; h++) {
             const __m256i mk = _mm256_cmpgt_epi32(_mm256_set1_epi32(ng - 8 * h), lane);
             const int8_t *xa = xq + c * 512 + 32 * h;
@@ -678,8 +677,7 @@ INLINE void q8_group_rows(const uint8_t *g, int64_t k, const int8_t *xq, const f
         const uint8_t *p = g;
         for (int64_t c = 0; c < chunks; c++) {
             const int ng = (int)(groups - 16 * c < 16 ? groups - 16 * c : 16);
-            if (r == 0)
-                for (int l = 0; l < 128 + 128 * ng; l += 64) _mm_prefetch((const char *)(p + PFD + l), _MM_HINT_T0);
+            for (int l = 64 * r; l < 128 + 128 * ng; l += 256) _mm_prefetch((const char *)(p + PFD + l), _MM_HINT_T0);
             for (int h = 0; 8 * h < ng; h++)
                 q8_half(p + 128, (const uint16_t *)p, ng, r, h, xq + c * 512, astride, xs + 16 * c, sstride, mb, acc);
             p += 128 + 128 * ng;

@@ -218,7 +218,10 @@ INLINE void group_rows_few(const uint8_t *g, int64_t k, const int8_t *xq, const 
 // whole rows (8 x 9 KB) did not fit and each weight row read them again from L2. The float operations per output
 // are the same, in the same order (the accumulators wait in `kept` between blocks): the same bits.
 // weight row r of a row group, chunks c0 .. c1 - 1 (c0 at byte offset c0 * 1280: every chunk before the last holds
-// 16 groups), into the mb accumulators
+// 16 groups), into the mb accumulators. Each of the 4 row passes prefetches every 4th line PFD ahead (pass r lines
+// r, r + 4, ..), so the requests run through the whole product; when only pass 0 issued them (before session 60)
+// the memory sat idle during passes 1-3: on a Zen 2, 3 rows cost 1.77x one forward of the 1.5B, now 1.54x
+// (docs/quantization.md, session 60). q8_group_rows the same.
 INLINE void row_chunks(const uint8_t *g, int64_t k, const int8_t *xq, const float *xs, const float *isum,
                        const int mb, const int r, const int64_t c0, const int64_t c1, __m256 *acc) {
     const int64_t groups = k / 32, chunks = chunks_of(k), astride = chunks * 512, sstride = chunks * 16;

@@ -7,6 +7,7 @@ change, so they must be equal). Prints a table of ms per product and writes JSON
     python benchmarks/cpu_q4_ab.py --against HEAD~1 [--threads 2] [--rows 3,5,8,16,45]
         [--shapes 1536x8960,17920x1536,896x4864,9728x896] [--out benchmarks/results/cpu_q4_ab.json]
     python benchmarks/cpu_q4_ab.py --against REV --q6k [--shapes 151936x1536]    the exact Q6_K head (q6k_gemm)
+    python benchmarks/cpu_q4_ab.py --against REV --q8 [--shapes ...]             the int8 layout (q8_gemm)
 
 Default shapes: the Qwen2.5-Coder-1.5B down and gate/up products (N x K), the 0.5B draft's down and gate/up; with
 --q6k the 1.5B's output head (random Q6_K blocks, two copies), whose outputs are compared to 1e-5 of their size
@@ -31,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 SRC = "forerun/kernels/cpu_q4.c"
 
 
-def random_packs(n: int, k: int, mb: float, g: torch.Generator) -> list[torch.Tensor]:
+def random_packs(n: int, k: int, mb: float, g: torch.Generator, q8: bool = False) -> list[torch.Tensor]:
     """Copies of random int4 weights [n, k] packed for cpu_q4 (codes 0..15, fp16 scales, offset -8 * scale), about
     `mb` megabytes in all and at least 5, so that calls taking turns over them never find their weights in cache."""
     from forerun.kernels import cpu_q4
@@ -39,8 +40,11 @@ def random_packs(n: int, k: int, mb: float, g: torch.Generator) -> list[torch.Te
     copies = max(5, int(mb * 1e6 // (n * k * 5 / 8)))  # (odd or >= 5: consecutive calls never share one)
     packs = []
     for _ in range(copies):
-        q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
         s = (torch.rand(n, k // 32, generator=g) * 0.01).half()
+        if q8:
+            packs.append(cpu_q4.pack_q8(torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g), s))
+            continue
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
         packs.append(cpu_q4.pack_weights(q, s, -8 * s))
     return packs
 
@@ -53,6 +57,7 @@ def main() -> int:
     ap.add_argument("--shapes", default="1536x8960,17920x1536,896x4864,9728x896")
     ap.add_argument("--mb", type=float, default=100.0, help="weight megabytes per shape (copies rotate)")
     ap.add_argument("--q6k", action="store_true", help="the Q6_K head's product (q6k_gemm) instead of the int4 one")
+    ap.add_argument("--q8", action="store_true", help="the int8 layout's product (q8_gemm, Q8Linear) instead")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "cpu_q4_ab.json"))
     a = ap.parse_args()
     if a.q6k and a.shapes == ap.get_default("shapes"):
@@ -83,14 +88,20 @@ def main() -> int:
     for shape in ([] if a.q6k else a.shapes.split(",")):
         n, k = (int(x) for x in shape.split("x"))
         g = torch.Generator().manual_seed(0)
-        packs = random_packs(n, k, a.mb, g)
+        packs = random_packs(n, k, a.mb, g, q8=a.q8)
         copies = len(packs)
         for m in rows_list:
             xq, xs, isum = cpu_q4.quantize_activations_c(torch.randn(m, k, generator=g))
             ys = {v: torch.empty(m, n) for v in libs}
+            def gemm(lib, pk, y):
+                if a.q8:
+                    lib.q8_gemm(pk.data_ptr(), n, k, xq.data_ptr(), xs.data_ptr(), m, y.data_ptr(), a.threads)
+                else:
+                    lib.q4_gemm(pk.data_ptr(), n, k, xq.data_ptr(), xs.data_ptr(), isum.data_ptr(), m, y.data_ptr(),
+                                a.threads)
+
             for v, lib in libs.items():  # the same bits from both
-                lib.q4_gemm(packs[0].data_ptr(), n, k, xq.data_ptr(), xs.data_ptr(), isum.data_ptr(), m,
-                            ys[v].data_ptr(), a.threads)
+                gemm(lib, packs[0], ys[v])
             if not torch.equal(ys["before"], ys["now"]):
                 print(f"cpu_q4_ab: outputs differ at {shape}, {m} rows", file=sys.stderr)
                 return 1
@@ -101,8 +112,7 @@ def main() -> int:
                 for j, v in enumerate(order):
                     pk = packs[(2 * it + j) % copies]
                     t = time.perf_counter()
-                    libs[v].q4_gemm(pk.data_ptr(), n, k, xq.data_ptr(), xs.data_ptr(), isum.data_ptr(), m,
-                                    ys[v].data_ptr(), a.threads)
+                    gemm(libs[v], pk, ys[v])
                     times[v].append(time.perf_counter() - t)
             med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
             results.append({"n": n, "k": k, "rows": m, "before_ms": round(med["before"], 4),
@@ -110,7 +120,7 @@ def main() -> int:
             print(f"{shape:>12} {m:>5} {med['before']:>10.3f} {med['now']:>8.3f} {med['now'] / med['before']:>10.3f}",
                   flush=True)
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "against": a.against,
-            "threads": a.threads, "isa": cbuild.isa(), "product": "q6k_gemm" if a.q6k else "q4_gemm",
+            "threads": a.threads, "isa": cbuild.isa(), "product": "q6k_gemm" if a.q6k else "q8_gemm" if a.q8 else "q4_gemm",
             "bit_identical": not a.q6k}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))

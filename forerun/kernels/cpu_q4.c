@@ -221,7 +221,8 @@ INLINE void group_rows_few(const uint8_t *g, int64_t k, const int8_t *xq, const 
 // 16 groups), into the mb accumulators. Each of the 4 row passes prefetches every 4th line PFD ahead (pass r lines
 // r, r + 4, ..), so the requests run through the whole product; when only pass 0 issued them (before session 60)
 // the memory sat idle during passes 1-3: on a Zen 2, 3 rows cost 1.77x one forward of the 1.5B, now 1.54x
-// (docs/quantization.md, session 60). q8_group_rows the same.
+// (docs/quantization.md, session 60). Not in q8_group_rows, whose passes run whole row groups: spread there, pass
+// 0 left most of its lines to demand misses and 3-5 rows took 1.10-1.17x the time (measured).
 INLINE void row_chunks(const uint8_t *g, int64_t k, const int8_t *xq, const float *xs, const float *isum,
                        const int mb, const int r, const int64_t c0, const int64_t c1, __m256 *acc) {
     const int64_t groups = k / 32, chunks = chunks_of(k), astride = chunks * 512, sstride = chunks * 16;
@@ -680,7 +681,8 @@ INLINE void q8_group_rows(const uint8_t *g, int64_t k, const int8_t *xq, const f
         const uint8_t *p = g;
         for (int64_t c = 0; c < chunks; c++) {
             const int ng = (int)(groups - 16 * c < 16 ? groups - 16 * c : 16);
-            for (int l = 64 * r; l < 128 + 128 * ng; l += 256) _mm_prefetch((const char *)(p + PFD + l), _MM_HINT_T0);
+            if (r == 0)  // (unlike group_rows' K blocks, a pass here runs the whole row group: pass 0 fetches it)
+                for (int l = 0; l < 128 + 128 * ng; l += 64) _mm_prefetch((const char *)(p + PFD + l), _MM_HINT_T0);
             for (int h = 0; 8 * h < ng; h++)
                 q8_half(p + 128, (const uint16_t *)p, ng, r, h, xq + c * 512, astride, xs + 16 * c, sstride, mb, acc);
             p += 128 + 128 * ng;
@@ -710,9 +712,26 @@ INLINE void q8_group_rows_few(const uint8_t *g, int64_t k, const int8_t *xq, con
         for (int i = 0; i < mb; i++) out[4 * i + r] = hsum8(acc[r][i]);
 }
 
+// 1-2 activation rows in a function of their own
+__attribute__((noinline)) static void q8_run_groups_few(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
+                                                        const float *xs, int64_t m, float *y, int64_t g0, int64_t g1) {
+    const int64_t gbytes = q8_group_bytes(k);
+    float out[8];
+    for (int64_t gi = g0; gi < g1; gi++) {
+        if (m == 1) q8_group_rows_few(w + gi * gbytes, k, xq, xs, 1, out);
+        else q8_group_rows_few(w + gi * gbytes, k, xq, xs, 2, out);
+        for (int i = 0; i < m; i++)
+            for (int r = 0; r < 4 && 4 * gi + r < n; r++) y[i * n + 4 * gi + r] = out[4 * i + r];
+    }
+}
+
 static void q8_run_groups(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq, const float *xs, int64_t m,
                           float *y, int64_t g0, int64_t g1) {
     const int64_t gbytes = q8_group_bytes(k), astride = chunks_of(k) * 512, sstride = chunks_of(k) * 16;
+    if (m <= 2) {
+        q8_run_groups_few(w, n, k, xq, xs, m, y, g0, g1);
+        return;
+    }
     float out[4 * 8];
     for (int64_t gi = g0; gi < g1; gi++) {
         const uint8_t *g = w + gi * gbytes;

@@ -220,8 +220,8 @@ INLINE void group_rows_few(const uint8_t *g, int64_t k, const int8_t *xq, const 
 // weight row r of a row group, chunks c0 .. c1 - 1 (c0 at byte offset c0 * 1280: every chunk before the last holds
 // 16 groups), into the mb accumulators. Each of the 4 row passes prefetches every 4th line PFD ahead (pass r lines
 // r, r + 4, ..), so the requests run through the whole product; when only pass 0 issued them (before session 60)
-// the memory sat idle during passes 1-3: on a Zen 2, 3 rows cost 1.77x one forward of the 1.5B, now 1.54x
-// (docs/quantization.md, session 60). Not in q8_group_rows, whose passes run whole row groups: spread there, pass
+// the memory sat idle during passes 1-3: on a Zen 2 a 3-token forward of the 1.5B took 0.81x the time after the
+// change, 4 tokens 0.86x (docs/quantization.md, session 60). Not in q8_group_rows, whose passes run whole row groups: spread there, pass
 // 0 left most of its lines to demand misses and 3-5 rows took 1.10-1.17x the time (measured).
 INLINE void row_chunks(const uint8_t *g, int64_t k, const int8_t *xq, const float *xs, const float *isum,
                        const int mb, const int r, const int64_t c0, const int64_t c1, __m256 *acc) {

@@ -33,8 +33,9 @@ SRC = "forerun/kernels/cpu_q4.c"
 
 
 def random_packs(n: int, k: int, mb: float, g: torch.Generator, q8: bool = False) -> list[torch.Tensor]:
-    """Copies of random int4 weights [n, k] packed for cpu_q4 (codes 0..15, fp16 scales, offset -8 * scale), about
-    `mb` megabytes in all and at least 5, so that calls taking turns over them never find their weights in cache."""
+    """Copies of random int4 weights [n, k] packed for cpu_q4 (codes 0..15, fp16 scales, offset -8 * scale; with q8
+    the int8 layout: codes -128..127, fp16 scales), about `mb` megabytes of int4 in all and at least 5, so that calls
+    taking turns over them never find their weights in cache."""
     from forerun.kernels import cpu_q4
 
     copies = max(5, int(mb * 1e6 // (n * k * 5 / 8)))  # (odd or >= 5: consecutive calls never share one)
@@ -120,7 +121,8 @@ def main() -> int:
             print(f"{shape:>12} {m:>5} {med['before']:>10.3f} {med['now']:>8.3f} {med['now'] / med['before']:>10.3f}",
                   flush=True)
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "against": a.against,
-            "threads": a.threads, "isa": cbuild.isa(), "product": "q6k_gemm" if a.q6k else "q8_gemm" if a.q8 else "q4_gemm",
+            "threads": a.threads, "isa": cbuild.isa(),
+            "product": "q6k_gemm" if a.q6k else "q8_gemm" if a.q8 else "q4_gemm",
             "bit_identical": not a.q6k}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))

@@ -221,8 +221,8 @@ INLINE void group_rows_few(const uint8_t *g, int64_t k, const int8_t *xq, const 
 // 16 groups), into the mb accumulators. Each of the 4 row passes prefetches every 4th line PFD ahead (pass r lines
 // r, r + 4, ..), so the requests run through the whole product; when only pass 0 issued them (before session 60)
 // the memory sat idle during passes 1-3: on a Zen 2 a 3-token forward of the 1.5B took 0.81x the time after the
-// change, 4 tokens 0.86x (docs/quantization.md, session 60). Not in q8_group_rows, whose passes run whole row groups: spread there, pass
-// 0 left most of its lines to demand misses and 3-5 rows took 1.10-1.17x the time (measured).
+// change, 4 tokens 0.86x (docs/quantization.md, session 60). Not in q8_group_rows, whose passes run whole row
+// groups: spread there, pass 0 left most of its lines to demand misses and 3-5 rows took 1.10-1.17x the time.
 INLINE void row_chunks(const uint8_t *g, int64_t k, const int8_t *xq, const float *xs, const float *isum,
                        const int mb, const int r, const int64_t c0, const int64_t c1, __m256 *acc) {
     const int64_t groups = k / 32, chunks = chunks_of(k), astride = chunks * 512, sstride = chunks * 16;
@@ -712,7 +712,9 @@ INLINE void q8_group_rows_few(const uint8_t *g, int64_t k, const int8_t *xq, con
         for (int i = 0; i < mb; i++) out[4 * i + r] = hsum8(acc[r][i]);
 }
 
-// 1-2 activation rows in a function of their own
+// 1-2 activation rows in a function of their own: inlined into q8_run_groups beside the 3-8-row paths, gcc laid them
+// out so that 2 rows took longer than 3 (Zen 2); here 2 rows take 0.85-0.91x that time (docs/quantization.md,
+// session 60). Same operations, same bits.
 __attribute__((noinline)) static void q8_run_groups_few(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
                                                         const float *xs, int64_t m, float *y, int64_t g0, int64_t g1) {
     const int64_t gbytes = q8_group_bytes(k);

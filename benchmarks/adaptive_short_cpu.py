@@ -5,10 +5,10 @@ plain decoding and fixed k = 1 / k = 4. Each prompt starts a fresh k policy afte
 `forerun generate --compare-plain` (scripts/run) does; the configurations run interleaved prompt by prompt so they
 see the same machine. Greedy output must equal plain output in every row.
 
-"before": the k policy as it was before session 59 (`forerun/engine/k_policy.py` at --before, read with git and
-loaded beside the current one): k = 1 tried only where it lost by less than 10 % on the line between the forwards
-timed (1 and 5 tokens after two k = 4 rounds), and a probe's draft catch-up priced on that line, which could shut
-probing out for the rest of a request.
+"before": the k policy at git revision --before (`forerun/engine/k_policy.py` read with git and loaded beside the
+current one; the row is named by --before-label). The default, before session 59: k = 1 tried only where it lost
+by less than 10 % on the line between the forwards timed (1 and 5 tokens after two k = 4 rounds), and a probe's
+draft catch-up priced on that line, which could shut probing out for the rest of a request.
 
     python benchmarks/adaptive_short_cpu.py --threads 2 --out benchmarks/results/adaptive_short_cpu.json
 """
@@ -60,7 +60,10 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/adaptive_short_cpu.json")
     ap.add_argument("--batch", type=int, default=1, help="prompts submitted together (a row: one group of them)")
     ap.add_argument("--before", default="9155285", help="git revision whose k policy the 'before' row runs")
+    ap.add_argument("--before-label", default="before session 59", help="the 'before' row's name: adaptive k, LABEL")
     args = ap.parse_args()
+    global BEFORE
+    BEFORE = f"{ADAPTIVE}, {args.before_label}"
     torch.set_num_threads(args.threads)
     before = policy_at(args.before)
     target = load_model(TARGET, quantize="auto", progress=False)
@@ -129,7 +132,7 @@ def main() -> int:
 def _cpu() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            info = dict(line.split(":", 1) for line in f if ":" in line)
+            info = {k.strip(): v for k, v in (line.split(":", 1) for line in f if ":" in line)}
         return f"{info['model name'].strip()} (family {info['cpu family'].strip()} model {info['model'].strip()})"
     except (OSError, KeyError):
         return "unknown"

@@ -284,6 +284,15 @@ class KPolicy:
         self.cost = CostModel()
         self.estimates: dict[int, AcceptanceEstimate] = {}
         self.overall = AcceptanceEstimate(decay=0.99)  # across requests: the prior of a new request
+        # ks (no CUDA graphs): the drafts of a request's first round (a prompt's last chunk), which guess the
+        # answer's first token, across requests (`FIRST_DECAY`); they go neither into the request's estimate nor
+        # into `overall`. A request is in its first round while it has no estimate of its own; `_first_asked`: the
+        # requests ks decided a first round for (observe routes their next round here); `_first_skips`: first
+        # rounds given k = 0 since the last one that drafted (every PROBE_EVERY-th drafts one token, to notice a
+        # draft that now agrees)
+        self.first = AcceptanceEstimate(decay=self.FIRST_DECAY)
+        self._first_asked: set[int] = set()
+        self._first_skips = 0
         self.idle_rounds: dict[int, int] = {}  # rounds since the request last drafted (adaptive k = 0)
         self.probe_every: dict[int, int] = {}  # per request: idle rounds before the next probe (backs off)
         self.probing: set[int] = set()  # requests whose current round is a probe
@@ -326,6 +335,13 @@ class KPolicy:
         self.plain_rounds: dict[int, deque] = {}
 
     PROBE_EVERY = 16  # with k = 0 chosen this many rounds in a row, draft one token to re-measure acceptance
+    # ks: a prompt's last round drafts the answer's first token, where a draft and its target disagree more than
+    # anywhere after (the Qwen2.5-Coder pair on the bench prompts: the 0.5B opens with "Here" or "To", the 1.5B
+    # with "```", in every prompt; later positions 0.92-0.96). Counted with the rest, each rejected first draft
+    # cost a round of k draft steps (30-60 ms on the Zen 2, 1-2 % of a 48-token answer), pulled the request's
+    # estimate down and put a round drafting at a loss in the veto's window. Their own estimate forgets at this
+    # rate per observation (one per request)
+    FIRST_DECAY = 0.9
     PROBE_MAX = 256  # a probe that is rejected doubles the interval up to this; an accepted one resets it
     # batch_k (CUDA graphs): the same, up to this many plain rounds (times the batch factor below). A batch probe
     # ends the overlapped session, catches the draft up on every token since it last ran and starts two sessions:
@@ -430,7 +446,14 @@ class KPolicy:
             return None
         return sum(o[0] for o in kept) / sum(o[1] for o in kept)
 
-    PLAIN_ROUNDS_MIN = 3  # plain rounds at a batch size before their median is its plain step
+    PLAIN_ROUNDS_MIN = 3  # plain rounds at a batch size before their mean is its plain step
+    # _timed_plain_step: "mean" (rounds over OUTLIER x the median left out, as realized_rate treats drafting's rounds)
+    # or "median" (before session 61; benchmarks/online.py --plain-step median). The veto sets drafting's realized
+    # rate, total tokens over total seconds, against plain's step: a median there compares a mean with a median.
+    # Round times lean right (Zen 2, 1 request, int4 pair: plain rounds' mean 1.04-1.05x their median, a few at
+    # 1.5-1.9x), so drafting had to realize ~1.10x plain to pass REALIZED_MARGIN_LAGGED's 1.05, and k = 1 rounds that
+    # gave 1.07x per prompt were vetoed at a measured 1.0499x (adaptive 0.98x plain, k = 1 1.06x, session 60)
+    PLAIN_STEP_STAT = "mean"
 
     def record_plain_round(self, requests: int, seconds: float) -> None:
         """An ordinary round (the path without CUDA graphs) in which `requests` requests each decoded one token and
@@ -439,13 +462,20 @@ class KPolicy:
             self.plain_rounds.setdefault(requests, deque(maxlen=self.REALIZED_WINDOW)).append(seconds)
 
     def _timed_plain_step(self, requests: int) -> float | None:
-        """The median of the plain rounds timed at exactly this batch size (None: fewer than PLAIN_ROUNDS_MIN)."""
+        """Seconds per plain round timed at exactly this batch size, the mean of those within OUTLIER x their median
+        (PLAIN_STEP_STAT; None: fewer than PLAIN_ROUNDS_MIN)."""
         timed = self.plain_rounds.get(requests)
-        return _median(timed) if timed is not None and len(timed) >= self.PLAIN_ROUNDS_MIN else None
+        if timed is None or len(timed) < self.PLAIN_ROUNDS_MIN:
+            return None
+        med = _median(timed)
+        if self.PLAIN_STEP_STAT == "median":
+            return med
+        kept = [t for t in timed if t <= self.OUTLIER * med]
+        return sum(kept) / len(kept)
 
     def plain_step(self, requests: int) -> float | None:
         """Plain decoding's step at this batch size, from measurements: the steady step of plain overlapped sessions
-        at this batch size when one ran (what plain decoding realizes, host work overlapped), else the median of
+        at this batch size when one ran (what plain decoding realizes, host work overlapped), else the mean of the
         plain ordinary rounds at this batch size (`record_plain_round`, the path without graphs), else the cost model's
         forward of `requests` tokens when it has seen a forward of no more tokens than that. None: neither. Below
         the counts it has seen the cost model extrapolates the verify forwards' slope, which at many requests
@@ -457,7 +487,7 @@ class KPolicy:
             return steady
         timed = self._timed_plain_step(requests)
         if timed is not None:
-            # the median of plain rounds at exactly this batch size, where they ran. The cost model's forward plus
+            # the plain rounds at exactly this batch size, where they ran. The cost model's forward plus
             # its round overhead (a median over every round, drafting ones included, whose host work is larger)
             # put a 2-request plain round on this CPU at 57 ms where they took 51: drafting that realized 31 ms a
             # token against plain's 25.5 looked close to plain's estimated 28.5, trials passed the veto by chance
@@ -519,7 +549,10 @@ class KPolicy:
         if held is not None and held[0] > 0:  # the batch size sits out a veto: nothing drafts, a read now is
             return False  # paid for nothing (the request catches up when drafting pays again, priced then)
         kmax = max(1, self.spec.k_max)
-        est = AcceptanceEstimate() if optimistic else self._estimate(req_id)
+        # (not made here: a request without an estimate is in its first round, see ks; a prompt read in chunks
+        # is priced at every chunk)
+        est = AcceptanceEstimate() if optimistic else self.estimates.get(req_id) or \
+            AcceptanceEstimate(prior_weight=4.0, pool=self.overall)
         expected = est.expected_tokens_upto(kmax, None if optimistic else self.overall.rates(kmax))
         t_plain = self.cost.round_seconds(n, 0, n)  # a round gives each request one token
         options = range(1, kmax + 1) if k is None else [k]
@@ -585,8 +618,18 @@ class KPolicy:
             return [max(0, min(self.spec.k, r)) for r in room]
         n = len(req_ids)
         warm = len(self.cost.target_obs) >= 2
-        ks = [choose_k(self._estimate(rid), min(self.spec.k_max, r), n, self.cost) if warm else min(self.spec.k, r)
-              for rid, r in zip(req_ids, room)]
+        first = [rid not in self.estimates for rid in req_ids]
+        self._first_asked.update(rid for rid, f in zip(req_ids, first) if f)
+        # (before the cost model is warm: the configured k, but 1 in a first round, a prompt's read that times no
+        # verify forward: all it can learn is whether the first token is guessed, and one draft tells that. At k = 4
+        # on the Zen 2 pair the first rounds of a fresh engine lost 46-64 ms each, no draft accepted)
+        ks = [choose_k(self.first if f else self._estimate(rid), min(self.spec.k_max, r), n, self.cost) if warm
+              else min(self.spec.k, r, 1 if f else r) for rid, r, f in zip(req_ids, room, first)]
+        for i, f in enumerate(first):
+            if f and ks[i] == 0 and room[i] > 0:  # a first draft the estimate says no to: every PROBE_EVERY-th
+                self._first_skips += 1  # drafts one token anyway
+                if self._first_skips >= self.PROBE_EVERY:
+                    ks[i], self._first_skips = 1, 0
         if lags is not None and warm:
             self._ks_calls += 1
             b = self._bucket(n)
@@ -784,6 +827,13 @@ class KPolicy:
         if self.spec.adaptive:
             if drafted == 0 and wanted:
                 drafted, accepted = 1, 0
+            if req_id in self._first_asked:  # the answer's first token (FIRST_DECAY)
+                self._first_asked.discard(req_id)
+                self._estimate(req_id)  # (from now on the request's own)
+                self.first.update(drafted, accepted)
+                if drafted:
+                    self._first_skips = 0
+                return
             self._estimate(req_id).update(drafted, accepted)
             self.overall.update(drafted, accepted)
             if req_id in self.probing:  # a rejected probe waits twice as long for the next one
@@ -795,6 +845,7 @@ class KPolicy:
 
     def forget(self, req_id: int) -> None:
         self.estimates.pop(req_id, None)
+        self._first_asked.discard(req_id)
         self.idle_rounds.pop(req_id, None)
         self.probe_every.pop(req_id, None)
         self.probing.discard(req_id)

@@ -334,7 +334,6 @@ class KPolicy:
         # per exact n (a CPU forward of 3 rows costs less than one of 4), the plain step the veto weighs against
         self.plain_rounds: dict[int, deque] = {}
 
-    PROBE_EVERY = 16  # with k = 0 chosen this many rounds in a row, draft one token to re-measure acceptance
     # ks: a prompt's last round drafts the answer's first token, where a draft and its target disagree more than
     # anywhere after (the Qwen2.5-Coder pair on the bench prompts: the 0.5B opens with "Here" or "To", the 1.5B
     # with "```", in every prompt; later positions 0.92-0.96). Counted with the rest, each rejected first draft
@@ -342,6 +341,7 @@ class KPolicy:
     # estimate down and put a round drafting at a loss in the veto's window. Their own estimate forgets at this
     # rate per observation (one per request)
     FIRST_DECAY = 0.9
+    PROBE_EVERY = 16  # with k = 0 chosen this many rounds in a row, draft one token to re-measure acceptance
     PROBE_MAX = 256  # a probe that is rejected doubles the interval up to this; an accepted one resets it
     # batch_k (CUDA graphs): the same, up to this many plain rounds (times the batch factor below). A batch probe
     # ends the overlapped session, catches the draft up on every token since it last ran and starts two sessions:
@@ -448,7 +448,7 @@ class KPolicy:
 
     PLAIN_ROUNDS_MIN = 3  # plain rounds at a batch size before their mean is its plain step
     # _timed_plain_step: "mean" (rounds over OUTLIER x the median left out, as realized_rate treats drafting's rounds)
-    # or "median" (before session 61; benchmarks/online.py --plain-step median). The veto sets drafting's realized
+    # or "median" (the rule before session 61). The veto sets drafting's realized
     # rate, total tokens over total seconds, against plain's step: a median there compares a mean with a median.
     # Round times lean right (Zen 2, 1 request, int4 pair: plain rounds' mean 1.04-1.05x their median, a few at
     # 1.5-1.9x), so drafting had to realize ~1.10x plain to pass REALIZED_MARGIN_LAGGED's 1.05, and k = 1 rounds that
@@ -551,8 +551,7 @@ class KPolicy:
         kmax = max(1, self.spec.k_max)
         # (not made here: a request without an estimate is in its first round, see ks; a prompt read in chunks
         # is priced at every chunk)
-        est = AcceptanceEstimate() if optimistic else self.estimates.get(req_id) or \
-            AcceptanceEstimate(prior_weight=4.0, pool=self.overall)
+        est = AcceptanceEstimate() if optimistic else self.estimates.get(req_id) or self._new_estimate()
         expected = est.expected_tokens_upto(kmax, None if optimistic else self.overall.rates(kmax))
         t_plain = self.cost.round_seconds(n, 0, n)  # a round gives each request one token
         options = range(1, kmax + 1) if k is None else [k]
@@ -624,7 +623,7 @@ class KPolicy:
         # verify forward: all it can learn is whether the first token is guessed, and one draft tells that. At k = 4
         # on the Zen 2 pair the first rounds of a fresh engine lost 46-64 ms each, no draft accepted)
         ks = [choose_k(self.first if f else self._estimate(rid), min(self.spec.k_max, r), n, self.cost) if warm
-              else min(self.spec.k, r, 1 if f else r) for rid, r, f in zip(req_ids, room, first)]
+              else min(self.spec.k, r, 1) if f else min(self.spec.k, r) for rid, r, f in zip(req_ids, room, first)]
         for i, f in enumerate(first):
             if f and ks[i] == 0 and room[i] > 0:  # a first draft the estimate says no to: every PROBE_EVERY-th
                 self._first_skips += 1  # drafts one token anyway
@@ -813,11 +812,14 @@ class KPolicy:
 
     def _estimate(self, req_id: int) -> AcceptanceEstimate:
         if req_id not in self.estimates:
-            # shrunk towards the engine-wide estimate, position by position, with the weight of 4 observations:
-            # with the weight of 1 (and the prior frozen at arrival) one rejected first draft turned a request to
-            # k = 0 until a probe 16 rounds later (the CPU int4 pair: adaptive 0.95x plain, k = 4 1.06x)
-            self.estimates[req_id] = AcceptanceEstimate(prior_weight=4.0, pool=self.overall)
+            self.estimates[req_id] = self._new_estimate()
         return self.estimates[req_id]
+
+    def _new_estimate(self) -> AcceptanceEstimate:
+        # shrunk towards the engine-wide estimate, position by position, with the weight of 4 observations: with
+        # the weight of 1 (and the prior frozen at arrival) one rejected first draft turned a request to k = 0 until
+        # a probe 16 rounds later (the CPU int4 pair: adaptive 0.95x plain, k = 4 1.06x)
+        return AcceptanceEstimate(prior_weight=4.0, pool=self.overall)
 
     def observe(self, req_id: int, drafted: int, accepted: int, wanted: int | None = None) -> None:
         """drafted / accepted: this round's drafts; wanted: the k asked for. A drafter that proposed nothing

@@ -5,7 +5,9 @@ files, chat template, greedy, threads, token budget as `forerun bench --llamacpp
 Why: on this shared host the memory bandwidth available to one VM moves by 2x within minutes (other tenants;
 invisible in the load average), and `forerun bench` measures its rows one after the other, minutes apart: its
 llama.cpp plain row measured 39.7 and 82.6 tok/s in two runs 10 minutes apart, 30-34 tok/s standalone in between.
-Interleaving makes the ratios meaningful. Writes JSON (per-prompt times too).
+Interleaving makes the ratios meaningful. Writes JSON (per-prompt times too) and a PNG. Each row also splits its time
+into the prompts (forerun: arrival to the first token, `RequestOutput.metrics`; llama.cpp: its "prompt eval" /
+"encoded" time) and the decoding of the tokens after each first one.
 
     python benchmarks/peer_interleaved.py [--threads 2] [--num-prompts 20] [--k 4] [--also-k auto]
         [--eagle ~/.cache/forerun/eagle/qwen1.5b --eagle-k 2,auto] [--prefix-caching] [--out ...]
@@ -104,34 +106,41 @@ def main() -> int:
                                llamacpp_draft_max=a.llamacpp_draft_max)
     names = ["forerun plain", f"forerun draft k={a.k}", *[n for n, _ in more], "llama.cpp plain",
              *(["llama.cpp plain, prompt cache"] if a.prefix_caching else []), "llama.cpp speculative"]
-    per = {n: [] for n in names}  # (tokens, seconds) per prompt
+    per = {n: [] for n in names}  # (tokens, seconds, prompt seconds, decode seconds) per prompt
     cached_at = {n: [] for n in names}  # forerun rows: prompt tokens found in the prefix cache, per prompt
-    identical, drafted, accepted = 0, 0, 0
+    identical = 0
     for i, p in enumerate(prompts):
         outs = {}
         for n, llm in ((names[0], plain), (names[1], spec_llm), *more):
             t = time.perf_counter()
             o = llm.generate([p], sp, chat=True)[0]
-            per[n].append((len(o.token_ids), time.perf_counter() - t))
+            sec, m = time.perf_counter() - t, o.metrics
+            # prompt: arrival to the first token (the prompt's forward, the draft's too); decode: the tokens after it
+            per[n].append((len(o.token_ids), sec, m.time_to_first_token, m.decode_seconds))
             cached_at[n].append(o.stats.cached_tokens)
             outs[n] = o
         identical += all(outs[names[0]].token_ids == o.token_ids for n, o in outs.items() if n != names[0])
         text = target[1].decode(outs[names[0]].token_ids, skip_special_tokens=True)
         for row in bench.run_llamacpp(bargs, [p], [text], prompt_cache=cache_file):
-            per[row["config"]].append((row["tokens"], row["seconds"]))
+            per[row["config"]].append((row["tokens"], row["seconds"], row["prompt_seconds"],
+                                       row["seconds"] - row["prompt_seconds"]))
         print(f"[{i + 1}/{len(prompts)}] " + ", ".join(f"{n} {per[n][-1][0] / per[n][-1][1]:.1f}" for n in names),
               file=sys.stderr, flush=True)
     rows = []
     for n in names:
-        tok, sec = sum(x for x, _ in per[n]), sum(y for _, y in per[n])
+        tok, sec = sum(x[0] for x in per[n]), sum(x[1] for x in per[n])
+        pre, dec = sum(x[2] for x in per[n]), sum(x[3] for x in per[n])
         rows.append({"config": n, "tokens": tok, "seconds": round(sec, 2), "tok_per_s": round(tok / sec, 3),
-                     "per_prompt_tok_per_s": [round(x / y, 2) for x, y in per[n]]})
+                     "prompt_seconds": round(pre, 3), "decode_seconds": round(dec, 3),
+                     "decode_tok_per_s": round((tok - len(per[n])) / dec, 3),  # the tokens after each first one
+                     "per_prompt_tok_per_s": [round(x[0] / x[1], 2) for x in per[n]]})
         if any(cached_at[n]):
             rows[-1]["cached_prompt_tokens"] = cached_at[n]
-    base = {r["config"]: r["tok_per_s"] for r in rows}
+    base = {r["config"]: r for r in rows}
     for r in rows:
-        r["vs_forerun_plain"] = round(r["tok_per_s"] / base[names[0]], 3)
-        r["vs_llamacpp_plain"] = round(r["tok_per_s"] / base["llama.cpp plain"], 3)
+        r["vs_forerun_plain"] = round(r["tok_per_s"] / base[names[0]]["tok_per_s"], 3)
+        r["vs_llamacpp_plain"] = round(r["tok_per_s"] / base["llama.cpp plain"]["tok_per_s"], 3)
+        r["decode_vs_llamacpp_plain"] = round(r["decode_tok_per_s"] / base["llama.cpp plain"]["decode_tok_per_s"], 3)
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "model": a.model, "draft": a.draft,
             "threads": a.threads, "prompts": len(prompts), "max_tokens": a.max_tokens, "quantize": a.quantize,
             "layout": layout, "int4_others": quant.INT4_OTHERS, "int8_kernel": type(quant.int8_linear(torch.zeros(64, 64))).__name__,
@@ -144,7 +153,8 @@ def main() -> int:
     Path(a.out).write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
     for r in rows:
         print(f"{r['config']:26s} {r['tok_per_s']:7.2f} tok/s  {r['vs_forerun_plain']:.2f}x forerun plain  "
-              f"{r['vs_llamacpp_plain']:.2f}x llama.cpp plain")
+              f"{r['vs_llamacpp_plain']:.2f}x llama.cpp plain | prompts {r['prompt_seconds']:6.2f} s, decoding "
+              f"{r['decode_tok_per_s']:6.2f} tok/s ({r['decode_vs_llamacpp_plain']:.2f}x llama.cpp plain's)")
     plot(a.out)
     print(f"spec identical to plain: {meta['spec_identical_to_plain']}; wrote {a.out} and its PNG")
     return 0

@@ -235,6 +235,22 @@ def _ms(pattern: str, text: str) -> float:
 PROMPT_CACHE_WARMUP = "Say hello."  # the prompt that fills a prompt cache before the measured ones (not measured)
 
 
+def llamacpp_timings(log: str, speculative: bool) -> dict:
+    """One llama.cpp run's tokens and seconds from its log: prompt processing + decoding as it reports them (model
+    loading excluded). llama-completion: "prompt eval time" and "eval time ... N runs" (the first new token comes
+    out of the prompt pass: N + 1 tokens); llama-speculative: "encoded" / "decoded" and its draft counts."""
+    if speculative:
+        pre = _ms(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", log)
+        return {"tokens": int(_ms(r"decoded\s+(\d+) tokens", log)), "prompt_seconds": pre,
+                "seconds": pre + _ms(r"decoded\s+\d+ tokens in\s+([\d.]+) seconds", log),
+                "drafted": int(_ms(r"n_drafted\s*=\s*(\d+)", log)), "accepted": int(_ms(r"n_accept\s*=\s*(\d+)", log))}
+    # "(?<!prompt )": the decode line, not "prompt eval time" (\b alone matched that one first, which counted the
+    # prompt time twice and no decode time: llama.cpp plain rows before 2026-11-30 23:40)
+    pre = _ms(r"prompt eval time =\s*([\d.]+) ms", log) / 1e3
+    return {"tokens": int(_ms(r"(?<!prompt )\beval time =\s*[\d.]+ ms /\s*(\d+) runs", log)) + 1, "prompt_seconds": pre,
+            "seconds": pre + _ms(r"(?<!prompt )\beval time =\s*([\d.]+) ms /\s*\d+ runs", log) / 1e3}
+
+
 def run_llamacpp(args, prompts, plain_text, prompt_cache: str | None = None) -> list[dict]:
     """llama.cpp plain (llama-completion) and speculative (llama-speculative, same draft GGUF) on the same
     chat-templated prompts, greedy, same threads and max tokens. Time = prompt processing + decoding as
@@ -271,7 +287,7 @@ def run_llamacpp(args, prompts, plain_text, prompt_cache: str | None = None) -> 
         configs.insert(1, ("llama.cpp plain, prompt cache", cached))
     rows = []
     for label, cmd in configs:
-        tokens, seconds, drafted, accepted, same = 0, 0.0, 0, 0, 0
+        tokens, seconds, prompt_sec, drafted, accepted, same = 0, 0.0, 0.0, 0, 0, 0
         for i, p in enumerate(tqdm(prompts, desc=label, file=sys.stderr)):
             text = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
             with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
@@ -281,20 +297,13 @@ def run_llamacpp(args, prompts, plain_text, prompt_cache: str | None = None) -> 
             log = out.stdout + out.stderr
             if out.returncode:
                 raise RuntimeError(f"{label} failed ({out.returncode}):\n{log[-3000:]}")
-            if "speculative" in label:
-                n = int(_ms(r"decoded\s+(\d+) tokens", log))
-                sec = _ms(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", log) + _ms(r"decoded\s+\d+ tokens in\s+([\d.]+) seconds", log)
-                drafted += int(_ms(r"n_drafted\s*=\s*(\d+)", log))
-                accepted += int(_ms(r"n_accept\s*=\s*(\d+)", log))
-            else:
-                runs = int(_ms(r"\beval time =\s*[\d.]+ ms /\s*(\d+) runs", log))
-                n = runs + 1  # the first new token comes out of the prompt pass
-                # "(?<!prompt )": the decode line, not "prompt eval time" (\b alone matched that one first, which
-                # counted the prompt time twice and no decode time: llama.cpp plain rows before 2026-11-30 23:40)
-                sec = (_ms(r"prompt eval time =\s*([\d.]+) ms", log)
-                       + _ms(r"(?<!prompt )\beval time =\s*([\d.]+) ms /\s*\d+ runs", log)) / 1e3
+            t = llamacpp_timings(log, "speculative" in label)
+            n, sec, pre = t["tokens"], t["seconds"], t["prompt_seconds"]
+            drafted += t.get("drafted", 0)
+            accepted += t.get("accepted", 0)
             tokens += n
             seconds += sec
+            prompt_sec += pre
             gen = out.stdout
             marker = "<|im_start|>assistant"  # llama-speculative echoes the prompt before the new text
             if "speculative" in label and marker in gen:
@@ -303,7 +312,7 @@ def run_llamacpp(args, prompts, plain_text, prompt_cache: str | None = None) -> 
                 a, b = gen.strip(), plain_text[i].strip()
                 same += int(a[: len(b)] == b[: len(a)] and min(len(a), len(b)) > 0)
         row = {"engine": "llama.cpp", "config": label, "tokens": tokens, "seconds": round(seconds, 2),
-               "tok_per_s": round(tokens / seconds, 3), "identical_to_plain": None,
+               "tok_per_s": round(tokens / seconds, 3), "prompt_seconds": round(prompt_sec, 3), "identical_to_plain": None,
                "text_matches_forerun_plain": f"{same}/{len(prompts)}", "cmd": " ".join(cmd)}
         if drafted:
             row["acceptance_rate"] = round(accepted / drafted, 3)

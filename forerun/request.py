@@ -40,9 +40,15 @@ class Request:
     error: str | None = None  # why it finished with FinishReason.ERROR
     num_preemptions: int = 0  # times its KV blocks were taken back (it re-prefills prompt + output)
     arrival: float = 0.0  # time.monotonic() at add_request
+    first_token_time: float | None = None  # time.monotonic() when its first output token was committed
+    last_token_time: float | None = None  # ... its latest one
+    finished_time: float | None = None  # ... when it finished (stop, length, abort or error)
     sent_tokens: int = 0  # output tokens already reported in a delta
     sent_text: int = 0  # characters of `text` already reported in a delta
     prompt_shared: int = 0  # prefix caching: its prompt's blocks were lent to the cache, 1: target pool, 2: draft's
+
+    def metrics(self) -> "RequestMetrics":
+        return RequestMetrics(self.arrival, self.first_token_time, self.last_token_time, self.finished_time)
 
     @property
     def all_tokens(self) -> list[int]:
@@ -73,6 +79,29 @@ class Request:
 
 
 @dataclass(frozen=True)
+class RequestMetrics:
+    """When a request's milestones happened, in time.monotonic() seconds (vLLM's RequestOutput.metrics): its arrival
+    (add_request), its first output token committed (the prompt's forward included: time to first token), its
+    latest token, its end. None: not reached yet."""
+
+    arrival_time: float
+    first_token_time: float | None
+    last_token_time: float | None
+    finished_time: float | None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def decode_seconds(self) -> float | None:
+        """From the first output token to the latest: the time the tokens after the first took."""
+        if self.first_token_time is None or self.last_token_time is None:
+            return None
+        return self.last_token_time - self.first_token_time
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     request_id: int
     prompt: str | None
@@ -82,3 +111,4 @@ class RequestOutput:
     finish_reason: str
     stats: RequestStats
     logprobs: list[dict] | None = None
+    metrics: RequestMetrics | None = None  # arrival, first / last token and finish times

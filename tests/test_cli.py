@@ -320,6 +320,29 @@ def test_llamacpp_build_config_avoids_amx():
     assert not any("AMX" in f for f in flags)
 
 
+def test_llamacpp_timings_split_the_prompt_from_the_decoding():
+    """The peer rows' times from llama.cpp's logs (lines copied from the build the benchmarks use, b0c1e570):
+    prompt + decode seconds, tokens = decode runs + the prompt pass's token; the speculative tool's encode /
+    decode lines and draft counts. The prompt line must not be taken for the decode line (a bug once)."""
+    from forerun.bench import llamacpp_timings
+
+    plain = ("0.02.122.834 I common_perf_print: prompt eval time =     382.02 ms /    12 tokens (   31.83 ms per token,"
+             "    31.41 tokens per second)\n"
+             "0.02.122.836 I common_perf_print:        eval time =     389.91 ms /     7 runs   (   55.70 ms per token,"
+             "    17.95 tokens per second)\n")
+    t = llamacpp_timings(plain, speculative=False)
+    assert t["tokens"] == 8 and t["prompt_seconds"] == pytest.approx(0.38202)
+    assert t["seconds"] == pytest.approx(0.38202 + 0.38991)
+    spec = ("0.04.038.281 I encoded   12 tokens in    0.471 seconds, speed:   25.502 t/s\n"
+            "0.04.038.282 I decoded   12 tokens in    0.886 seconds, speed:   13.537 t/s\n"
+            "0.04.038.283 I n_drafted = 12\n0.04.038.283 I n_accept  = 8\n")
+    t = llamacpp_timings(spec, speculative=True)
+    assert (t["tokens"], t["drafted"], t["accepted"]) == (12, 12, 8)
+    assert t["prompt_seconds"] == pytest.approx(0.471) and t["seconds"] == pytest.approx(0.471 + 0.886)
+    with pytest.raises(RuntimeError, match="lacks"):
+        llamacpp_timings(plain.splitlines()[0], speculative=False)
+
+
 # ---------------------------------------------------------------- a GGUF runs quantized by default
 
 

@@ -169,3 +169,27 @@ def test_from_model_runs_in_the_models_own_dtype():
     out = llm.generate([[5, 9, 13]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].token_ids) == 4
     assert LLM.from_model(model_from_hf(hf_model("llama")), tiny_tokenizer(), device="cpu").engine.dtype == torch.float32
+
+
+def test_request_metrics_time_the_first_token_apart_from_the_rest(monkeypatch):
+    """RequestOutput.metrics (vLLM's): arrival <= first token <= last token = finish. Each target forward is made
+    to take 50 ms, so the first token (the prompt's forward) comes ~1 forward after arrival and the other 4 tokens
+    ~4 forwards later: a first-token time taken at the wrong commit (the last, or the arrival) fails the bounds."""
+    import time
+
+    llm = tiny_llm(hf_model("llama"))
+    execute = type(llm.engine.runner).execute
+
+    def slow(self, *a, **kw):
+        time.sleep(0.05)
+        return execute(self, *a, **kw)
+
+    monkeypatch.setattr(type(llm.engine.runner), "execute", slow)
+    t0 = time.monotonic()
+    o = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    t1 = time.monotonic()
+    m = o.metrics
+    assert len(o.token_ids) == 5 and m is not None
+    assert t0 <= m.arrival_time <= m.first_token_time <= m.last_token_time == m.finished_time <= t1
+    assert 0.05 <= m.time_to_first_token < m.decode_seconds
+    assert m.decode_seconds >= 0.15  # at least 3 of the 4 later forwards (overlapped decoding may commit one late)

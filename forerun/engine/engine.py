@@ -481,7 +481,7 @@ class Engine:
         r = self.requests.get(str(request_id))
         if r is None or r.finished:
             return False
-        r.finish_reason = FinishReason.ABORT
+        r.finish_reason, r.finished_time = FinishReason.ABORT, time.monotonic()
         r.sent_tokens = -1  # its last delta is the caller's (finish_abort_delta): a later step reports nothing of it
         if self._overlap is None or r not in self._overlap[1]:
             self._finish(r)
@@ -666,7 +666,7 @@ class Engine:
         self._ks_cache = None
         touched = []
         for r, msg in out.failed:
-            r.finish_reason, r.error = FinishReason.ERROR, msg
+            r.finish_reason, r.error, r.finished_time = FinishReason.ERROR, msg, time.monotonic()
             self.k_policy.forget(r.req_id)
             self._arrived.pop(r.req_id, None)
             touched.append(r)
@@ -1087,7 +1087,11 @@ class Engine:
     # -- commit -----------------------------------------------------------------------------------------
     def _commit(self, r: Request, tokens: list[int], logprobs: list[dict] | None) -> int:
         """Append tokens one by one; stop at a stop token, a stop string or max_tokens (the rest is dropped)."""
-        n = 0
+        n, now = 0, time.monotonic()
+        if tokens:
+            if r.first_token_time is None:
+                r.first_token_time = now
+            r.last_token_time = now
         for j, t in enumerate(tokens):
             r.output_token_ids.append(t)
             n += 1
@@ -1110,6 +1114,7 @@ class Engine:
                 r.finish_reason = FinishReason.LENGTH
             if r.finished:
                 r.text = self._final_text(r, matched)
+                r.finished_time = now
                 break
         return n
 

@@ -155,7 +155,8 @@ class LLM:
     @staticmethod
     def _output(r: Request) -> RequestOutput:
         return RequestOutput(r.req_id, r.prompt, r.prompt_token_ids, r.text, list(r.output_token_ids),
-                             r.finish_reason.value, r.stats, r.logprobs if r.params.logprobs is not None else None)
+                             r.finish_reason.value, r.stats, r.logprobs if r.params.logprobs is not None else None,
+                             r.metrics())
 
     @staticmethod
     def aggregate_stats(outputs: list[RequestOutput]) -> RequestStats:

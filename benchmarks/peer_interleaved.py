@@ -169,17 +169,29 @@ def plot(json_path: str) -> str:
 
     data = json.loads(Path(json_path).read_text())
     rows, meta = data["results"], data["meta"]
-    fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.4))
-    bars = ax.barh([r["config"] for r in rows], [r["tok_per_s"] for r in rows],
-                   color=["tab:orange" if r["config"].startswith("llama.cpp") else "tab:blue" for r in rows])
+    split = all("decode_tok_per_s" in r for r in rows)  # runs since session 62: decoding alone beside the total
+    fig, ax = plt.subplots(figsize=(9 if split else 8, (0.7 if split else 0.5) * len(rows) + 1.4))
+    y = list(range(len(rows)))
+    h = 0.4 if split else 0.8
+    colors = ["tab:orange" if r["config"].startswith("llama.cpp") else "tab:blue" for r in rows]
+    bars = ax.barh([i - (h / 2 if split else 0) for i in y], [r["tok_per_s"] for r in rows], height=h, color=colors,
+                   label="prompt + decoding")
     for b, r in zip(bars, rows):
         ax.text(b.get_width(), b.get_y() + b.get_height() / 2, f" {r['vs_llamacpp_plain']:.2f}x llama.cpp plain",
                 va="center", fontsize=8)
+    if split:
+        dec = ax.barh([i + h / 2 for i in y], [r["decode_tok_per_s"] for r in rows], height=h, color=colors, alpha=0.45,
+                      label="decoding alone (tokens after the first)")
+        for b, r in zip(dec, rows):
+            ax.text(b.get_width(), b.get_y() + b.get_height() / 2,
+                    f" {r['decode_vs_llamacpp_plain']:.2f}x llama.cpp plain's decoding", va="center", fontsize=7)
+        ax.legend(loc="lower right", fontsize=8)
+    ax.set_yticks(y, [r["config"] for r in rows])
     ax.invert_yaxis()
     ax.set_xlabel(f"tok/s, prompts interleaved ({meta['prompts']} prompts, {meta['max_tokens']} tokens, greedy, "
                   f"{meta['threads']} threads)")
     ax.set_title(f"{meta['model']} + {meta['draft']} draft, {meta.get('date', '')}", fontsize=9)
-    ax.set_xlim(0, 1.35 * max(r["tok_per_s"] for r in rows))
+    ax.set_xlim(0, 1.45 * max(r.get("decode_tok_per_s", r["tok_per_s"]) for r in rows))
     fig.tight_layout()
     png = str(Path(json_path).with_suffix(".png"))
     fig.savefig(png, dpi=110)

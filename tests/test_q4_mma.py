@@ -299,11 +299,17 @@ def test_table_entries_fall_back_where_the_kernel_cannot_run(monkeypatch):
 
 def test_untuned_shapes_take_the_tensor_core_kernel_from_two_rows(monkeypatch):
     """A shape the table does not hold (a draft model's) runs 2-32 rows on the tensor-core kernel where it can run
-    (K split over the warps that divide it), else the Triton default; 1 row keeps the default."""
+    (K split over the warps that divide it), else the Triton default; 1 row takes the CUDA C++ kernel's default where
+    it can run (session 49), else Triton's. (Both kernels' availability is set here: on a GPU the 1-row default
+    used to be compared with Triton's while the CUDA C++ kernel could run, and failed there only.)"""
     from forerun.models import quant_cuda
     monkeypatch.setattr(quant_cuda, "_card", ["test card"])
     quant_cuda.set_configs("test card", {})
     monkeypatch.setitem(quant_cuda.NVRTC_KERNELS, "m", lambda: True)
+    monkeypatch.setitem(quant_cuda.NVRTC_KERNELS, "c", lambda: True)
+    assert quant_cuda.tuned(1, 1024, 3072, True) == quant_cuda.default_c_config(1024, 3072, True)
+    assert quant_cuda.tuned(1, 1024, 3072, True)["kernel"] == "c"
+    monkeypatch.setitem(quant_cuda.NVRTC_KERNELS, "c", lambda: False)
     for m in (2, 3, 4, 9, 16):
         assert quant_cuda.tuned(m, 1024, 3072, True) == dict(kernel="m", block_n=16, block_k=3072, use_dot=True,
                                                             num_warps=8, num_stages=4)

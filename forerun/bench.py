@@ -152,8 +152,12 @@ def run_forerun(args, prompts) -> tuple[list[dict], dict]:
         if plain_ids is None:
             plain_ids = ids
         tokens = sum(map(len, ids))
+        # arrival to each first token (the prompts' forwards, the draft's read of them where it comes first), as
+        # the llama.cpp rows' prompt_seconds are its "prompt eval" times
+        prompt_sec = sum(o.metrics.time_to_first_token for o in outs)
         row = {"engine": "forerun", "config": label, "tokens": tokens, "seconds": round(seconds, 2),
-               "tok_per_s": round(tokens / seconds, 3), "identical_to_plain": ids == plain_ids, **agg.as_dict()}
+               "tok_per_s": round(tokens / seconds, 3), "prompt_seconds": round(prompt_sec, 3),
+               "identical_to_plain": ids == plain_ids, **agg.as_dict()}
         if vocab is not None:
             row["draft_vocab_tokens"] = len(draft[0].lm_head.ids)  # the first N ids and the special tokens
         if spec.method == "eagle":

@@ -8,6 +8,7 @@ change, so they must be equal). Prints a table of ms per product and writes JSON
         [--shapes 1536x8960,17920x1536,896x4864,9728x896] [--out benchmarks/results/cpu_q4_ab.json]
     python benchmarks/cpu_q4_ab.py --against REV --q6k [--shapes 151936x1536]    the exact Q6_K head (q6k_gemm)
     python benchmarks/cpu_q4_ab.py --against REV --q8 [--shapes ...]             the int8 layout (q8_gemm)
+    python benchmarks/cpu_q4_ab.py --against HEAD --flags=-mtune=znver2           compiler flags alone
 
 Default shapes: the Qwen2.5-Coder-1.5B down and gate/up products (N x K), the 0.5B draft's down and gate/up; with
 --q6k the 1.5B's output head (random Q6_K blocks, two copies), whose outputs are compared to 1e-5 of their size
@@ -59,6 +60,8 @@ def main() -> int:
     ap.add_argument("--mb", type=float, default=100.0, help="weight megabytes per shape (copies rotate)")
     ap.add_argument("--q6k", action="store_true", help="the Q6_K head's product (q6k_gemm) instead of the int4 one")
     ap.add_argument("--q8", action="store_true", help="the int8 layout's product (q8_gemm, Q8Linear) instead")
+    ap.add_argument("--flags", default="", help="extra compiler flags for the current source's build, e.g. "
+                    "'-mtune=znver2' (with --against HEAD: an A/B of the flags alone)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "cpu_q4_ab.json"))
     a = ap.parse_args()
     if a.q6k and a.shapes == ap.get_default("shapes"):
@@ -77,7 +80,9 @@ def main() -> int:
         return 2
     tmp = Path(tempfile.mkdtemp(prefix="cpu_q4_ab_")) / "cpu_q4.c"
     tmp.write_text(old_src)
-    libs = {"before": cbuild.library_for(tmp, cbuild.isa(), [], cpu_q4._declare), "now": cpu_q4._load()}
+    now = cpu_q4._load() if not a.flags else cbuild.library_for(Path(cpu_q4.__file__).with_name("cpu_q4.c"),
+                                                                 cbuild.isa(), a.flags.split(), cpu_q4._declare)
+    libs = {"before": cbuild.library_for(tmp, cbuild.isa(), [], cpu_q4._declare), "now": now}
     rows_list = [int(x) for x in a.rows.split(",")]
     results = []
     if a.q6k:
@@ -120,7 +125,7 @@ def main() -> int:
                             "now_ms": round(med["now"], 4), "ratio": round(med["now"] / med["before"], 3)})
             print(f"{shape:>12} {m:>5} {med['before']:>10.3f} {med['now']:>8.3f} {med['now'] / med['before']:>10.3f}",
                   flush=True)
-    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "against": a.against,
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "against": a.against, "flags": a.flags,
             "threads": a.threads, "isa": cbuild.isa(),
             "product": "q6k_gemm" if a.q6k else "q8_gemm" if a.q8 else "q4_gemm",
             "bit_identical": not a.q6k}

@@ -316,8 +316,8 @@ def run_llamacpp(args, prompts, plain_text, prompt_cache: str | None = None) -> 
                 a, b = gen.strip(), plain_text[i].strip()
                 same += int(a[: len(b)] == b[: len(a)] and min(len(a), len(b)) > 0)
         row = {"engine": "llama.cpp", "config": label, "tokens": tokens, "seconds": round(seconds, 2),
-               "tok_per_s": round(tokens / seconds, 3), "prompt_seconds": round(prompt_sec, 3), "identical_to_plain": None,
-               "text_matches_forerun_plain": f"{same}/{len(prompts)}", "cmd": " ".join(cmd)}
+               "tok_per_s": round(tokens / seconds, 3), "prompt_seconds": round(prompt_sec, 3),
+               "identical_to_plain": None, "text_matches_forerun_plain": f"{same}/{len(prompts)}", "cmd": " ".join(cmd)}
         if drafted:
             row["acceptance_rate"] = round(accepted / drafted, 3)
         rows.append(row)

@@ -9,6 +9,9 @@ change, so they must be equal). Prints a table of ms per product and writes JSON
     python benchmarks/cpu_q4_ab.py --against REV --q6k [--shapes 151936x1536]    the exact Q6_K head (q6k_gemm)
     python benchmarks/cpu_q4_ab.py --against REV --q8 [--shapes ...]             the int8 layout (q8_gemm)
     python benchmarks/cpu_q4_ab.py --against HEAD --flags=-mtune=znver2           compiler flags alone
+    python benchmarks/cpu_q4_ab.py --against REV --forward qwen2.5-coder-1.5b-instruct [--rows 1,2,3,4,8]
+        whole forwards of q = rows new tokens after a 64-token prefix (the model loaded once, int4; the two builds
+        swapped in as cpu_q4's library call by call, taking turns going first); logits compared bit for bit
 
 Default shapes: the Qwen2.5-Coder-1.5B down and gate/up products (N x K), the 0.5B draft's down and gate/up; with
 --q6k the 1.5B's output head (random Q6_K blocks, two copies), whose outputs are compared to 1e-5 of their size
@@ -62,6 +65,8 @@ def main() -> int:
     ap.add_argument("--q8", action="store_true", help="the int8 layout's product (q8_gemm, Q8Linear) instead")
     ap.add_argument("--flags", default="", help="extra compiler flags for the current source's build, e.g. "
                     "'-mtune=znver2' (with --against HEAD: an A/B of the flags alone)")
+    ap.add_argument("--forward", metavar="MODEL", help="whole forwards of this model (int4) instead of single products")
+    ap.add_argument("--repeats", type=int, default=9, help="--forward: forwards per build and q")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "cpu_q4_ab.json"))
     a = ap.parse_args()
     if a.q6k and a.shapes == ap.get_default("shapes"):
@@ -85,13 +90,17 @@ def main() -> int:
     libs = {"before": cbuild.library_for(tmp, cbuild.isa(), [], cpu_q4._declare), "now": now}
     rows_list = [int(x) for x in a.rows.split(",")]
     results = []
-    if a.q6k:
+    if a.forward:
+        results = forward_ab(libs, a, rows_list)
+        if results is None:
+            return 1
+    elif a.q6k:
         results = q6k_ab(libs, a, rows_list)
         if results is None:
             return 1
     else:
         print(f"{'N x K':>12} {'rows':>5} {'before ms':>10} {'now ms':>8} {'now/before':>10}")
-    for shape in ([] if a.q6k else a.shapes.split(",")):
+    for shape in ([] if a.q6k or a.forward else a.shapes.split(",")):
         n, k = (int(x) for x in shape.split("x"))
         g = torch.Generator().manual_seed(0)
         packs = random_packs(n, k, a.mb, g, q8=a.q8)
@@ -127,12 +136,57 @@ def main() -> int:
                   flush=True)
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "against": a.against, "flags": a.flags,
             "threads": a.threads, "isa": cbuild.isa(),
-            "product": "q6k_gemm" if a.q6k else "q8_gemm" if a.q8 else "q4_gemm",
-            "bit_identical": not a.q6k}
+            "product": f"{a.forward} forward (int4)" if a.forward else "q6k_gemm" if a.q6k else "q8_gemm" if a.q8
+            else "q4_gemm", "bit_identical": not a.q6k}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"wrote {a.out}")
     return 0
+
+
+def forward_ab(libs: dict, a, rows_list: list[int]) -> list[dict] | None:
+    """--forward: the model's forward of q new tokens after a 64-token prefix with each build as cpu_q4's library
+    (every C product of the forward: int4, int8 and the Q6_K head), alternating, median ms per forward."""
+    from forerun.config import CacheConfig
+    from forerun.kernels import cpu_q4
+    from forerun.models.registry import load_model
+    from forerun.runtime.runner import Chunk, ModelRunner
+
+    model, tok, _ = load_model(a.forward, quantize="int4", progress=False)
+    runner = ModelRunner(model, CacheConfig(block_size=16, num_blocks=64), "cpu", torch.float32)
+    prefix = tok.encode("def quicksort(items):\n    \"\"\"Sort a list.\"\"\"\n" * 6)[:64]
+    runner.kv.add_sequence(0)
+    loader = cpu_q4._load
+
+    def forward(v: str, q: int):
+        cpu_q4._load = lambda: libs[v]  # cpu_q4 and cpu_layer look the library up at every call
+        out = runner.forward([Chunk(0, list(range(100, 100 + q)), logits="all")])[0].logits
+        runner.kv.truncate(0, len(prefix))
+        return out
+
+    results = []
+    print(f"{'q':>3} {'before ms':>10} {'now ms':>8} {'now/before':>10}")
+    try:
+        with torch.inference_mode():
+            runner.forward([Chunk(0, prefix, logits="last")])
+            for q in rows_list:
+                if not torch.equal(forward("before", q), forward("now", q)):
+                    print(f"cpu_q4_ab: the forward's logits differ at q = {q}", file=sys.stderr)
+                    return None
+                times = {v: [] for v in libs}
+                for it in range(a.repeats):
+                    for v in (list(libs) if it % 2 == 0 else list(libs)[::-1]):
+                        t = time.perf_counter()
+                        forward(v, q)
+                        times[v].append(time.perf_counter() - t)
+                med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
+                results.append({"q": q, "before_ms": round(med["before"], 3), "now_ms": round(med["now"], 3),
+                                "ratio": round(med["now"] / med["before"], 3)})
+                print(f"{q:>3} {med['before']:>10.2f} {med['now']:>8.2f} {med['now'] / med['before']:>10.3f}",
+                      flush=True)
+    finally:
+        cpu_q4._load = loader
+    return results
 
 
 def q6k_ab(libs: dict, a, rows_list: list[int]) -> list[dict] | None:

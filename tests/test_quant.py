@@ -107,6 +107,34 @@ def test_q4_vnni_linear_matches_dequantized_matmul_and_is_batch_invariant(n, k):
     assert lin.weight_bytes == -(-n // 4) * (256 * chunks + 64 * (k // 32))  # ~4.5 bits + the fp16 header
 
 
+def test_q4_kernel_builds_with_another_prefetch_distance_and_gives_the_same_bits():
+    """cpu_q4.c's tuning constants can be set from the command line (benchmarks/cpu_q4_ab.py --flags=-DPFD=N): until
+    session 63 `-DPFD` left KB_CHUNKS / KB_FROM undefined and the build failed. A prefetch distance only moves hints:
+    the products of 1, 2, 3 and 8 rows (every pass of the build) must be the same bits as the default build's."""
+    from pathlib import Path
+
+    from forerun.kernels import cbuild, cpu_q4
+
+    isa = cbuild.isa()
+    if isa is None or not cpu_q4.available():
+        pytest.skip("no C kernel build on this machine")
+    src = Path(cpu_q4.__file__).with_name("cpu_q4.c")
+    other = cbuild.library_for(src, isa, ["-DPFD=1024"], cpu_q4._declare)
+    assert other is not None, "cpu_q4.c did not build with -DPFD=1024"
+    n, k = 40, 4608  # K > 2048: the blocked multi-row pass (KB_CHUNKS) as well
+    g = torch.Generator().manual_seed(3)
+    s = (torch.rand(n, k // 32, generator=g) * 0.01).half()
+    packed = cpu_q4.pack_weights(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), s, -8 * s)
+    for m in (1, 2, 3, 8):
+        xq, xs, isum = cpu_q4.quantize_activations_c(torch.randn(m, k, generator=g))
+        ys = []
+        for lib in (cpu_q4._load(), other):
+            y = torch.empty(m, n)
+            lib.q4_gemm(packed.data_ptr(), n, k, xq.data_ptr(), xs.data_ptr(), isum.data_ptr(), m, y.data_ptr(), 1)
+            ys.append(y)
+        assert torch.equal(ys[0], ys[1]) and ys[0].abs().sum() > 0, m
+
+
 @pytest.mark.parametrize("isa", ["avx512amx", "avx512", "avx2"])
 @pytest.mark.parametrize("n,k", [(36, 640), (8, 96), (12, 288)])
 def test_q4_kernel_builds_compute_the_exact_group_dot_products(isa, n, k):

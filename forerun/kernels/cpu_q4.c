@@ -24,13 +24,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifndef PFD
 #ifndef KB_CHUNKS
 #define KB_CHUNKS 2  // AVX2 group_rows: chunks of K per block (2 x 512 bytes of each activation row; measured below)
 #endif
 #ifndef KB_FROM
 #define KB_FROM 4  // ... for rows of more than this many chunks (K > 2048)
 #endif
+#ifndef PFD
 #define PFD 4096  // software prefetch distance in bytes (measured: 2-4 KB ahead streams best at 1 and 2 threads)
 #endif
 #define INLINE static inline __attribute__((always_inline))

@@ -9,6 +9,7 @@ change, so they must be equal). Prints a table of ms per product and writes JSON
     python benchmarks/cpu_q4_ab.py --against REV --q6k [--shapes 151936x1536]    the exact Q6_K head (q6k_gemm)
     python benchmarks/cpu_q4_ab.py --against REV --q8 [--shapes ...]             the int8 layout (q8_gemm)
     python benchmarks/cpu_q4_ab.py --against HEAD --flags=-mtune=znver2           compiler flags alone
+    python benchmarks/cpu_q4_ab.py --against HEAD --entry-offsets 0,16,32,48 --rows 1,2   where run_groups lands
     python benchmarks/cpu_q4_ab.py --against REV --forward qwen2.5-coder-1.5b-instruct [--rows 1,2,3,4,8]
         whole forwards of q = rows new tokens after a 64-token prefix (the model loaded once, int4; the two builds
         swapped in as cpu_q4's library call by call, taking turns going first); logits compared bit for bit
@@ -67,6 +68,8 @@ def main() -> int:
                     "'-mtune=znver2' (with --against HEAD: an A/B of the flags alone)")
     ap.add_argument("--forward", metavar="MODEL", help="whole forwards of this model (int4) instead of single products")
     ap.add_argument("--repeats", type=int, default=9, help="--forward: forwards per build and q")
+    ap.add_argument("--entry-offsets", metavar="0,16,32,48", help="the current source once per offset of run_groups "
+                    "past a 64-byte boundary (-DRUN_GROUPS_ENTRY), each against the baseline")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "cpu_q4_ab.json"))
     a = ap.parse_args()
     if a.q6k and a.shapes == ap.get_default("shapes"):
@@ -85,22 +88,39 @@ def main() -> int:
         return 2
     tmp = Path(tempfile.mkdtemp(prefix="cpu_q4_ab_")) / "cpu_q4.c"
     tmp.write_text(old_src)
-    now = cpu_q4._load() if not a.flags else cbuild.library_for(Path(cpu_q4.__file__).with_name("cpu_q4.c"),
-                                                                 cbuild.isa(), a.flags.split(), cpu_q4._declare)
-    libs = {"before": cbuild.library_for(tmp, cbuild.isa(), [], cpu_q4._declare), "now": now}
+    before = cbuild.library_for(tmp, cbuild.isa(), [], cpu_q4._declare)
     rows_list = [int(x) for x in a.rows.split(",")]
+    variants = [a.flags] if not a.entry_offsets else [f"{a.flags} -DRUN_GROUPS_ENTRY={e}".strip()
+                                                     for e in a.entry_offsets.split(",")]
     results = []
-    if a.forward:
-        results = forward_ab(libs, a, rows_list)
-        if results is None:
+    for flags in variants:
+        if a.entry_offsets:
+            print(f"-- the current source built with {flags}")
+        now = cpu_q4._load() if not flags else cbuild.library_for(Path(cpu_q4.__file__).with_name("cpu_q4.c"),
+                                                                  cbuild.isa(), flags.split(), cpu_q4._declare)
+        libs = {"before": before, "now": now}
+        part = (forward_ab if a.forward else q6k_ab if a.q6k else products_ab)(libs, a, rows_list)
+        if part is None:
             return 1
-    elif a.q6k:
-        results = q6k_ab(libs, a, rows_list)
-        if results is None:
-            return 1
-    else:
-        print(f"{'N x K':>12} {'rows':>5} {'before ms':>10} {'now ms':>8} {'now/before':>10}")
-    for shape in ([] if a.q6k or a.forward else a.shapes.split(",")):
+        results += [{**r, "flags": flags} for r in part] if a.entry_offsets else part
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "against": a.against, "flags": a.flags,
+            "threads": a.threads, "isa": cbuild.isa(),
+            "product": f"{a.forward} forward (int4)" if a.forward else "q6k_gemm" if a.q6k else "q8_gemm" if a.q8
+            else "q4_gemm", "bit_identical": not a.q6k}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print(f"wrote {a.out}")
+    return 0
+
+
+def products_ab(libs: dict, a, rows_list: list[int]) -> list[dict] | None:
+    """Single products (q4_gemm, or q8_gemm with --q8) on random weights of each shape: both builds alternately,
+    taking turns going first, each call on another of >= 5 DRAM-sized weight copies; outputs compared bit for bit."""
+    from forerun.kernels import cpu_q4
+
+    results = []
+    print(f"{'N x K':>12} {'rows':>5} {'before ms':>10} {'now ms':>8} {'now/before':>10}")
+    for shape in a.shapes.split(","):
         n, k = (int(x) for x in shape.split("x"))
         g = torch.Generator().manual_seed(0)
         packs = random_packs(n, k, a.mb, g, q8=a.q8)
@@ -119,7 +139,7 @@ def main() -> int:
                 gemm(lib, packs[0], ys[v])
             if not torch.equal(ys["before"], ys["now"]):
                 print(f"cpu_q4_ab: outputs differ at {shape}, {m} rows", file=sys.stderr)
-                return 1
+                return None
             times = {v: [] for v in libs}
             names = list(libs)
             for it in range(3 * copies):  # every call reads another copy than the call before (no L3 reuse), and
@@ -134,14 +154,7 @@ def main() -> int:
                             "now_ms": round(med["now"], 4), "ratio": round(med["now"] / med["before"], 3)})
             print(f"{shape:>12} {m:>5} {med['before']:>10.3f} {med['now']:>8.3f} {med['now'] / med['before']:>10.3f}",
                   flush=True)
-    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "against": a.against, "flags": a.flags,
-            "threads": a.threads, "isa": cbuild.isa(),
-            "product": f"{a.forward} forward (int4)" if a.forward else "q6k_gemm" if a.q6k else "q8_gemm" if a.q8
-            else "q4_gemm", "bit_identical": not a.q6k}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    print(f"wrote {a.out}")
-    return 0
+    return results
 
 
 def forward_ab(libs: dict, a, rows_list: list[int]) -> list[dict] | None:

@@ -107,6 +107,30 @@ def test_q4_vnni_linear_matches_dequantized_matmul_and_is_batch_invariant(n, k):
     assert lin.weight_bytes == -(-n // 4) * (256 * chunks + 64 * (k // 32))  # ~4.5 bits + the fp16 header
 
 
+def test_run_groups_is_placed_where_its_one_row_loop_measured_fastest():
+    """cpu_q4.c pins run_groups (the int4 product's per-thread loop, where decode steps spend most of their time) 16
+    bytes past a 64-byte boundary, in .text.hot: on a Zen 2 its 1-row loop took 1.05-1.14x the time at the three other
+    16-byte places with the same machine code, and edits elsewhere in the file used to move it (session 63,
+    docs/quantization.md). Checked on the library as built here, and with the place moved by -DRUN_GROUPS_ENTRY."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from forerun.kernels import cbuild, cpu_q4
+
+    if not cpu_q4.available() or shutil.which("nm") is None:
+        pytest.skip("no C kernel build or no nm here")
+
+    def place(lib) -> int:
+        syms = subprocess.run(["nm", lib._name], capture_output=True, text=True, check=True).stdout.split("\n")
+        return next(int(line.split()[0], 16) for line in syms if line.endswith(" run_groups"))
+
+    assert place(cpu_q4._load()) % 64 == 16
+    moved = cbuild.library_for(Path(cpu_q4.__file__).with_name("cpu_q4.c"), cbuild.isa(), ["-DRUN_GROUPS_ENTRY=48"],
+                               cpu_q4._declare)
+    assert place(moved) % 64 == 48
+
+
 def test_q4_kernel_builds_with_another_prefetch_distance_and_gives_the_same_bits():
     """cpu_q4.c's tuning constants can be set from the command line (benchmarks/cpu_q4_ab.py --flags=-DPFD=N): until
     session 63 `-DPFD` left KB_CHUNKS / KB_FROM undefined and the build failed. A prefetch distance only moves hints:

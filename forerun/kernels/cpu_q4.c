@@ -289,6 +289,16 @@ INLINE void group_rows(const uint8_t *g, int64_t k, const int8_t *xq, const floa
 #endif
 
 
+// Where run_groups' code lands matters on a Zen 2: its 1-row loop took 0.96-1.16x the time with the same machine code
+// moved in 16-byte steps, best 16 bytes past a 64-byte boundary, and any edit elsewhere in this file moved it
+// (docs/quantization.md, session 63). So it is pinned there: in .text.hot (`hot`: ahead of the rest of the code, its
+// address no longer follows the size of the functions before it), 64-byte aligned, with 16 bytes of nops put before
+// its entry (`patchable_function_entry(16, 16)`: never executed). An edit of run_groups' own loops can move the best
+// place; benchmarks/cpu_q4_ab.py --entry-offsets measures the four.
+#ifndef RUN_GROUPS_ENTRY
+#define RUN_GROUPS_ENTRY 16
+#endif
+__attribute__((hot, aligned(64), patchable_function_entry(RUN_GROUPS_ENTRY, RUN_GROUPS_ENTRY)))
 static void run_groups(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq, const float *xs, const float *isum,
                        int64_t m, float *y, int64_t g0, int64_t g1) {
     const int64_t gbytes = q4_group_bytes(k), astride = chunks_of(k) * 512, sstride = chunks_of(k) * 16;
@@ -859,8 +869,10 @@ void q4_quant_act(const float *x, int64_t m, int64_t k, int8_t *xq, float *xs, f
 // Activations: the int4 product's (q4_quant_act: int8 codes per 32 values in its piece order, xs per group) and the
 // sums of each 16 codes (bsum [M, groups * 2] int16). Per block and activation row, exactly in int32: lane g =
 // sum_p scale(g, p < 4 ? a : b) * dot(q_p, x_p) - 32 * (scale_a * bsum_a + scale_b * bsum_b) (maddubs(q, x) pairs
-// <= 2 * 63 * 127: no int16 saturation), then * d * xs[g] into 8 float lanes: the int8 kernel's structure, no
-// reductions across lanes until the end. Each output's operations are the same whatever M and the thread split.
+// <= 2 * 63 * 127: no int16 saturation; two pieces' pairs, <= 32004, added in int16 before one madd by their scale:
+// 4 madds a block and row instead of 8, the same integers, 0.82-0.91x the time at 2-8 rows on a Zen 2, session 63),
+// then * d * xs[g] into 8 float lanes: the int8 kernel's structure, no reductions across lanes until the end. Each
+// output's operations are the same whatever M and the thread split.
 #define Q6K_BLOCK 210
 // the 2 high bits of pieces 0-3 (h0) and 4-7 (h1) onto the low nibbles in q[8], W-bit vectors (256 or 512)
 #define Q6K_HIGH_BITS(W, q, h0, h1, m30)                                                                         \
@@ -907,10 +919,12 @@ INLINE void q6k_row(const uint8_t *w, int64_t nb, const int8_t *xq, int64_t astr
         const int64_t xoff = (b / 2) * 512 + (b % 2) * 32;  // piece p of the block's 8 groups: + 64 p
         for (int i = 0; i < mb; i++) {
             const int8_t *xb = xq + i * astride + xoff;
-            __m256i acc = _mm256_madd_epi16(_mm256_maddubs_epi16(q[0], _mm256_loadu_si256((const __m256i *)xb)), sa);
-            for (int p = 1; p < 8; p++)
-                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(
-                    _mm256_maddubs_epi16(q[p], _mm256_loadu_si256((const __m256i *)(xb + 64 * p))), p < 4 ? sa : sbv));
+            __m256i acc = _mm256_setzero_si256();
+            for (int p = 0; p < 8; p += 2)  // two pieces' pair sums in int16 (<= 2 * 16002), then one madd by the scale
+                acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_add_epi16(
+                    _mm256_maddubs_epi16(q[p], _mm256_loadu_si256((const __m256i *)(xb + 64 * p))),
+                    _mm256_maddubs_epi16(q[p + 1], _mm256_loadu_si256((const __m256i *)(xb + 64 * p + 64)))),
+                    p < 4 ? sa : sbv));
             const __m256i off = _mm256_madd_epi16(s16, _mm256_loadu_si256((const __m256i *)(bs + i * sstride * 2 + 16 * b)));
             acc = _mm256_sub_epi32(acc, _mm256_slli_epi32(off, 5));
             facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_mul_ps(d, _mm256_loadu_ps(xs + i * sstride + 8 * b)),

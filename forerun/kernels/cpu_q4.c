@@ -725,6 +725,13 @@ INLINE void q8_group_rows_few(const uint8_t *g, int64_t k, const int8_t *xq, con
 // 1-2 activation rows in a function of their own: inlined into q8_run_groups beside the 3-8-row paths, gcc laid them
 // out so that 2 rows took longer than 3 (Zen 2); here 2 rows take 0.85-0.91x that time (docs/quantization.md,
 // session 60). Same operations, same bits.
+// pinned as run_groups is (above): at 16 bytes past a 64-byte boundary its 1-row and 2-row products measured
+// 0.93-0.99x / 0.86-0.93x the time they took where the linker happened to put it, at 0 / 32 / 48 0.97-1.03x
+// (session 63); Q8_ENTRY moves it
+#ifndef Q8_ENTRY
+#define Q8_ENTRY 16
+#endif
+__attribute__((hot, aligned(64), patchable_function_entry(Q8_ENTRY, Q8_ENTRY)))
 __attribute__((noinline)) static void q8_run_groups_few(const uint8_t *w, int64_t n, int64_t k, const int8_t *xq,
                                                         const float *xs, int64_t m, float *y, int64_t g0, int64_t g1) {
     const int64_t gbytes = q8_group_bytes(k);

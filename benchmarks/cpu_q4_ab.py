@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import statistics
 import subprocess
@@ -157,31 +158,42 @@ def products_ab(libs: dict, a, rows_list: list[int]) -> list[dict] | None:
     return results
 
 
-def forward_ab(libs: dict, a, rows_list: list[int]) -> list[dict] | None:
-    """--forward: the model's forward of q new tokens after a 64-token prefix with each build as cpu_q4's library
-    (every C product of the forward: int4, int8 and the Q6_K head), alternating, median ms per forward."""
+@functools.lru_cache(maxsize=1)
+def _runner_with_prefix(model_name: str):
+    """The model (int4) in a CPU runner whose sequence 0 holds a 64-token prefix (loaded once per process: every
+    --entry-offsets variant reuses it). Returns (runner, prefix length)."""
     from forerun.config import CacheConfig
-    from forerun.kernels import cpu_q4
     from forerun.models.registry import load_model
     from forerun.runtime.runner import Chunk, ModelRunner
 
-    model, tok, _ = load_model(a.forward, quantize="int4", progress=False)
+    model, tok, _ = load_model(model_name, quantize="int4", progress=False)
     runner = ModelRunner(model, CacheConfig(block_size=16, num_blocks=64), "cpu", torch.float32)
     prefix = tok.encode("def quicksort(items):\n    \"\"\"Sort a list.\"\"\"\n" * 6)[:64]
     runner.kv.add_sequence(0)
+    with torch.inference_mode():
+        runner.forward([Chunk(0, prefix, logits="last")])
+    return runner, len(prefix)
+
+
+def forward_ab(libs: dict, a, rows_list: list[int]) -> list[dict] | None:
+    """--forward: the model's forward of q new tokens after a 64-token prefix with each build as cpu_q4's library
+    (every C product of the forward: int4, int8 and the Q6_K head), alternating, median ms per forward."""
+    from forerun.kernels import cpu_q4
+    from forerun.runtime.runner import Chunk
+
+    runner, prefix_len = _runner_with_prefix(a.forward)
     loader = cpu_q4._load
 
     def forward(v: str, q: int):
         cpu_q4._load = lambda: libs[v]  # cpu_q4 and cpu_layer look the library up at every call
         out = runner.forward([Chunk(0, list(range(100, 100 + q)), logits="all")])[0].logits
-        runner.kv.truncate(0, len(prefix))
+        runner.kv.truncate(0, prefix_len)
         return out
 
     results = []
     print(f"{'q':>3} {'before ms':>10} {'now ms':>8} {'now/before':>10}")
     try:
         with torch.inference_mode():
-            runner.forward([Chunk(0, prefix, logits="last")])
             for q in rows_list:
                 if not torch.equal(forward("before", q), forward("now", q)):
                     print(f"cpu_q4_ab: the forward's logits differ at q = {q}", file=sys.stderr)

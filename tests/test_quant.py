@@ -109,7 +109,7 @@ def test_q4_vnni_linear_matches_dequantized_matmul_and_is_batch_invariant(n, k):
 
 def test_run_groups_is_placed_where_its_one_row_loop_measured_fastest():
     """cpu_q4.c pins run_groups (the int4 product's per-thread loop, where decode steps spend most of their time) 16
-    bytes past a 64-byte boundary, in .text.hot: on a Zen 2 its 1-row loop took 1.05-1.14x the time at the three other
+    bytes past a 64-byte boundary, in .text.hot: on a Zen 2 its 1-row loop took 1.01-1.14x the time at the three other
     16-byte places with the same machine code, and edits elsewhere in the file used to move it (session 63,
     docs/quantization.md). Checked on the library as built here, and with the place moved by -DRUN_GROUPS_ENTRY."""
     import shutil

@@ -222,7 +222,7 @@ q4d_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
 
 def claim_source(k: int, rows: int, warps: int, depth: int, glu: bool, dyn: bool, minb: int = 2, ch: int = 1) -> str:
     # the helpers' own macros are unused here; set to valid values
-    return (_HELPERS.format(K=k, R=1, WARPS=warps, DEPTH=2, GLU=0, PDL=1, NORM=0, SPLIT=0, NP=1, ADD=0)
+    return (_HELPERS.format(K=k, R=1, WARPS=warps, DEPTH=2, GLU=0, PDL=1, NORM=0, SPLIT=0, NP=1, ADD=0, DP4A=0)
             + _CLAIM.format(KK=k, RW=rows, NWARP=warps, DEP=depth, SGLU=int(glu), DYN=int(dyn),
                              MINB=minb, CH=ch))
 

@@ -246,7 +246,7 @@ KIND = {(H, False): 0, (H, True): 1, (I, False): 2}
 
 def compile_persistent(rows: int, warps: int, depth: int, pf: int):
     # K / GLU of the helpers' macros are unused by the persistent kernel (templates); set to valid values
-    src = (_HELPERS.format(K=4096, R=rows, WARPS=warps, DEPTH=depth, GLU=0, PDL=0, NORM=0, SPLIT=0, NP=1, ADD=0)
+    src = (_HELPERS.format(K=4096, R=rows, WARPS=warps, DEPTH=depth, GLU=0, PDL=0, NORM=0, SPLIT=0, NP=1, ADD=0, DP4A=0)
            + _PERSIST.format(PF=int(pf)))
     return torch.cuda._compile_kernel(src, "q4c_persistent")
 

@@ -128,7 +128,7 @@ q4s_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
 
 def smem_source(k: int, rows: int, warps: int, glu: bool) -> str:
     # the helpers' own macros are unused here; set to valid values
-    return (_HELPERS.format(K=k, R=1, WARPS=warps, DEPTH=2, GLU=0, PDL=1, NORM=0, SPLIT=0, NP=1, ADD=0)
+    return (_HELPERS.format(K=k, R=1, WARPS=warps, DEPTH=2, GLU=0, PDL=1, NORM=0, SPLIT=0, NP=1, ADD=0, DP4A=0)
             + _SMEM.format(KK=k, RW=rows, NWARP=warps, SGLU=int(glu)))
 
 

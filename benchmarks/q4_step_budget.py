@@ -14,7 +14,7 @@ apart), six with every kernel's preferred shared-memory carveout set to one valu
 value measured slower than the driver's own choices, session 55), the Triton decode attention in other shapes, and
 the decode attention fused with its RoPE into one kernel whose KV splits merge in a thread-block cluster
 (attention/fused_decode.py; session 56), and the 1-row kernel loading the activation row one word at a time as it
-did before session 58.
+did before session 58, and (session 64) with the row rounded to int8 for dp4a products (q4_cuda.INT8_ACTIVATIONS).
 Variants run interleaved (the card's clocks drift); best of the runs. Prints a table, writes JSON (+ PNG).
 
     python benchmarks/q4_step_budget.py --out benchmarks/results/q4_step_budget_h200.json
@@ -46,6 +46,7 @@ C_KERNEL = quant_cuda.KERNELS["c"]
 # before it is converted (after the previous word's shuffles and shared stores: one L2 trip a word in a row on the
 # critical path; the add + RMSNorm prologue, off in the engine, keeps its preloads)
 ENGINE_SRC = q4_cuda._SRC
+DP4A_DEFAULT = q4_cuda.INT8_ACTIVATIONS[0]
 WORDWISE_SRC = ENGINE_SRC.replace(
     "const uint4 v = vr[t];",
     "const uint4 v = NORM || SPLIT ? vr[t] : i < 4 * G_ ? __ldca(x + i) : make_uint4(0u, 0u, 0u, 0u);")
@@ -96,6 +97,10 @@ VARIANTS = {
     # variant does); "fwN" / "fsN": the fused kernel's warps a block (2) / most KV splits, i.e. blocks a cluster (8);
     # "late": its PDL trigger at its end (the o product launched then) instead of at its start
     "engine, activation row loaded word by word (the 1-row kernel before session 58)": (("wordwise",), None),
+    # "dp4a": the 1-row products take the activation row as int8 (a scale per group of 32) with dp4a products
+    # instead of f16 pairs (q4_cuda.INT8_ACTIVATIONS, FORERUN_Q4_DP4A; session 64)
+    "engine, int8 activations, dp4a products": (("dp4a",), None),
+    "products only, int8 activations, dp4a products": (("norm", "rope", "attn", "dp4a"), None),
     "engine, attention unfused (RoPE, split, merge kernels)": (("unfused",), None),
     "engine, fused attention (one kernel a layer)": (("fusedattn",), None),
     "engine, fused attention with 4 warps": (("fusedattn", "fw4"), None),
@@ -129,8 +134,9 @@ def install(model, knocked: tuple[str, ...], splits: int | None, originals: dict
     if cuda_attention is not None:
         cuda_decode.WARPS, cuda_decode.TRIGGER = cuda_attention
     src = WORDWISE_SRC if "wordwise" in knocked else ENGINE_SRC
-    if q4_cuda._SRC != src:  # (each variant captures its own graph: the kernels are fetched again then)
-        q4_cuda._SRC = src
+    if q4_cuda._SRC != src or q4_cuda.INT8_ACTIVATIONS[0] != ("dp4a" in knocked or DP4A_DEFAULT):
+        q4_cuda._SRC = src  # (each variant captures its own graph: the kernels are fetched again then)
+        q4_cuda.INT8_ACTIVATIONS[0] = "dp4a" in knocked or DP4A_DEFAULT
         q4_cuda._kernel_on.cache_clear()
     bufs: dict = {}
     carve = [w for w in knocked if w.startswith("carve")]

@@ -322,7 +322,7 @@ q4_stream(const SProd* __restrict__ P, int num, unsigned int* counter, unsigned 
 
 def stream_source(sw: int, nslot: int, xreg: bool, ko: int = 0, tma: bool = False, dyn: bool = False) -> str:
     # K / R / WARPS / ... of the helpers' macros are unused here; set to valid values
-    return (_HELPERS.format(K=4096, R=1, WARPS=sw, DEPTH=2, GLU=0, PDL=0, NORM=0, SPLIT=0, NP=1, ADD=0)
+    return (_HELPERS.format(K=4096, R=1, WARPS=sw, DEPTH=2, GLU=0, PDL=0, NORM=0, SPLIT=0, NP=1, ADD=0, DP4A=0)
             + _STREAM.format(SW=sw, NSLOT=nslot, XREG=int(xreg), KO=ko, TMA=int(tma), DYN=int(dyn), NCLAIM=NCLAIM))
 
 

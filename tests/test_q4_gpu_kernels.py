@@ -123,11 +123,7 @@ def test_tensor_core_verify_kernel_on_gpu():
     from forerun.kernels.quant_gemm import q4t_linear
     torch.manual_seed(0)
     for n, k in ((192, 1024), (128, 896)):
-        w = torch.randn(n, k, device="cuda") * 0.05
-        q, s, z = quantize_groups_int4(w)
-        q32 = pack_int4_w32(q)
-        s, z = s.to(torch.bfloat16), z.to(torch.bfloat16)
-        wd = (q.float().reshape(n, k // 32, 32) * s.float()[..., None] + z.float()[..., None]).reshape(n, k)
+        q, q32, s, z, wd = _cuda_int4_weights(n, k)
         lin = CudaQ4Linear(q, s, z)
         for m in (1, 2, 3, 5, 16):
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
@@ -155,11 +151,7 @@ def test_short_verify_kernel_on_gpu():
     from forerun.kernels.quant_gemm import q4r_linear
     torch.manual_seed(0)
     for n, k, bks in ((96, 1024, (256, 1024)), (64, 896, (128,))):
-        w = torch.randn(n, k, device="cuda") * 0.05
-        q, s, z = quantize_groups_int4(w)
-        q32 = pack_int4_w32(q)
-        s, z = s.to(torch.bfloat16), z.to(torch.bfloat16)
-        wd = (q.float().reshape(n, k // 32, 32) * s.float()[..., None] + z.float()[..., None]).reshape(n, k)
+        q, q32, s, z, wd = _cuda_int4_weights(n, k)
         for m in range(1, 9):
             x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
             ref = x.float() @ wd.t()
@@ -212,6 +204,64 @@ def test_packed_f16_unpacking_matches_the_word_layout():
     assert np.abs(16 * _emulate_q4v_word(swapped, pairs) - want).max() > 0.05 * np.abs(want).max()
 
 
+def _emulate_dp4a_row(words: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """q4_cuda's DP4A path for one weight row, its index arithmetic transcribed: store_word8 writes word i of the
+    activation row x [8 * 4G] into xq8 (uint2 units: [(c / 2) * 2G + 2g + c % 2]), the dot loop reads xq[g] and
+    xq[G + g] (uint4 units) and group_dot8 takes each weight word in two masks (low / high nibbles of its bytes)
+    against them with dp4a. Returns (the int32 dot per group, the int8 row in x's order)."""
+    G = len(words) // 4
+    xq8 = np.zeros(4 * G * 2, np.uint32)  # the smem area as 32-bit words: uint2 index u -> [2u, 2u + 1]
+    q8 = np.zeros(8 * 4 * G, np.int64)
+    for g in range(G):
+        a = x[32 * g: 32 * g + 32].astype(np.float32)
+        m = np.float32(np.abs(a).max())
+        inv = np.float32(127.0) / m if m > 0 else np.float32(0.0)
+        q = np.rint(a * inv).astype(np.int64)  # __float2int_rn: to nearest, ties to even
+        q8[32 * g: 32 * g + 32] = q
+        for c in range(4):
+            b = q[8 * c: 8 * c + 8]  # word i = 4g + c: q0..q7
+            pack = [int(np.uint32(np.int64(b0) & 0xFF | (np.int64(b1) & 0xFF) << 8 | (np.int64(b2) & 0xFF) << 16
+                                  | (np.int64(b3) & 0xFF) << 24)) for b0, b1, b2, b3 in
+                    ((b[0], b[4], b[1], b[5]), (b[2], b[6], b[3], b[7]))]
+            u = (c >> 1) * 2 * G + 2 * g + (c & 1)
+            xq8[2 * u], xq8[2 * u + 1] = pack
+    sbytes = lambda v: np.frombuffer(np.uint32(v).tobytes(), np.int8).astype(np.int64)  # noqa: E731
+    dots = np.zeros(G, np.int64)
+    for g in range(G):
+        xa, xb = xq8[4 * g: 4 * g + 4], xq8[4 * (G + g): 4 * (G + g) + 4]
+        acts = [xa[0], xa[1], xa[2], xa[3], xb[0], xb[1], xb[2], xb[3]]
+        w = words[4 * g: 4 * g + 4]
+        parts = [p for wd in w for p in (wd & 0x0F0F0F0F, (wd >> 4) & 0x0F0F0F0F)]
+        dots[g] = sum(int((sbytes(p) * sbytes(a)).sum()) for p, a in zip(parts, acts))
+    return dots, q8
+
+
+def test_dp4a_unpacking_and_row_layout_match_the_word_layout():
+    """CPU check of q4_cuda's DP4A path (the kernel runs on the GPU machine): with its shared-memory indices and
+    byte order transcribed, each group's dp4a sum equals the exact dot product of pack_int4_w32's codes with the
+    int8-rounded activations (max |a| of the group -> 127); a layout with the code halves swapped does not. The
+    transcribed lines are checked to be the kernel's."""
+    from forerun.kernels import q4_cuda
+    for line in ("xq8[(c >> 1) * 2 * G + 2 * g + (c & 1)] = make_uint2(pack4(q0, q4, q1, q5), pack4(q2, q6, q3, q7));",
+                 "const uint4 xa = xq[g], xb = xq[G_ + g];", "int s = __dp4a((int)(w.x & m), (int)a.x, 0);",
+                 "s = __dp4a((int)((w.x >> 4) & m), (int)a.y, s);", "s = __dp4a((int)(w.y & m), (int)a.z, s);",
+                 "s = __dp4a((int)((w.y >> 4) & m), (int)a.w, s);", "s = __dp4a((int)(w.z & m), (int)b.x, s);",
+                 "s = __dp4a((int)((w.z >> 4) & m), (int)b.y, s);", "s = __dp4a((int)(w.w & m), (int)b.z, s);",
+                 "return __dp4a((int)((w.w >> 4) & m), (int)b.w, s);"):
+        assert line in q4_cuda._SRC, f"q4_cuda's DP4A path changed: update the emulation here ({line})"
+    rng = np.random.default_rng(0)
+    k = 320  # 10 groups: the planes' offsets (2G) are not a power of two
+    q = torch.from_numpy(rng.integers(0, 16, (1, k), dtype=np.uint8))
+    words = pack_int4_w32(q).numpy().reshape(-1).view(np.uint32)
+    x = rng.standard_normal(k).astype(np.float32) * 3
+    dots, q8 = _emulate_dp4a_row(words, x)
+    assert np.abs(q8).max() == 127 and (np.abs(q8) <= 127).all()
+    want = (q.numpy().astype(np.int64).reshape(-1, 32) * q8.reshape(-1, 32)).sum(1)
+    assert np.array_equal(dots, want)
+    swapped = pack_int4_w32(q.reshape(-1, 2).flip(-1).reshape(1, k)).numpy().reshape(-1).view(np.uint32)
+    assert not np.array_equal(_emulate_dp4a_row(swapped, x)[0], want)
+
+
 def test_dequant_kernel_in_interpreter_equals_the_groups_exactly():
     """dequantize_int4_w32 (products of more than 16 rows: long verification at a batch, prefill) gives every
     weight as code * scale + zero of its own group, rounded once: a swapped nibble, half-word or group fails."""
@@ -254,7 +304,8 @@ def test_products_of_more_than_16_rows_on_gpu():
 
 def test_cuda_c_kernel_source_compiles_for_every_shape_it_takes():
     """The NVRTC kernel's source, instantiated for K below, at and past a multiple of 32 groups (tails of the lane
-    loop), SwiGLU, PDL, the add + RMSNorm prologue and the split norm's two halves, compiles with nvcc where a CUDA toolkit is installed (this CPU machine has one; the GPU
+    loop), SwiGLU, PDL, the add + RMSNorm prologue and the split norm's two halves, each with f16 pairs and with
+    int8 activations (DP4A), compiles with nvcc where a CUDA toolkit is installed (this CPU machine has one; the GPU
     machine compiles it with NVRTC in the tests below) and uses no local memory (a spill would mean the register
     ring of weights in flight did not fit)."""
     import shutil
@@ -271,13 +322,15 @@ def test_cuda_c_kernel_source_compiles_for_every_shape_it_takes():
                 (896, 1, 4, 2, 0, 0, 1, 0, 0), (4096, 2, 16, 2, 0, 1, 0, 1, 0), (4096, 1, 16, 2, 1, 1, 0, 1, 0),
                 (896, 1, 4, 2, 0, 0, 0, 1, 0), (4096, 2, 16, 4, 0, 1, 0, 0, 1), (12288, 1, 16, 4, 0, 1, 0, 0, 1),
                 (1536, 4, 8, 2, 0, 0, 0, 0, 1)):
-            src = os.path.join(d, "k.cu")
-            with open(src, "w") as f:
-                f.write(q4_cuda.source(k, r, w, depth, bool(glu), bool(pdl), bool(norm), 256 * split, bool(add)))
-            out = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", os.path.join(d, "k.cubin"), src,
-                                  "-Xptxas", "-v"], capture_output=True, text=True, timeout=300)
-            assert out.returncode == 0, out.stderr[-2000:]
-            assert "0 bytes spill stores" in out.stderr, (k, r, w, depth, out.stderr[-500:])
+            for dp4a in (False, True):
+                src = os.path.join(d, "k.cu")
+                with open(src, "w") as f:
+                    f.write(q4_cuda.source(k, r, w, depth, bool(glu), bool(pdl), bool(norm), 256 * split, bool(add),
+                                           dp4a))
+                out = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", os.path.join(d, "k.cubin"), src,
+                                      "-Xptxas", "-v"], capture_output=True, text=True, timeout=300)
+                assert out.returncode == 0, out.stderr[-2000:]
+                assert "0 bytes spill stores" in out.stderr, (k, r, w, depth, dp4a, out.stderr[-500:])
 
 
 def _wide_products_take_the_cuda_pass(cls, name: str, monkeypatch) -> None:
@@ -444,6 +497,15 @@ def _q4c_ok() -> bool:
     return q4_cuda.available()
 
 
+def _cuda_int4_weights(n: int, k: int):
+    """Random int4 groups on the GPU: (codes [N, K], word layout, bf16 scales, bf16 offsets, dequantized float)."""
+    w = torch.randn(n, k, device="cuda") * 0.05
+    q, s, z = quantize_groups_int4(w)
+    s, z = s.to(torch.bfloat16), z.to(torch.bfloat16)
+    wd = (q.float().reshape(n, k // 32, 32) * s.float()[..., None] + z.float()[..., None]).reshape(n, k)
+    return q, pack_int4_w32(q), s, z, wd
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (run on the GPU machine)")
 def test_cuda_c_decode_kernel_on_gpu():
     """q4c_linear (NVRTC) against x @ dequantized(W)^T in float32: every configuration kind, K with a lane tail
@@ -455,11 +517,7 @@ def test_cuda_c_decode_kernel_on_gpu():
     assert _q4c_ok(), "NVRTC kernel did not compile on the GPU machine"
     torch.manual_seed(0)
     for n, k in ((96, 1024), (50, 1536), (40, 896)):
-        w = torch.randn(n, k, device="cuda") * 0.05
-        q, s, z = quantize_groups_int4(w)
-        q32 = pack_int4_w32(q)
-        s, z = s.to(torch.bfloat16), z.to(torch.bfloat16)
-        wd = (q.float().reshape(n, k // 32, 32) * s.float()[..., None] + z.float()[..., None]).reshape(n, k)
+        q, q32, s, z, wd = _cuda_int4_weights(n, k)
         for amp in (1.0, 3000.0):
             x = (torch.randn(1, k, device="cuda") * amp).to(torch.bfloat16)
             ref = x.float() @ wd.t()
@@ -491,6 +549,69 @@ def test_cuda_c_decode_kernel_on_gpu():
     assert ((q4c_linear(x, bad, s, z).float() - ref).abs().max() / ref.abs().max()).item() > 0.05
     with pytest.raises(ValueError, match="one contiguous bf16 row"):
         q4c_linear(torch.zeros(2, 896, device="cuda", dtype=torch.bfloat16), q32, s, z)
+
+
+def _int8_activation_product(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """What q4_cuda's DP4A kernel computes, in float64 from its int8 rounding of x (float32 steps as the kernel
+    takes them): per group of 32, d = max |x| / 127, a = round(x * (127 / max |x|)), y = sum over groups of
+    scale * d * (codes . a) + offset * d * sum(a). q: codes [N, K], s / z: [N, K / 32]."""
+    a = x.float().reshape(-1, 32)
+    m = a.abs().amax(-1, keepdim=True)
+    qa = torch.round(a * torch.where(m > 0, 127.0 / m, torch.zeros_like(m))).double()
+    d = (m * torch.tensor(1.0 / 127.0, dtype=torch.float32)).double().reshape(1, -1)
+    dots = (q.double().reshape(q.shape[0], -1, 32) * qa[None]).sum(-1)  # exact integers
+    return ((dots * s.double() + z.double() * qa.sum(-1)[None]) * d).sum(-1)[None]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (run on the GPU machine)")
+def test_cuda_c_decode_kernel_with_int8_activations_on_gpu(monkeypatch):
+    """INT8_ACTIVATIONS (FORERUN_Q4_DP4A): the row rounded to int8 per group of 32, dp4a products. Equal to that
+    rounding done in torch with exact integer dots (up to float32 sums and the bf16 output) for every configuration
+    kind, K with a lane tail, plain and SwiGLU, with and without PDL, in a CUDA graph; within 1.5e-2 of x @
+    dequantized(W)^T. With an outlier 30x the rest in every group (int8 steps coarse) the int8 reference and the
+    float one are 1-2 % apart, and the kernel follows the int8 one; the f16-pair kernel does not (the power check)."""
+    from forerun.kernels import q4_cuda
+    assert _q4c_ok(), "NVRTC kernel did not compile on the GPU machine"
+    torch.manual_seed(0)
+    for n, k in ((96, 1024), (50, 1536), (40, 896)):
+        q, q32, s, z, wd = _cuda_int4_weights(n, k)
+        for amp, outlier in ((1.0, False), (3000.0, False), (1.0, True)):
+            x = torch.randn(1, k, device="cuda") * amp
+            if outlier:
+                x = x.reshape(-1, 32)
+                x[:, 7] = 30.0 * amp
+                x = x.reshape(1, k)
+            x = x.to(torch.bfloat16)
+            ref = x.double() @ wd.double().t()
+            emu = _int8_activation_product(x, q, s, z)
+            emu_glu = torch.nn.functional.silu(emu[:, :n // 2]) * emu[:, n // 2:]
+            gap = ((emu - ref).abs().max() / ref.abs().max()).item()
+            assert gap < 1.5e-2 if not outlier else gap > 1e-2, (n, k, amp, gap)
+            for rows, warps, depth in ((1, 4, 2), (2, 4, 4), (4, 8, 2), (3, 2, 1)):
+                for pdl in (False, True):
+                    monkeypatch.setattr(q4_cuda, "INT8_ACTIVATIONS", [True])
+                    y = q4_cuda.q4c_linear(x, q32, s, z, rows=rows, warps=warps, depth=depth, pdl=pdl)
+                    err = ((y.double() - emu).abs().max() / emu.abs().max()).item()
+                    assert err < 3e-3, (n, k, amp, outlier, rows, warps, depth, pdl, err)
+                    y = q4_cuda.q4c_linear(x, q32, s, z, glu=True, rows=rows, warps=warps, depth=depth, pdl=pdl)
+                    err = ((y.double() - emu_glu).abs().max() / emu_glu.abs().max()).item()
+                    assert err < 5e-3, ("glu", n, k, amp, outlier, rows, warps, depth, pdl, err)
+            if outlier:  # the f16 pairs follow the float reference, not the int8 rounding
+                monkeypatch.setattr(q4_cuda, "INT8_ACTIVATIONS", [False])
+                y = q4_cuda.q4c_linear(x, q32, s, z)
+                assert ((y.double() - emu).abs().max() / emu.abs().max()).item() > 5e-3
+    # inside a CUDA graph, new activations each replay
+    monkeypatch.setattr(q4_cuda, "INT8_ACTIVATIONS", [True])
+    x = torch.randn(1, 896, device="cuda").to(torch.bfloat16)
+    q4_cuda.q4c_linear(x, q32, s, z, pdl=True)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        yg = q4_cuda.q4c_linear(x, q32, s, z, pdl=True)
+    x.copy_(torch.randn(1, 896, device="cuda").to(torch.bfloat16))
+    g.replay()
+    torch.cuda.synchronize()
+    emu = _int8_activation_product(x, q, s, z)
+    assert ((yg.double() - emu).abs().max() / emu.abs().max()).item() < 3e-3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (run on the GPU machine)")
@@ -882,7 +1003,7 @@ def test_the_chain_benchmarks_kernels_still_build_from_this_source():
                SP.smem_source(4096, 2, 16, False), SP.smem_source(12288, 1, 16, False),
                SP.smem_source(4096, 1, 16, True),
                SG.stream_source(16, 5, True, 0, True, True), SG.stream_source(16, 2, True, 2, False, False),
-               PG._HELPERS.format(K=4096, R=2, WARPS=8, DEPTH=4, GLU=0, PDL=0, NORM=0, SPLIT=0, NP=1, ADD=0)
+               PG._HELPERS.format(K=4096, R=2, WARPS=8, DEPTH=4, GLU=0, PDL=0, NORM=0, SPLIT=0, NP=1, ADD=0, DP4A=0)
                + PG._PERSIST.format(PF=2),
                LP.counting_source(4096, 2, 16, 2, False), LP.counting_source(12288, 1, 16, 4, False), LP._PREFETCHER]
     assert "%globaltimer" in sources[0] and sources[0].count("_ts[") >= 9

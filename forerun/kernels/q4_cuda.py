@@ -19,9 +19,21 @@ the kernel owns its register layout:
   * PDL (Hopper): the first DEPTH groups of weights are requested before `griddepcontrol.wait`, and
     `griddepcontrol.launch_dependents` lets the next kernel start early (kernels/pdl.py says why).
 
-Layout: quant_gemm's word layout (``qw32`` int32 [N, K / 8], ``scale`` / ``zero`` bf16 [N, K / 32], w = q * scale
-+ zero), so the same `CudaQ4Linear` buffers serve both kernels. Compiled per (K, R, WARPS, DEPTH, GLU, PDL) on
-first use (kernels/nvrtc.py); `available()` says whether it can run here (NVRTC usable, FORERUN_Q4_CUDA != 0).
+DP4A (`INT8_ACTIVATIONS`, FORERUN_Q4_DP4A=1; off: not yet measured on a GPU, session 64): the block rounds the row
+to int8 instead, one scale per group of 32 (max |x| / 127, as llama.cpp's CUDA decode rounds its activations), and a
+word of 8 codes takes two masks, a shift and two dp4a (an exact int32 sum per group) instead of ~17 packed-f16
+instructions; per group and row y += scale * d * sum + zero * d * sum(int8 row) (the offsets' term over the same
+rounded row, so the two terms' rounding errors cancel). Error: 0.4-0.7 % of the largest output with N(0, 1) rows
+(emulated; the CPU kernels' int8 activations err the same way), against 0.25-0.35 % for the f16 pairs. The idea: at
+the H200's copy bandwidth an SM must take ~32 weights a clock, i.e. at most ~4 instructions per weight at its full
+issue rate (4 warp instructions a clock), and the f16 kernel spends ~2.1 of them on its unpacking alone
+(docs/performance.md, session 22): near the issue bound, where the 145 chained 1-row products of the 8B shape run at
+77 % of their floor on the H200 against 87-90 % on the H100 (same SMs and clocks, 0.71x the bandwidth). The int8
+loop's PTX is about half as long; `benchmarks/q4_dp4a_gpu.py` measures both.
+
+Layout: quant_gemm's word layout (``qw32`` int32 [N, K / 8], ``scale`` / ``zero`` bf16 [N, K / 32], w = q * scale +
+zero), so the same `CudaQ4Linear` buffers serve both kernels. Compiled per (K, R, WARPS, DEPTH, GLU, PDL, DP4A, ...)
+on first use (kernels/nvrtc.py); `available()` says whether it can run here (NVRTC usable, FORERUN_Q4_CUDA != 0).
 """
 from __future__ import annotations
 
@@ -48,6 +60,7 @@ _SRC = r"""
 #define SPLIT {SPLIT}  // the prologue normalises x with the sums of squares an ADD kernel left (split_norm_linear)
 #define NP_ {NP}       // SPLIT: partial sums per lane (n_part <= 32 * NP_)
 #define ADD {ADD}      // the epilogue adds the residual and leaves the block's sum of squares (add_linear)
+#define DP4A {DP4A}    // the activation row as int8 (a scale per group of 32) and dp4a products, not f16 pairs
 #define NW (GLU ? 2 * R_ : R_)
 #define T_ ((4 * G_ + WARPS * 32 - 1) / (WARPS * 32))  // words of the activation row per thread
 
@@ -135,6 +148,53 @@ __device__ __forceinline__ void store_word(uint4* xq, float* gsum, int G, int i,
     }}
 }}
 
+__device__ __forceinline__ unsigned int pack4(int b0, int b1, int b2, int b3) {{
+    return (unsigned int)(b0 & 0xFF) | ((unsigned int)(b1 & 0xFF) << 8) | ((unsigned int)(b2 & 0xFF) << 16)
+         | ((unsigned int)b3 << 24);
+}}
+
+// DP4A: word i of the activation row (a0..a7) as 8 int8, rounded to the nearest of 255 steps of its group's
+// max |a| (the 4 consecutive threads holding a group's words share it: scale d = max |a| / 127), in the order the
+// word's codes meet them under dp4a: the low nibbles of its bytes are codes (0, 4, 1, 5), the high ones (2, 6, 3,
+// 7) (code c sits at bits 4 (c / 2) + 16 (c % 2)). Word c of group g at xq8[(c / 2) * 2G + 2g + c % 2] (so one
+// 16-byte load takes words 0-1 of a group, one more 2-3), d at gscale[g], and at gsum[g] d times the sum of the
+// group's int8 values: the offsets' term then multiplies the same rounded row as the codes' (with the float sum
+// of the row instead, the two terms' rounding errors no longer cancel: 1-2 % of the output, not 0.5 %).
+__device__ __forceinline__ void store_word8(uint2* xq8, float* gscale, float* gsum, int G, int i, bool valid,
+                                            float a0, float a1, float a2, float a3, float a4, float a5, float a6,
+                                            float a7) {{
+    float m = fmaxf(fmaxf(fmaxf(fabsf(a0), fabsf(a1)), fmaxf(fabsf(a2), fabsf(a3))),
+                    fmaxf(fmaxf(fabsf(a4), fabsf(a5)), fmaxf(fabsf(a6), fabsf(a7))));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+    const float id = m > 0.0f ? 127.0f / m : 0.0f;
+    const int q0 = __float2int_rn(a0 * id), q1 = __float2int_rn(a1 * id), q2 = __float2int_rn(a2 * id);
+    const int q3 = __float2int_rn(a3 * id), q4 = __float2int_rn(a4 * id), q5 = __float2int_rn(a5 * id);
+    const int q6 = __float2int_rn(a6 * id), q7 = __float2int_rn(a7 * id);
+    int s = ((q0 + q1) + (q2 + q3)) + ((q4 + q5) + (q6 + q7));
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    if (valid) {{
+        const float d = m * (1.0f / 127.0f);
+        const int g = i >> 2, c = i & 3;
+        xq8[(c >> 1) * 2 * G + 2 * g + (c & 1)] = make_uint2(pack4(q0, q4, q1, q5), pack4(q2, q6, q3, q7));
+        if (c == 0) {{ gsum[g] = d * (float)s; gscale[g] = d; }}
+    }}
+}}
+
+// one group (4 words, 32 codes 0..15) times its 32 int8 activations (words 0-1 in a, 2-3 in b): an exact int32
+__device__ __forceinline__ int group_dot8(uint4 w, uint4 a, uint4 b) {{
+    const unsigned int m = 0x0F0F0F0Fu;
+    int s = __dp4a((int)(w.x & m), (int)a.x, 0);
+    s = __dp4a((int)((w.x >> 4) & m), (int)a.y, s);
+    s = __dp4a((int)(w.y & m), (int)a.z, s);
+    s = __dp4a((int)((w.y >> 4) & m), (int)a.w, s);
+    s = __dp4a((int)(w.z & m), (int)b.x, s);
+    s = __dp4a((int)((w.z >> 4) & m), (int)b.y, s);
+    s = __dp4a((int)(w.w & m), (int)b.z, s);
+    return __dp4a((int)((w.w >> 4) & m), (int)b.w, s);
+}}
+
 // one word (8 codes) times its 4 activation pairs, accumulated into the f16x2 acc
 __device__ __forceinline__ unsigned int word_dot(unsigned int w, uint4 xp, unsigned int acc) {{
     const unsigned int m = 0x64006400u;
@@ -155,6 +215,10 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
     extern __shared__ uint4 smem[];
     uint4* xq = smem;                        // [4][G_]: pairs of word c of group g at xq[c * G_ + g]
     float* gsum = (float*)(smem + 4 * G_);   // [G_]
+#if DP4A
+    uint2* xq8 = (uint2*)smem;               // [2][2 * G_]: int8 words of the row (store_word8); half of xq's place
+    float* gscale = (float*)(smem + 2 * G_); // [G_]
+#endif
 #if NORM
     float* red = (float*)(smem + 4 * G_ + (G_ + 3) / 4);  // [WARPS]
 #endif
@@ -290,7 +354,11 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
         float a0 = bf2f(v.x & 0xFFFF), a1 = bf2f(v.x >> 16), a2 = bf2f(v.y & 0xFFFF), a3 = bf2f(v.y >> 16);
         float a4 = bf2f(v.z & 0xFFFF), a5 = bf2f(v.z >> 16), a6 = bf2f(v.w & 0xFFFF), a7 = bf2f(v.w >> 16);
 #endif
+#if DP4A
+        store_word8(xq8, gscale, gsum, G_, i, i < 4 * G_, a0, a1, a2, a3, a4, a5, a6, a7);
+#else
         store_word(xq, gsum, G_, i, i < 4 * G_, a0, a1, a2, a3, a4, a5, a6, a7);
+#endif
     }}
     __syncthreads();
 
@@ -316,6 +384,15 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
                 }}
             }}
         }}
+#if DP4A
+        if (g < G_) {{
+            const uint4 xa = xq[g], xb = xq[G_ + g];
+            const float xs = gsum[g], dx = gscale[g];
+            #pragma unroll
+            for (int r = 0; r < NW; r++)
+                acc[r] = fmaf((float)group_dot8(w[r], xa, xb) * dx, bf2f(sc[r]), fmaf(bf2f(zc[r]), xs, acc[r]));
+        }}
+#else
         if (g < G_) {{
             uint4 x0 = xq[g], x1 = xq[G_ + g], x2 = xq[2 * G_ + g], x3 = xq[3 * G_ + g];
             float xs = gsum[g];
@@ -327,6 +404,7 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
                 acc[r] = fmaf(d, 16.0f * bf2f(sc[r]), fmaf(bf2f(zc[r]), xs, acc[r]));
             }}
         }}
+#endif
     }}
     #pragma unroll
     for (int r = 0; r < NW; r++) {{
@@ -369,6 +447,8 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
 """
 
 DEFAULT = dict(rows=2, warps=4, depth=2)
+# int8 activations and dp4a products (DP4A in the source) instead of the f16 pairs: [on]; FORERUN_Q4_DP4A=1
+INT8_ACTIVATIONS = [os.environ.get("FORERUN_Q4_DP4A", "0") == "1"]
 
 
 def available(t: torch.Tensor | None = None) -> bool:
@@ -393,10 +473,12 @@ def smem_bytes(k: int, norm: bool = False) -> int:
 
 
 def source(k: int, rows: int, warps: int, depth: int, glu: bool, pdl: bool, norm: bool = False, split: int = 0,
-           add: bool = False) -> str:
-    """split: 0, or the number of partial sums of squares the prologue reads (SPLIT)."""
+           add: bool = False, dp4a: bool | None = None) -> str:
+    """split: 0, or the number of partial sums of squares the prologue reads (SPLIT); dp4a: int8 activations
+    (None: INT8_ACTIVATIONS)."""
+    dp4a = INT8_ACTIVATIONS[0] if dp4a is None else dp4a
     return _SRC.format(K=k, R=rows, WARPS=warps, DEPTH=depth, GLU=int(glu), PDL=int(pdl), NORM=int(norm),
-                       SPLIT=int(split > 0), NP=max(1, -(-split // 32)), ADD=int(add))
+                       SPLIT=int(split > 0), NP=max(1, -(-split // 32)), ADD=int(add), DP4A=int(dp4a))
 
 
 @functools.lru_cache(maxsize=None)
@@ -406,7 +488,8 @@ def _kernel_on(device: int, *config):
 
 def _kernel(k: int, rows: int, warps: int, depth: int, glu: bool, pdl: bool, norm: bool = False,
             split: int = 0, add: bool = False):
-    return _kernel_on(torch.cuda.current_device(), k, rows, warps, depth, glu, pdl, norm, split, add)
+    return _kernel_on(torch.cuda.current_device(), k, rows, warps, depth, glu, pdl, norm, split, add,
+                      INT8_ACTIVATIONS[0])
 
 
 def q4c_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, glu: bool = False,
@@ -414,7 +497,7 @@ def q4c_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: t
                pdl: bool | None = None) -> torch.Tensor:
     """y = x @ W^T for one contiguous bf16 row x [1, K] and W in quant_gemm's int4 word layout (glu: W holds gate
     rows then up rows, y = silu(x @ gate^T) * (x @ up^T)); bf16 [1, N] (or N / 2). The result matches
-    `q4v_linear` up to f16 rounding of the group sums. rows: output rows per warp; warps per block; depth:
+    `q4v_linear` up to f16 rounding of the group sums (with INT8_ACTIVATIONS up to the row's int8 rounding). rows: output rows per warp; warps per block; depth:
     groups of weights in flight per lane ahead of the arithmetic."""
     return _launch(x, None, qw32, scale, zero, glu, rows, warps, depth, pdl)[0]
 

@@ -215,7 +215,7 @@ def _emulate_dp4a_row(words: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.
     for g in range(G):
         a = x[32 * g: 32 * g + 32].astype(np.float32)
         m = np.float32(np.abs(a).max())
-        inv = np.float32(127.0) / m if m > 0 else np.float32(0.0)
+        inv = np.float32(127.0) / m if m > np.float32(1e-30) else np.float32(0.0)
         q = np.rint(a * inv).astype(np.int64)  # __float2int_rn: to nearest, ties to even
         q8[32 * g: 32 * g + 32] = q
         for c in range(4):
@@ -557,7 +557,7 @@ def _int8_activation_product(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, 
     scale * d * (codes . a) + offset * d * sum(a). q: codes [N, K], s / z: [N, K / 32]."""
     a = x.float().reshape(-1, 32)
     m = a.abs().amax(-1, keepdim=True)
-    qa = torch.round(a * torch.where(m > 0, 127.0 / m, torch.zeros_like(m))).double()
+    qa = torch.round(a * torch.where(m > 1e-30, 127.0 / m, torch.zeros_like(m))).double()
     d = (m * torch.tensor(1.0 / 127.0, dtype=torch.float32)).double().reshape(1, -1)
     dots = (q.double().reshape(q.shape[0], -1, 32) * qa[None]).sum(-1)  # exact integers
     return ((dots * s.double() + z.double() * qa.sum(-1)[None]) * d).sum(-1)[None]

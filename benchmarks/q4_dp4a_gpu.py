@@ -6,7 +6,7 @@ it rounds the row to int8 with one scale per group of 32 (as llama.cpp's CUDA de
 activations) and takes a word in two masks, a shift and two dp4a (exact int32 sums), the group's scale and offset
 once per 32 codes. Two questions, on the random 8B-shape weights (36 layers + the head):
 
-  * accuracy: each product shape against x @ dequantized(W)^T in float32, with N(0, 1) activations and with one
+  * accuracy: each product shape against x @ W^T in float32 (W = codes * scale + offset, exact), with N(0, 1) activations and with one
     outlier 30x the others in every group of 32 (where int8 rounding of the others is coarsest); the f16 path's
     error beside it;
   * speed: the 145 products chained as in a forward (q4_persistent_gpu.py's chain, one launch per product, PDL, the
@@ -29,6 +29,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import gpu as G  # noqa: E402
 from forerun.kernels import q4_cuda  # noqa: E402
+from forerun.kernels.quant_gemm import unpack_int4_w32  # noqa: E402
 from forerun.models import quant_cuda  # noqa: E402
 from q4_persistent_gpu import H, I, QKV, V, build_chain, c_config, card, chain_bytes, engine_chain, finish, \
     make_weights, time_graphs  # noqa: E402
@@ -55,7 +56,9 @@ def accuracy(table: dict) -> dict:
     out = {}
     for name, (n, k, glu) in SHAPES.items():
         qw, s, z = make_weights(2 * n if glu else n, k)
-        wd = q4_cuda.q4c_dequant(qw, s, z).float()
+        rows = qw.shape[0]  # the reference's weights exactly: codes * scale + offset in float32
+        wd = (unpack_int4_w32(qw).float().reshape(rows, k // 32, 32) * s.float()[..., None]
+              + z.float()[..., None]).reshape(rows, k)
         cfg = c_config(table, n, k, glu)
         x = torch.randn(1, k, device="cuda")
         xo = x.clone().reshape(-1, 32)
@@ -86,23 +89,16 @@ def main() -> int:
     quant_cuda.set_configs(name, table)
     acc = accuracy(table)
     h, prods = build_chain(args.layers)
-    chain = engine_chain(h, prods, table)
-    # the two chains' outputs (each product's output copied into its buffer), eagerly: close, not equal
-    outs = {}
-    for on in (False, True):
-        with_int8(on, engine_chain(h, prods, table, write=True))()
-        outs[on] = prods[-1][4].float().clone()
+    chain = engine_chain(h, prods, table)  # (random unnormalised weights: its values overflow; only times count)
     floor = chain_bytes(prods) / bw * 1e3
     variants = {"one kernel per product, f16 pairs (engine)": with_int8(False, chain),
                 "one kernel per product, int8 activations + dp4a": with_int8(True, chain)}
     runs = time_graphs(variants, args.repeats, floor)
     res = dict(device=name, torch=torch.__version__, sms=sms, copy_bw_bytes_per_s=bw, layers=args.layers,
-               weight_bytes=chain_bytes(prods), floor_ms=floor, accuracy=accuracy_table(acc),
-               chain_logits_max_rel_diff=((outs[True] - outs[False]).abs().max() / outs[False].abs().max()).item())
+               weight_bytes=chain_bytes(prods), floor_ms=floor, accuracy=accuracy_table(acc))
     print("\n| product, activations | f16 pairs | int8 + dp4a |\n| --- | --- | --- |")
     for k, v in acc.items():
         print(f"| {k} | {v['f16 pairs']:.2e} | {v['int8 + dp4a']:.2e} |")
-    print(f"chain output, int8 vs f16: max rel diff {res['chain_logits_max_rel_diff']:.2e}")
     finish(res, runs, args.out, f"{args.layers} layers + head of int4 1-row products, chained ({name})")
     return 0
 

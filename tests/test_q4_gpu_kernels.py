@@ -563,13 +563,20 @@ def _int8_activation_product(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, 
     return ((dots * s.double() + z.double() * qa.sum(-1)[None]) * d).sum(-1)[None]
 
 
+def _within_bf16_of(y: torch.Tensor, want: torch.Tensor) -> bool:
+    """y (bf16) is want rounded to bf16, give or take float32 sums: each element within half a bf16 step (2^-8 of
+    itself) plus 2e-4 of the largest."""
+    return bool(((y.double() - want).abs() <= 2 ** -8 * want.abs() + 2e-4 * want.abs().max()).all())
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (run on the GPU machine)")
 def test_cuda_c_decode_kernel_with_int8_activations_on_gpu(monkeypatch):
     """INT8_ACTIVATIONS (FORERUN_Q4_DP4A): the row rounded to int8 per group of 32, dp4a products. Equal to that
     rounding done in torch with exact integer dots (up to float32 sums and the bf16 output) for every configuration
     kind, K with a lane tail, plain and SwiGLU, with and without PDL, in a CUDA graph; within 1.5e-2 of x @
     dequantized(W)^T. With an outlier 30x the rest in every group (int8 steps coarse) the int8 reference and the
-    float one are 1-2 % apart, and the kernel follows the int8 one; the f16-pair kernel does not (the power check)."""
+    float one are 0.6-2 % apart, and the kernel follows the int8 one element by element; the f16-pair kernel does not
+    (the power check)."""
     from forerun.kernels import q4_cuda
     assert _q4c_ok(), "NVRTC kernel did not compile on the GPU machine"
     torch.manual_seed(0)
@@ -586,20 +593,18 @@ def test_cuda_c_decode_kernel_with_int8_activations_on_gpu(monkeypatch):
             emu = _int8_activation_product(x, q, s, z)
             emu_glu = torch.nn.functional.silu(emu[:, :n // 2]) * emu[:, n // 2:]
             gap = ((emu - ref).abs().max() / ref.abs().max()).item()
-            assert gap < 1.5e-2 if not outlier else gap > 1e-2, (n, k, amp, gap)
+            assert gap < 1.5e-2 if not outlier else gap > 4e-3, (n, k, amp, gap)
             for rows, warps, depth in ((1, 4, 2), (2, 4, 4), (4, 8, 2), (3, 2, 1)):
                 for pdl in (False, True):
                     monkeypatch.setattr(q4_cuda, "INT8_ACTIVATIONS", [True])
                     y = q4_cuda.q4c_linear(x, q32, s, z, rows=rows, warps=warps, depth=depth, pdl=pdl)
-                    err = ((y.double() - emu).abs().max() / emu.abs().max()).item()
-                    assert err < 3e-3, (n, k, amp, outlier, rows, warps, depth, pdl, err)
+                    assert _within_bf16_of(y, emu), (n, k, amp, outlier, rows, warps, depth, pdl)
                     y = q4_cuda.q4c_linear(x, q32, s, z, glu=True, rows=rows, warps=warps, depth=depth, pdl=pdl)
                     err = ((y.double() - emu_glu).abs().max() / emu_glu.abs().max()).item()
                     assert err < 5e-3, ("glu", n, k, amp, outlier, rows, warps, depth, pdl, err)
             if outlier:  # the f16 pairs follow the float reference, not the int8 rounding
                 monkeypatch.setattr(q4_cuda, "INT8_ACTIVATIONS", [False])
-                y = q4_cuda.q4c_linear(x, q32, s, z)
-                assert ((y.double() - emu).abs().max() / emu.abs().max()).item() > 5e-3
+                assert not _within_bf16_of(q4_cuda.q4c_linear(x, q32, s, z), emu), (n, k)
     # inside a CUDA graph, new activations each replay
     monkeypatch.setattr(q4_cuda, "INT8_ACTIVATIONS", [True])
     x = torch.randn(1, 896, device="cuda").to(torch.bfloat16)
@@ -610,8 +615,7 @@ def test_cuda_c_decode_kernel_with_int8_activations_on_gpu(monkeypatch):
     x.copy_(torch.randn(1, 896, device="cuda").to(torch.bfloat16))
     g.replay()
     torch.cuda.synchronize()
-    emu = _int8_activation_product(x, q, s, z)
-    assert ((yg.double() - emu).abs().max() / emu.abs().max()).item() < 3e-3
+    assert _within_bf16_of(yg, _int8_activation_product(x, q, s, z))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (run on the GPU machine)")
@@ -643,14 +647,18 @@ def test_cuda_q4_linear_runs_the_cuda_c_kernel_for_one_row_where_tuned(monkeypat
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (run on the GPU machine)")
-def test_cuda_c_norm_prologue_equals_add_rmsnorm_then_the_product():
+@pytest.mark.parametrize("int8", [False, True], ids=["f16", "int8"])
+def test_cuda_c_norm_prologue_equals_add_rmsnorm_then_the_product(int8, monkeypatch):
     """q4c_norm_linear (add + RMSNorm in the product's prologue) against fused_norm.add_rmsnorm followed by
     q4c_linear: the sum x + residual bit-identical, the product within bf16 rounding of the normalised row (the sum
     of squares adds in another order); with and without a residual, plain and SwiGLU, several configurations,
-    K with lane tails, large activations, in a CUDA graph; a wrong norm weight or eps fails."""
+    K with lane tails, large activations, in a CUDA graph; a wrong norm weight or eps fails. With the f16 pairs and
+    with int8 activations (DP4A) on both sides."""
     from forerun.kernels.fused_norm import add_rmsnorm
+    from forerun.kernels import q4_cuda
     from forerun.kernels.q4_cuda import q4c_linear, q4c_norm_linear
     assert _q4c_ok()
+    monkeypatch.setattr(q4_cuda, "INT8_ACTIVATIONS", [int8])  # both sides: the f16 pairs, or int8 (DP4A)
     torch.manual_seed(1)
     for n, k in ((96, 4096), (50, 1536), (40, 896)):
         q32, sc, z = _q4_word_layout(n, k)
@@ -691,16 +699,19 @@ def test_cuda_c_norm_prologue_equals_add_rmsnorm_then_the_product():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (run on the GPU machine)")
-def test_cuda_c_split_norm_equals_add_then_add_rmsnorm_then_the_product():
+@pytest.mark.parametrize("int8", [False, True], ids=["f16", "int8"])
+def test_cuda_c_split_norm_equals_add_then_add_rmsnorm_then_the_product(int8, monkeypatch):
     """The add + RMSNorm split across two products: q4c_add_linear's sum is bit for bit the product rounded to
     bf16 plus the residual (add_rmsnorm's add), its partial sums of squares add up to the sum's; then
     q4c_split_norm_linear equals add_rmsnorm + q4c_linear within bf16 rounding of the normalised row (the sum of
     squares adds in another order), plain and SwiGLU, several configurations, N not a multiple of a block's rows,
     K with lane tails, large activations, chained in a CUDA graph under PDL; wrong partial sums, norm weight or eps
-    fail."""
+    fail. With the f16 pairs and with int8 activations (DP4A) on both sides."""
     from forerun.kernels.fused_norm import add_rmsnorm
+    from forerun.kernels import q4_cuda
     from forerun.kernels.q4_cuda import q4c_add_linear, q4c_linear, q4c_split_norm_linear
     assert _q4c_ok()
+    monkeypatch.setattr(q4_cuda, "INT8_ACTIVATIONS", [int8])  # both sides: the f16 pairs, or int8 (DP4A)
     torch.manual_seed(2)
     for n, k in ((4096, 1024), (1056, 1536), (896, 896)):  # (the add product's N is the norm's width and the
         # K of the product after it: 1056 leaves a block's rows part-filled and a lane tail)

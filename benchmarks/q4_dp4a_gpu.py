@@ -6,9 +6,9 @@ it rounds the row to int8 with one scale per group of 32 (as llama.cpp's CUDA de
 activations) and takes a word in two masks, a shift and two dp4a (exact int32 sums), the group's scale and offset
 once per 32 codes. Two questions, on the random 8B-shape weights (36 layers + the head):
 
-  * accuracy: each product shape against x @ W^T in float32 (W = codes * scale + offset, exact), with N(0, 1) activations and with one
-    outlier 30x the others in every group of 32 (where int8 rounding of the others is coarsest); the f16 path's
-    error beside it;
+  * accuracy: each product shape against x @ W^T in float32 (W = codes * scale + offset, exact), with N(0, 1)
+    activations and with one outlier 30x the others in every group of 32 (where int8 rounding of the others is
+    coarsest); the f16 path's error beside it;
   * speed: the 145 products chained as in a forward (q4_persistent_gpu.py's chain, one launch per product, PDL, the
     card's tuned configurations), f16 pairs and int8 interleaved, CUDA graphs, best of the runs.
 
@@ -95,16 +95,13 @@ def main() -> int:
                 "one kernel per product, int8 activations + dp4a": with_int8(True, chain)}
     runs = time_graphs(variants, args.repeats, floor)
     res = dict(device=name, torch=torch.__version__, sms=sms, copy_bw_bytes_per_s=bw, layers=args.layers,
-               weight_bytes=chain_bytes(prods), floor_ms=floor, accuracy=accuracy_table(acc))
+               weight_bytes=chain_bytes(prods), floor_ms=floor,
+               accuracy={k: {p: round(e, 6) for p, e in v.items()} for k, v in acc.items()})
     print("\n| product, activations | f16 pairs | int8 + dp4a |\n| --- | --- | --- |")
     for k, v in acc.items():
         print(f"| {k} | {v['f16 pairs']:.2e} | {v['int8 + dp4a']:.2e} |")
     finish(res, runs, args.out, f"{args.layers} layers + head of int4 1-row products, chained ({name})")
     return 0
-
-
-def accuracy_table(acc: dict) -> dict:
-    return {k: {p: round(e, 6) for p, e in v.items()} for k, v in acc.items()}
 
 
 if __name__ == "__main__":

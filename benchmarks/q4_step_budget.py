@@ -134,10 +134,10 @@ def install(model, knocked: tuple[str, ...], splits: int | None, originals: dict
     if cuda_attention is not None:
         cuda_decode.WARPS, cuda_decode.TRIGGER = cuda_attention
     src = WORDWISE_SRC if "wordwise" in knocked else ENGINE_SRC
-    if q4_cuda._SRC != src or q4_cuda.INT8_ACTIVATIONS[0] != ("dp4a" in knocked or DP4A_DEFAULT):
-        q4_cuda._SRC = src  # (each variant captures its own graph: the kernels are fetched again then)
-        q4_cuda.INT8_ACTIVATIONS[0] = "dp4a" in knocked or DP4A_DEFAULT
+    if q4_cuda._SRC != src:  # (each variant captures its own graph: the kernels are fetched again then)
+        q4_cuda._SRC = src
         q4_cuda._kernel_on.cache_clear()
+    q4_cuda.INT8_ACTIVATIONS[0] = "dp4a" in knocked or DP4A_DEFAULT  # (a key of the kernel cache)
     bufs: dict = {}
     carve = [w for w in knocked if w.startswith("carve")]
     n_set = G.set_carveout(int(carve[0][5:]) if carve else -1)

@@ -557,7 +557,9 @@ def _int8_activation_product(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, 
     scale * d * (codes . a) + offset * d * sum(a). q: codes [N, K], s / z: [N, K / 32]."""
     a = x.float().reshape(-1, 32)
     m = a.abs().amax(-1, keepdim=True)
-    qa = torch.round(a * torch.where(m > 1e-30, 127.0 / m, torch.zeros_like(m))).double()
+    # 127 / m as a true float32 division, as the kernel's: torch's scalar / tensor is reciprocal(m) * 127, one ulp
+    # off for a quarter of bf16 groups, which flips roundings that sit on a half (measured, session 65)
+    qa = torch.round(a * torch.where(m > 1e-30, torch.full_like(m, 127.0) / m, torch.zeros_like(m))).double()
     d = (m * torch.tensor(1.0 / 127.0, dtype=torch.float32)).double().reshape(1, -1)
     dots = (q.double().reshape(q.shape[0], -1, 32) * qa[None]).sum(-1)  # exact integers
     return ((dots * s.double() + z.double() * qa.sum(-1)[None]) * d).sum(-1)[None]

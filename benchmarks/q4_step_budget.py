@@ -46,7 +46,6 @@ C_KERNEL = quant_cuda.KERNELS["c"]
 # before it is converted (after the previous word's shuffles and shared stores: one L2 trip a word in a row on the
 # critical path; the add + RMSNorm prologue, off in the engine, keeps its preloads)
 ENGINE_SRC = q4_cuda._SRC
-DP4A_DEFAULT = q4_cuda.INT8_ACTIVATIONS[0]
 WORDWISE_SRC = ENGINE_SRC.replace(
     "const uint4 v = vr[t];",
     "const uint4 v = NORM || SPLIT ? vr[t] : i < 4 * G_ ? __ldca(x + i) : make_uint4(0u, 0u, 0u, 0u);")
@@ -137,7 +136,7 @@ def install(model, knocked: tuple[str, ...], splits: int | None, originals: dict
     if q4_cuda._SRC != src:  # (each variant captures its own graph: the kernels are fetched again then)
         q4_cuda._SRC = src
         q4_cuda._kernel_on.cache_clear()
-    q4_cuda.INT8_ACTIVATIONS[0] = "dp4a" in knocked or DP4A_DEFAULT  # (a key of the kernel cache)
+    q4_cuda.INT8_ACTIVATIONS[0] = True if "dp4a" in knocked else None  # None: the engine's own choice
     bufs: dict = {}
     carve = [w for w in knocked if w.startswith("carve")]
     n_set = G.set_carveout(int(carve[0][5:]) if carve else -1)

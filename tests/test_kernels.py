@@ -168,3 +168,29 @@ def test_split_norms_default_follows_the_card_and_the_environment(monkeypatch):
     monkeypatch.setenv("FORERUN_SPLIT_NORMS", "yes")
     with pytest.raises(ValueError, match="FORERUN_SPLIT_NORMS must be 0 or 1"):
         FusedLayerOps(device_name="NVIDIA H200")
+
+
+def test_int8_activations_by_card_env_overrides_and_bad_values_refused(monkeypatch):
+    """q4_cuda.int8_activations (the 1-row int4 kernel's DP4A path): the switch if set, else FORERUN_Q4_DP4A=0/1,
+    else on for the cards in DP4A_CARDS only; a bad FORERUN_Q4_DP4A is refused with a one-line error when the layer
+    ops are built (not ignored); the kernel source follows the choice."""
+    from forerun.kernels import q4_cuda
+    monkeypatch.delenv("FORERUN_Q4_DP4A", raising=False)
+    monkeypatch.setattr(q4_cuda, "INT8_ACTIVATIONS", [None])
+    monkeypatch.setattr(q4_cuda, "DP4A_CARDS", ("NVIDIA H100 80GB HBM3",))
+    assert q4_cuda.int8_activations("NVIDIA H100 80GB HBM3") is True
+    assert q4_cuda.int8_activations("NVIDIA H200") is False
+    if not torch.cuda.is_available():  # no card: off, and the source says so
+        assert q4_cuda.int8_activations() is False
+        assert "#define DP4A 0" in q4_cuda.source(4096, 2, 4, 2, False, True)
+    monkeypatch.setenv("FORERUN_Q4_DP4A", "1")
+    assert q4_cuda.int8_activations("NVIDIA H200") is True
+    assert "#define DP4A 1" in q4_cuda.source(4096, 2, 4, 2, False, True)
+    monkeypatch.setenv("FORERUN_Q4_DP4A", "0")
+    assert q4_cuda.int8_activations("NVIDIA H100 80GB HBM3") is False
+    monkeypatch.setattr(q4_cuda, "INT8_ACTIVATIONS", [True])  # the switch (benchmarks, tests) over the environment
+    assert q4_cuda.int8_activations("NVIDIA H200") is True
+    monkeypatch.setattr(q4_cuda, "INT8_ACTIVATIONS", [None])
+    monkeypatch.setenv("FORERUN_Q4_DP4A", "on")
+    with pytest.raises(ValueError, match="FORERUN_Q4_DP4A must be 0 or 1"):
+        FusedLayerOps(device_name="NVIDIA H200")

@@ -19,7 +19,7 @@ the kernel owns its register layout:
   * PDL (Hopper): the first DEPTH groups of weights are requested before `griddepcontrol.wait`, and
     `griddepcontrol.launch_dependents` lets the next kernel start early (kernels/pdl.py says why).
 
-DP4A (`INT8_ACTIVATIONS`, FORERUN_Q4_DP4A=1; off: measured on the H100 only, session 65): the block rounds the row
+DP4A (`int8_activations()`, FORERUN_Q4_DP4A=1; off: measured on the H100 only, session 65): the block rounds the row
 to int8 instead, one scale per group of 32 (max |x| / 127, as llama.cpp's CUDA decode rounds its activations), and a
 word of 8 codes takes two masks, a shift and two dp4a (an exact int32 sum per group) instead of ~17 packed-f16
 instructions; per group and row y += scale * d * sum + zero * d * sum(int8 row) (the offsets' term over the same
@@ -449,8 +449,39 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
 """
 
 DEFAULT = dict(rows=2, warps=4, depth=2)
-# int8 activations and dp4a products (DP4A in the source) instead of the f16 pairs: [on]; FORERUN_Q4_DP4A=1
-INT8_ACTIVATIONS = [os.environ.get("FORERUN_Q4_DP4A", "0") == "1"]
+# int8 activations and dp4a products (DP4A in the source) instead of the f16 pairs: [True] / [False], or [None]:
+# FORERUN_Q4_DP4A=1 / 0 if set, else on for the cards in DP4A_CARDS. A card joins when its decode step measured
+# faster with it (q4_step_budget.py) and its int4 GPU tests pass with FORERUN_Q4_DP4A=1. None yet: the H100 measured
+# faster (2.065 -> 1.984 ms, session 65) but its tests have not run with it on; the H200 is not measured.
+INT8_ACTIVATIONS: list[bool | None] = [None]
+DP4A_CARDS: tuple[str, ...] = ()
+
+
+def env_int8_activations() -> bool | None:
+    """FORERUN_Q4_DP4A: True / False for 1 / 0, None if unset; anything else is a ValueError (checked when a model
+    picks its layer ops, so that a misspelt value never passes silently)."""
+    env = os.environ.get("FORERUN_Q4_DP4A")
+    if env not in (None, "0", "1"):
+        raise ValueError(f"FORERUN_Q4_DP4A must be 0 or 1 (unset: by card), got {env!r}")
+    return None if env is None else env == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _card(device: int) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+def int8_activations(device_name: str | None = None) -> bool:
+    """Whether the 1-row kernel rounds its row to int8 (DP4A): INT8_ACTIVATIONS if set, else FORERUN_Q4_DP4A, else
+    whether the card (device_name; None: the current CUDA device's, "" without one) is in DP4A_CARDS."""
+    if INT8_ACTIVATIONS[0] is not None:
+        return INT8_ACTIVATIONS[0]
+    env = env_int8_activations()
+    if env is not None:
+        return env
+    if device_name is None:
+        device_name = _card(torch.cuda.current_device()) if torch.cuda.is_available() else ""
+    return device_name in DP4A_CARDS
 
 
 def available(t: torch.Tensor | None = None) -> bool:
@@ -477,8 +508,8 @@ def smem_bytes(k: int, norm: bool = False) -> int:
 def source(k: int, rows: int, warps: int, depth: int, glu: bool, pdl: bool, norm: bool = False, split: int = 0,
            add: bool = False, dp4a: bool | None = None) -> str:
     """split: 0, or the number of partial sums of squares the prologue reads (SPLIT); dp4a: int8 activations
-    (None: INT8_ACTIVATIONS)."""
-    dp4a = INT8_ACTIVATIONS[0] if dp4a is None else dp4a
+    (None: `int8_activations()`)."""
+    dp4a = int8_activations() if dp4a is None else dp4a
     return _SRC.format(K=k, R=rows, WARPS=warps, DEPTH=depth, GLU=int(glu), PDL=int(pdl), NORM=int(norm),
                        SPLIT=int(split > 0), NP=max(1, -(-split // 32)), ADD=int(add), DP4A=int(dp4a))
 
@@ -491,7 +522,7 @@ def _kernel_on(device: int, *config):
 def _kernel(k: int, rows: int, warps: int, depth: int, glu: bool, pdl: bool, norm: bool = False,
             split: int = 0, add: bool = False):
     return _kernel_on(torch.cuda.current_device(), k, rows, warps, depth, glu, pdl, norm, split, add,
-                      INT8_ACTIVATIONS[0])
+                      int8_activations())
 
 
 def q4c_linear(x: torch.Tensor, qw32: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, glu: bool = False,

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..attention import fused_decode
+from ..kernels import q4_cuda
 from ..kernels.fused_norm import add_rmsnorm, qk_norm_rope_store
 from ..kernels.skinny_gemm import MAX_ROWS, GemmConfig, config_key, default_config, load_configs, skinny_linear
 from .ops import LayerOps
@@ -60,6 +61,7 @@ class FusedLayerOps(LayerOps):
                 raise ValueError(f"FORERUN_SPLIT_NORMS must be 0 or 1 (unset: by card), got {env!r}")
             split_norms = env == "1" if env else device_name in self.SPLIT_NORMS_CARDS
         self.split_norms = split_norms
+        q4_cuda.env_int8_activations()  # a bad FORERUN_Q4_DP4A fails here, at load, not at the first 1-row product
         self._sums: tuple[torch.Tensor, torch.Tensor] | None = None  # (s, its partial sums of squares): linear_add
         self.devices = devices
         # tuned configurations for this card: a config, or None where cuBLAS measured faster

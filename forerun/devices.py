@@ -20,6 +20,15 @@ def kernels_on(flag: str, device: torch.device) -> bool:
     return value != "0" and (device.type == "cuda" or value == "1")
 
 
+def card_switch(flag: str) -> bool | None:
+    """An environment variable that overrides a per-card default: True / False for 1 / 0, None if unset (the card
+    decides); any other value is a ValueError, so that a misspelt value never passes silently."""
+    value = os.environ.get(flag)
+    if value not in (None, "0", "1"):
+        raise ValueError(f"{flag} must be 0 or 1 (unset: by card), got {value!r}")
+    return None if value is None else value == "1"
+
+
 def device_problem(name: str | None) -> str | None:
     """Why --device NAME cannot run forerun here (one line), or None: forerun runs on cpu and cuda[:N]."""
     if name is None:

@@ -45,6 +45,7 @@ import os
 
 import torch
 
+from ..devices import card_switch
 from . import nvrtc
 from .pdl import enabled as pdl_enabled
 
@@ -457,15 +458,6 @@ INT8_ACTIVATIONS: list[bool | None] = [None]
 DP4A_CARDS: tuple[str, ...] = ()
 
 
-def env_int8_activations() -> bool | None:
-    """FORERUN_Q4_DP4A: True / False for 1 / 0, None if unset; anything else is a ValueError (checked when a model
-    picks its layer ops, so that a misspelt value never passes silently)."""
-    env = os.environ.get("FORERUN_Q4_DP4A")
-    if env not in (None, "0", "1"):
-        raise ValueError(f"FORERUN_Q4_DP4A must be 0 or 1 (unset: by card), got {env!r}")
-    return None if env is None else env == "1"
-
-
 @functools.lru_cache(maxsize=None)
 def _card(device: int) -> str:
     return torch.cuda.get_device_name(device)
@@ -476,7 +468,7 @@ def int8_activations(device_name: str | None = None) -> bool:
     whether the card (device_name; None: the current CUDA device's, "" without one) is in DP4A_CARDS."""
     if INT8_ACTIVATIONS[0] is not None:
         return INT8_ACTIVATIONS[0]
-    env = env_int8_activations()
+    env = card_switch("FORERUN_Q4_DP4A")  # (a bad value is refused earlier too, when FusedLayerOps is built)
     if env is not None:
         return env
     if device_name is None:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..attention import fused_decode
-from ..kernels import q4_cuda
+from ..devices import card_switch
 from ..kernels.fused_norm import add_rmsnorm, qk_norm_rope_store
 from ..kernels.skinny_gemm import MAX_ROWS, GemmConfig, config_key, default_config, load_configs, skinny_linear
 from .ops import LayerOps
@@ -56,12 +56,10 @@ class FusedLayerOps(LayerOps):
         if device_name is None and torch.cuda.is_available():
             device_name = torch.cuda.get_device_name()
         if split_norms is None:
-            env = os.environ.get("FORERUN_SPLIT_NORMS")
-            if env not in (None, "0", "1"):
-                raise ValueError(f"FORERUN_SPLIT_NORMS must be 0 or 1 (unset: by card), got {env!r}")
-            split_norms = env == "1" if env else device_name in self.SPLIT_NORMS_CARDS
+            env = card_switch("FORERUN_SPLIT_NORMS")
+            split_norms = env if env is not None else device_name in self.SPLIT_NORMS_CARDS
         self.split_norms = split_norms
-        q4_cuda.env_int8_activations()  # a bad FORERUN_Q4_DP4A fails here, at load, not at the first 1-row product
+        card_switch("FORERUN_Q4_DP4A")  # (kernels/q4_cuda.int8_activations) refused here, at load, if misspelt
         self._sums: tuple[torch.Tensor, torch.Tensor] | None = None  # (s, its partial sums of squares): linear_add
         self.devices = devices
         # tuned configurations for this card: a config, or None where cuBLAS measured faster

@@ -262,6 +262,48 @@ def test_dp4a_unpacking_and_row_layout_match_the_word_layout():
     assert not np.array_equal(_emulate_dp4a_row(swapped, x)[0], want)
 
 
+def test_int8_rows_reference_rounds_as_the_kernel_and_the_accuracy_emulation_uses_it():
+    """q4_cuda.int8_rows_reference (the GPU test's and quant_accuracy.py's stand-in for the DP4A kernel's rounding)
+    equals the kernel's steps transcribed in numpy float32 (true division, ties to even) on bf16 rows, where many
+    products sit exactly on a half, and on float rows with a zero group; torch's `127.0 / m` would not (the power
+    check, session 65's fault). quant_accuracy.py's a8 emulation of a CudaQ4Linear is that row times the exactly
+    dequantized weights, its x32 emulation the row as it is."""
+    import importlib.util
+    from pathlib import Path
+    from forerun.kernels.q4_cuda import int8_rows_reference
+    torch.manual_seed(0)
+    x = (torch.randn(64, 256) * 3).to(torch.bfloat16).float()
+    x[3, 32:64] = 0.0
+    a, d = int8_rows_reference(x)
+    xn = x.numpy().reshape(64, -1, 32)
+    m = np.abs(xn).max(-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(m > np.float32(1e-30), np.float32(127.0) / m, np.float32(0.0)).astype(np.float32)
+    assert np.array_equal(a.numpy(), np.rint(xn * inv)) and np.array_equal(d.numpy(), m * np.float32(1 / 127))
+    assert (a[3, 1] == 0).all() and a.abs().amax().item() == 127
+    mt = x.reshape(64, -1, 32).abs().amax(-1, keepdim=True)
+    assert not torch.equal(a, torch.round(x.reshape(64, -1, 32) * (127.0 / mt).nan_to_num(0.0, 0.0, 0.0)))
+
+    spec = importlib.util.spec_from_file_location(
+        "quant_accuracy", Path(__file__).resolve().parents[1] / "benchmarks" / "quant_accuracy.py")
+    qa = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(qa)
+    lin = CudaQ4Linear.from_float(torch.randn(48, 256) * 0.05)  # bf16 scales / offsets
+    q = torch.stack([(lin.qw32[..., None] >> (4 * torch.arange(4) + 16 * h)) & 15 for h in (0, 1)], -1)
+    assert torch.equal(pack_int4_w32(q.reshape(48, 256).to(torch.uint8)), lin.qw32)
+    w = (q.reshape(48, 8, 32).float() * lin.scale.float()[..., None] + lin.zero.float()[..., None]).reshape(48, 256)
+    model = torch.nn.Sequential(lin)
+    xb = x[:5].to(torch.bfloat16)
+    assert qa.emulate_one_row_kernel(model, "x32") == 1
+    assert torch.equal(lin(xb), (xb.float() @ w.t()).to(torch.bfloat16))
+    assert qa.emulate_one_row_kernel(model, "a8") == 1
+    a5, d5 = int8_rows_reference(xb.float())
+    assert torch.equal(lin(xb), ((a5 * d5).reshape(5, 256) @ w.t()).to(torch.bfloat16))
+    assert not torch.equal(lin(xb), (xb.float() @ w.t()).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="a8 or x32"):
+        qa.emulate_one_row_kernel(model, "a4")
+
+
 def test_dequant_kernel_in_interpreter_equals_the_groups_exactly():
     """dequantize_int4_w32 (products of more than 16 rows: long verification at a batch, prefill) gives every
     weight as code * scale + zero of its own group, rounded once: a swapped nibble, half-word or group fails."""
@@ -558,12 +600,9 @@ def _int8_activation_product(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, 
     """What q4_cuda's DP4A kernel computes, in float64 from its int8 rounding of x (float32 steps as the kernel
     takes them): per group of 32, d = max |x| / 127, a = round(x * (127 / max |x|)), y = sum over groups of
     scale * d * (codes . a) + offset * d * sum(a). q: codes [N, K], s / z: [N, K / 32]."""
-    a = x.float().reshape(-1, 32)
-    m = a.abs().amax(-1, keepdim=True)
-    # 127 / m as a true float32 division, as the kernel's: torch's scalar / tensor is reciprocal(m) * 127, one ulp
-    # off for a quarter of bf16 groups, which flips roundings that sit on a half (measured, session 65)
-    qa = torch.round(a * torch.where(m > 1e-30, torch.full_like(m, 127.0) / m, torch.zeros_like(m))).double()
-    d = (m * torch.tensor(1.0 / 127.0, dtype=torch.float32)).double().reshape(1, -1)
+    from forerun.kernels.q4_cuda import int8_rows_reference
+    qa, d = int8_rows_reference(x)  # (a true float32 division in 127 / m: session 65's reference fault)
+    qa, d = qa.reshape(-1, 32).double(), d.double().reshape(1, -1)
     dots = (q.double().reshape(q.shape[0], -1, 32) * qa[None]).sum(-1)  # exact integers
     return ((dots * s.double() + z.double() * qa.sum(-1)[None]) * d).sum(-1)[None]
 

@@ -452,10 +452,23 @@ q4c_gemv(const uint4* __restrict__ x, const uint4* __restrict__ qw, const unsign
 DEFAULT = dict(rows=2, warps=4, depth=2)
 # int8 activations and dp4a products (DP4A in the source) instead of the f16 pairs: [True] / [False], or [None]:
 # FORERUN_Q4_DP4A=1 / 0 if set, else on for the cards in DP4A_CARDS. A card joins when its decode step measured
-# faster with it (q4_step_budget.py) and its int4 GPU tests pass with FORERUN_Q4_DP4A=1. None yet: the H100 measured
-# faster (2.065 -> 1.984 ms, session 65) but its tests have not run with it on; the H200 is not measured.
+# faster with it (q4_step_budget.py) and its int4 GPU tests pass with FORERUN_Q4_DP4A=1. The H100: engine step
+# 2.065 -> 1.984 ms (session 65), 2.095 -> 2.016 ms (session 66), the int4 GPU test files passing with it on (session
+# 66). The H200: not yet measured. Its numeric cost (benchmarks/quant_accuracy.py, emulated on the real 1.5B):
+# docs/quantization.md, session 66.
 INT8_ACTIVATIONS: list[bool | None] = [None]
-DP4A_CARDS: tuple[str, ...] = ()
+DP4A_CARDS: tuple[str, ...] = ("NVIDIA H100 80GB HBM3",)
+
+
+def int8_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DP4A kernel's rounding of its activation row(s), in torch: x [M, K] -> (a [M, K / 32, 32] float32 holding
+    integers in -127..127, d [M, K / 32, 1] float32), x ~ a * d per group of 32 with m = max |x| of the group,
+    a = round(x * (127 / m)) (a true float32 division, as the kernel's `127.0f / m`; torch's `127.0 / m` is
+    reciprocal(m) * 127, one ulp off for a quarter of bf16 groups), d = m * (1 / 127); a group of zeros gives zeros."""
+    g = x.float().reshape(x.shape[0], -1, 32)
+    m = g.abs().amax(-1, keepdim=True)
+    a = torch.round(g * torch.where(m > 1e-30, torch.full_like(m, 127.0) / m, torch.zeros_like(m)))
+    return a, m * torch.tensor(1.0 / 127.0, dtype=torch.float32)
 
 
 @functools.lru_cache(maxsize=None)

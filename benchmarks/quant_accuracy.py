@@ -60,6 +60,7 @@ def emulate_one_row_kernel(model, mode: str) -> int:
     CUDA kernel's products, up to summation order), its row rounded to int8 per group first (mode "a8", the DP4A
     path) or not ("x32", the f16-pair path), the output in the model's dtype. Returns how many modules changed."""
     from forerun.kernels.q4_cuda import int8_rows_reference
+    from forerun.kernels.quant_gemm import unpack_int4_w32
     from forerun.models.quant_cuda import CudaQ4Linear
 
     if mode not in ("a8", "x32"):
@@ -68,11 +69,8 @@ def emulate_one_row_kernel(model, mode: str) -> int:
     for mod in model.modules():
         if not isinstance(mod, CudaQ4Linear):
             continue
-        v = mod.qw32
-        shifts = 4 * torch.arange(4, dtype=torch.int32)
-        codes = torch.stack([(v[..., None] >> shifts) & 15, (v[..., None] >> (shifts + 16)) & 15], -1)
-        codes = codes.reshape(v.shape[0], -1, 32).float()
-        w = (codes * mod.scale.float()[..., None] + mod.zero.float()[..., None]).reshape(v.shape[0], -1)
+        codes = unpack_int4_w32(mod.qw32).float().reshape(mod.out_features, -1, 32)
+        w = (codes * mod.scale.float()[..., None] + mod.zero.float()[..., None]).reshape(mod.out_features, -1)
         bias = None if mod.bias is None else mod.bias.float()
 
         def forward(x, w=w, bias=bias, k=mod.in_features, n_out=mod.out_features):

@@ -271,6 +271,7 @@ def test_int8_rows_reference_rounds_as_the_kernel_and_the_accuracy_emulation_use
     import importlib.util
     from pathlib import Path
     from forerun.kernels.q4_cuda import int8_rows_reference
+    from forerun.kernels.quant_gemm import unpack_int4_w32
     torch.manual_seed(0)
     x = (torch.randn(64, 256) * 3).to(torch.bfloat16).float()
     x[3, 32:64] = 0.0
@@ -289,8 +290,8 @@ def test_int8_rows_reference_rounds_as_the_kernel_and_the_accuracy_emulation_use
     qa = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(qa)
     lin = CudaQ4Linear.from_float(torch.randn(48, 256) * 0.05)  # bf16 scales / offsets
-    q = torch.stack([(lin.qw32[..., None] >> (4 * torch.arange(4) + 16 * h)) & 15 for h in (0, 1)], -1)
-    assert torch.equal(pack_int4_w32(q.reshape(48, 256).to(torch.uint8)), lin.qw32)
+    q = unpack_int4_w32(lin.qw32)
+    assert torch.equal(pack_int4_w32(q), lin.qw32)
     w = (q.reshape(48, 8, 32).float() * lin.scale.float()[..., None] + lin.zero.float()[..., None]).reshape(48, 256)
     model = torch.nn.Sequential(lin)
     xb = x[:5].to(torch.bfloat16)

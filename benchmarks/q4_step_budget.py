@@ -100,6 +100,9 @@ VARIANTS = {
     # instead of f16 pairs (q4_cuda.INT8_ACTIVATIONS, FORERUN_Q4_DP4A; session 64)
     "engine, int8 activations, dp4a products": (("dp4a",), None),
     "products only, int8 activations, dp4a products": (("norm", "rope", "attn", "dp4a"), None),
+    # "f16": the f16 pairs forced, for cards where dp4a is the default (q4_cuda.DP4A_CARDS: the H100, session 66)
+    "engine, f16 pairs (no dp4a)": (("f16",), None),
+    "products only, f16 pairs (no dp4a)": (("norm", "rope", "attn", "f16"), None),
     "engine, attention unfused (RoPE, split, merge kernels)": (("unfused",), None),
     "engine, fused attention (one kernel a layer)": (("fusedattn",), None),
     "engine, fused attention with 4 warps": (("fusedattn", "fw4"), None),
@@ -136,7 +139,8 @@ def install(model, knocked: tuple[str, ...], splits: int | None, originals: dict
     if q4_cuda._SRC != src:  # (each variant captures its own graph: the kernels are fetched again then)
         q4_cuda._SRC = src
         q4_cuda._kernel_on.cache_clear()
-    q4_cuda.INT8_ACTIVATIONS[0] = True if "dp4a" in knocked else None  # None: the engine's own choice
+    # None: the engine's own choice (by card, q4_cuda.int8_activations)
+    q4_cuda.INT8_ACTIVATIONS[0] = True if "dp4a" in knocked else False if "f16" in knocked else None
     bufs: dict = {}
     carve = [w for w in knocked if w.startswith("carve")]
     n_set = G.set_carveout(int(carve[0][5:]) if carve else -1)

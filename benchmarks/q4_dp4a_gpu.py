@@ -91,7 +91,7 @@ def main() -> int:
     h, prods = build_chain(args.layers)
     chain = engine_chain(h, prods, table)  # (random unnormalised weights: its values overflow; only times count)
     floor = chain_bytes(prods) / bw * 1e3
-    variants = {"one kernel per product, f16 pairs (engine)": with_int8(False, chain),
+    variants = {"one kernel per product, f16 pairs (the engine before session 66 on the H100)": with_int8(False, chain),
                 "one kernel per product, int8 activations + dp4a": with_int8(True, chain)}
     runs = time_graphs(variants, args.repeats, floor)
     res = dict(device=name, torch=torch.__version__, sms=sms, copy_bw_bytes_per_s=bw, layers=args.layers,

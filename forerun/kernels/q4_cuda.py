@@ -19,19 +19,21 @@ the kernel owns its register layout:
   * PDL (Hopper): the first DEPTH groups of weights are requested before `griddepcontrol.wait`, and
     `griddepcontrol.launch_dependents` lets the next kernel start early (kernels/pdl.py says why).
 
-DP4A (`int8_activations()`, FORERUN_Q4_DP4A=1; off: measured on the H100 only, session 65): the block rounds the row
-to int8 instead, one scale per group of 32 (max |x| / 127, as llama.cpp's CUDA decode rounds its activations), and a
-word of 8 codes takes two masks, a shift and two dp4a (an exact int32 sum per group) instead of ~17 packed-f16
-instructions; per group and row y += scale * d * sum + zero * d * sum(int8 row) (the offsets' term over the same
-rounded row, so the two terms' rounding errors cancel). Error: 0.4-0.7 % of the largest output with N(0, 1) rows
-(emulated; the CPU kernels' int8 activations err the same way), against 0.25-0.35 % for the f16 pairs. The idea: at
-the H200's copy bandwidth an SM must take ~32 weights a clock, i.e. at most ~4 instructions per weight at its full
-issue rate (4 warp instructions a clock), and the f16 kernel spends ~2.1 of them on its unpacking alone
-(docs/performance.md, session 22): near the issue bound, where the 145 chained 1-row products of the 8B shape run at
-77 % of their floor on the H200 against 87-90 % on the H100 (same SMs and clocks, 0.71x the bandwidth). The int8
-loop's PTX is about half as long; `benchmarks/q4_dp4a_gpu.py` measures both. On the H100 (session 65) the chained
-products took 0.965x the time (90.1 -> 93.4 % of their floor) and the 8B decode step 2.065 -> 1.984 ms; the H200:
-not yet measured.
+DP4A (`int8_activations()`: on by default on the H100 since session 66, FORERUN_Q4_DP4A=0/1 overrides): the block rounds
+the row to int8 instead, one scale per group of 32 (max |x| / 127, as llama.cpp's CUDA decode rounds its activations),
+and a word of 8 codes takes two masks, a shift and two dp4a (an exact int32 sum per group) instead of ~17 packed-f16
+instructions; per group and row y += scale * d * sum + zero * d * sum(int8 row) (the offsets' term over the same rounded
+row, so the two terms' rounding errors cancel). Error: 0.4-0.7 % of the largest output with N(0, 1) rows (emulated; the
+CPU kernels' int8 activations err the same way), against 0.25-0.35 % for the f16 pairs. The idea: at the H200's copy
+bandwidth an SM must take ~32 weights a clock, i.e. at most ~4 instructions per weight at its full issue rate (4 warp
+instructions a clock), and the f16 kernel spends ~2.1 of them on its unpacking alone (docs/performance.md, session 22):
+near the issue bound, where the 145 chained 1-row products of the 8B shape run at 77 % of their floor on the H200
+against 87-90 % on the H100 (same SMs and clocks, 0.71x the bandwidth). The int8 loop's PTX is about half as long;
+`benchmarks/q4_dp4a_gpu.py` measures both. On the H100 (session 65) the chained products took 0.965x the time (90.1 ->
+93.4 % of their floor) and the 8B decode step 2.065 -> 1.984 ms (session 66: 2.095 -> 2.016 ms); the H200: not yet
+measured. On the real models (emulated, benchmarks/quant_accuracy.py) it adds KL 0.002 against the fp32 model on the
+1.5B and makes a decode row pick another greedy token than verification's kernel 1.3-1.7x as often
+(docs/quantization.md, session 66).
 
 Layout: quant_gemm's word layout (``qw32`` int32 [N, K / 8], ``scale`` / ``zero`` bf16 [N, K / 32], w = q * scale +
 zero), so the same `CudaQ4Linear` buffers serve both kernels. Compiled per (K, R, WARPS, DEPTH, GLU, PDL, DP4A, ...)

@@ -34,7 +34,7 @@ from torch import nn
 
 from ..kernels.quant_gemm import (GROUP, MAX_ROWS, Q8_MAX_ROWS, dequantize_int4_w32, dequantize_int8_w32,
                                   pack_int4_w32, pack_int8_w32, q4r_linear, q4t_linear, q4v_linear, q4w2_linear,
-                                  q4w_linear, q8v_linear, unpack_int8_w32)
+                                  q4w_linear, q8v_linear, unpack_int4_w32, unpack_int8_w32)
 from ..kernels.q4_cuda import available as q4c_available, dequant_available, q4c_add_linear, q4c_dequant, \
     q4c_linear, q4c_norm_linear, q4c_split_norm_linear, q8c_dequant
 from ..kernels.q4_mma import MAX_ROWS as Q4M_MAX_ROWS, SUPER as Q4M_SUPER, available as q4m_available, \
@@ -242,12 +242,8 @@ class CudaQ4Linear(CudaQuantLinear):
         return dequantize_int4_w32(self.qw32, self.scale, self.zero, self.dtype)  # (Triton's one pass)
 
     def dequantized_reference(self) -> torch.Tensor:  # [N, K] in self.dtype, torch ops (rounded twice)
-        v = self.qw32
-        n = v.shape[0]
-        shifts = 4 * torch.arange(4, device=v.device, dtype=torch.int32)
-        lo = (v[..., None] >> shifts) & 15
-        hi = (v[..., None] >> (shifts + 16)) & 15
-        q = torch.stack([lo, hi], -1).reshape(n, -1, GROUP).to(self.dtype)
+        n = self.qw32.shape[0]
+        q = unpack_int4_w32(self.qw32).reshape(n, -1, GROUP).to(self.dtype)
         return (q * self.scale[..., None] + self.zero[..., None]).reshape(n, -1)
 
     def _c_config(self, x: torch.Tensor, glu: bool) -> dict | None:

@@ -264,9 +264,9 @@ def test_dp4a_unpacking_and_row_layout_match_the_word_layout():
 
 def test_int8_rows_reference_rounds_as_the_kernel_and_the_accuracy_emulation_uses_it():
     """q4_cuda.int8_rows_reference (the GPU test's and quant_accuracy.py's stand-in for the DP4A kernel's rounding)
-    equals the kernel's steps transcribed in numpy float32 (true division, ties to even) on bf16 rows, where many
-    products sit exactly on a half, and on float rows with a zero group; torch's `127.0 / m` would not (the power
-    check, session 65's fault). quant_accuracy.py's a8 emulation of a CudaQ4Linear is that row times the exactly
+    equals the kernel's steps as _emulate_dp4a_row transcribes them (numpy float32, true division, ties to even) on
+    bf16 rows, where many products sit exactly on a half, and on float rows with a zero group; torch's `127.0 / m`
+    would not (the power check, session 65's fault). quant_accuracy.py's a8 emulation of a CudaQ4Linear is that row times the exactly
     dequantized weights, its x32 emulation the row as it is."""
     import importlib.util
     from pathlib import Path
@@ -276,11 +276,10 @@ def test_int8_rows_reference_rounds_as_the_kernel_and_the_accuracy_emulation_use
     x = (torch.randn(64, 256) * 3).to(torch.bfloat16).float()
     x[3, 32:64] = 0.0
     a, d = int8_rows_reference(x)
-    xn = x.numpy().reshape(64, -1, 32)
-    m = np.abs(xn).max(-1, keepdims=True)
-    with np.errstate(divide="ignore"):
-        inv = np.where(m > np.float32(1e-30), np.float32(127.0) / m, np.float32(0.0)).astype(np.float32)
-    assert np.array_equal(a.numpy(), np.rint(xn * inv)) and np.array_equal(d.numpy(), m * np.float32(1 / 127))
+    words = np.zeros(256 // 8, np.uint32)  # (the codes do not matter here: only the rounded row is compared)
+    want = np.stack([_emulate_dp4a_row(words, row)[1] for row in x.numpy()]).reshape(64, -1, 32)
+    m = np.abs(x.numpy().reshape(64, -1, 32)).max(-1, keepdims=True)
+    assert np.array_equal(a.numpy(), want) and np.array_equal(d.numpy(), m * np.float32(1 / 127))
     assert (a[3, 1] == 0).all() and a.abs().amax().item() == 127
     mt = x.reshape(64, -1, 32).abs().amax(-1, keepdim=True)
     assert not torch.equal(a, torch.round(x.reshape(64, -1, 32) * (127.0 / mt).nan_to_num(0.0, 0.0, 0.0)))
@@ -558,8 +557,8 @@ def test_cuda_c_decode_kernel_on_gpu(monkeypatch):
     its SwiGLU error at amp 3000 read 2.03e-2 against this test's 2e-2, H100, session 66)."""
     from forerun.kernels import q4_cuda
     from forerun.kernels.q4_cuda import q4c_linear
-    monkeypatch.setattr(q4_cuda, "INT8_ACTIVATIONS", [False])
     from forerun.kernels.quant_gemm import q4v_linear
+    monkeypatch.setattr(q4_cuda, "INT8_ACTIVATIONS", [False])
     assert _q4c_ok(), "NVRTC kernel did not compile on the GPU machine"
     torch.manual_seed(0)
     for n, k in ((96, 1024), (50, 1536), (40, 896)):
